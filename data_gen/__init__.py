@@ -1,0 +1,1 @@
+"""data_gen: label token mixes with acceptance probabilities from a draft/target pair."""

@@ -1,0 +1,135 @@
+"""Per-position labels (DESIGN.md "Labelled dataset"): candidates from q, log p, log q, acceptance, beta, entropy.
+
+Vocabulary-sized tensors only ever exist for `chunk` positions of one row at a time, so peak memory
+is bounded by one batch of hidden states plus a few [chunk, vocab] tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from data_gen.plan import WorkItem, row_seed
+from data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+
+
+@dataclass
+class PositionLabels:
+    """The labels of one row's response positions (all tensors of length n, on the CPU)."""
+
+    draft_ids: torch.Tensor
+    logp: torch.Tensor
+    logq: torch.Tensor
+    accept: torch.Tensor
+    beta: torch.Tensor
+    entropy: torch.Tensor
+    top1: torch.Tensor
+
+
+def last_hidden_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """The decoder's last-layer states (after the final norm) for right-padded `sequences`: [B, L, h]."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention_mask[row, : len(sequence)] = 1
+    output = model.get_decoder()(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    )
+    return output.last_hidden_state
+
+
+def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:
+    """The LM head on `states`, with the final soft-capping some families use; float32."""
+    logits = model.get_output_embeddings()(states).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def label_positions(
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, transform: SamplingTransform, draws: torch.Tensor
+) -> PositionLabels:
+    """Labels for a chunk of positions from raw logits [n, V]: candidate ŷ ~ q, then p and q statistics."""
+    logp_all = transform.log_probs(target_logits)
+    logq_all = transform.log_probs(draft_logits)
+    candidates = draw_from_log_probs(logq_all, draws)
+    logp = logp_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+    logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
+    beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
+    # greedy q is one-hot: the baselines read the untempered draft distribution instead
+    logq_signal = draft_logits.float().log_softmax(-1) if transform.greedy else logq_all
+    q_signal = logq_signal.exp()
+    entropy = torch.special.entr(q_signal).sum(-1)
+    return PositionLabels(
+        draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
+        accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
+        entropy=entropy.cpu(), top1=q_signal.amax(-1).cpu(),
+    )
+
+
+def label_row(
+    target: Any, draft: Any, target_states: torch.Tensor, draft_states: torch.Tensor,
+    prompt_length: int, response_length: int, transform: SamplingTransform,
+    generator: torch.Generator, chunk: int,
+) -> PositionLabels:
+    """Labels for one row: positions prompt_length-1 .. prompt_length+n-2 predict response tokens 1..n."""
+    parts = []
+    for start in range(0, response_length, chunk):
+        stop = min(start + chunk, response_length)
+        rows = slice(prompt_length - 1 + start, prompt_length - 1 + stop)
+        parts.append(label_positions(
+            output_logits(target, target_states[rows]), output_logits(draft, draft_states[rows]),
+            transform, uniforms(generator, stop - start),
+        ))
+    return PositionLabels(*(torch.cat([getattr(p, name) for p in parts]) for name in PositionLabels.__dataclass_fields__))
+
+
+def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: float, generator: torch.Generator):
+    """Token mixing: keep the target token with probability `target_ratio`, else the draft candidate."""
+    is_draft = torch.rand(len(target_ids), generator=generator, dtype=torch.float64) >= target_ratio
+    return torch.where(is_draft, draft_ids, target_ids), is_draft
+
+
+def label_batch(
+    target: Any, draft: Any, items: list[WorkItem], responses: list[list[int]], transform: SamplingTransform,
+    global_seed: int, pad_id: int, chunk: int, store_features: bool, device: torch.device,
+) -> dict[str, list]:
+    """Label one batch of rows; returns columns ready for the Arrow writer."""
+    sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
+    target_states = last_hidden_states(target, sequences, pad_id, device)
+    draft_states = last_hidden_states(draft, sequences, pad_id, device)
+    columns: dict[str, list] = {name: [] for name in (
+        "prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",
+        "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1")}
+    for row, (item, response) in enumerate(zip(items, responses)):
+        generator = row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "label"))
+        labels = label_row(target, draft, target_states[row], draft_states[row], len(item.prompt_ids),
+                           len(response), transform, generator, chunk)
+        target_ids = torch.tensor(response)
+        mixed_ids, is_draft = mix_tokens(target_ids, labels.draft_ids, item.target_ratio, generator)
+        columns["prompt_id"].append(item.prompt_id)
+        columns["sample_index"].append(item.sample_index)
+        columns["target_ratio"].append(item.target_ratio)
+        columns["prompt_ids"].append(list(item.prompt_ids))
+        columns["target_ids"].append(response)
+        columns["mixed_ids"].append(mixed_ids.tolist())
+        columns["is_draft"].append(is_draft.tolist())
+        for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1"):
+            columns[name].append(getattr(labels, name).numpy())
+    del target_states, draft_states
+    if store_features:
+        columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device)
+    return columns
+
+
+def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device) -> list:
+    """Draft last-layer states on prompt + mixed tokens at the prompt's last position and every response position (fp16)."""
+    states = last_hidden_states(draft, [list(i.prompt_ids) + m for i, m in zip(items, mixed)], pad_id, device)
+    features = []
+    for row, (item, tokens) in enumerate(zip(items, mixed)):
+        start = len(item.prompt_ids) - 1
+        features.append(states[row, start : start + len(tokens) + 1].to(torch.float16).cpu().numpy())
+    return features

@@ -1,0 +1,255 @@
+"""Model specs: a Hub id or local folder, a GGUF file, the embedded default, or a derived draft.
+
+A derived draft is the target with a block of decoder layers skipped (self-speculative). It gets
+its own module objects with renumbered cache indices but shares the target's weight tensors, so it
+costs no extra memory and never writes into the target's KV cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data_gen.embedded import EMBEDDED_NAME, embedded_folder
+from specheads.errors import UsageError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """Where a model comes from.
+
+    Args:
+        path: Hub id, local folder, `.gguf` file, or `embedded:smollm2`; empty for a draft derived from the target.
+        revision: Hub branch, tag or commit (Hub ids only).
+        gguf_file: GGUF file name inside `path` when `path` is a folder or Hub id.
+        skip_layers: decoder layers to skip (0-based); with an empty `path` the draft is the target minus these.
+        dtype: weights dtype: float32, bfloat16 or float16.
+    """
+
+    path: str | None = None
+    revision: str | None = None
+    gguf_file: str | None = None
+    skip_layers: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+
+    def describe(self) -> str:
+        """A short human name for messages and summaries."""
+        base = self.path or "target"
+        if self.revision:
+            base += f"@{self.revision}"
+        if self.skip_layers:
+            base += f" minus layers {format_layers(self.skip_layers)}"
+        return base
+
+
+def format_layers(layers: list[int]) -> str:
+    """`[20, 21]` -> `20-21`; other lists comma-separated."""
+    ordered = sorted(layers)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 1:
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(map(str, ordered))
+
+
+@dataclass
+class ResolvedSource:
+    """A spec turned into arguments for `from_pretrained`."""
+
+    location: str
+    revision: str | None
+    gguf_file: str | None
+    is_local: bool
+
+
+def resolve_source(spec: ModelSpec) -> ResolvedSource:
+    """Map a spec's `path` to a folder or Hub id plus GGUF file name (converting the embedded model once)."""
+    path = spec.path
+    if path is None:
+        raise UsageError("model path is empty: name a Hub id, a local folder, a .gguf file or embedded:smollm2")
+    if path == EMBEDDED_NAME:
+        return ResolvedSource(str(embedded_folder()), None, None, True)
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return ResolvedSource(str(local.parent), None, local.name, True)
+    if path.endswith(".gguf") or path.startswith(("/", "./", "../", "~")):
+        if not local.exists():
+            raise UsageError(f"model path {path!r} does not exist; give an existing folder or .gguf file")
+    return ResolvedSource(str(local) if local.is_dir() else path, spec.revision, spec.gguf_file, local.is_dir())
+
+
+def _load_error(spec: ModelSpec, error: Exception) -> UsageError:
+    reason = " ".join(str(error).split())[:200]
+    return UsageError(
+        f"cannot load model {spec.path!r}: it is not a local folder or file and could not be fetched from the Hub "
+        f"({type(error).__name__}: {reason}); check the id, pass a local folder, or connect to the network"
+    )
+
+
+def load_tokenizer(spec: ModelSpec) -> Any:
+    """The spec's tokenizer (cheap: loaded before any model so mismatches are refused early)."""
+    from transformers import AutoTokenizer
+
+    source = resolve_source(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, revision=source.revision, gguf_file=source.gguf_file)
+    except (OSError, ValueError) as error:
+        raise _load_error(spec, error) from error
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """Hash of the vocabulary and special tokens: equal hashes mean p and q index the same tokens."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def chat_template_hash(tokenizer: Any) -> str | None:
+    """Hash of the tokenizer's chat template (None when it has none)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    return hashlib.sha256(str(template).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(target_name: str, target_tok: Any, draft_name: str, draft_tok: Any) -> None:
+    """Refuse a pair whose tokenizers differ, naming both."""
+    target_hash, draft_hash = tokenizer_hash(target_tok), tokenizer_hash(draft_tok)
+    if target_hash != draft_hash:
+        raise UsageError(
+            f"draft {draft_name!r} and target {target_name!r} use different tokenizers or vocabularies "
+            f"({len(draft_tok)} vs {len(target_tok)} tokens, hashes {draft_hash} vs {target_hash}); "
+            "pick a draft from the target's model family"
+        )
+
+
+def load_model(spec: ModelSpec) -> torch.nn.Module:
+    """Load a causal LM in eval mode with frozen weights (skipping `spec.skip_layers` if any)."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {spec.dtype!r}; use one of {', '.join(DTYPES)}")
+    source = resolve_source(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, revision=source.revision, gguf_file=source.gguf_file, dtype=DTYPES[spec.dtype]
+        )
+    except (OSError, ValueError) as error:
+        raise _load_error(spec, error) from error
+    model.eval().requires_grad_(False)
+    return without_layers(model, spec.skip_layers) if spec.skip_layers else model
+
+
+def without_layers(model: torch.nn.Module, skip: list[int]) -> torch.nn.Module:
+    """A copy of `model` with decoder layers `skip` removed; weights are shared, modules and config are not."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UsageError(f"cannot skip layers of {type(model).__name__}: its decoder has no `layers` list")
+    count = len(layers)
+    bad = [i for i in skip if not 0 <= i < count]
+    if bad or len(set(skip)) >= count:
+        raise UsageError(f"skip_layers {skip} is invalid for a model with {count} layers (0..{count - 1}, keep at least one)")
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    draft = copy.deepcopy(model, memo=shared)
+    draft_decoder = draft.get_decoder()
+    kept = [layer for index, layer in enumerate(draft_decoder.layers) if index not in set(skip)]
+    draft_decoder.layers = torch.nn.ModuleList(kept)
+    for new_index, layer in enumerate(kept):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_index
+    config = draft.config
+    if getattr(config, "layer_types", None):
+        config.layer_types = [kind for index, kind in enumerate(config.layer_types) if index not in set(skip)]
+    config.num_hidden_layers = len(kept)
+    return draft
+
+
+def vocab_rows(model: torch.nn.Module) -> int:
+    """Number of rows of the output projection (the size of p and q)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def check_same_vocab(target_name: str, target: torch.nn.Module, draft_name: str, draft: torch.nn.Module) -> None:
+    """Refuse a pair whose output layers have different vocabulary sizes (checked before any forward)."""
+    if vocab_rows(target) != vocab_rows(draft):
+        raise UsageError(
+            f"draft {draft_name!r} predicts {vocab_rows(draft)} tokens but target {target_name!r} predicts "
+            f"{vocab_rows(target)}; pick a draft with the target's vocabulary"
+        )
+
+
+def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
+    """What identifies the weights: the Hub commit, or a hash of the local files' config, names and heads."""
+    identity: dict[str, Any] = {"spec": asdict(spec), "class": type(model).__name__}
+    commit = getattr(model.config, "_commit_hash", None)
+    source = resolve_source(spec)
+    if commit and not source.is_local:
+        identity["revision"] = commit
+        return identity
+    folder = Path(source.location)
+    digest = hashlib.sha256()
+    for file in sorted(folder.iterdir()):
+        if file.suffix in {".safetensors", ".bin", ".gguf", ".json"} and file.is_file():
+            digest.update(f"{file.name}:{file.stat().st_size}".encode())
+            with open(file, "rb") as handle:
+                digest.update(handle.read(1 << 20))
+    identity["files_sha256"] = digest.hexdigest()[:16]
+    return identity
+
+
+def context_length(model: torch.nn.Module) -> int:
+    """The longest sequence the model's positions support."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+
+
+@dataclass
+class ModelPair:
+    """A loaded draft/target pair that shares one tokenizer."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: Any
+    target_name: str
+    draft_name: str
+
+
+def derived_draft(spec: ModelSpec) -> bool:
+    """True when the draft spec names no model of its own: it is the target minus `skip_layers`."""
+    return spec.path is None
+
+
+def load_tokenizers(target_spec: ModelSpec, draft_spec: ModelSpec) -> Any:
+    """The pair's shared tokenizer; refuses mismatched tokenizers before any model is loaded."""
+    target_tok = load_tokenizer(target_spec)
+    if derived_draft(draft_spec):
+        if not draft_spec.skip_layers:
+            raise UsageError("draft.path is empty and draft.skip_layers is empty: name a draft model or the target layers to skip")
+        return target_tok
+    check_same_tokenizer(target_spec.describe(), target_tok, draft_spec.describe(), load_tokenizer(draft_spec))
+    return target_tok
+
+
+def load_pair(target_spec: ModelSpec, draft_spec: ModelSpec, tokenizer: Any | None = None) -> ModelPair:
+    """Load draft and target, refusing a tokenizer or vocabulary mismatch before any compute."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizers(target_spec, draft_spec)
+    target = load_model(target_spec)
+    if derived_draft(draft_spec):
+        draft = without_layers(target, draft_spec.skip_layers)
+    else:
+        draft = load_model(draft_spec)
+    check_same_vocab(target_spec.describe(), target, draft_spec.describe(), draft)
+    return ModelPair(target, draft, tokenizer, target_spec.describe(), draft_spec.describe())

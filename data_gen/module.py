@@ -1,0 +1,96 @@
+"""Labelling as a Lightning predict loop: one process per device, each writing its own shards.
+
+`Trainer.predict` gives the same code path on 1 CPU process, N GPUs, or several nodes under
+torchrun/SLURM. Shards are split over ranks by index; a shard whose file exists is skipped, so a
+killed run started again finishes the rest and nothing is labelled twice.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader
+
+from data_gen.labels import label_batch
+from data_gen.plan import Shard, row_seed
+from data_gen.responses import generate_responses
+from data_gen.sampling import SamplingTransform
+from data_gen.store import row_features, shard_path, write_shard
+
+
+class LabellingModule(L.LightningModule):
+    """Generates (or takes imported) responses and labels them, one shard per predict step."""
+
+    def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
+                 transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool):
+        super().__init__()
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.shards = shards
+        self.out = out
+        self.transform = transform
+        self.max_new_tokens = max_new_tokens
+        self.seed = seed
+        self.chunk = chunk
+        self.store_features = store_features
+
+    def predict_dataloader(self) -> DataLoader:
+        """This rank's shards: every world_size-th one, starting at its global rank."""
+        mine = self.shards[self.global_rank :: self.trainer.world_size]
+        return DataLoader(mine, batch_size=None, collate_fn=_identity, shuffle=False)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a shard is a plan; tensors are built on the device inside the step
+
+    def predict_step(self, shard: Shard, batch_idx: int) -> tuple[Shard, dict[str, list] | None]:
+        if shard_path(self.out, shard.index).is_file():
+            return shard, None
+        columns: dict[str, list] = {}
+        for items in shard.batches:
+            responses = [list(i.response_ids) for i in items] if items[0].response_ids is not None else (
+                generate_responses(self.target, self.tokenizer, items, self.transform, self.max_new_tokens,
+                                   [row_seed(self.seed, i.prompt_id, i.sample_index, "response") for i in items],
+                                   self.device))
+            batch = label_batch(self.target, self.draft, items, responses, self.transform, self.seed,
+                                self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device)
+            for name, values in batch.items():
+                columns.setdefault(name, []).extend(values)
+        return shard, columns
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class ShardWriter(BasePredictionWriter):
+    """Writes each finished shard atomically; when every rank is done, rank 0 runs `on_complete`."""
+
+    def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None]):
+        super().__init__(write_interval="batch")
+        self.out = out
+        self.schema = row_features(hidden_size)
+        self.on_complete = on_complete
+        self.tokens_written = 0
+        self.started = time.perf_counter()
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        shard, columns = prediction
+        if columns is not None:
+            write_shard(self.out, shard.index, columns, self.schema)
+            self.tokens_written += sum(len(ids) for ids in columns["target_ids"])
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        written = trainer.strategy.reduce(torch.tensor(float(self.tokens_written), device=pl_module.device), reduce_op="sum")
+        trainer.strategy.barrier("specheads-gen-shards-written")
+        if trainer.is_global_zero:
+            self.on_complete(int(written.item()), time.perf_counter() - self.started)
+        trainer.strategy.barrier("specheads-gen-finalised")

@@ -1,0 +1,140 @@
+"""Prompt sources: the built-in set, a JSONL file, or a Hugging Face dataset (name or local path)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specheads.errors import UsageError
+
+BUILTIN = "builtin"
+BUILTIN_FILE = Path(__file__).with_name("builtin_prompts.jsonl")
+PROMPT_COLUMNS = ("messages", "prompt", "instruction", "question", "text")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as chat messages, with an id that imported responses and splits refer to."""
+
+    id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content) pairs, hashable
+
+    def as_chat(self) -> list[dict[str, str]]:
+        """Messages in the form `apply_chat_template` takes."""
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise UsageError(f"{where}: the prompt is empty; give it some text")
+        return (("user", value),)
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return tuple((str(m["role"]), str(m["content"])) for m in value)
+    raise UsageError(f"{where}: expected prompt text or a list of chat messages with `role` and `content`")
+
+
+def _record_to_prompt(record: Any, index: int, where: str, column: str | None) -> Prompt:
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: expected a JSON object with `prompt` or `messages`")
+    keys = (column,) if column else PROMPT_COLUMNS
+    key = next((k for k in keys if k in record), None)
+    if key is None:
+        raise UsageError(f"{where}: no {' or '.join(f'`{k}`' for k in keys)} field; add one (or pass --prompts_column)")
+    prompt_id = str(record.get("id", index))
+    return Prompt(prompt_id, _messages(record[key], where))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Parse a JSONL file, naming the line of any malformed record."""
+    if not path.is_file():
+        raise UsageError(f"file {path} does not exist; check the path")
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise UsageError(f"{path}:{number}: malformed JSON ({error.msg}); fix or remove that line") from error
+    if not records:
+        raise UsageError(f"{path} holds no records; give a JSONL file with one JSON object per line")
+    return records
+
+
+def _from_jsonl(path: Path, column: str | None) -> list[Prompt]:
+    return [_record_to_prompt(r, i, f"{path}:{i + 1}", column) for i, r in enumerate(read_jsonl(path))]
+
+
+def _builtin() -> list[Prompt]:
+    prompts = _from_jsonl(BUILTIN_FILE, "prompt")
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.id.rsplit("-", 1)[0], []).append(prompt)
+    # round-robin over categories, so that the first N prompts cover every kind
+    mixed = itertools.chain.from_iterable(itertools.zip_longest(*by_category.values()))
+    return [p for p in mixed if p is not None]
+
+
+def _from_hf_dataset(source: str, split: str, column: str | None) -> list[Prompt]:
+    import datasets
+
+    path = Path(source)
+    try:
+        if path.is_dir() and any((path / name).exists() for name in ("state.json", "dataset_dict.json")):
+            data = datasets.load_from_disk(str(path))
+            data = data[split] if isinstance(data, datasets.DatasetDict) else data
+        elif path.is_file():
+            builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+            if builder is None:
+                raise UsageError(f"prompts file {path} has an unknown type; use .jsonl, .json, .csv or .parquet")
+            data = datasets.load_dataset(builder, data_files=str(path), split=split)
+        else:
+            data = datasets.load_dataset(source, split=split)
+    except UsageError:
+        raise
+    except Exception as error:  # datasets raises many kinds (FileNotFound, ConnectionError, DatasetNotFound...)
+        reason = " ".join(str(error).split())[:200]
+        raise UsageError(
+            f"cannot load prompts dataset {source!r} split {split!r} ({type(error).__name__}: {reason}); "
+            "give a local folder or file, or check the name, split and network"
+        ) from error
+    return [_record_to_prompt(dict(r), i, f"{source}[{i}]", column) for i, r in enumerate(data)]
+
+
+def load_prompts(source: str, split: str = "train", column: str | None = None, limit: int | None = None) -> list[Prompt]:
+    """Load prompts from `builtin`, a `.jsonl` file, or a datasets name/path; the first `limit` are kept."""
+    if source == BUILTIN:
+        prompts = _builtin()
+    elif source.endswith(".jsonl"):
+        prompts = _from_jsonl(Path(source), column)
+    else:
+        prompts = _from_hf_dataset(source, split, column)
+    if not prompts:
+        raise UsageError(f"prompt source {source!r} is empty; give at least one prompt")
+    seen: set[str] = set()
+    duplicates = [p.id for p in prompts if p.id in seen or seen.add(p.id)]
+    if duplicates:
+        raise UsageError(f"prompt ids repeat in {source!r} (first: {duplicates[0]!r}); give every prompt a unique `id`")
+    return prompts[:limit] if limit else prompts
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of the prompt with the model's chat template and the assistant turn opened."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(prompt.as_chat(), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer("\n".join(content for _, content in prompt.messages))["input_ids"])
+
+
+def prompts_hash(prompts: list[Prompt]) -> str:
+    """Hash of the prompt ids and texts, for the dataset fingerprint."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps([prompt.id, prompt.messages], ensure_ascii=False).encode())
+    return digest.hexdigest()[:16]

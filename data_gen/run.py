@@ -1,0 +1,188 @@
+"""`specheads gen` end to end: check every input, plan the rows, label them with Lightning, write the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from data_gen.card import dataset_card
+from data_gen.config import GenConfig
+from data_gen.embedded import file_sha256
+from data_gen.models import (ModelPair, chat_template_hash, context_length, derived_draft, load_pair,
+                             load_tokenizers, tokenizer_hash, weights_identity)
+from data_gen.module import LabellingModule, ShardWriter
+from data_gen.plan import Shard, WorkItem, build_plan
+from data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
+from data_gen.responses import load_imported_responses
+from data_gen.store import (FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, read_manifest, shard_statistics,
+                            write_json_atomic, write_text_atomic)
+from specheads import __version__
+from specheads.errors import UsageError
+
+
+@dataclass
+class Summary:
+    """What a finished run reports."""
+
+    out: Path
+    rows: int
+    labelled_tokens: int
+    mean_accept: float
+    tokens_per_s: float | None
+    resumed_complete: bool = False
+
+    def text(self) -> str:
+        """The end-of-run lines printed to the terminal."""
+        speed = "nothing new to label" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} labelled tokens/s"
+        return (f"specheads gen: {self.rows} rows, {self.labelled_tokens:,} labelled tokens, "
+                f"mean acceptance {self.mean_accept:.3f}, {speed}\n  wrote {self.out}")
+
+
+def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], imported: dict[str, list[list[int]]] | None,
+                 max_context: int) -> tuple[list[WorkItem], list[str]]:
+    """Encode prompts, drop (or refuse) those too long for the context, and make one work item per row."""
+    limit = max_context - config.sampling.max_new_tokens
+    if config.max_prompt_tokens:
+        limit = min(limit, config.max_prompt_tokens)
+    ratios = config.mixing.ratios()
+    items: list[WorkItem] = []
+    skipped: list[str] = []
+    for position, prompt in enumerate(prompts):
+        ids = tuple(encode_prompt(tokenizer, prompt))
+        if len(ids) > limit:
+            if config.long_prompts == "fail":
+                raise UsageError(
+                    f"prompt {prompt.id!r} has {len(ids)} tokens, over the limit of {limit} (context {max_context} minus "
+                    f"max_new_tokens, or max_prompt_tokens); shorten it or set long_prompts: skip")
+            skipped.append(prompt.id)
+            continue
+        responses = imported.get(prompt.id, []) if imported is not None else [None] * config.samples_per_prompt
+        for sample, response in enumerate(responses):
+            ratio = ratios[(position * len(responses) + sample) % len(ratios)]
+            items.append(WorkItem(prompt.id, sample, ids, ratio, None if response is None else tuple(response)))
+    if not items:
+        raise UsageError("no prompt is left to label (all too long, or no imported response matches); "
+                         "raise max_prompt_tokens, give shorter prompts, or check the responses file")
+    return items, skipped
+
+
+def fingerprint_of(identity: dict) -> str:
+    """The data fingerprint: a hash of everything that decides the rows."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> dict:
+    """What defines the dataset (DESIGN.md manifest); counts and times are left out on purpose."""
+    draft = ({"derived_from_target": True, "skip_layers": sorted(config.draft.skip_layers)}
+             if derived_draft(config.draft) else weights_identity(config.draft, pair.draft))
+    return {
+        "target": weights_identity(config.target, pair.target),
+        "draft": draft,
+        "tokenizer_hash": tokenizer_hash(pair.tokenizer),
+        "chat_template_hash": chat_template_hash(pair.tokenizer),
+        "sampling": {**config.sampling.transform().as_dict(), "max_new_tokens": config.sampling.max_new_tokens},
+        "mixing": {"ratios": config.mixing.ratios()},
+        "seed": config.seed,
+        "prompts": {"source": config.prompts, "split": config.prompts_split, "hash": prompts_hash(prompts),
+                    "count": len(prompts)},
+        "samples_per_prompt": config.samples_per_prompt,
+        "responses": {"source": "imported", "sha256": file_sha256(Path(config.responses))}
+        if config.responses else {"source": "target-generate"},
+        "store_features": config.store_features,
+        "draft_hidden_size": int(pair.draft.config.hidden_size),
+        "long_prompts": config.long_prompts,
+        "max_prompt_tokens": config.max_prompt_tokens,
+        "batch_size": config.batch_size,
+        "rows_per_shard": config.rows_per_shard,
+    }
+
+
+def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool) -> dict | None:
+    """Refuse a folder holding other data (unless `overwrite`); returns the manifest of a finished identical run."""
+    manifest = read_manifest(out)
+    if manifest is not None and manifest.get("fingerprint") == fingerprint:
+        return manifest if manifest.get("complete") else None
+    if manifest is not None or (out.exists() and any(out.iterdir())):
+        if not overwrite:
+            if manifest is None:
+                raise UsageError(f"{out} is not empty and holds no specheads dataset; pick another --out or pass --overwrite")
+            old = manifest.get("identity", {})
+            differs = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+            raise UsageError(f"{out} holds a dataset with a different fingerprint ({manifest.get('fingerprint')} vs "
+                             f"{fingerprint}; differs in: {', '.join(differs) or 'format'}); pick another --out or pass --overwrite")
+        for name in (MANIFEST, "README.md"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / SHARDS, ignore_errors=True)
+    return None
+
+
+def run(config: GenConfig) -> Summary:
+    """Run `specheads gen` with a validated config; every check happens before anything is written."""
+    config.validate()
+    out = Path(config.out)
+    transform = config.sampling.transform()
+    all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column)
+    prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
+    tokenizer = load_tokenizers(config.target, config.draft)
+    imported = (load_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts},
+                                        config.sampling.max_new_tokens) if config.responses else None)
+    pair = load_pair(config.target, config.draft, tokenizer)
+    items, skipped = select_items(config, tokenizer, prompts, imported, context_length(pair.target))
+    shards = build_plan(items, config.batch_size, config.rows_per_shard)
+    identity = data_identity(config, pair, prompts)
+    fingerprint = fingerprint_of(identity)
+    started = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "complete": False, "fingerprint": fingerprint,
+        "identity": identity, "target_name": pair.target_name, "draft_name": pair.draft_name,
+        "plan": {"num_shards": len(shards), "rows": len(items), "batch_size": config.batch_size,
+                 "rows_per_shard": config.rows_per_shard},
+        "config": config.as_dict(), "tool_version": __version__,
+    }
+    if rank_zero_only.rank == 0:
+        finished = prepare_output(out, fingerprint, identity, config.overwrite)
+        if finished is not None:
+            counts = finished["counts"]
+            return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / MANIFEST, started)
+    summary: dict[str, Summary] = {}
+
+    def finalise(tokens_written: int, seconds: float) -> None:
+        stats = shard_statistics(out, len(shards))
+        manifest = {**started, "complete": True, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "counts": {"prompts": len(prompts) - len(skipped), "skipped_prompts": len(skipped),
+                               "rows": stats["rows"], "labelled_tokens": stats["labelled_tokens"],
+                               "draft_tokens": stats["draft_tokens"]},
+                    "skipped_prompt_ids": skipped, "mean_accept": stats["mean_accept"], "mean_beta": stats["mean_beta"]}
+        write_text_atomic(out / "README.md", dataset_card(manifest))
+        write_json_atomic(out / MANIFEST, manifest)
+        speed = tokens_written / seconds if tokens_written else None
+        summary["done"] = Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_accept"], speed)
+
+    module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
+                             config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
+                             config.store_features)
+    writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise)
+    trainer = make_trainer(config, writer)
+    trainer.predict(module, return_predictions=False)
+    return summary.get("done")  # None on ranks other than 0
+
+
+def make_trainer(config: GenConfig, writer: ShardWriter) -> L.Trainer:
+    """A predict-only Trainer: DDP when more than one process, Lightning's own cluster detection."""
+    processes = config.devices * config.num_nodes
+    return L.Trainer(
+        accelerator=config.accelerator, devices=config.devices, num_nodes=config.num_nodes,
+        strategy="ddp" if processes > 1 else "auto", logger=False, enable_checkpointing=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[writer],
+        enable_progress_bar=config.progress,
+    )
+

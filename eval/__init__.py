@@ -1,0 +1,1 @@
+"""specheads eval stage (see its issue)."""

@@ -1,0 +1,1 @@
+"""specheads heads stage (see its issue)."""

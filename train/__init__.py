@@ -1,0 +1,1 @@
+"""specheads train stage (see its issue)."""
