@@ -51,6 +51,14 @@ def shard_path(out: Path, index: int) -> Path:
     return out / SHARDS / f"shard-{index:05d}.arrow"
 
 
+def publish(temporary: str, final: Path) -> None:
+    """Give a finished temporary file the usual permissions and move it into place atomically."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)
+    os.replace(temporary, final)
+
+
 def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features) -> Path:
     """Write one shard atomically: a reader sees the whole file or none of it."""
     final = shard_path(out, index)
@@ -62,7 +70,7 @@ def write_shard(out: Path, index: int, columns: dict[str, list], schema: dataset
         writer.write_batch(columns)
         writer.finalize()
         writer.close()
-        os.replace(temporary, final)
+        publish(temporary, final)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -81,7 +89,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
-        os.replace(temporary, path)
+        publish(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)

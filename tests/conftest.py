@@ -1,0 +1,95 @@
+"""Shared fixtures: a tiny random Llama pair with its own small tokenizer, built in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach the Hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens with a small model.",
+    "A large target model verifies the drafted tokens in one forward pass.", "def add(a, b): return a + b",
+    "What is 2 + 2? It is 4.", "Summarise the text in one sentence.", "Hello! How can I help you today?",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a few sentences, with chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 3, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_model(folder: Path, vocab_size: int = 320, layers: int = 4, seed: int = 0) -> Path:
+    """Save a tiny random LlamaForCausalLM and its tokenizer to `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(vocab_size)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, initializer_range=0.4, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """Folder of the tiny target; the draft is derived from it by skipping a layer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_model(tmp_path_factory) -> Path:
+    """A tiny model whose tokenizer differs from `tiny_model`'s."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-other"), vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> Path:
+    """A JSONL of 12 short prompts, half as text, half as chat messages."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = []
+    for i in range(12):
+        text = CORPUS[i % len(CORPUS)]
+        record = {"id": f"p{i}", "prompt": text} if i % 2 else {"id": f"p{i}", "messages": [{"role": "user", "content": text}]}
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    """`specheads gen` flags for a small fast run on the tiny pair."""
+    return ["gen", "--target.path", str(model), "--draft.skip_layers", "[2]", "--prompts", str(prompts),
+            "--samples-per-prompt", "2", "--max-new-tokens", "12", "--batch-size", "4", "--rows-per-shard", "4",
+            "--out", str(out), "--progress", "false", "--accelerator", "cpu", *extra]
+
+
+def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m specheads ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "specheads", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
