@@ -22,14 +22,22 @@ def build_parser() -> ArgumentParser:
 SHORTHANDS = {f"--{name}": f"--sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
 
 
+SWITCHES = {f"--{f.name}" for f in fields(GenConfig) if f.type in ("bool", bool)}
+
+
 def normalise_flags(argv: list[str]) -> list[str]:
-    """Accept `--num-prompts` as well as `--num_prompts`, and `--max-new-tokens` for `--sampling.max_new_tokens`."""
+    """Accept `--num-prompts` for `--num_prompts`, `--max-new-tokens` for `--sampling.max_new_tokens`,
+    and a bare switch (`--overwrite`) for `--overwrite true`."""
     normalised = []
-    for arg in argv:
+    for position, arg in enumerate(argv):
         if arg.startswith("--"):
             name, sep, value = arg.partition("=")
             name = "--" + name[2:].replace("-", "_")
             arg = SHORTHANDS.get(name, name) + sep + value
+            following = argv[position + 1] if position + 1 < len(argv) else "--"
+            if name in SWITCHES and not sep and following.startswith("--"):
+                normalised += [arg, "true"]
+                continue
         normalised.append(arg)
     return normalised
 

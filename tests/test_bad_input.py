@@ -1,0 +1,133 @@
+"""Every bad input gets one clear error line, a non-zero exit, and nothing written."""
+
+import json
+
+import pytest
+
+from conftest import tiny_args
+from data_gen.store import load_labelled, read_manifest
+from specheads.cli import main
+
+
+def fails(capsys, args, *expected):
+    """Run, expect exit 2 and exactly one error line holding every `expected` fragment; return that line."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specheads gen: error:")]
+    assert len(lines) == 1 and "UsageError" not in err, err  # no traceback of ours
+    for fragment in expected:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_tokenizer_mismatch_names_both_models(capsys, tiny_model, other_tokenizer_model, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    fails(capsys, tiny_args(tiny_model, prompts_file, out, "--draft.path", str(other_tokenizer_model)),
+          "different tokenizers", str(tiny_model), str(other_tokenizer_model))
+    assert not out.exists()
+
+
+def test_missing_and_empty_prompt_files(capsys, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    fails(capsys, tiny_args(tiny_model, tmp_path / "nope.jsonl", out), "does not exist")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    fails(capsys, tiny_args(tiny_model, empty, out), "holds no records")
+    assert not out.exists()
+
+
+def test_malformed_jsonl_line_is_named(capsys, tiny_model, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "ok"}\n{"id": "c", "prompt": \n')
+    fails(capsys, tiny_args(tiny_model, bad, tmp_path / "out"), f"{bad}:3", "malformed JSON")
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"id": "a", "text_x": "hi"}\n')
+    fails(capsys, tiny_args(tiny_model, no_field, tmp_path / "out"), f"{no_field}:1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_model_id_without_network(capsys, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fails(capsys, tiny_args("no-such-org/no-such-model", prompts_file, tmp_path / "out"),
+          "cannot load model 'no-such-org/no-such-model'")
+    fails(capsys, tiny_args(tmp_path / "missing-folder", prompts_file, tmp_path / "out"), "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_with_other_fingerprint_is_refused_unless_overwrite(capsys, tiny_model, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")) == 0
+    before = read_manifest(out)
+    fails(capsys, tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2", "--seed", "5"),
+          "different fingerprint", "seed", "--overwrite")
+    assert read_manifest(out) == before
+    assert main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")) == 0  # same run: nothing to redo
+    assert "nothing new to label" in capsys.readouterr().out
+    assert main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2", "--seed", "5", "--overwrite")) == 0
+    assert read_manifest(out)["identity"]["seed"] == 5
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    fails(capsys, tiny_args(tiny_model, prompts_file, stranger), "not empty", "--overwrite")
+
+
+def test_long_prompts_are_skipped_and_counted_or_fail(capsys, tiny_model, tmp_path):
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": "word " * (3 if i % 2 else 80)}) for i in range(6)))
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model, prompts, out, "--max-prompt-tokens", "40")) == 0
+    manifest = read_manifest(out)
+    assert manifest["counts"]["skipped_prompts"] == 3 and manifest["skipped_prompt_ids"] == ["q0", "q2", "q4"]
+    assert set(load_labelled(out)["prompt_id"]) == {"q1", "q3", "q5"}
+    fails(capsys, tiny_args(tiny_model, prompts, tmp_path / "out2", "--max-prompt-tokens", "40", "--long-prompts", "fail"),
+          "prompt 'q0'", "long_prompts: skip")
+    assert not (tmp_path / "out2").exists()
+    # the model's own context (256 positions) is a limit too
+    fails(capsys, tiny_args(tiny_model, prompts, tmp_path / "out3", "--max-new-tokens", "250", "--long-prompts", "fail"),
+          "context 256")
+
+
+def test_imported_responses(capsys, tiny_model, prompts_file, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    responses = tmp_path / "responses.jsonl"
+    ids = tokenizer("It is 4.", add_special_tokens=False)["input_ids"]
+    responses.write_text("\n".join([
+        json.dumps({"id": "p0", "response": "The quick brown fox."}),
+        json.dumps({"id": "p0", "response": "A large model", "finish_reason": "length"}),
+        json.dumps({"id": "p1", "response_ids": ids}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model, prompts_file, out, "--responses", str(responses), "--num-prompts", "3",
+                     "--max-new-tokens", "40")) == 0
+    rows = {(r["prompt_id"], r["sample_index"]): r for r in load_labelled(out)}
+    assert sorted(rows) == [("p0", 0), ("p0", 1), ("p1", 0)]
+    expected = tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert rows[("p0", 0)]["target_ids"] == expected
+    assert rows[("p0", 1)]["target_ids"] == tokenizer("A large model", add_special_tokens=False)["input_ids"]
+    assert rows[("p1", 0)]["target_ids"] == ids
+    assert read_manifest(out)["identity"]["responses"]["source"] == "imported"
+
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({"id": "zzz", "response": "hi"}) + "\n")
+    fails(capsys, tiny_args(tiny_model, prompts_file, tmp_path / "out2", "--responses", str(unknown)),
+          "not in the prompt set", "'zzz'")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--samples-per-prompt", "0"], "samples_per_prompt must be at least 1"),
+    (["--rows-per-shard", "6"], "multiple of batch_size"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--mixing.schedule", "[0.5, 2.0]"], "mixing ratios must lie in [0, 1]"),
+    (["--no-such-flag", "1"], "no_such_flag"),
+])
+def test_bad_settings(capsys, tiny_model, prompts_file, tmp_path, flags, fragment):
+    fails(capsys, tiny_args(tiny_model, prompts_file, tmp_path / "out", *flags), fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_subcommand(capsys):
+    assert main(["nope"]) == 2
+    assert "unknown subcommand 'nope'" in capsys.readouterr().err
