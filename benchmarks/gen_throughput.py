@@ -1,0 +1,196 @@
+"""Benchmark of `specheads gen` on the embedded pair (issue: data_gen benchmark).
+
+Three comparisons, each side by side in one run on the same prompts and settings:
+  1. end to end: `specheads gen` against a per-prompt pipeline written the way the SpecDec++
+     reference code works (one prompt at a time `generate`, then separate unbatched target and
+     draft passes with full logits): labelled tokens/s and peak RSS;
+  2. the labelling stage (responses fixed) against its bound: one batched target forward plus one
+     batched draft forward over the same tokens, plus one more draft forward for the features;
+  3. peak RSS of `specheads gen` at 32 and at 256 prompts.
+Each measurement runs in its own process so peak RSS is that measurement's alone.
+
+    python benchmarks/gen_throughput.py --prompts 32 --max-new-tokens 64 --memory-prompts 32 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def gen_config(prompts: int, max_new_tokens: int, out: str):
+    from data_gen.cli import parse_config
+
+    return parse_config(["--config", str(ROOT / "configs/gen/smollm2-demo.yaml"), "--num-prompts", str(prompts),
+                         "--samples-per-prompt", "1", "--max-new-tokens", str(max_new_tokens), "--out", out,
+                         "--progress", "false", "--accelerator", "cpu"])
+
+
+def measure_ours(prompts: int, max_new_tokens: int) -> dict:
+    """`specheads gen` end to end (model loading excluded, as for the reference)."""
+    from data_gen import run as run_module
+
+    loaded = {}
+    original = run_module.load_pair
+
+    def timed_load(*args, **kwargs):
+        start = time.perf_counter()
+        pair = original(*args, **kwargs)
+        loaded["seconds"] = time.perf_counter() - start
+        return pair
+
+    run_module.load_pair = timed_load
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        summary = run_module.run(gen_config(prompts, max_new_tokens, out))
+        seconds = time.perf_counter() - start - loaded["seconds"]
+    return {"tokens": summary.labelled_tokens, "seconds": seconds, "tokens_per_s": summary.labelled_tokens / seconds,
+            "mean_accept": summary.mean_accept, "peak_rss_mib": peak_rss_mib()}
+
+
+def measure_reference(prompts: int, max_new_tokens: int) -> dict:
+    """The per-prompt pipeline of the SpecDec++ reference code: nothing batched, full logits everywhere."""
+    from data_gen.models import ModelSpec, load_pair
+    from data_gen.prompts import encode_prompt, load_prompts
+
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
+    tokenizer = pair.tokenizer
+    torch.manual_seed(0)
+    tokens = 0
+    accept_sum = 0.0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in load_prompts("builtin", limit=prompts):
+            ids = torch.tensor([encode_prompt(tokenizer, prompt)])
+            output = pair.target.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            response = output[0, ids.shape[1]:]
+            sequence = output[:, : ids.shape[1] + len(response)]
+            positions = slice(ids.shape[1] - 1, sequence.shape[1] - 1)
+            p = pair.target(sequence).logits[0, positions].softmax(-1)
+            q = pair.draft(sequence).logits[0, positions].softmax(-1)
+            candidates = torch.multinomial(q, 1).squeeze(-1)
+            rows = torch.arange(len(candidates))
+            accept = (p[rows, candidates] / q[rows, candidates]).clamp(max=1.0)
+            _beta = torch.minimum(p, q).sum(-1)
+            _entropy = -(q * q.clamp_min(1e-30).log()).sum(-1)
+            is_draft = torch.rand(len(candidates)) >= 0.15
+            mixed = torch.where(is_draft, candidates, response)
+            mixed_sequence = torch.cat([ids[0], mixed]).unsqueeze(0)
+            _features = pair.draft(mixed_sequence, output_hidden_states=True).hidden_states[-1][0, ids.shape[1] - 1:]
+            tokens += len(candidates)
+            accept_sum += float(accept.sum())
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "mean_accept": accept_sum / tokens, "peak_rss_mib": peak_rss_mib()}
+
+
+def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
+    """Our labelling stage against one batched target + draft forward (+ draft for features) on the same batches."""
+    from data_gen.config import GenConfig
+    from data_gen.labels import label_batch
+    from data_gen.models import load_pair
+    from data_gen.plan import build_plan, row_seed
+    from data_gen.prompts import load_prompts
+    from data_gen.responses import generate_responses
+    from data_gen.run import select_items
+
+    config: GenConfig = gen_config(prompts, max_new_tokens, "unused")
+    pair = load_pair(config.target, config.draft)
+    transform = config.sampling.transform()
+    device = torch.device("cpu")
+    items, _ = select_items(config, pair.tokenizer, load_prompts("builtin", limit=prompts), None, 8192)
+    batches = [b for shard in build_plan(items, config.batch_size, config.rows_per_shard) for b in shard.batches]
+    pad = pair.tokenizer.pad_token_id
+    with torch.inference_mode():
+        responses = [generate_responses(pair.target, pair.tokenizer, b, transform, max_new_tokens,
+                                        [row_seed(0, i.prompt_id, 0, "response") for i in b], device) for b in batches]
+
+        def forward_bound() -> float:
+            start = time.perf_counter()
+            for batch, answers in zip(batches, responses):
+                sequences = [list(i.prompt_ids) + a for i, a in zip(batch, answers)]
+                width = max(map(len, sequences))
+                ids = torch.full((len(sequences), width), pad)
+                mask = torch.zeros_like(ids)
+                for row, s in enumerate(sequences):
+                    ids[row, : len(s)] = torch.tensor(s)
+                    mask[row, : len(s)] = 1
+                pair.target(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+                pair.draft(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+                pair.draft(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+            return time.perf_counter() - start
+
+        def ours() -> float:
+            start = time.perf_counter()
+            for batch, answers in zip(batches, responses):
+                label_batch(pair.target, pair.draft, batch, answers, transform, 0, pad, config.label_chunk_tokens,
+                            True, device)
+            return time.perf_counter() - start
+
+        forward_bound(), ours()  # warm-up
+        bound_times, our_times = [], []
+        for _ in range(3):  # interleaved, so machine noise hits both alike
+            bound_times.append(forward_bound())
+            our_times.append(ours())
+    tokens = sum(len(a) for r in responses for a in r)
+    return {"tokens": tokens, "bound_seconds": min(bound_times), "ours_seconds": min(our_times),
+            "ratio": min(our_times) / min(bound_times)}
+
+
+def child(mode: str, prompts: int, max_new_tokens: int) -> None:
+    result = {"ours": measure_ours, "reference": measure_reference, "labelling": measure_labelling}[mode](
+        prompts, max_new_tokens)
+    print("RESULT " + json.dumps(result))
+
+
+def in_child(mode: str, prompts: int, max_new_tokens: int) -> dict:
+    process = subprocess.run([sys.executable, __file__, "--child", mode, "--prompts", str(prompts),
+                              "--max-new-tokens", str(max_new_tokens)], capture_output=True, text=True)
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    if process.returncode or not lines:
+        raise RuntimeError(f"{mode} failed:\n{process.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--memory-prompts", type=int, nargs="*", default=[32, 256])
+    parser.add_argument("--memory-max-new-tokens", type=int, default=32)
+    parser.add_argument("--child", choices=["ours", "reference", "labelling"])
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.prompts, args.max_new_tokens)
+        return
+    report = {"torch_threads": torch.get_num_threads(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
+    report["end_to_end"] = {"ours": in_child("ours", args.prompts, args.max_new_tokens),
+                            "reference": in_child("reference", args.prompts, args.max_new_tokens)}
+    e2e = report["end_to_end"]
+    e2e["speedup"] = e2e["ours"]["tokens_per_s"] / e2e["reference"]["tokens_per_s"]
+    print(json.dumps(report, indent=2), flush=True)
+    report["labelling"] = in_child("labelling", args.prompts, args.max_new_tokens)
+    print(json.dumps(report["labelling"], indent=2), flush=True)
+    report["memory"] = {str(n): in_child("ours", n, args.memory_max_new_tokens) for n in args.memory_prompts}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Every YAML in configs/gen parses into a valid GenConfig; prompt sources load."""
+
+from pathlib import Path
+
+import pytest
+
+from data_gen.cli import parse_config
+from data_gen.prompts import load_prompts
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "gen").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_gen_config_is_valid(path):
+    config = parse_config(["--config", str(path)])
+    config.validate()
+    assert config.target.path and config.sampling.max_new_tokens > 0
+
+
+def test_cluster_config_names_a_real_pair():
+    config = parse_config(["--config", str(Path(__file__).parents[1] / "configs/gen/smollm2-135m-for-1.7b.yaml")])
+    assert config.target.path == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    assert config.draft.path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config.devices * config.num_nodes == 8 and config.accelerator == "gpu"
+
+
+def test_flags_override_the_yaml():
+    config = parse_config(["--config", str(CONFIGS[0]), "--num-prompts", "3", "--temperature", "0"])
+    assert config.num_prompts == 3 and config.sampling.temperature == 0
+
+
+def test_builtin_prompts_cover_every_kind():
+    prompts = load_prompts("builtin")
+    assert len(prompts) == 200 and len({p.id for p in prompts}) == 200
+    kinds = {p.id.rsplit("-", 1)[0] for p in prompts[:5]}
+    assert kinds == {"chat", "explanation", "code", "math", "summarisation"}
+
+
+def test_hf_dataset_prompts_from_a_local_folder(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"instruction": ["Say hi.", "Count to 3."], "id": ["a", "b"]}).save_to_disk(tmp_path / "ds")
+    prompts = load_prompts(str(tmp_path / "ds"), column="instruction")
+    assert [p.id for p in prompts] == ["a", "b"] and prompts[1].messages == (("user", "Count to 3."),)
+    (tmp_path / "p.csv").write_text("prompt\nHello there\n")
+    assert load_prompts(str(tmp_path / "p.csv"))[0].messages == (("user", "Hello there"),)

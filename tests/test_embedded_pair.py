@@ -1,0 +1,40 @@
+"""Integration tier: the real embedded SmolLM2 pair (converted once to a local safetensors cache)."""
+
+import time
+
+import numpy as np
+import pytest
+
+from data_gen.embedded import embedded_folder
+from data_gen.models import ModelSpec, load_pair, load_tokenizers
+from data_gen.store import load_labelled, read_manifest
+from specheads.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def test_embedded_model_is_cached_and_loads_fast():
+    folder = embedded_folder()
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    start = time.perf_counter()
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
+    assert time.perf_counter() - start < 20
+    assert pair.target.config.num_hidden_layers == 30 and pair.draft.config.num_hidden_layers == 28
+    assert pair.draft.model.layers[20].self_attn.layer_idx == 20  # renumbered, own module
+    assert pair.draft.model.layers[20] is not pair.target.model.layers[20]
+    assert pair.draft.model.layers[20].self_attn.q_proj.weight is pair.target.model.layers[22].self_attn.q_proj.weight
+
+
+def test_gen_on_the_embedded_pair(tmp_path):
+    out = tmp_path / "gen"
+    code = main(["gen", "--config", "configs/gen/smollm2-demo.yaml", "--num-prompts", "5", "--samples-per-prompt", "2",
+                 "--max-new-tokens", "24", "--out", str(out), "--progress", "false"])
+    assert code == 0
+    manifest = read_manifest(out)
+    rows = load_labelled(out)
+    assert manifest["complete"] and len(rows) == 10
+    accept = np.concatenate([np.asarray(a) for a in rows["accept"]])
+    assert 0.3 < accept.mean() < 0.85  # layers 20-21 skipped: a real, imperfect draft
+    tokenizer = load_tokenizers(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
+    assert tokenizer.decode(rows[0]["prompt_ids"]).rstrip().endswith("<|im_start|>assistant")
+    assert np.asarray(rows[0]["features"]).shape == (len(rows[0]["target_ids"]) + 1, 576)
