@@ -34,11 +34,27 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def prompts_file(count: int, folder: str) -> str:
+    """A JSONL of `count` distinct prompts: the built-in set, cycled with a short suffix past its 200."""
+    from data_gen.prompts import load_prompts
+
+    builtin = load_prompts("builtin")
+    path = Path(folder) / f"prompts-{count}.jsonl"
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(count):
+            prompt = builtin[i % len(builtin)]
+            suffix = "" if i < len(builtin) else f" (Answer in at most {2 + i // len(builtin)} paragraphs.)"
+            handle.write(json.dumps({"id": f"{prompt.id}-{i // len(builtin)}",
+                                     "prompt": prompt.messages[-1][1] + suffix}) + "\n")
+    return str(path)
+
+
 def gen_config(prompts: int, max_new_tokens: int, out: str):
     from data_gen.cli import parse_config
 
-    return parse_config(["--config", str(ROOT / "configs/gen/smollm2-demo.yaml"), "--num-prompts", str(prompts),
-                         "--samples-per-prompt", "1", "--max-new-tokens", str(max_new_tokens), "--out", out,
+    return parse_config(["--config", str(ROOT / "configs/gen/smollm2-demo.yaml"), "--prompts", prompts_file(prompts, out),
+                         "--num-prompts", str(prompts), "--samples-per-prompt", "1",
+                         "--max-new-tokens", str(max_new_tokens), "--out", str(Path(out) / "gen"),
                          "--progress", "false", "--accelerator", "cpu"])
 
 
@@ -72,11 +88,12 @@ def measure_reference(prompts: int, max_new_tokens: int) -> dict:
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
     tokenizer = pair.tokenizer
     torch.manual_seed(0)
+    folder = tempfile.mkdtemp()
     tokens = 0
     accept_sum = 0.0
     start = time.perf_counter()
     with torch.inference_mode():
-        for prompt in load_prompts("builtin", limit=prompts):
+        for prompt in load_prompts(prompts_file(prompts, folder)):
             ids = torch.tensor([encode_prompt(tokenizer, prompt)])
             output = pair.target.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                           max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
@@ -111,11 +128,11 @@ def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
     from data_gen.responses import generate_responses
     from data_gen.run import select_items
 
-    config: GenConfig = gen_config(prompts, max_new_tokens, "unused")
+    config: GenConfig = gen_config(prompts, max_new_tokens, tempfile.mkdtemp())
     pair = load_pair(config.target, config.draft)
     transform = config.sampling.transform()
     device = torch.device("cpu")
-    items, _ = select_items(config, pair.tokenizer, load_prompts("builtin", limit=prompts), None, 8192)
+    items, _ = select_items(config, pair.tokenizer, load_prompts(config.prompts), None, 8192)
     batches = [b for shard in build_plan(items, config.batch_size, config.rows_per_shard) for b in shard.batches]
     pad = pair.tokenizer.pad_token_id
     with torch.inference_mode():

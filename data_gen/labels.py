@@ -125,11 +125,16 @@ def label_batch(
     return columns
 
 
+def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], pad_id: int,
+                 device: torch.device) -> list[torch.Tensor]:
+    """Draft last-layer states on prompt + mixed tokens, at the prompt's last position and every response
+    position: one [len(mixed) + 1, h] tensor per row, on `device` (what `features` stores, and what online
+    training computes)."""
+    states = last_hidden_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device)
+    return [states[row, len(p) - 1 : len(p) + len(m)] for row, (p, m) in enumerate(zip(prompts, mixed))]
+
+
 def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device) -> list:
-    """Draft last-layer states on prompt + mixed tokens at the prompt's last position and every response position (fp16)."""
-    states = last_hidden_states(draft, [list(i.prompt_ids) + m for i, m in zip(items, mixed)], pad_id, device)
-    features = []
-    for row, (item, tokens) in enumerate(zip(items, mixed)):
-        start = len(item.prompt_ids) - 1
-        features.append(states[row, start : start + len(tokens) + 1].to(torch.float16).cpu().numpy())
-    return features
+    """`mixed_states` as fp16 numpy arrays for the Arrow writer."""
+    states = mixed_states(draft, [list(i.prompt_ids) for i in items], mixed, pad_id, device)
+    return [row.to(torch.float16).cpu().numpy() for row in states]

@@ -1,1 +1,8 @@
-"""specheads heads stage (see its issue)."""
+"""Acceptance heads (SpecDec++ ResNet head, SPRINTER linear verifier): modules, registry, save/load."""
+
+from heads.base import SIGNALS, AcceptanceHead
+from heads.linear import LinearVerifier
+from heads.registry import HEADS, build_head, head_class
+from heads.resnet import ResNetAcceptanceHead
+
+__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "LinearVerifier", "SIGNALS", "HEADS", "build_head", "head_class"]

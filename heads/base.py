@@ -1,0 +1,167 @@
+"""The base class every acceptance head shares: input checks, draft signals, save/load.
+
+A head maps a draft hidden state (optionally with the candidate's input embedding and a few
+standardised draft signals) to one acceptance logit per position. Its constructor arguments are its
+config: `save_pretrained` writes them to `config.json` and the weights plus the signal statistics
+to `model.safetensors`; `from_pretrained` rebuilds the head from both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import operator
+from typing import Any, ClassVar
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin
+from torch import Tensor, nn
+
+from specheads.errors import UsageError
+
+SIGNALS = ("logq", "entropy", "top1")
+"""Draft signals a head may read: log q of the candidate, entropy H(q), and the top-1 probability of q."""
+
+MIN_SIGNAL_STD = 1e-3
+"""Floor on a signal's std: a signal constant in training still standardises to finite fp16 values."""
+
+
+def check_count(name: str, value: Any, minimum: int) -> int:
+    """`value` as a plain int >= `minimum`; a UsageError naming `name` otherwise."""
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if count < minimum:
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {count}")
+    return count
+
+
+def check_signals(extra_features: list[str] | tuple[str, ...] | None) -> list[str]:
+    """The requested draft signals as a list in the order given; unknown or repeated names are refused."""
+    names = list(extra_features or [])
+    unknown = [name for name in names if name not in SIGNALS]
+    if unknown:
+        raise UsageError(f"unknown extra feature(s) {', '.join(map(repr, unknown))}; known: {', '.join(SIGNALS)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"extra_features lists a signal twice: {names}; name each signal once")
+    return names
+
+
+class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
+                     tags=["speculative-decoding", "acceptance-prediction"]):
+    """A learned acceptance predictor: input features -> one logit per position.
+
+    The input is concat[hidden, candidate embedding (when `candidate_embedding_size` > 0),
+    standardised signals], the signals' columns in `extra_features` order. Subclasses set
+    `head_type` and `reads` and implement `score`.
+    """
+
+    head_type: ClassVar[str]
+    reads: ClassVar[str]  # "candidate_state" (the state that has read the candidate) or "context_state" (the one before)
+
+    def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
+                 candidate_embedding_size: int = 0) -> None:
+        super().__init__()
+        self.hidden_size = check_count("hidden_size", hidden_size, minimum=1)
+        self.candidate_embedding_size = check_count("candidate_embedding_size", candidate_embedding_size, minimum=0)
+        self.extra_features = check_signals(extra_features)
+        self.register_buffer("signal_mean", torch.zeros(len(self.extra_features)))
+        self.register_buffer("signal_std", torch.ones(len(self.extra_features)))
+        self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
+                            head_type=self.head_type, reads=self.reads)
+
+    def _record_config(self, **values: Any) -> None:
+        """Store normalised constructor values in the config `save_pretrained` writes.
+
+        The mixin captures the raw arguments before `__init__` runs: it silently drops values that are
+        not plain JSON (a numpy int hidden_size would vanish) and keeps `None` and tuples as given.
+        """
+        self._hub_mixin_config = {**(self._hub_mixin_config or {}), **values}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """A copy of what `config.json` will hold; merge into it when passing `config=` to save_pretrained."""
+        return dict(self._hub_mixin_config or {})
+
+    @property
+    def input_size(self) -> int:
+        """Width of the concatenated input the head scores."""
+        return self.hidden_size + self.candidate_embedding_size + len(self.extra_features)
+
+    def num_parameters(self) -> int:
+        """Number of trainable scalars (the signal statistics are buffers and not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def set_signal_statistics(self, mean: Tensor, std: Tensor) -> None:
+        """Set the signals' standardisation from the training split; std is floored at MIN_SIGNAL_STD."""
+        expected = (len(self.extra_features),)
+        for name, value in (("mean", mean), ("std", std)):
+            if tuple(value.shape) != expected:
+                raise UsageError(f"signal {name} must have shape {list(expected)} (one per extra feature "
+                                 f"{self.extra_features}), got {list(value.shape)}")
+            if not torch.isfinite(value).all():
+                raise UsageError(f"signal {name} holds non-finite values {value.tolist()}; compute it on finite signals")
+        with torch.no_grad():
+            self.signal_mean.copy_(mean)
+            self.signal_std.copy_(std.clamp_min(MIN_SIGNAL_STD))
+
+    def score(self, features: Tensor) -> Tensor:
+        """Logits [...] from input features [..., input_size]; implemented by each head."""
+        raise NotImplementedError
+
+    def forward(self, hidden: Tensor, signals: Tensor | None = None,
+                candidate_embedding: Tensor | None = None) -> Tensor:
+        """Acceptance logits with the leading dims of `hidden` ([..., hidden_size] -> [...])."""
+        return self.score(self.features(hidden, signals, candidate_embedding))
+
+    @torch.no_grad()
+    def predict(self, hidden: Tensor, signals: Tensor | None = None,
+                candidate_embedding: Tensor | None = None) -> Tensor:
+        """Acceptance probabilities (sigmoid of the logits), without gradients."""
+        return torch.sigmoid(self(hidden, signals, candidate_embedding))
+
+    def features(self, hidden: Tensor, signals: Tensor | None = None,
+                 candidate_embedding: Tensor | None = None) -> Tensor:
+        """The checked, concatenated input [..., input_size], in the head's parameter dtype."""
+        dtype = next(self.parameters()).dtype
+        parts = [self._checked("hidden", hidden, hidden, self.hidden_size, "the head's hidden_size")]
+        if self.candidate_embedding_size:
+            if candidate_embedding is None:
+                raise UsageError(f"this {self.head_type} head reads the candidate's input embedding "
+                                 f"(candidate_embedding_size={self.candidate_embedding_size}); pass candidate_embedding")
+            parts.append(self._checked("candidate_embedding", candidate_embedding, hidden,
+                                       self.candidate_embedding_size, "the head's candidate_embedding_size"))
+        elif candidate_embedding is not None:
+            raise UsageError(f"this {self.head_type} head reads no candidate embedding "
+                             "(candidate_embedding_size=0); pass candidate_embedding=None")
+        if self.extra_features:
+            if signals is None:
+                raise UsageError(f"this head reads the draft signals {self.extra_features}; pass signals "
+                                 f"[..., {len(self.extra_features)}] in that order")
+            signals = self._checked("signals", signals, hidden, len(self.extra_features),
+                                    f"one column per extra feature {self.extra_features}")
+            parts.append((signals.to(dtype) - self.signal_mean) / self.signal_std)
+        elif signals is not None and signals.shape[-1] != 0:
+            raise UsageError(f"this head reads no draft signals (extra_features=[]) but got signals of shape "
+                             f"{list(signals.shape)}; pass signals=None")
+        return torch.cat([part.to(dtype) for part in parts], dim=-1)
+
+    @staticmethod
+    def _checked(name: str, tensor: Tensor, hidden: Tensor, width: int, why: str) -> Tensor:
+        """`tensor` if it is [*hidden.shape[:-1], width]; a UsageError naming expected vs got otherwise."""
+        expected = [*hidden.shape[:-1], width]
+        if list(tensor.shape) != expected:
+            raise UsageError(f"{name} must have shape {expected} (last dim = {why}), got {list(tensor.shape)}")
+        return tensor
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, config: dict | None = None, strict: bool = True,
+                         **kwargs: Any) -> AcceptanceHead:
+        """Load with strict key matching (the mixin's default is lenient) and refuse another head type's folder."""
+        saved_type = (config or {}).get("head_type", cls.head_type)
+        if saved_type != cls.head_type:
+            raise UsageError(f"{model_id} holds a {saved_type!r} head, not {cls.head_type!r}; "
+                             "load it with the class registered for that type (heads.head_class)")
+        with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints a line on every local load
+            return super()._from_pretrained(model_id=model_id, strict=strict, **kwargs)

@@ -1,0 +1,32 @@
+"""Head classes by their `head_type`, and building one from a name and its constructor arguments."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from heads.base import AcceptanceHead
+from heads.linear import LinearVerifier
+from heads.resnet import ResNetAcceptanceHead
+from specheads.errors import UsageError
+
+HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, LinearVerifier)}
+
+
+def head_class(name: str) -> type[AcceptanceHead]:
+    """The head class registered under `name`; a UsageError listing the known names otherwise."""
+    try:
+        return HEADS[name]
+    except KeyError:
+        raise UsageError(f"unknown head type {name!r}; known: {', '.join(HEADS)}") from None
+
+
+def build_head(name: str, **kwargs: Any) -> AcceptanceHead:
+    """A fresh head of type `name` built from its constructor arguments (which become its config)."""
+    cls = head_class(name)
+    signature = inspect.signature(cls)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as error:
+        raise UsageError(f"head {name!r}: {error}; it takes {', '.join(signature.parameters)}") from None
+    return cls(**kwargs)

@@ -1,0 +1,200 @@
+"""`specheads train` on datasets labelled with the tiny pair: fit, metrics, resume, refusals, online mode, DDP."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli, tiny_args
+from eval.metrics import binary_kl, soft_auc
+from specheads.cli import main
+from train.data import AcceptanceDataModule, RankBatchSampler, is_validation_prompt
+from train.loss import weighted_bce
+from train.module import AcceptanceModule
+from train.targets import token_targets
+
+CONFIGS = Path(__file__).parents[1] / "configs" / "train"
+
+
+@pytest.fixture(scope="module")
+def labelled(tiny_model, prompts_file, tmp_path_factory) -> Path:
+    """12 prompts × 2 samples on the tiny pair, features stored; every other row all target tokens."""
+    out = tmp_path_factory.mktemp("train-data") / "gen"
+    assert main(tiny_args(tiny_model, prompts_file, out, "--mixing.schedule", "[0.15, 1.0]")) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def labelled_online(tiny_model, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("train-data-online") / "gen"
+    assert main(tiny_args(tiny_model, prompts_file, out, "--store-features", "false", "--num-prompts", "6")) == 0
+    return out
+
+
+def fit_args(config: str, data: Path, root: Path, *extra: str) -> list[str]:
+    return ["train", "fit", "--config", str(CONFIGS / config), "--data.path", str(data),
+            "--data.val_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", *extra]
+
+
+def last_metrics(root: Path) -> dict[str, float]:
+    import csv
+
+    rows = list(csv.DictReader(open(root / "metrics.csv")))
+    merged = {}
+    for row in rows:
+        merged.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return merged
+
+
+def test_weighted_bce_matches_the_formula():
+    logits = torch.tensor([2.0, -1.0, 0.5])
+    labels = torch.tensor([0.9, 0.2, 1.0])
+    p = torch.sigmoid(logits)
+    expected = -(1 * labels * p.log() + 6 * (1 - labels) * (1 - p).log()).sum() / (labels + 6 * (1 - labels)).sum()
+    assert torch.allclose(weighted_bce(logits, labels, 1.0, 6.0), expected)
+    assert torch.isfinite(weighted_bce(torch.tensor([80.0, -80.0]), torch.tensor([0.0, 1.0])))
+
+
+def test_targets_pick_the_right_positions():
+    batch = {"valid": torch.tensor([[True, True, True, False]]), "is_draft": torch.tensor([[False, True, False, False]]),
+             "accept": torch.tensor([[0.5, 0.25, 1.0, 0.0]]), "logp": torch.tensor([[-1.0, -2.0, -0.5, 0.0]]),
+             "logq": torch.tensor([[-1.0, -1.0, -0.6, 0.0]])}
+    mask, label = token_targets(batch, "candidate_state")
+    assert mask.tolist() == [[False, True, False, False]] and label[mask].tolist() == [0.25]
+    mask, label = token_targets(batch, "context_state", tau=1.0)
+    assert mask.tolist() == [[True, True, False, False]]  # after the draft token at 1, the prefix is mixed
+    assert label[0, :3].tolist() == [1.0, 0.0, 1.0]
+    mask, label = token_targets(batch, "context_state", tau=math.e, contexts="all")
+    assert mask.tolist() == [[True, True, True, False]] and label[0, 1] == 1.0
+
+
+def test_split_is_by_prompt_and_ranks_cover_every_row_once():
+    assert is_validation_prompt("p3", 0, 0.5) == is_validation_prompt("p3", 0, 0.5)
+    share = np.mean([is_validation_prompt(f"p{i}", 1, 0.2) for i in range(4000)])
+    assert abs(share - 0.2) < 0.03
+    lengths = [int(x) for x in np.random.default_rng(0).integers(1, 50, 37)]
+    val = [sorted(i for b in RankBatchSampler(lengths, 4, False, 0, rank, 2) for i in b) for rank in (0, 1)]
+    assert sorted(val[0] + val[1]) == list(range(37))
+    train = [list(RankBatchSampler(lengths, 4, True, 0, rank, 2)) for rank in (0, 1)]
+    assert len(train[0]) == len(train[1]) == 37 // 8
+    assert not set(i for b in train[0] for i in b) & set(i for b in train[1] for i in b)
+
+
+def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
+    root = tmp_path / "run"
+    assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "2")) == 0
+    assert (root / "checkpoints" / "last.ckpt").is_file() and list((root / "checkpoints").glob("best-*.ckpt"))
+    assert (root / "config.yaml").is_file() and (root / "tensorboard").is_dir()
+    split = json.loads((root / "split.json").read_text())
+    assert split["val"]["prompt_ids"] and not set(split["val"]["prompt_ids"]) & set(split["train"]["prompt_ids"])
+    metrics = last_metrics(root)
+    for name in ("val/binary_kl", "val/auc", "val/ece", "val/loss", "val/binary_kl_constant", "val/auc_svip_entropy",
+                 "val/auc_draft_top1", "val/auc_draft_prob", "train/loss"):
+        assert name in metrics, name
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["epoch"] == 1 and set(checkpoint["state_dict"]) == {
+        "head.signal_mean", "head.signal_std", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
+        "head.out.weight", "head.out.bias"}
+    hparams = checkpoint["hyper_parameters"]
+    assert hparams["hidden_size"] == 32 and hparams["draft"] == "target minus layers 2"
+    assert float(checkpoint["state_dict"]["head.signal_std"][1]) != 1.0  # standardised from the training split
+    steps = checkpoint["global_step"]
+    # resume: one more epoch from last.ckpt
+    assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "3", "--ckpt_path", "last")) == 0
+    resumed = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["epoch"] == 2 and resumed["global_step"] == steps * 3 // 2
+
+
+def test_validation_metrics_equal_a_recomputation(labelled, tmp_path):
+    root = tmp_path / "run"
+    assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "1")) == 0
+    module = AcceptanceModule.load_from_checkpoint(root / "checkpoints" / "last.ckpt")
+    data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)
+    data.setup("validate")
+    labels, predictions, entropy = [], [], []
+    for batch in data.val_dataloader():
+        logits, label, mask = module.head_inputs(batch)
+        labels.append(label)
+        predictions.append(torch.sigmoid(logits))
+        entropy.append(batch["entropy"][mask])
+    labels, predictions = torch.cat(labels).numpy(), torch.cat(predictions).detach().numpy()
+    metrics = last_metrics(root)
+    assert metrics["val/tokens"] == len(labels)
+    assert metrics["val/binary_kl"] == pytest.approx(binary_kl(labels, predictions), rel=1e-4)
+    assert metrics["val/auc"] == pytest.approx(soft_auc(labels, predictions), rel=1e-4)
+    assert metrics["val/auc_svip_entropy"] == pytest.approx(soft_auc(labels, -np.sqrt(torch.cat(entropy).numpy())), rel=1e-4)
+
+
+def test_sprinter_verifier_trains_on_consistent_contexts(labelled, tmp_path):
+    root = tmp_path / "run"
+    assert main(fit_args("sprinter.yaml", labelled, root, "--trainer.max_epochs", "1", "--model.tau", "1.2",
+                         "--model.candidate_embedding", "true")) == 0
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["state_dict"]["head.out.weight"].shape == (1, 32 + 32 + 3)  # state, embedding, signals
+    assert "embeddings.weight" not in checkpoint["state_dict"]
+    assert checkpoint["hyper_parameters"]["tau"] == 1.2
+    assert 0 < last_metrics(root)["val/mean_label"] <= 1
+
+
+def test_online_mode_computes_the_stored_features(labelled, labelled_online, tmp_path):
+    root = tmp_path / "run"
+    assert main(fit_args("specdecpp.yaml", labelled_online, root, "--trainer.max_epochs", "1", "--data.val_fraction",
+                         "0.5")) == 0
+    assert AcceptanceDataModule(str(labelled_online)).mode == "online"
+    # the draft states computed in the step equal the stored fp16 features of the offline dataset
+    module = AcceptanceModule(hidden_size=32)
+    data = AcceptanceDataModule(str(labelled), mode="online", val_fraction=0.3, batch_size=4)
+    stored = AcceptanceDataModule(str(labelled), mode="offline", val_fraction=0.3, batch_size=4)
+    data.setup("fit"), stored.setup("fit")
+    from train.draft import load_draft
+
+    module.draft_model = [load_draft(data.manifest)]
+    online_batch, offline_batch = next(iter(data.val_dataloader())), next(iter(stored.val_dataloader()))
+    features = module.draft_features(online_batch, online_batch["valid"].shape[1])
+    valid = torch.cat([torch.ones_like(online_batch["valid"][:, :1]), online_batch["valid"]], 1)
+    assert torch.allclose(features[valid], offline_batch["features"][valid].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_refusals(labelled, tmp_path, capsys):
+    def refused(*extra, fragments):
+        assert main(fit_args("specdecpp.yaml", labelled, tmp_path / "r", "--trainer.max_epochs", "1", *extra)) == 2
+        err = capsys.readouterr().err
+        for fragment in fragments:
+            assert fragment in err, err
+
+    refused("--model.hidden_size", "64", fragments=["expects hidden size 64", "hidden size 32"])
+    refused("--model.draft", "some-other-draft", fragments=["some-other-draft", "target minus layers 2"])
+    refused("--model.head", "nope", fragments=["unknown head type 'nope'", "specdecpp_resnet"])
+    refused("--model.lr", "1e12", fragments=["loss became", "step", "learning rate"])
+    assert main(fit_args("specdecpp.yaml", tmp_path / "missing", tmp_path / "r")) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_train_configs_are_valid(config, labelled, capsys):
+    import yaml
+
+    assert main(["train", "fit", "--config", str(config), "--data.path", str(labelled), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["head"] in ("specdecpp_resnet", "sprinter_linear")
+    AcceptanceModule(**{**yaml.safe_load(config.read_text())["model"], "hidden_size": 32})  # constructor accepts it
+
+
+def test_two_process_ddp_on_cpu(labelled, tmp_path):
+    root = tmp_path / "ddp"
+    result = run_cli(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "1", "--trainer.devices", "2",
+                              "--trainer.strategy", "ddp"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world_size=2" in result.stderr or "distributed_backend=gloo" in result.stderr
+    single = tmp_path / "single"
+    assert run_cli(fit_args("specdecpp.yaml", labelled, single, "--trainer.max_epochs", "1")).returncode == 0
+    # each of 2 ranks takes half of every global batch of 2 × 4 rows; validation gathers every token
+    train_rows = json.loads((root / "split.json").read_text())["train"]["rows"]
+    two = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    one = torch.load(single / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (two["global_step"], one["global_step"]) == (train_rows // 8, train_rows // 4)
+    assert last_metrics(root)["val/tokens"] == last_metrics(single)["val/tokens"]

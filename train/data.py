@@ -1,0 +1,219 @@
+"""`AcceptanceDataModule`: batches of rows from a `specheads gen` folder, split by prompt.
+
+offline mode reads the stored draft `features` (memory-mapped Arrow; rows are read when batched);
+online mode has no stored features: the batch carries prompt + mixed token ids and the training
+module computes the draft's states itself. Batches are rows grouped by length (less padding); each
+rank takes its own slice of every global batch, so the same code runs on 1 process or N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import datasets
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from data_gen.store import load_labelled, read_manifest, write_json_atomic
+from specheads.errors import UsageError
+
+PER_POSITION_FLOATS = ("accept", "logp", "logq", "entropy", "top1")
+SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
+
+
+def is_validation_prompt(prompt_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic split by prompt: a hash of (seed, id) decides, whatever the row order or count."""
+    digest = hashlib.sha256(f"{seed}\x00{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < fraction
+
+
+class RowDataset(Dataset):
+    """Rows of a labelled dataset as numpy dicts; `features` only in offline mode."""
+
+    def __init__(self, rows: datasets.Dataset, with_features: bool):
+        columns = list(SMALL_COLUMNS) + (["features"] if with_features else [])
+        self.rows = rows.with_format("numpy", columns=columns)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[int(index)]
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pad per-position columns to the longest response; `valid` marks real positions."""
+    width = max(len(row["accept"]) for row in rows)
+    batch: dict[str, Any] = {"valid": torch.zeros(len(rows), width, dtype=torch.bool),
+                             "is_draft": torch.zeros(len(rows), width, dtype=torch.bool),
+                             "draft_ids": torch.zeros(len(rows), width, dtype=torch.long)}
+    for name in PER_POSITION_FLOATS:
+        batch[name] = torch.zeros(len(rows), width, dtype=torch.float32)
+    for index, row in enumerate(rows):
+        n = len(row["accept"])
+        batch["valid"][index, :n] = True
+        batch["is_draft"][index, :n] = torch.from_numpy(np.asarray(row["is_draft"], dtype=bool))
+        batch["draft_ids"][index, :n] = torch.from_numpy(np.asarray(row["draft_ids"], dtype=np.int64))
+        for name in PER_POSITION_FLOATS:
+            batch[name][index, :n] = torch.from_numpy(np.asarray(row[name], dtype=np.float32))
+    if "features" in rows[0]:
+        hidden = rows[0]["features"].shape[-1]
+        batch["features"] = torch.zeros(len(rows), width + 1, hidden, dtype=torch.float16)
+        for index, row in enumerate(rows):
+            batch["features"][index, : len(row["features"])] = torch.from_numpy(np.asarray(row["features"]))
+    else:
+        batch["prompt_ids"] = [row["prompt_ids"].tolist() for row in rows]
+        batch["mixed_ids"] = [row["mixed_ids"].tolist() for row in rows]
+    return batch
+
+
+class RankBatchSampler(Sampler[list[int]]):
+    """Rows grouped by length into global batches of `batch_size × world_size`; rank r takes slice r.
+
+    Training batches are shuffled per epoch (`set_epoch`) and cut to a whole number of global
+    batches, so every rank runs the same number of steps; validation keeps every row.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1):
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return sorted(range(len(self.lengths)), key=lambda i: (-self.lengths[i], i))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return list(LengthGroupedSampler(self.batch_size * self.world_size, lengths=self.lengths, generator=generator))
+
+    def _batches(self) -> list[list[int]]:
+        order = self._order()
+        step = self.batch_size * self.world_size
+        if self.shuffle:
+            order = order[: len(order) - len(order) % step] if len(order) >= step else []
+        mine = []
+        for start in range(0, len(order), step):
+            chunk = order[start : start + step]
+            share = -(-len(chunk) // self.world_size)
+            batch = chunk[self.rank * share : (self.rank + 1) * share]
+            if batch:
+                mine.append(batch)
+        return mine
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class AcceptanceDataModule(L.LightningDataModule):
+    """A `specheads gen` folder, split by prompt into train and validation.
+
+    Args:
+        path: the folder `specheads gen --out` wrote.
+        mode: `offline` reads stored features, `online` computes them with the frozen draft, `auto` picks
+            offline when the dataset stores features.
+        val_fraction: share of prompts held out for validation (never seen in training).
+        split_seed: seed of the prompt split.
+        batch_size: rows per batch and process (SpecDec++: 32).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,
+                 split_seed: int = 0, batch_size: int = 32, num_workers: int = 0):
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise UsageError(f"data.val_fraction must lie in (0, 1), got {val_fraction}")
+        if batch_size < 1:
+            raise UsageError(f"data.batch_size must be at least 1, got {batch_size}")
+        manifest = read_manifest(Path(path))
+        if manifest is None:
+            raise UsageError(f"{path} holds no labelled dataset (no manifest.json); run `specheads gen --out {path}` first")
+        if not manifest.get("complete"):
+            raise UsageError(f"{path} holds an unfinished `specheads gen` run; run the same gen command again to finish it")
+        stored = bool(manifest["identity"]["store_features"])
+        if mode == "offline" and not stored:
+            raise UsageError(f"{path} stores no hidden-state features; use --data.mode online (or auto), or regenerate "
+                             "with --store-features true")
+        self.path = path
+        self.manifest = manifest
+        self.mode = "offline" if mode == "auto" and stored else ("online" if mode == "auto" else mode)
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.splits: dict[str, datasets.Dataset] = {}
+
+    @property
+    def hidden_size(self) -> int:
+        """The draft's hidden size recorded in the manifest."""
+        return int(self.manifest["identity"]["draft_hidden_size"])
+
+    @property
+    def draft_name(self) -> str:
+        """The draft the data was labelled with, as the manifest names it."""
+        return str(self.manifest["draft_name"])
+
+    @property
+    def fingerprint(self) -> str:
+        """The dataset's fingerprint."""
+        return str(self.manifest["fingerprint"])
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        rows = load_labelled(self.path)
+        held_out = [is_validation_prompt(p, self.split_seed, self.val_fraction) for p in rows["prompt_id"]]
+        train = [i for i, out in enumerate(held_out) if not out]
+        val = [i for i, out in enumerate(held_out) if out]
+        if not train or not val:
+            raise UsageError(f"the prompt split leaves {len(train)} training and {len(val)} validation rows; "
+                             "give more prompts or change data.val_fraction")
+        self.splits = {"train": rows.select(train), "val": rows.select(val)}
+
+    def split_record(self) -> dict[str, Any]:
+        """The split, for the run folder: which prompts went where, and the counts."""
+        record: dict[str, Any] = {"data": self.path, "fingerprint": self.fingerprint, "val_fraction": self.val_fraction,
+                                  "split_seed": self.split_seed}
+        for name, rows in self.splits.items():
+            accept = rows.with_format("numpy", columns=["accept"])["accept"]
+            record[name] = {"rows": len(rows), "tokens": int(sum(len(a) for a in accept)),
+                            "prompt_ids": sorted(set(rows["prompt_id"]))}
+        return record
+
+    def write_split(self, folder: Path) -> None:
+        """Record the split in `folder/split.json` (atomic)."""
+        write_json_atomic(folder / "split.json", self.split_record())
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        rows = self.splits[split]
+        lengths = [len(ids) for ids in rows.with_format("numpy", columns=["mixed_ids"])["mixed_ids"]]
+        trainer = self.trainer
+        sampler = RankBatchSampler(lengths, self.batch_size, shuffle, self.split_seed,
+                                   trainer.global_rank if trainer else 0, trainer.world_size if trainer else 1)
+        return DataLoader(RowDataset(rows, self.mode == "offline"), batch_sampler=sampler, collate_fn=collate_rows,
+                          num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def small_batches(self, split: str, rows_per_batch: int = 256) -> Iterator[dict[str, Any]]:
+        """The split's per-position columns in padded batches, without features (for statistics)."""
+        rows = RowDataset(self.splits[split], with_features=False)
+        for start in range(0, len(rows), rows_per_batch):
+            yield collate_rows([rows[i] for i in range(start, min(start + rows_per_batch, len(rows)))])

@@ -1,0 +1,18 @@
+"""The draft model a labelled dataset was made with, loaded from its manifest (for online training)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from data_gen.models import ModelSpec, derived_draft, load_model, load_pair
+
+
+def load_draft(manifest: dict[str, Any]) -> torch.nn.Module:
+    """The frozen draft named in `manifest` (a derived draft is rebuilt from its target)."""
+    config = manifest["config"]
+    target, draft = ModelSpec(**config["target"]), ModelSpec(**config["draft"])
+    if derived_draft(draft):
+        return load_pair(target, draft).draft
+    return load_model(draft)

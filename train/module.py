@@ -1,0 +1,217 @@
+"""`AcceptanceModule`: trains one head (SpecDec++ ResNet or SPRINTER verifier) with the weighted BCE.
+
+The head is built from the registry by name; its hidden size comes from the dataset's manifest
+unless the config names one (then a mismatch is refused). Validation each epoch logs the weighted
+loss, binary KL, AUC and ECE of the head and, on the same tokens, the AUC of the training-free
+signals and the binary KL of the constant predictor, so the head's margin is visible as it trains.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torchmetrics.aggregation import CatMetric
+from transformers import get_cosine_schedule_with_warmup
+
+from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from heads import SIGNALS, AcceptanceHead, build_head, head_class
+from train.loss import weighted_bce
+from train.targets import CANDIDATE_STATE, Contexts, head_states, token_targets
+from specheads.errors import UsageError
+
+VALIDATION_COLUMNS = ("prediction", "label", "logq", "entropy", "top1")
+
+
+class AcceptanceModule(L.LightningModule):
+    """One acceptance head and its training objective.
+
+    Args:
+        head: registry name, `specdecpp_resnet` or `sprinter_linear`.
+        head_args: further constructor arguments of the head (e.g. `{depth: 3}`).
+        extra_features: draft signals to concatenate to the state, from ("logq", "entropy", "top1").
+        candidate_embedding: feed the candidate's input embedding (from the draft) to a verifier.
+        hidden_size: expected draft hidden size; null takes the dataset's, a different value is refused.
+        draft: expected draft name (as `specheads gen` recorded it); null accepts the dataset's.
+        w_acc, w_rej: weights of the accepted and rejected terms of the BCE (SpecDec++: 1 and 6).
+        tau: SPRINTER's ratio threshold: label 1[q/p ≤ τ] (1, 1.2, 1.5 in the paper).
+        contexts: SPRINTER positions: `consistent` (prefix all target tokens) or `all`.
+        optimizer, lr, weight_decay, warmup_ratio: AdamW/Adam with linear warmup then cosine decay.
+        ece_bins: bins of the expected calibration error.
+        embedding_size: filled in from the draft when `candidate_embedding` is on; leave it at 0.
+    """
+
+    def __init__(self, head: str = "specdecpp_resnet", head_args: dict[str, Any] | None = None,
+                 extra_features: list[str] | None = None, candidate_embedding: bool = False,
+                 hidden_size: int | None = None, draft: str | None = None, w_acc: float = 1.0, w_rej: float = 6.0,
+                 tau: float = 1.0, contexts: Contexts = "consistent", optimizer: Literal["adamw", "adam"] = "adamw",
+                 lr: float = 1e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.05, ece_bins: int = 10,
+                 embedding_size: int = 0):
+        super().__init__()
+        head_class(head)
+        if tau <= 0 or w_acc <= 0 or w_rej <= 0:
+            raise UsageError(f"model.tau, model.w_acc and model.w_rej must be positive, got {tau}, {w_acc}, {w_rej}")
+        self.save_hyperparameters()
+        self.head: AcceptanceHead | None = None
+        self.signal_index = [SIGNALS.index(name) for name in (extra_features or [])]
+        self.draft_model: list[torch.nn.Module] = []  # a list keeps the frozen draft out of the state dict
+        self.embeddings: torch.nn.Embedding | None = None
+        self.validation = torch.nn.ModuleDict({name: CatMetric() for name in VALIDATION_COLUMNS})
+        self.constant = float("nan")
+        if hidden_size is not None:
+            self.build(hidden_size, embedding_size)
+
+    @property
+    def reads(self) -> str:
+        """Which hidden state the head reads."""
+        return head_class(self.hparams.head).reads
+
+    def build(self, hidden_size: int, embedding_size: int) -> None:
+        """Create the head (once the hidden size and embedding size are known)."""
+        kwargs: dict[str, Any] = {"hidden_size": hidden_size, "extra_features": list(self.hparams.extra_features or []),
+                                  **(self.hparams.head_args or {})}
+        if embedding_size:
+            kwargs["candidate_embedding_size"] = embedding_size
+        self.head = build_head(self.hparams.head, **kwargs)
+        self.hparams.embedding_size = embedding_size
+
+    # ---- setup: match the data, load what online training and embeddings need, signal statistics
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule
+        data.setup(stage)
+        expected, found = self.hparams.hidden_size, data.hidden_size
+        if expected is not None and expected != found:
+            raise UsageError(f"the head expects hidden size {expected} but {data.path} was labelled with a draft of hidden "
+                             f"size {found} ({data.draft_name}); set model.hidden_size to {found} or null, or use matching data")
+        if self.hparams.draft is not None and self.hparams.draft != data.draft_name:
+            raise UsageError(f"the config names draft {self.hparams.draft!r} but {data.path} was labelled with draft "
+                             f"{data.draft_name!r}; fix model.draft or use data from that draft")
+        self.hparams.hidden_size = found
+        self.hparams.draft = data.draft_name
+        self.hparams.data_fingerprint = data.fingerprint
+        self.hparams.data_sampling = data.manifest["identity"]["sampling"]
+        if data.mode == "online" or self.hparams.candidate_embedding:
+            from train.draft import load_draft
+
+            draft = load_draft(data.manifest)
+            if data.mode == "online":
+                self.draft_model = [draft]
+            if self.hparams.candidate_embedding:
+                weight = draft.get_input_embeddings().weight.detach().float().clone()
+                self.embeddings = torch.nn.Embedding.from_pretrained(weight, freeze=True)
+        if self.head is None:
+            self.build(found, self.embeddings.embedding_dim if self.embeddings is not None else 0)
+        if stage == "fit":
+            self.fit_statistics(data)
+            log_dir = self.trainer.log_dir  # a collective call: every rank asks
+            if self.trainer.is_global_zero and log_dir:
+                data.write_split(Path(log_dir))
+
+    def fit_statistics(self, data: Any) -> None:
+        """Signal standardisation and the constant predictor, from the training split's labelled tokens."""
+        signals, labels = [], []
+        for batch in data.small_batches("train"):
+            mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
+            signals.append(torch.stack([batch[name][mask] for name in SIGNALS], -1))
+            labels.append(label[mask])
+        signals_all, labels_all = torch.cat(signals), torch.cat(labels)
+        if not len(labels_all):
+            raise UsageError(f"the training split of {data.path} has no labelled token for a {self.reads} head "
+                             "(SPRINTER with contexts=consistent needs rows with mixing ratio 1: --mixing.schedule); "
+                             "use other data or model.contexts all")
+        if self.signal_index:
+            chosen = signals_all[:, self.signal_index].double()
+            self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
+        self.constant = float(labels_all.double().mean())
+
+    def on_fit_start(self) -> None:
+        for model in self.draft_model:
+            model.to(self.device)
+
+    # ---- steps
+
+    def head_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, labels, mask) over the batch's labelled positions."""
+        mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
+        features = batch["features"] if "features" in batch else self.draft_features(batch, mask.shape[1])
+        hidden = head_states(features, self.reads)[mask]
+        signals = torch.stack([batch[SIGNALS[i]] for i in self.signal_index], -1)[mask] if self.signal_index else None
+        embedding = self.embeddings(batch["draft_ids"][mask]) if self.embeddings is not None else None
+        return self.head(hidden, signals, embedding), label[mask], mask
+
+    @torch.no_grad()
+    def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
+        """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
+        from data_gen.labels import mixed_states
+
+        states = mixed_states(self.draft_model[0], batch["prompt_ids"], batch["mixed_ids"], 0, self.device)
+        features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=self.device)
+        for row, state in enumerate(states):
+            features[row, : len(state)] = state
+        return features
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        logits, labels, _ = self.head_inputs(batch)
+        loss = weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
+        if not torch.isfinite(loss):
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            raise UsageError(f"the training loss became {loss.item()} at step {self.global_step} (epoch {self.current_epoch}, "
+                             f"lr {lr:.2e}): likely a learning rate too high (lower model.lr) or non-finite stored "
+                             "features (fp16 overflow: regenerate the data or train online)")
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        logits, labels, mask = self.head_inputs(batch)
+        self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
+                 batch_size=len(labels), sync_dist=True)
+        values = {"prediction": torch.sigmoid(logits.float()), "label": labels,
+                  **{name: batch[name][mask] for name in ("logq", "entropy", "top1")}}
+        for name, value in values.items():
+            self.validation[name].update(value.float())
+
+    def on_validation_epoch_end(self) -> None:
+        gathered = {name: metric.compute().cpu().numpy().astype(np.float64) for name, metric in self.validation.items()}
+        for metric in self.validation.values():
+            metric.reset()
+        label, prediction = gathered["label"], gathered["prediction"]
+        metrics = {"val/binary_kl": binary_kl(label, prediction), "val/auc": soft_auc(label, prediction),
+                   "val/ece": expected_calibration_error(label, prediction, self.hparams.ece_bins),
+                   "val/tokens": float(len(label)), "val/mean_label": float(label.mean())}
+        if not math.isnan(self.constant):
+            metrics["val/binary_kl_constant"] = binary_kl(label, np.full_like(label, self.constant))
+        for name, scores in baseline_scores(gathered["logq"], gathered["entropy"], gathered["top1"]).items():
+            metrics[f"val/auc_{name}"] = soft_auc(label, scores)
+        auc = metrics.pop("val/auc")
+        # every rank computed the same values from the gathered tokens; the sync only keeps Lightning content
+        self.log_dict(metrics, prog_bar=False, sync_dist=True)
+        self.log("val/auc", auc, prog_bar=True, sync_dist=True)
+
+    # ---- optimisation
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer_class = torch.optim.AdamW if self.hparams.optimizer == "adamw" else torch.optim.Adam
+        optimizer = optimizer_class(self.head.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        schedule = get_cosine_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Only the head's weights (the validation accumulators and frozen embeddings are not state)."""
+        state = super().state_dict(*args, **kwargs)
+        return {k: v for k, v in state.items() if k.startswith("head.") or k == "head"}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load the head's weights; strict about the head, indifferent to the rest."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [key for key in result.missing_keys if key.startswith("head.")]
+        unexpected = [key for key in result.unexpected_keys if key.startswith("head.")]
+        if strict and (missing or unexpected):
+            raise UsageError(f"the checkpoint does not fit this head (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                             "load it with the config it was trained with")
+        return result
