@@ -34,6 +34,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_high_water_mark() -> None:
+    """Reset this process's VmHWM (Linux: writing 5 to clear_refs), so later peaks exclude model loading."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def high_water_mark_mib() -> float:
+    """VmHWM from /proc/self/status: the peak RSS since the last reset."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def prompts_file(count: int, folder: str) -> str:
     """A JSONL of `count` distinct prompts: the built-in set, cycled with a short suffix past its 200."""
     from data_gen.prompts import load_prompts
@@ -69,6 +83,8 @@ def measure_ours(prompts: int, max_new_tokens: int) -> dict:
         start = time.perf_counter()
         pair = original(*args, **kwargs)
         loaded["seconds"] = time.perf_counter() - start
+        loaded["rss_after_load_mib"] = high_water_mark_mib()
+        reset_high_water_mark()
         return pair
 
     run_module.load_pair = timed_load
@@ -77,7 +93,8 @@ def measure_ours(prompts: int, max_new_tokens: int) -> dict:
         summary = run_module.run(gen_config(prompts, max_new_tokens, out))
         seconds = time.perf_counter() - start - loaded["seconds"]
     return {"tokens": summary.labelled_tokens, "seconds": seconds, "tokens_per_s": summary.labelled_tokens / seconds,
-            "mean_accept": summary.mean_accept, "peak_rss_mib": peak_rss_mib()}
+            "mean_accept": summary.mean_accept, "peak_rss_mib": peak_rss_mib(),
+            "peak_rss_after_load_mib": high_water_mark_mib(), "peak_rss_during_load_mib": loaded["rss_after_load_mib"]}
 
 
 def measure_reference(prompts: int, max_new_tokens: int) -> dict:
@@ -193,19 +210,26 @@ def main() -> None:
     parser.add_argument("--memory-prompts", type=int, nargs="*", default=[32, 256])
     parser.add_argument("--memory-max-new-tokens", type=int, default=32)
     parser.add_argument("--child", choices=["ours", "reference", "labelling"])
+    parser.add_argument("--parts", nargs="*", choices=["end_to_end", "labelling", "memory"],
+                        default=["end_to_end", "labelling", "memory"])
     args = parser.parse_args()
     if args.child:
         child(args.child, args.prompts, args.max_new_tokens)
         return
     report = {"torch_threads": torch.get_num_threads(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
-    report["end_to_end"] = {"ours": in_child("ours", args.prompts, args.max_new_tokens),
-                            "reference": in_child("reference", args.prompts, args.max_new_tokens)}
-    e2e = report["end_to_end"]
-    e2e["speedup"] = e2e["ours"]["tokens_per_s"] / e2e["reference"]["tokens_per_s"]
-    print(json.dumps(report, indent=2), flush=True)
-    report["labelling"] = in_child("labelling", args.prompts, args.max_new_tokens)
-    print(json.dumps(report["labelling"], indent=2), flush=True)
-    report["memory"] = {str(n): in_child("ours", n, args.memory_max_new_tokens) for n in args.memory_prompts}
+    if "end_to_end" in args.parts:
+        report["end_to_end"] = {"ours": in_child("ours", args.prompts, args.max_new_tokens),
+                                "reference": in_child("reference", args.prompts, args.max_new_tokens)}
+        e2e = report["end_to_end"]
+        e2e["speedup"] = e2e["ours"]["tokens_per_s"] / e2e["reference"]["tokens_per_s"]
+        print(json.dumps(report, indent=2), flush=True)
+    if "labelling" in args.parts:
+        report["labelling"] = in_child("labelling", args.prompts, args.max_new_tokens)
+        print(json.dumps(report["labelling"], indent=2), flush=True)
+    if "memory" in args.parts:
+        report["memory"] = {str(n): in_child("ours", n, args.memory_max_new_tokens) for n in args.memory_prompts}
+        runs = list(report["memory"].values())
+        report["memory"]["ratio_after_load"] = runs[-1]["peak_rss_after_load_mib"] / runs[0]["peak_rss_after_load_mib"]
     print(json.dumps(report, indent=2))
 
 

@@ -84,6 +84,9 @@ class GenConfig:
             raise UsageError(f"num_prompts must be at least 1, got {self.num_prompts}")
         if self.rows_per_shard % self.batch_size:
             raise UsageError(f"rows_per_shard ({self.rows_per_shard}) must be a multiple of batch_size ({self.batch_size})")
+        if self.sampling.temperature == 0 and self.samples_per_prompt > 1 and self.responses is None:
+            raise UsageError(f"at temperature 0 every sample of a prompt is the same greedy response; set "
+                             f"samples_per_prompt to 1 (got {self.samples_per_prompt}) or sample with temperature > 0")
         self.sampling.transform()
         self.mixing.ratios()
 

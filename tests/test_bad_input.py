@@ -120,6 +120,7 @@ def test_imported_responses(capsys, tiny_model, prompts_file, tmp_path):
     (["--samples-per-prompt", "0"], "samples_per_prompt must be at least 1"),
     (["--rows-per-shard", "6"], "multiple of batch_size"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "0"], "every sample of a prompt is the same greedy response"),
     (["--mixing.schedule", "[0.5, 2.0]"], "mixing ratios must lie in [0, 1]"),
     (["--no-such-flag", "1"], "no_such_flag"),
 ])

@@ -206,3 +206,19 @@ def test_bad_inputs_are_refused():
         verifier(torch.randn(3, H))
     with pytest.raises(UsageError, match=r"candidate_embedding must have shape \[3, 8\]"):
         verifier(torch.randn(3, H), candidate_embedding=torch.randn(3, 4))
+
+
+def test_hidden_state_standardisation_is_applied_and_saved(tmp_path):
+    torch.manual_seed(0)
+    head = ResNetAcceptanceHead(H, depth=1)
+    hidden = torch.randn(5, H) * 40 + 3
+    before = head.predict(hidden)
+    mean, std = hidden.mean(0), hidden.std(0)
+    head.set_hidden_statistics(mean, std)
+    assert not torch.allclose(head.predict(hidden), before)
+    assert torch.allclose(head.features(hidden), (hidden - mean) / std, atol=1e-5)
+    head.save_pretrained(tmp_path / "h")
+    loaded = ResNetAcceptanceHead.from_pretrained(tmp_path / "h")
+    assert torch.allclose(loaded.predict(hidden), head.predict(hidden))
+    with pytest.raises(UsageError, match=rf"hidden std must have shape \[{H}\]"):
+        head.set_hidden_statistics(mean, torch.ones(H + 1))

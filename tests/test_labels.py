@@ -19,7 +19,9 @@ TRANSFORMS = {"plain": (1.0, 0, 1.0), "warped": (0.8, 20, 0.9), "greedy": (0.0, 
 def labelled(request, tiny_model, prompts_file, tmp_path_factory):
     temperature, top_k, top_p = TRANSFORMS[request.param]
     out = tmp_path_factory.mktemp(f"labels-{request.param}")
-    code = main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "4", "--temperature", str(temperature),
+    # 8 rows each: greedy responses are one per prompt, sampled ones two per prompt
+    rows = ["--num-prompts", "8", "--samples-per-prompt", "1"] if temperature == 0 else ["--num-prompts", "4"]
+    code = main(tiny_args(tiny_model, prompts_file, out, *rows, "--temperature", str(temperature),
                           "--top-k", str(top_k), "--top-p", str(top_p)))
     assert code == 0
     return out, (temperature, top_k, top_p)

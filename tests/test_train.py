@@ -97,11 +97,12 @@ def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
         assert name in metrics, name
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 1 and set(checkpoint["state_dict"]) == {
-        "head.signal_mean", "head.signal_std", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
+        "head.signal_mean", "head.signal_std", "head.hidden_mean", "head.hidden_std", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
         "head.out.weight", "head.out.bias"}
     hparams = checkpoint["hyper_parameters"]
     assert hparams["hidden_size"] == 32 and hparams["draft"] == "target minus layers 2"
     assert float(checkpoint["state_dict"]["head.signal_std"][1]) != 1.0  # standardised from the training split
+    assert not torch.allclose(checkpoint["state_dict"]["head.hidden_std"], torch.ones(32))
     steps = checkpoint["global_step"]
     # resume: one more epoch from last.ckpt
     assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "3", "--ckpt_path", "last")) == 0

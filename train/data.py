@@ -212,6 +212,11 @@ class AcceptanceDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
 
+    def statistics_dataloader(self) -> DataLoader:
+        """The training split in a fixed order, whole, for input statistics (every rank sees the same)."""
+        return DataLoader(RowDataset(self.splits["train"], self.mode == "offline"), batch_size=self.batch_size,
+                          collate_fn=collate_rows, num_workers=self.num_workers)
+
     def small_batches(self, split: str, rows_per_batch: int = 256) -> Iterator[dict[str, Any]]:
         """The split's per-position columns in padded batches, without features (for statistics)."""
         rows = RowDataset(self.splits[split], with_features=False)

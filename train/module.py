@@ -60,7 +60,7 @@ class AcceptanceModule(L.LightningModule):
         self.signal_index = [SIGNALS.index(name) for name in (extra_features or [])]
         self.draft_model: list[torch.nn.Module] = []  # a list keeps the frozen draft out of the state dict
         self.embeddings: torch.nn.Embedding | None = None
-        self.validation = torch.nn.ModuleDict({name: CatMetric() for name in VALIDATION_COLUMNS})
+        self.validation = torch.nn.ModuleDict({name: CatMetric(nan_strategy="disable") for name in VALIDATION_COLUMNS})
         self.constant = float("nan")
         if hidden_size is not None:
             self.build(hidden_size, embedding_size)
@@ -100,7 +100,7 @@ class AcceptanceModule(L.LightningModule):
 
             draft = load_draft(data.manifest)
             if data.mode == "online":
-                self.draft_model = [draft]
+                self.draft_model = [draft.to(self.trainer.strategy.root_device)]
             if self.hparams.candidate_embedding:
                 weight = draft.get_input_embeddings().weight.detach().float().clone()
                 self.embeddings = torch.nn.Embedding.from_pretrained(weight, freeze=True)
@@ -113,7 +113,7 @@ class AcceptanceModule(L.LightningModule):
                 data.write_split(Path(log_dir))
 
     def fit_statistics(self, data: Any) -> None:
-        """Signal standardisation and the constant predictor, from the training split's labelled tokens."""
+        """Input standardisation and the constant predictor, from the training split's labelled tokens."""
         signals, labels = [], []
         for batch in data.small_batches("train"):
             mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
@@ -127,7 +127,23 @@ class AcceptanceModule(L.LightningModule):
         if self.signal_index:
             chosen = signals_all[:, self.signal_index].double()
             self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
+        self.head.set_hidden_statistics(*self.hidden_statistics(data))
         self.constant = float(labels_all.double().mean())
+
+    @torch.no_grad()
+    def hidden_statistics(self, data: Any, max_batches: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension mean and std of the head's input states over (up to `max_batches` of) the training split."""
+        total = squares = count = 0
+        for index, batch in enumerate(data.statistics_dataloader()):
+            if index == max_batches:
+                break
+            mask, _ = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
+            features = batch["features"] if "features" in batch else self.draft_features(batch, mask.shape[1])
+            states = head_states(features, self.reads)[mask.to(features.device)].double().cpu()
+            total, squares, count = total + states.sum(0), squares + (states**2).sum(0), count + len(states)
+        mean = total / count
+        std = (squares / count - mean**2).clamp_min(0).sqrt()
+        return mean.float(), std.float()
 
     def on_fit_start(self) -> None:
         for model in self.draft_model:
@@ -149,8 +165,9 @@ class AcceptanceModule(L.LightningModule):
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
         from data_gen.labels import mixed_states
 
-        states = mixed_states(self.draft_model[0], batch["prompt_ids"], batch["mixed_ids"], 0, self.device)
-        features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=self.device)
+        device = next(self.draft_model[0].parameters()).device
+        states = mixed_states(self.draft_model[0], batch["prompt_ids"], batch["mixed_ids"], 0, device)
+        features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=device)
         for row, state in enumerate(states):
             features[row, : len(state)] = state
         return features
@@ -159,12 +176,16 @@ class AcceptanceModule(L.LightningModule):
         logits, labels, _ = self.head_inputs(batch)
         loss = weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
         if not torch.isfinite(loss):
-            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-            raise UsageError(f"the training loss became {loss.item()} at step {self.global_step} (epoch {self.current_epoch}, "
-                             f"lr {lr:.2e}): likely a learning rate too high (lower model.lr) or non-finite stored "
-                             "features (fp16 overflow: regenerate the data or train online)")
+            self.stop_on_nan(f"the training loss became {loss.item()}")
         self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
         return loss
+
+    def stop_on_nan(self, what: str) -> None:
+        """Stop the run with a message that names the step and the likely cause."""
+        raise UsageError(f"{what} at step {self.global_step} (epoch {self.current_epoch}, model.lr "
+                         f"{self.hparams.lr:.2e}): likely a "
+                         "learning rate too high (lower model.lr) or non-finite stored features (fp16 overflow: "
+                         "regenerate the data or train online)")
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         logits, labels, mask = self.head_inputs(batch)
@@ -180,6 +201,8 @@ class AcceptanceModule(L.LightningModule):
         for metric in self.validation.values():
             metric.reset()
         label, prediction = gathered["label"], gathered["prediction"]
+        if not np.isfinite(prediction).all():
+            self.stop_on_nan("the validation predictions became NaN")
         metrics = {"val/binary_kl": binary_kl(label, prediction), "val/auc": soft_auc(label, prediction),
                    "val/ece": expected_calibration_error(label, prediction, self.hparams.ece_bins),
                    "val/tokens": float(len(label)), "val/mean_label": float(label.mean())}
