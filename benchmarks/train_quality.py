@@ -53,14 +53,16 @@ def main() -> None:
     parser.add_argument("--sprinter", help="gen folder with target-only rows at T=1")
     parser.add_argument("--sprinter-greedy", help="gen folder with target-only rows at T=0")
     parser.add_argument("--out", default="runs/quality")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, help="override the configs' trainer.max_epochs")
     args = parser.parse_args()
     results = []
     for index, (name, config, data, flags) in enumerate(experiments(args)):
         root = Path(args.out) / f"run{index}"
         command = [sys.executable, "-m", "specheads", "train", "fit", "--config", str(ROOT / "configs/train" / config),
-                   "--data.path", data, "--trainer.default_root_dir", str(root), "--trainer.max_epochs", str(args.epochs),
+                   "--data.path", data, "--trainer.default_root_dir", str(root),
                    "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", *flags]
+        if args.epochs:
+            command += ["--trainer.max_epochs", str(args.epochs)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")

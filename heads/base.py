@@ -9,6 +9,7 @@ to `model.safetensors`; `from_pretrained` rebuilds the head from both.
 from __future__ import annotations
 
 import contextlib
+import math
 import io
 import operator
 from typing import Any, ClassVar
@@ -72,6 +73,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         # them per dimension lets a few hundred Adam steps reach what a well-conditioned solver reaches
         self.register_buffer("hidden_mean", torch.zeros(self.hidden_size))
         self.register_buffer("hidden_std", torch.ones(self.hidden_size))
+        # a head trained with class weights w_acc, w_rej predicts â = w_acc·a / (w_acc·a + w_rej·(1 − a)); adding
+        # log(w_rej / w_acc) to its logit recovers a (the prior correction); `predict` applies it
+        self.register_buffer("logit_correction", torch.zeros(()))
         self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
                             head_type=self.head_type, reads=self.reads)
 
@@ -127,8 +131,17 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     @torch.no_grad()
     def predict(self, hidden: Tensor, signals: Tensor | None = None,
                 candidate_embedding: Tensor | None = None) -> Tensor:
-        """Acceptance probabilities (sigmoid of the logits), without gradients."""
-        return torch.sigmoid(self(hidden, signals, candidate_embedding))
+        """Acceptance probabilities (sigmoid of the logits plus the class-weight correction), without gradients."""
+        return self.probabilities(self(hidden, signals, candidate_embedding))
+
+    def probabilities(self, logits: Tensor) -> Tensor:
+        """Calibrated probabilities from `forward`'s logits: sigmoid(logits + log(w_rej / w_acc))."""
+        return torch.sigmoid(logits + self.logit_correction)
+
+    def set_class_weights(self, w_acc: float, w_rej: float) -> None:
+        """Record the training loss's class weights, so that `predict` undoes their shift of the probabilities."""
+        with torch.no_grad():
+            self.logit_correction.fill_(math.log(w_rej / w_acc))
 
     def features(self, hidden: Tensor, signals: Tensor | None = None,
                  candidate_embedding: Tensor | None = None) -> Tensor:

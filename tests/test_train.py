@@ -97,12 +97,13 @@ def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
         assert name in metrics, name
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 1 and set(checkpoint["state_dict"]) == {
-        "head.signal_mean", "head.signal_std", "head.hidden_mean", "head.hidden_std", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
+        "head.signal_mean", "head.signal_std", "head.hidden_mean", "head.hidden_std", "head.logit_correction", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
         "head.out.weight", "head.out.bias"}
     hparams = checkpoint["hyper_parameters"]
     assert hparams["hidden_size"] == 32 and hparams["draft"] == "target minus layers 2"
     assert float(checkpoint["state_dict"]["head.signal_std"][1]) != 1.0  # standardised from the training split
     assert not torch.allclose(checkpoint["state_dict"]["head.hidden_std"], torch.ones(32))
+    assert float(checkpoint["state_dict"]["head.logit_correction"]) == pytest.approx(math.log(6.0))  # w_rej / w_acc
     steps = checkpoint["global_step"]
     # resume: one more epoch from last.ckpt
     assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "3", "--ckpt_path", "last")) == 0
@@ -120,7 +121,7 @@ def test_validation_metrics_equal_a_recomputation(labelled, tmp_path):
     for batch in data.val_dataloader():
         logits, label, mask = module.head_inputs(batch)
         labels.append(label)
-        predictions.append(torch.sigmoid(logits))
+        predictions.append(module.head.probabilities(logits))
         entropy.append(batch["entropy"][mask])
     labels, predictions = torch.cat(labels).numpy(), torch.cat(predictions).detach().numpy()
     metrics = last_metrics(root)
@@ -199,3 +200,23 @@ def test_two_process_ddp_on_cpu(labelled, tmp_path):
     one = torch.load(single / "checkpoints" / "last.ckpt", weights_only=False)
     assert (two["global_step"], one["global_step"]) == (train_rows // 8, train_rows // 4)
     assert last_metrics(root)["val/tokens"] == last_metrics(single)["val/tokens"]
+
+
+def test_class_weight_correction_recovers_the_soft_label():
+    from heads import ResNetAcceptanceHead
+
+    head = ResNetAcceptanceHead(4, depth=0)
+    head.set_class_weights(1.0, 6.0)
+    for a in (0.2, 0.6, 0.9):
+        z = torch.zeros(1, requires_grad=True)
+        optimizer = torch.optim.LBFGS([z], max_iter=100)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = weighted_bce(z.expand(1000), torch.full((1000,), a), 1.0, 6.0)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        assert torch.sigmoid(z).item() == pytest.approx(a / (a + 6 * (1 - a)), abs=1e-4)  # the weighted optimum
+        assert head.probabilities(z.detach()).item() == pytest.approx(a, abs=1e-4)  # corrected back to a

@@ -128,6 +128,7 @@ class AcceptanceModule(L.LightningModule):
             chosen = signals_all[:, self.signal_index].double()
             self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
         self.head.set_hidden_statistics(*self.hidden_statistics(data))
+        self.head.set_class_weights(self.hparams.w_acc, self.hparams.w_rej)
         self.constant = float(labels_all.double().mean())
 
     @torch.no_grad()
@@ -191,7 +192,7 @@ class AcceptanceModule(L.LightningModule):
         logits, labels, mask = self.head_inputs(batch)
         self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
                  batch_size=len(labels), sync_dist=True)
-        values = {"prediction": torch.sigmoid(logits.float()), "label": labels,
+        values = {"prediction": self.head.probabilities(logits.float()), "label": labels,
                   **{name: batch[name][mask] for name in ("logq", "entropy", "top1")}}
         for name, value in values.items():
             self.validation[name].update(value.float())
