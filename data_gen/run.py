@@ -19,7 +19,7 @@ from data_gen.embedded import file_sha256
 from data_gen.models import (ModelPair, chat_template_hash, context_length, derived_draft, load_pair,
                              load_tokenizers, tokenizer_hash, weights_identity)
 from data_gen.module import LabellingModule, ShardWriter
-from data_gen.plan import Shard, WorkItem, build_plan
+from data_gen.plan import WorkItem, build_plan
 from data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from data_gen.responses import load_imported_responses
 from data_gen.store import (FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, read_manifest, shard_statistics,

@@ -21,7 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from heads import SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
-from train.targets import CANDIDATE_STATE, Contexts, head_states, token_targets
+from train.targets import Contexts, head_states, token_targets
 from specheads.errors import UsageError
 
 VALIDATION_COLUMNS = ("prediction", "label", "logq", "entropy", "top1")
