@@ -146,10 +146,6 @@ class AcceptanceModule(L.LightningModule):
         std = (squares / count - mean**2).clamp_min(0).sqrt()
         return mean.float(), std.float()
 
-    def on_fit_start(self) -> None:
-        for model in self.draft_model:
-            model.to(self.device)
-
     # ---- steps
 
     def head_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
