@@ -212,13 +212,9 @@ class AcceptanceDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
 
-    def statistics_dataloader(self) -> DataLoader:
-        """The training split in a fixed order, whole, for input statistics (every rank sees the same)."""
-        return DataLoader(RowDataset(self.splits["train"], self.mode == "offline"), batch_size=self.batch_size,
-                          collate_fn=collate_rows, num_workers=self.num_workers)
-
-    def small_batches(self, split: str, rows_per_batch: int = 256) -> Iterator[dict[str, Any]]:
-        """The split's per-position columns in padded batches, without features (for statistics)."""
-        rows = RowDataset(self.splits[split], with_features=False)
-        for start in range(0, len(rows), rows_per_batch):
-            yield collate_rows([rows[i] for i in range(start, min(start + rows_per_batch, len(rows)))])
+    def ordered_batches(self, split: str, with_features: bool, rows_per_batch: int | None = None) -> DataLoader:
+        """The whole split in a fixed order (every rank sees the same), for statistics; per-position columns only
+        unless `with_features` (stored features in offline mode, token ids for the draft in online mode)."""
+        return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline"),
+                          batch_size=rows_per_batch or self.batch_size, collate_fn=collate_rows,
+                          num_workers=self.num_workers)

@@ -115,7 +115,7 @@ class AcceptanceModule(L.LightningModule):
     def fit_statistics(self, data: Any) -> None:
         """Input standardisation and the constant predictor, from the training split's labelled tokens."""
         signals, labels = [], []
-        for batch in data.small_batches("train"):
+        for batch in data.ordered_batches("train", with_features=False, rows_per_batch=256):
             mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
             signals.append(torch.stack([batch[name][mask] for name in SIGNALS], -1))
             labels.append(label[mask])
@@ -135,7 +135,7 @@ class AcceptanceModule(L.LightningModule):
     def hidden_statistics(self, data: Any, max_batches: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-dimension mean and std of the head's input states over (up to `max_batches` of) the training split."""
         total = squares = count = 0
-        for index, batch in enumerate(data.statistics_dataloader()):
+        for index, batch in enumerate(data.ordered_batches("train", with_features=True)):
             if index == max_batches:
                 break
             mask, _ = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
