@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import datasets
 import numpy as np
@@ -59,21 +60,28 @@ def publish(temporary: str, final: Path) -> None:
     os.replace(temporary, final)
 
 
-def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features) -> Path:
-    """Write one shard atomically: a reader sees the whole file or none of it."""
-    final = shard_path(out, index)
+@contextmanager
+def atomic_path(final: Path) -> Iterator[str]:
+    """A temporary path beside `final`, moved onto it when the block ends without error (else removed)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(handle)
     try:
-        writer = ArrowWriter(features=schema, path=temporary)
-        writer.write_batch(columns)
-        writer.finalize()
-        writer.close()
+        yield temporary
         publish(temporary, final)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features) -> Path:
+    """Write one shard atomically: a reader sees the whole file or none of it."""
+    final = shard_path(out, index)
+    with atomic_path(final) as temporary:
+        writer = ArrowWriter(features=schema, path=temporary)
+        writer.write_batch(columns)
+        writer.finalize()
+        writer.close()
     return final
 
 
@@ -84,15 +92,8 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write text via a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        publish(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    with atomic_path(path) as temporary:
+        Path(temporary).write_text(text, encoding="utf-8")
 
 
 def read_manifest(out: Path) -> dict | None:

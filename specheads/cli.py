@@ -11,6 +11,7 @@ from specheads.errors import UsageError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gen": ("data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
     "train": ("train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
+    "eval": ("eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
 }
 
 USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads SUBCOMMAND --help)"

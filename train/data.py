@@ -22,7 +22,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from data_gen.store import load_labelled, read_manifest, write_json_atomic
 from specheads.errors import UsageError
 
-PER_POSITION_FLOATS = ("accept", "logp", "logq", "entropy", "top1")
+PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
 
 

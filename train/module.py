@@ -21,7 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from heads import SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
-from train.targets import Contexts, head_states, token_targets
+from train.targets import Contexts, draft_features, head_inputs, head_states, token_targets
 from specheads.errors import UsageError
 
 VALIDATION_COLUMNS = ("prediction", "label", "logq", "entropy", "top1")
@@ -95,6 +95,9 @@ class AcceptanceModule(L.LightningModule):
         self.hparams.draft = data.draft_name
         self.hparams.data_fingerprint = data.fingerprint
         self.hparams.data_sampling = data.manifest["identity"]["sampling"]
+        self.hparams.data_identity = data.manifest["identity"]
+        self.hparams.target = data.manifest.get("target_name")
+        self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed}
         if data.mode == "online" or self.hparams.candidate_embedding:
             from train.draft import load_draft
 
@@ -150,24 +153,14 @@ class AcceptanceModule(L.LightningModule):
 
     def head_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, labels, mask) over the batch's labelled positions."""
-        mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
-        features = batch["features"] if "features" in batch else self.draft_features(batch, mask.shape[1])
-        hidden = head_states(features, self.reads)[mask]
-        signals = torch.stack([batch[SIGNALS[i]] for i in self.signal_index], -1)[mask] if self.signal_index else None
-        embedding = self.embeddings(batch["draft_ids"][mask]) if self.embeddings is not None else None
-        return self.head(hidden, signals, embedding), label[mask], mask
+        features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
+        hidden, signals, embedding, label, mask = head_inputs(batch, features, self.reads, self.head.extra_features,
+                                                              self.hparams.tau, self.hparams.contexts, self.embeddings)
+        return self.head(hidden, signals, embedding), label, mask
 
-    @torch.no_grad()
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
-        from data_gen.labels import mixed_states
-
-        device = next(self.draft_model[0].parameters()).device
-        states = mixed_states(self.draft_model[0], batch["prompt_ids"], batch["mixed_ids"], 0, device)
-        features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=device)
-        for row, state in enumerate(states):
-            features[row, : len(state)] = state
-        return features
+        return draft_features(self.draft_model[0], batch, width)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         logits, labels, _ = self.head_inputs(batch)

@@ -36,6 +36,34 @@ def token_targets(batch: dict[str, torch.Tensor], reads: str, tau: float = 1.0,
     return valid & (drafted_before == 0), label
 
 
+def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: str, extra_features: list[str],
+                tau: float = 1.0, contexts: Contexts = "consistent", embeddings: torch.nn.Module | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(hidden, signals, candidate embedding, label, mask) of a batch's labelled positions, ready for a head.
+
+    `features` are the stored (or freshly computed) draft states [B, n + 1, h]; `extra_features` names
+    the draft signals the head reads, in its column order.
+    """
+    mask, label = token_targets(batch, reads, tau, contexts)
+    hidden = head_states(features, reads)[mask.to(features.device)]
+    signals = torch.stack([batch[name] for name in extra_features], -1)[mask] if extra_features else None
+    embedding = embeddings(batch["draft_ids"][mask].to(embeddings.weight.device)) if embeddings is not None else None
+    return hidden, signals, embedding, label[mask], mask
+
+
 def head_states(features: torch.Tensor, reads: str) -> torch.Tensor:
     """The states aligned with positions [B, n, h] from features [B, n + 1, h] (row 0 = prompt's last)."""
     return features[:, 1:] if reads == CANDIDATE_STATE else features[:, :-1]
+
+
+@torch.no_grad()
+def draft_features(draft: torch.nn.Module, batch: dict, width: int) -> torch.Tensor:
+    """The draft's states on a batch's prompt + mixed tokens, padded like stored features: [B, width + 1, h]."""
+    from data_gen.labels import mixed_states
+
+    device = next(draft.parameters()).device
+    states = mixed_states(draft, batch["prompt_ids"], batch["mixed_ids"], 0, device)
+    features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=device)
+    for row, state in enumerate(states):
+        features[row, : len(state)] = state
+    return features

@@ -1,0 +1,71 @@
+"""The `specheads eval` configuration (YAML and/or flags)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specheads.errors import UsageError
+
+
+@dataclass
+class EvalConfig:
+    """What `specheads eval` evaluates and how.
+
+    Args:
+        head: a `.ckpt` (or run folder) from `specheads train`, or a head folder / Hub repo id from `specheads export`.
+        data: the labelled dataset (`specheads gen --out`); its held-out prompts give the offline tokens.
+        out: the report folder (metrics.json, PNG plots, report.md, report.html).
+        decode_prompts: JSONL of prompts to decode; default: the data's held-out prompts.
+        num_decode_prompts: how many held-out prompts to decode (half tune thresholds, half are reported).
+        max_new_tokens: tokens generated per decoding run.
+        max_draft: cap on a round's candidates (K_max) for the adaptive policies and the oracle.
+        cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B).
+        bootstrap: resamples of the prompts for the confidence intervals.
+        seed: seed of the Bernoulli draws, the bootstrap and the decoding runs.
+        allow_other_data: evaluate data made with the head's models and sampling but other prompts or seeds.
+        constant_ks, head_thresholds, sprinter_thresholds: override the sweep's grids.
+        sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation bound at or below this.
+        record: write the tuned decision rule into the checkpoint, for `specheads export`.
+        progress: show progress bars.
+    """
+
+    head: str
+    data: str
+    out: str = "runs/eval"
+    decode_prompts: str | None = None
+    num_decode_prompts: int = 16
+    max_new_tokens: int = 48
+    max_draft: int = 8
+    cost_ratio: float = 0.2
+    bootstrap: int = 200
+    seed: int = 0
+    allow_other_data: bool = False
+    constant_ks: list[int] | None = None
+    head_thresholds: list[float] | None = None
+    sprinter_thresholds: list[float] | None = None
+    sprinter_max_tv: float = 0.05
+    record: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Refuse values that cannot work, before anything is loaded."""
+        if not 0 < self.cost_ratio < 1:
+            raise UsageError(f"cost_ratio (t_draft/t_target) must lie in (0, 1), got {self.cost_ratio}")
+        for name in ("max_new_tokens", "max_draft"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_decode_prompts < 0 or self.num_decode_prompts == 1:
+            raise UsageError(f"num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test "
+                             f"prompt), got {self.num_decode_prompts}")
+        if self.bootstrap < 0:
+            raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        for name in ("head_thresholds", "sprinter_thresholds"):
+            values = getattr(self, name) or []
+            if any(not 0 <= v <= 1 for v in values):
+                raise UsageError(f"{name} are probabilities in [0, 1], got {values}")
+        if any(k < 1 for k in self.constant_ks or []):
+            raise UsageError(f"constant_ks must be whole numbers >= 1, got {self.constant_ks}")
+
+    def as_dict(self) -> dict:
+        """Plain dict (for metrics.json)."""
+        return asdict(self)

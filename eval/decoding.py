@@ -1,0 +1,238 @@
+"""Reference decoding loops with KV caches for both models, batch size 1 (DESIGN.md "Decision timing").
+
+`speculative_decode` is exact speculative sampling under a stop policy: the draft proposes candidates
+until the policy stops, the target scores them all in one forward, each is accepted with probability
+min(1, p/q), the first rejected one is replaced by a draw from norm(max(0, p − q)), and a fully accepted
+round earns a bonus token from p. Caches are cropped to the accepted prefix, never recomputed.
+
+`sprinter_decode` is SPRINTER's approximate loop: the verifier scores each drafted token from the state
+before it; only a flagged token is sent to the target (which catches up on the unverified tokens in
+the same forward) and goes through the p/q test; unflagged tokens stand unverified.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from data_gen.labels import output_logits, signal_statistics
+from data_gen.sampling import SamplingTransform, draw_from_log_probs, uniforms
+from eval.policies import Drafted, StopPolicy
+from heads import AcceptanceHead
+
+
+class CachedModel:
+    """A causal LM with its own KV cache over the tokens fed so far; times its forwards."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache: Any = None
+        self.length = 0
+        self.forwards = 0
+        self.forward_seconds = 0.0
+
+    @torch.no_grad()
+    def feed(self, tokens: list[int], logits_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend the cache by `tokens`; returns (float32 logits of the last `logits_rows` positions, their states)."""
+        start = time.perf_counter()
+        output = self.model.get_decoder()(input_ids=torch.tensor([tokens], device=self.device),
+                                          past_key_values=self.cache, use_cache=True)
+        self.cache = output.past_key_values
+        states = output.last_hidden_state[0, -logits_rows:]
+        logits = output_logits(self.model, states)
+        self.length += len(tokens)
+        self.forwards += 1
+        self.forward_seconds += time.perf_counter() - start
+        return logits, states
+
+    def crop_to(self, length: int) -> None:
+        """Forget cached tokens beyond `length`.
+
+        transformers 5.23's `DynamicCache.crop` takes minus the number of tokens to remove (a positive value,
+        the 4.x absolute length, raises).
+        """
+        if self.length > length:
+            self.cache.crop(-(self.length - length))
+            self.length = length
+
+
+@dataclass
+class DecodeResult:
+    """One decoding run: the generated tokens and the counts the metrics are made of."""
+
+    tokens: list[int]
+    emitted: int = 0  # tokens produced before the cut at max_new_tokens / stop token (the rates' denominator)
+    drafted: int = 0  # candidates proposed (the oracle counts only those it keeps)
+    accepted: int = 0  # candidates that stand in the output
+    target_calls: int = 0
+    draft_forwards: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+@torch.no_grad()
+def acceptance_step(head: AcceptanceHead, state: torch.Tensor, signals: dict[str, float],
+                    embedding: torch.Tensor | None) -> float:
+    """The head's acceptance probability for one candidate from its state and draft signals."""
+    columns = [signals[name] for name in head.extra_features]
+    signal_tensor = torch.tensor([columns], dtype=torch.float32, device=state.device) if columns else None
+    return float(head.predict(state.unsqueeze(0), signal_tensor, embedding)[0])
+
+
+def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
+                      transform: SamplingTransform) -> dict[str, float]:
+    """The draft's signals for a candidate, as data_gen stored them: logq, entropy, top1 (and prob for policies)."""
+    entropy, top1 = signal_statistics(draft_logits, logq_all, transform)
+    logq = float(logq_all[token])
+    prob = float(draft_logits.float().softmax(-1)[token]) if transform.greedy else float(torch.exp(logq_all[token]))
+    return {"logq": logq, "entropy": float(entropy), "top1": float(top1), "prob": prob}
+
+
+class Decoder:
+    """A draft/target pair and the sampling transform, ready to decode prompts under different policies."""
+
+    def __init__(self, target: Any, draft: Any, transform: SamplingTransform, stop_ids: list[int]):
+        self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
+
+    def _embedding(self, head: AcceptanceHead | None, token: int) -> torch.Tensor | None:
+        if head is None or not head.candidate_embedding_size:
+            return None
+        table = self.draft.get_input_embeddings()
+        return table(torch.tensor([token], device=table.weight.device)).float()
+
+    def _draw(self, log_probs: torch.Tensor, generator: torch.Generator) -> int:
+        return int(draw_from_log_probs(log_probs.unsqueeze(0), uniforms(generator, 1))[0])
+
+    def _accepts(self, logp: float, logq: float, generator: torch.Generator) -> bool:
+        return float(uniforms(generator, 1)[0]) <= float(torch.exp(torch.tensor(logp - logq)).clamp(max=1.0))
+
+    def _residual_draw(self, logp_all: torch.Tensor, logq_all: torch.Tensor, generator: torch.Generator) -> int:
+        residual = (logp_all.exp() - logq_all.exp()).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q: a rejection has probability 0, keep the draw valid anyway
+            residual = logp_all.exp()
+        return self._draw(residual.log(), generator)
+
+    def _finish(self, result: DecodeResult, generated: list[int], max_new_tokens: int, start: float,
+                models: tuple[CachedModel, ...]) -> DecodeResult:
+        result.emitted = len(generated)
+        tokens = generated[:max_new_tokens]
+        for position, token in enumerate(tokens):
+            if token in self.stop_ids:
+                tokens = tokens[: position + 1]
+                break
+        result.tokens = tokens
+        result.seconds = time.perf_counter() - start
+        result.forward_seconds = sum(model.forward_seconds for model in models)
+        return result
+
+    def _done(self, generated: list[int], max_new_tokens: int) -> bool:
+        return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
+
+    @torch.no_grad()
+    def speculative_decode(self, prompt: list[int], policy: StopPolicy, max_new_tokens: int, seed: int,
+                           head: AcceptanceHead | None = None) -> DecodeResult:
+        """Exact speculative sampling of up to `max_new_tokens` tokens after `prompt` under `policy`."""
+        if policy.reads_head and head is None:
+            raise ValueError(f"the {policy.name} policy needs an acceptance head")
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(seed)
+        draft, target = CachedModel(self.draft), CachedModel(self.target)
+        tokens, generated = list(prompt), []
+        result = DecodeResult(tokens=[])
+        while not self._done(generated, max_new_tokens):
+            cap = min(policy.max_draft, max_new_tokens - len(generated))
+            candidates, logq_rows, acceptance = [], [], 1.0
+            pending = tokens[draft.length:]
+            previous_signals: dict[str, float] | None = None
+            while True:
+                logits, states = draft.feed(pending, 1)
+                logq_all = self.transform.log_probs(logits[-1])
+                token = self._draw(logq_all, generator)
+                if policy.reads_head and previous_signals is not None:  # states[-1] has read the previous candidate
+                    acceptance *= acceptance_step(head, states[-1], previous_signals,
+                                                  self._embedding(head, candidates[-1]))
+                signals = candidate_signals(logits[-1], logq_all, token, self.transform)
+                candidates.append(token)
+                logq_rows.append(logq_all)
+                drafted = Drafted(index=len(candidates), prob=signals["prob"], entropy=signals["entropy"],
+                                  acceptance=acceptance)
+                if len(candidates) >= cap or policy.stop(drafted):
+                    break
+                pending, previous_signals = [token], signals
+            logits, _ = target.feed(tokens[target.length:] + candidates, len(candidates) + 1)
+            result.target_calls += 1
+            accepted, new_token = 0, None
+            for index, token in enumerate(candidates):
+                logp_all = self.transform.log_probs(logits[index])
+                if self._accepts(float(logp_all[token]), float(logq_rows[index][token]), generator):
+                    accepted += 1
+                    continue
+                new_token = self._residual_draw(logp_all, logq_rows[index], generator)
+                break
+            if new_token is None:
+                new_token = self._draw(self.transform.log_probs(logits[len(candidates)]), generator)
+            result.drafted += accepted if policy.hindsight else len(candidates)
+            result.accepted += accepted
+            result.accepted_per_round.append(accepted)
+            emitted = candidates[:accepted] + [new_token]
+            target.crop_to(len(tokens) + accepted)
+            draft.crop_to(len(tokens) + accepted)
+            tokens += emitted
+            generated += emitted
+        result.draft_forwards = draft.forwards
+        return self._finish(result, generated, max_new_tokens, start, (draft, target))
+
+    @torch.no_grad()
+    def sprinter_decode(self, prompt: list[int], verifier: AcceptanceHead, threshold: float, max_new_tokens: int,
+                        seed: int) -> DecodeResult:
+        """SPRINTER: call the target only for drafted tokens the verifier scores below `threshold`."""
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(seed)
+        draft, target = CachedModel(self.draft), CachedModel(self.target)
+        tokens, generated = list(prompt), []
+        result = DecodeResult(tokens=[])
+        run_length = 0
+        while not self._done(generated, max_new_tokens):
+            logits, states = draft.feed(tokens[draft.length:], 1)
+            logq_all = self.transform.log_probs(logits[-1])
+            token = self._draw(logq_all, generator)
+            signals = candidate_signals(logits[-1], logq_all, token, self.transform)
+            result.drafted += 1
+            if acceptance_step(verifier, states[-1], signals, self._embedding(verifier, token)) >= threshold:
+                result.accepted += 1
+                run_length += 1
+                emitted = token
+            else:
+                target_logits, _ = target.feed(tokens[target.length:], 1)
+                result.target_calls += 1
+                logp_all = self.transform.log_probs(target_logits[-1])
+                if self._accepts(float(logp_all[token]), float(logq_all[token]), generator):
+                    result.accepted += 1
+                    emitted = token
+                    run_length += 1
+                else:
+                    emitted = self._residual_draw(logp_all, logq_all, generator)
+                result.accepted_per_round.append(run_length)
+                run_length = 0
+            tokens.append(emitted)
+            generated.append(emitted)
+        result.draft_forwards = draft.forwards
+        return self._finish(result, generated, max_new_tokens, start, (draft, target))
+
+
+@torch.no_grad()
+def target_log_likelihood(target: Any, prompt: list[int], generated: list[int]) -> float:
+    """Mean log-probability the target's own (untransformed) distribution gives the generated tokens."""
+    if not generated:
+        return float("nan")
+    device = next(target.parameters()).device
+    ids = torch.tensor([list(prompt) + list(generated)], device=device)
+    states = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, len(prompt) - 1 : -1]
+    log_probs = output_logits(target, states).log_softmax(-1)
+    return float(log_probs.gather(-1, torch.tensor(generated, device=device).unsqueeze(-1)).mean())
+

@@ -1,0 +1,153 @@
+"""Offline evaluation: the head and every training-free signal scored on the same held-out labelled tokens.
+
+Tokens come from the prompts the head's training split held out (the same prompt hash rule). Each
+signal gets AUC (expectation over soft labels, and against seeded Bernoulli draws), PR-AUC, Brier,
+ECE and binary KL where it is a probability, with bootstrap intervals over prompts (not tokens) on AUC
+and binary KL, and a paired interval on the head's AUC margin over the best training-free signal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
+                          soft_auc)
+from train.checkpoint import TrainedHead
+from train.data import AcceptanceDataModule
+from train.targets import draft_features, head_inputs
+
+BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
+SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
+PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "beta_oracle", "label_ceiling", "constant")
+SPRINTER_TAUS = (1.0, 1.2, 1.5)
+
+
+@dataclass
+class TokenTable:
+    """Per-token arrays of the evaluated split, aligned; `group` is the token's prompt (for the bootstrap)."""
+
+    label: np.ndarray
+    prediction: np.ndarray
+    logp: np.ndarray
+    logq: np.ndarray
+    entropy: np.ndarray
+    top1: np.ndarray
+    beta: np.ndarray
+    group: np.ndarray
+    prompts: int
+
+    def scores(self) -> dict[str, np.ndarray]:
+        """Every signal's score per token (higher = more likely accepted)."""
+        return {"head": self.prediction, **baseline_scores(self.logq, self.entropy, self.top1),
+                "beta_oracle": self.beta, "label_ceiling": self.label,
+                "constant": np.full_like(self.label, self.label.mean())}
+
+    def subset(self, index: np.ndarray) -> TokenTable:
+        """The tokens at `index` (a bootstrap resample)."""
+        values = {name: getattr(self, name)[index] for name in
+                  ("label", "prediction", "logp", "logq", "entropy", "top1", "beta", "group")}
+        return TokenTable(**values, prompts=self.prompts)
+
+
+@torch.no_grad()
+def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torch.nn.Module | None) -> TokenTable:
+    """The head's predictions and the per-token signals on the data's held-out prompts."""
+    head = trained.head
+    embeddings = draft.get_input_embeddings() if head.candidate_embedding_size and draft is not None else None
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in
+                                            ("label", "prediction", "logp", "logq", "entropy", "top1", "beta", "group")}
+    prompt_index: dict[str, int] = {}
+    rows = data.splits["val"]["prompt_id"]
+    start = 0
+    for batch in data.ordered_batches("val", with_features=True):
+        size = len(batch["valid"])
+        ids = rows[start : start + size]
+        start += size
+        features = batch["features"] if "features" in batch else draft_features(draft, batch, batch["valid"].shape[1])
+        hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, head.extra_features,
+                                                              trained.tau, trained.contexts, embeddings)
+        columns["prediction"].append(head.predict(hidden, signals, embedding).float().cpu().numpy())
+        columns["label"].append(label.numpy())
+        for name in ("logp", "logq", "entropy", "top1", "beta"):
+            columns[name].append(batch[name][mask].numpy())
+        groups = torch.tensor([prompt_index.setdefault(i, len(prompt_index)) for i in ids]).unsqueeze(1)
+        columns["group"].append(groups.expand_as(mask)[mask].numpy())
+    arrays = {name: np.concatenate(parts).astype(np.int64 if name == "group" else np.float64)
+              for name, parts in columns.items()}
+    return TokenTable(**arrays, prompts=len(prompt_index))
+
+
+def signal_metrics(name: str, label: np.ndarray, score: np.ndarray, bins: int, seed: int) -> dict[str, float | None]:
+    """The metrics of one signal; probability metrics only for signals that are probabilities."""
+    if name in PROBABILITY_SIGNALS:
+        metrics: dict[str, float | None] = classification_metrics(label, score, bins)
+    else:
+        metrics = {"auc": soft_auc(label, score), "pr_auc": classification_metrics(label, score, bins)["pr_auc"],
+                   "brier": None, "ece": None, "binary_kl": None}
+    metrics["auc_bernoulli"] = bernoulli_auc(label, score, seed)
+    return metrics
+
+
+def bootstrap_indices(group: np.ndarray, resamples: int, seed: int) -> list[np.ndarray]:
+    """Token indices of `resamples` resamples of the prompts (with replacement)."""
+    members = [np.flatnonzero(group == g) for g in range(int(group.max()) + 1)]
+    generator = np.random.default_rng(seed)
+    return [np.concatenate([members[g] for g in generator.integers(0, len(members), len(members))])
+            for _ in range(resamples)]
+
+
+def interval(values: list[float]) -> list[float] | None:
+    """The central 95 % interval of bootstrap values (None when none is finite)."""
+    finite = np.asarray([v for v in values if v is not None and math.isfinite(v)])
+    return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if len(finite) else None
+
+
+def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins: int = 10) -> dict[str, Any]:
+    """`{signal: metrics with auc_ci and binary_kl_ci}` plus the head's paired margin over the best baseline."""
+    scores = table.scores()
+    result = {name: signal_metrics(name, table.label, scores[name], bins, seed) for name in SIGNAL_ORDER}
+    best = max(BASELINES, key=lambda name: result[name]["auc"])
+    samples = {name: {"auc": [], "binary_kl": []} for name in SIGNAL_ORDER}
+    margins = []
+    for index in bootstrap_indices(table.group, resamples, seed):
+        label = table.label[index]
+        for name in SIGNAL_ORDER:
+            score = scores[name][index] if name != "constant" else np.full(len(index), label.mean())
+            samples[name]["auc"].append(soft_auc(label, score))
+            if name in PROBABILITY_SIGNALS:
+                samples[name]["binary_kl"].append(binary_kl(label, score))
+        margins.append(samples["head"]["auc"][-1] - samples[best]["auc"][-1])
+    for name in SIGNAL_ORDER:
+        result[name]["auc_ci"] = interval(samples[name]["auc"])
+        result[name]["binary_kl_ci"] = interval(samples[name]["binary_kl"])
+    return {"signals": result, "head_vs_best_baseline": {
+        "baseline": best, "auc_margin": result["head"]["auc"] - result[best]["auc"], "auc_margin_ci": interval(margins)}}
+
+
+def calibration_table(table: TokenTable, bins: int = 10) -> dict[str, list[float]]:
+    """The head's reliability diagram: per-bin count, mean prediction and mean label."""
+    return {name: [float(v) for v in values] for name, values in calibration_bins(table.label, table.prediction, bins).items()}
+
+
+def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[float, ...] = SPRINTER_TAUS) -> list[dict]:
+    """FPR and TPR of a verifier at `threshold` against the labels of each τ, and SPRINTER Theorem 1's bound.
+
+    A positive is an acceptable token (q/p ≤ τ); the verifier passes it unverified when â ≥ threshold.
+    With FPR α the SPRINTER distribution is (1 − α)·p + α·q per token, so its total-variation distance
+    from the target is α·TV(p, q) = α·(1 − β); `tv_bound` is that, averaged over the tokens.
+    """
+    passed = table.prediction >= threshold
+    mean_tv = float(np.mean(1.0 - table.beta))
+    points = []
+    for tau in taus:
+        acceptable = (table.logq - table.logp) <= math.log(tau)
+        negatives, positives = max(int((~acceptable).sum()), 1), max(int(acceptable.sum()), 1)
+        fpr = float((passed & ~acceptable).sum() / negatives)
+        points.append({"tau": tau, "threshold": threshold, "fpr": fpr, "tpr": float((passed & acceptable).sum() / positives),
+                       "tv_bound": fpr * mean_tv})
+    return points

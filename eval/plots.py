@@ -1,0 +1,89 @@
+"""The report's PNG plots: ROC with every baseline, reliability diagram, Pareto frontier, accepted lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+from sklearn.metrics import roc_curve  # noqa: E402
+
+from data_gen.store import atomic_path  # noqa: E402
+from eval.offline import SIGNAL_ORDER, TokenTable  # noqa: E402
+
+PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "pareto": "pareto.png",
+         "acceptance_lengths": "acceptance_lengths.png"}
+LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1": "draft top-1 prob",
+          "draft_prob": "draft q(ŷ)", "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
+
+
+def save(figure: plt.Figure, path: Path) -> None:
+    """Write a figure atomically and close it."""
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
+def roc_plot(table: TokenTable, offline: dict[str, Any], path: Path, seed: int = 0) -> None:
+    """ROC curves against seeded Bernoulli(label) draws, one per signal, AUC in the legend."""
+    draws = np.random.default_rng(seed).random(len(table.label)) < table.label
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    scores = table.scores()
+    for name in SIGNAL_ORDER:
+        if name == "constant" or draws.all() or not draws.any():
+            continue
+        fpr, tpr, _ = roc_curve(draws, scores[name])
+        style = {"linewidth": 2.5} if name == "head" else {"linestyle": "--" if name in ("beta_oracle", "label_ceiling") else "-"}
+        axis.plot(fpr, tpr, label=f"{LABELS[name]} (AUC {offline[name]['auc']:.3f})", **style)
+    axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8)
+    axis.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC on held-out tokens")
+    axis.legend(fontsize=8, loc="lower right")
+    save(figure, path)
+
+
+def reliability_plot(calibration: dict[str, list[float]], path: Path) -> None:
+    """Mean label against mean prediction per bin, with the token counts."""
+    figure, axis = plt.subplots(figsize=(5, 5))
+    predicted = np.array(calibration["mean_prediction"], dtype=float)
+    observed = np.array(calibration["mean_label"], dtype=float)
+    filled = np.isfinite(predicted) & np.isfinite(observed)
+    axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8, label="perfect calibration")
+    axis.plot(predicted[filled], observed[filled], marker="o", label="learned head")
+    for x, y, n in zip(predicted[filled], observed[filled], np.array(calibration["count"])[filled]):
+        axis.annotate(str(int(n)), (x, y), fontsize=7, textcoords="offset points", xytext=(3, -9))
+    axis.set(xlabel="mean predicted acceptance", ylabel="mean label", xlim=(0, 1), ylim=(0, 1),
+             title="Reliability diagram (held-out tokens)")
+    axis.legend(fontsize=8)
+    save(figure, path)
+
+
+def pareto_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Verification rate against discard rate, one curve per policy (SpecDec++ Figure 3)."""
+    figure, axis = plt.subplots(figsize=(6, 4.5))
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        points = sorted((row["discard_rate"], row["verification_rate"]) for row in rows if row["policy"] == policy)
+        x, y = zip(*points)
+        axis.plot(x, y, marker="*" if policy == "oracle" else "o", label=policy,
+                  linewidth=2.5 if policy in ("head", "sprinter") else 1.2)
+    axis.set(xlabel="discard rate (discarded draft tokens per generated token)",
+             ylabel="verification rate (target calls per token)", title="Pareto frontier (test prompts)")
+    axis.legend(fontsize=8)
+    save(figure, path)
+
+
+def acceptance_length_plot(lengths: dict[str, list[int]], path: Path) -> None:
+    """Histogram of accepted candidates per round for the chosen runs."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    top = max((max(v) for v in lengths.values() if v), default=1)
+    bins = np.arange(0, top + 2) - 0.5
+    for name, values in lengths.items():
+        if values:
+            axis.hist(values, bins=bins, alpha=0.5, density=True, label=name)
+    axis.set(xlabel="accepted draft tokens per target call", ylabel="share of rounds",
+             title="Accepted length per round (test prompts)")
+    axis.legend(fontsize=8)
+    save(figure, path)

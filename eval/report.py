@@ -1,0 +1,172 @@
+"""The plain-language verdict and the report (report.md, rendered to report.html) from metrics.json's content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import markdown
+
+from data_gen.store import write_text_atomic
+from eval.offline import BASELINES, SIGNAL_ORDER
+from eval.plots import PLOTS
+
+
+def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
+    """The test row of `policy` at its dev-tuned threshold."""
+    return next((r for r in decoding["policies"] if r["policy"] == policy and r.get("tuned")), None)
+
+
+def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """How the learned policy's tuned threshold fares on test prompts against the tuned baselines."""
+    learned = "head" if tuned_row(decoding, "head") else "sprinter"
+    mine = tuned_row(decoding, learned)
+    result: dict[str, Any] = {"policy": learned}
+    lines = []
+    if mine is None:
+        return result, ["No decoding run of the learned policy."]
+    result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
+    c = decoding["t_draft_over_t_target"]
+    for baseline in ("constant_k", "svip", "confidence", "oracle"):
+        row = tuned_row(decoding, baseline)
+        if row is None:
+            continue
+        gain = mine["modelled_speedup"] / row["modelled_speedup"] - 1
+        result[f"gain_vs_{baseline}"] = gain
+        result[f"{baseline}_threshold"] = row["threshold"]
+        result[f"{baseline}_speedup"] = row["modelled_speedup"]
+    if learned == "head":
+        lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, tuned on dev prompts) "
+                     f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
+        for baseline, what in (("constant_k", "the best constant K"), ("svip", "SVIP at its best threshold"),
+                               ("confidence", "draft confidence at its best threshold")):
+            if f"gain_vs_{baseline}" in result:
+                gain = result[f"gain_vs_{baseline}"]
+                lines.append(f"That is {abs(gain) * 100:.1f} % {'above' if gain >= 0 else 'below'} {what} "
+                             f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g}).")
+        if "oracle_speedup" in result:
+            lines.append(f"The hindsight oracle bounds what any stop policy can reach: {result['oracle_speedup']:.3f}×.")
+    else:
+        plain = tuned_row(decoding, "constant_k")
+        result["tokens_per_target_call"] = mine["tokens_per_target_call"]
+        lines.append(f"SPRINTER at threshold {mine['threshold']:g} generates {mine['tokens_per_target_call']:.2f} tokens per "
+                     f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at t_draft/t_target = {c:g}).")
+        if plain and mine.get("mean_target_logprob") is not None and plain.get("mean_target_logprob") is not None:
+            drop = plain["mean_target_logprob"] - mine["mean_target_logprob"]
+            result["target_logprob_drop_vs_sd"] = drop
+            lines.append(f"Exact speculative decoding with K = {plain['threshold']:g} makes {plain['tokens_per_target_call']:.2f} "
+                         f"tokens per call; SPRINTER's text scores {drop:+.3f} nats/token lower under the target "
+                         "(the quality proxy; SPRINTER is approximate by design).")
+    return result, lines
+
+
+def verdict(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Does the head beat the baselines, by how much, at which threshold: numbers and sentences."""
+    offline = metrics["offline"]
+    comparison = metrics["offline_comparison"]
+    head_auc, best = offline["head"]["auc"], comparison["baseline"]
+    kl, kl_constant = offline["head"]["binary_kl"], offline["constant"]["binary_kl"]
+    result: dict[str, Any] = {
+        "beats_every_baseline_auc": all(head_auc > offline[name]["auc"] for name in BASELINES),
+        "auc_margin": comparison["auc_margin"], "auc_margin_ci": comparison["auc_margin_ci"], "best_baseline": best,
+        "binary_kl_below_constant": kl < kl_constant, "binary_kl_reduction": 1 - kl / kl_constant,
+    }
+    ci = comparison["auc_margin_ci"]
+    lines = [f"Offline, the head's AUC is {head_auc:.3f} against {offline[best]['auc']:.3f} for the best training-free "
+             f"signal ({best}): a margin of {comparison['auc_margin']:+.3f}"
+             + (f" (95 % bootstrap interval over prompts {ci[0]:+.3f} to {ci[1]:+.3f})." if ci else "."),
+             f"Its binary KL is {kl:.3f} against {kl_constant:.3f} for the constant predictor "
+             f"({result['binary_kl_reduction'] * 100:.1f} % lower)." if kl < kl_constant else
+             f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}."]
+    if "decoding" in metrics:
+        result["decoding"], more = decoding_verdict(metrics["decoding"])
+        lines += more
+    result["text"] = lines
+    return result
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A table cell."""
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def interval_cell(value: float | None, ci: list[float] | None) -> str:
+    """`value [lo, hi]`."""
+    return fmt(value) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def offline_table(metrics: dict[str, Any]) -> list[str]:
+    """The offline metrics as a markdown table."""
+    lines = ["| signal | AUC [95 % CI] | AUC (Bernoulli draws) | PR-AUC | Brier | ECE | binary KL [95 % CI] |",
+             "|---|---|---|---|---|---|---|"]
+    for name in SIGNAL_ORDER:
+        m = metrics["offline"][name]
+        lines.append(f"| {name} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
+                     f"| {fmt(m['brier'])} | {fmt(m['ece'])} | {interval_cell(m['binary_kl'], m['binary_kl_ci'])} |")
+    return lines
+
+
+def decoding_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The decoding runs (test prompts) as a markdown table; tuned thresholds in bold."""
+    lines = ["| policy | threshold | discard rate | verification rate | mean accepted length | tokens/target call "
+             "| tokens/s | modelled speedup | target log-lik |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        mark = "**" if row.get("tuned") else ""
+        lines.append(f"| {mark}{row['policy']}{mark} | {mark}{row['threshold']:g}{mark} | {fmt(row['discard_rate'])} "
+                     f"| {fmt(row['verification_rate'])} | {fmt(row['mean_accepted_length'], 2)} "
+                     f"| {fmt(row['tokens_per_target_call'], 2)} | {fmt(row['tokens_per_s'], 1)} "
+                     f"| {fmt(row['modelled_speedup'])} | {fmt(row['mean_target_logprob'])} |")
+    return lines
+
+
+def report_markdown(metrics: dict[str, Any]) -> str:
+    """The whole report as markdown (plots linked by file name)."""
+    head, data = metrics["head"], metrics["data"]
+    rule = metrics["decision_rule"]
+    lines = [f"# Acceptance head report: {head['config'].get('head_type')}", "",
+             f"Head `{head['source']}` ({head['parameters']:,} parameters, reads `{head['reads']}`), draft "
+             f"`{head['draft']}`, target `{head['target']}`. Data `{data['path']}` (fingerprint `{data['fingerprint']}`): "
+             f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts, label {data['label']}, "
+             f"mean {data['mean_label']:.3f}.", "", "## Verdict", ""]
+    lines += [f"- {line}" for line in metrics["verdict"]["text"]]
+    lines += ["", f"Decision rule: `{rule['rule']}` at threshold {rule['threshold']:g} "
+                  f"({'tuned on dev prompts' if rule['tuned'] else 'untuned default: no decoding runs'}).", "",
+              "## Offline metrics (held-out tokens)", "", *offline_table(metrics), "",
+              "AUC is the expectation over soft labels; intervals are bootstrap over prompts. "
+              "`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1.", "",
+              f"![ROC]({PLOTS['roc']})", "", f"![Reliability diagram]({PLOTS['reliability']})", ""]
+    if "sprinter" in metrics:
+        lines += ["## SPRINTER operating point", "", "| τ | threshold | FPR | TPR | TV bound (Theorem 1) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {p['tau']:g} | {p['threshold']:g} | {p['fpr']:.3f} | {p['tpr']:.3f} | {p['tv_bound']:.4f} |"
+                  for p in metrics["sprinter"]]
+        lines.append("")
+    if "decoding" in metrics:
+        decoding = metrics["decoding"]
+        costs = decoding["measured_costs"]
+        lines += ["## Decoding runs (test prompts)", "",
+                  f"{decoding['prompts']['test']} test prompts (thresholds tuned on {decoding['prompts']['dev']} dev "
+                  f"prompts), {decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
+                  f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; on this machine the measured "
+                  f"ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, t_target "
+                  f"{costs['t_target_s'] * 1e3:.1f} ms per forward) and the loop spends "
+                  f"{costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
+                  "time is its constant-K_max run's.", "", *decoding_table(decoding["policies"]), "",
+                  f"![Pareto frontier]({PLOTS['pareto']})", "", f"![Accepted lengths]({PLOTS['acceptance_lengths']})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(metrics: dict[str, Any], out: Path) -> None:
+    """report.md and report.html (the same content, tables rendered) in `out`."""
+    text = report_markdown(metrics)
+    write_text_atomic(out / "report.md", text)
+    body = markdown.markdown(text, extensions=["tables"])
+    style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;line-height:1.4}"
+             "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 6px}"
+             "img{max-width:100%}")
+    write_text_atomic(out / "report.html", f"<!doctype html><html><head><meta charset='utf-8'><title>specheads report"
+                                           f"</title><style>{style}</style></head><body>{body}</body></html>\n")

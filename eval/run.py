@@ -1,0 +1,220 @@
+"""`specheads eval`: offline metrics, decoding runs and the report for one head on one labelled dataset."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_gen.models import ModelPair, ModelSpec, load_pair
+from data_gen.prompts import encode_prompt, load_prompts
+from data_gen.responses import stop_token_ids
+from data_gen.sampling import SamplingTransform
+from data_gen.store import read_manifest, write_json_atomic
+from eval.config import EvalConfig
+from eval.decoding import Decoder
+from eval.offline import TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_operating_points
+from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
+from eval.report import verdict, write_report
+from eval.sweep import (DecodePrompt, aggregate, default_settings, measure_costs, records_as_dicts, run_sweep,
+                        signal_thresholds, tune)
+from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
+from specheads.errors import UsageError
+from train.checkpoint import TrainedHead, load_trained, record_evaluation
+from train.data import AcceptanceDataModule, is_validation_prompt
+
+MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
+TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
+
+
+def identity_differences(trained: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    """Names of the identity fields that differ (the sampling transform compared field by field)."""
+    names = [k for k in sorted(set(trained) | set(found)) if k != "sampling" and trained.get(k) != found.get(k)]
+    sampling_trained, sampling_found = trained.get("sampling") or {}, found.get("sampling") or {}
+    names += [f"sampling.{k}" for k in TRANSFORM_KEYS if sampling_trained.get(k) != sampling_found.get(k)]
+    return names
+
+
+def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_other_data: bool) -> None:
+    """Refuse data that does not match the head's training data, naming what differs."""
+    found_size = int(manifest["identity"]["draft_hidden_size"])
+    if found_size != trained.head.hidden_size:
+        raise UsageError(f"{path} was labelled with a draft of hidden size {found_size} but the head reads "
+                         f"{trained.head.hidden_size}; evaluate it on data from its own draft")
+    if trained.data_fingerprint is None or manifest["fingerprint"] == trained.data_fingerprint:
+        return
+    differs = identity_differences(trained.data_identity or {}, manifest["identity"]) or ["unknown fields"]
+    model_level = [name for name in differs if name.split(".")[0] in MODEL_KEYS or name.startswith("sampling.")]
+    if allow_other_data and not model_level:
+        return
+    what = ", ".join(differs)
+    hint = ("models and sampling must match the head's" if allow_other_data and model_level
+            else "pass --allow-other-data to evaluate other prompts of the same models and sampling")
+    raise UsageError(f"{path} (fingerprint {manifest['fingerprint']}) does not match the head's training data "
+                     f"(fingerprint {trained.data_fingerprint}): differs in {what}; {hint}")
+
+
+def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], data: AcceptanceDataModule, trained: TrainedHead,
+                     tokenizer: Any) -> tuple[list[DecodePrompt], int]:
+    """The decode prompts (alternately dev and test) and how many were dropped for appearing in training."""
+    if config.decode_prompts:
+        prompts = load_prompts(config.decode_prompts)
+    else:
+        source = manifest["config"]
+        prompts = [p for p in load_prompts(source["prompts"], source["prompts_split"], source["prompts_column"])
+                   if is_validation_prompt(p.id, trained.split["split_seed"], trained.split["val_fraction"])]
+    trained_on = {tuple(int(t) for t in ids) for ids in data.splits["train"]["prompt_ids"]}
+    chosen, dropped = [], 0
+    for prompt in prompts:
+        ids = tuple(encode_prompt(tokenizer, prompt))
+        if ids in trained_on:
+            dropped += 1
+            continue
+        if len(chosen) < config.num_decode_prompts:
+            chosen.append(DecodePrompt(prompt.id, ids, "dev" if len(chosen) % 2 == 0 else "test"))
+    return chosen, dropped
+
+
+@dataclass
+class Decoding:
+    """Everything the decoding runs produced."""
+
+    section: dict[str, Any]
+    records: list[Any]
+    tuned_threshold: float | None
+
+
+def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
+           table: TokenTable, prompts: list[DecodePrompt]) -> Decoding:
+    """Run the sweep, measure the costs, tune on dev, and report on test."""
+    prob = table.top1 if transform.greedy else np.exp(table.logq)
+    settings = default_settings(trained.reads, signal_thresholds(table.entropy, prob), config.max_draft,
+                                config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
+    decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
+    records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
+                        config.seed, config.progress)
+    costs = measure_costs(records)
+    dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
+    test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
+    if trained.reads == "context_state":  # a verifier trades quality for speed: tune within the TV budget
+        allowed = {t for t in {row["threshold"] for row in dev if row["policy"] == "sprinter"}
+                   if sprinter_operating_points(table, t, (1.0,))[0]["tv_bound"] <= config.sprinter_max_tv}
+        dev = [row for row in dev if row["policy"] != "sprinter" or row["threshold"] in allowed]
+    tuned = {policy: row["threshold"] for policy, row in tune(dev).items()}
+    for row in test:
+        row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
+    learned = "head" if trained.reads == "candidate_state" else "sprinter"
+    section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
+               "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
+               "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
+               "policies": test, "dev_policies": dev}
+    return Decoding(section, records, tuned.get(learned))
+
+
+def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalConfig) -> DecisionRule:
+    """The rule export carries: the dev-tuned threshold, or the untuned default when no decoding ran."""
+    if threshold is None:
+        return DecisionRule.untuned(trained.reads)
+    if trained.reads == "candidate_state":
+        return DecisionRule(STOP_RULE, threshold, tuned=True, max_draft=config.max_draft, cost_ratio=config.cost_ratio)
+    return DecisionRule(VERIFY_RULE, threshold, tuned=True, cost_ratio=config.cost_ratio)
+
+
+def head_identity(trained: TrainedHead) -> dict[str, Any]:
+    """What identifies the evaluated head in metrics.json."""
+    return {"source": trained.source, "config": trained.head.config, "reads": trained.reads, "tau": trained.tau,
+            "draft": trained.draft, "target": trained.target, "data_fingerprint": trained.data_fingerprint,
+            "parameters": trained.head.num_parameters()}
+
+
+def evaluate(config: EvalConfig) -> dict[str, Any]:
+    """Evaluate, write the report folder, record the tuned rule in the checkpoint; returns metrics.json's content."""
+    config.validate()
+    manifest = read_manifest(Path(config.data))
+    if manifest is None or not manifest.get("complete"):
+        raise UsageError(f"{config.data} holds no finished labelled dataset (no complete manifest.json); "
+                         f"run `specheads gen --out {config.data}` first")
+    trained = load_trained(config.head)
+    check_data(trained, manifest, config.data, config.allow_other_data)
+    data = AcceptanceDataModule(config.data, val_fraction=trained.split["val_fraction"],
+                                split_seed=trained.split["split_seed"])
+    data.setup()
+    need_models = config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
+    source = manifest["config"]
+    pair = load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])) if need_models else None
+    table = collect_tokens(trained, data, pair.draft if pair else None)
+    if not len(table.label):
+        raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
+                         "evaluate on data with more prompts or draft positions")
+    offline = offline_metrics(table, config.bootstrap, config.seed)
+    metrics: dict[str, Any] = {
+        "head": head_identity(trained),
+        "data": {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
+                 "prompts": table.prompts, "mean_label": float(table.label.mean()),
+                 "label": "accept = min(1, p/q)" if trained.reads == "candidate_state" else f"1[q/p <= {trained.tau}]"},
+        "offline": offline["signals"], "offline_comparison": offline["head_vs_best_baseline"],
+        "calibration": calibration_table(table), "config": config.as_dict(),
+    }
+    transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
+    decoding = None
+    if config.num_decode_prompts:
+        prompts, dropped = held_out_prompts(config, manifest, data, trained, pair.tokenizer)
+        if len({p.split for p in prompts}) < 2:
+            raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
+                             "prompts); give --decode-prompts or data with more prompts")
+        decoding = decode(config, pair, trained, transform, table, prompts)
+        metrics["decoding"] = {**decoding.section, "prompts_dropped_as_seen_in_training": dropped}
+    rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
+    metrics["decision_rule"] = rule.as_dict()
+    if trained.reads == "context_state":
+        metrics["sprinter"] = sprinter_operating_points(table, rule.threshold)
+    metrics["verdict"] = verdict(metrics)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    roc_plot(table, metrics["offline"], out / PLOTS["roc"], config.seed)
+    reliability_plot(metrics["calibration"], out / PLOTS["reliability"])
+    if decoding:
+        pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
+        acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])
+        write_json_atomic(out / "runs.json", {"runs": records_as_dicts(decoding.records)})
+    metrics["plots"] = {name: file for name, file in PLOTS.items() if (out / file).exists()}
+    write_json_atomic(out / "metrics.json", metrics)
+    write_report(metrics, out)
+    if config.record and trained.source.endswith(".ckpt"):
+        record_evaluation(Path(trained.source), {"decision_rule": rule.as_dict(), "report": str(out.resolve()),
+                                                 "headline": headline(metrics)})
+    return metrics
+
+
+def accepted_lengths(decoding: Decoding) -> dict[str, list[int]]:
+    """Accepted tokens per round on test prompts, for each policy at its tuned threshold."""
+    tuned = decoding.section["tuned_thresholds"]
+    lengths: dict[str, list[int]] = {}
+    for record in decoding.records:
+        if record.split == "test" and tuned.get(record.policy) == record.threshold and record.policy != "oracle":
+            lengths.setdefault(f"{record.policy} @ {record.threshold:g}", []).extend(record.accepted_per_round)
+    return lengths
+
+
+def headline(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers export puts into config.json and the model card."""
+    head = metrics["offline"]["head"]
+    result = {"auc": head["auc"], "auc_ci": head["auc_ci"], "binary_kl": head["binary_kl"],
+              "binary_kl_constant": metrics["offline"]["constant"]["binary_kl"],
+              "best_baseline": metrics["offline_comparison"]["baseline"],
+              "best_baseline_auc": metrics["offline"][metrics["offline_comparison"]["baseline"]]["auc"],
+              "data_fingerprint": metrics["data"]["fingerprint"], "tokens": metrics["data"]["tokens"]}
+    decoding = metrics.get("decoding")
+    if decoding:
+        result["t_draft_over_t_target"] = decoding["t_draft_over_t_target"]
+        tuned_rows = [row for row in decoding["policies"] if row.get("tuned")]
+        learned = [row for row in tuned_rows if row["policy"] in ("head", "sprinter")]
+        if learned:
+            result["modelled_speedup"] = learned[0]["modelled_speedup"]
+        constant = [row for row in tuned_rows if row["policy"] == "constant_k"]
+        if constant:
+            result["modelled_speedup_constant_k"] = constant[0]["modelled_speedup"]
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}

@@ -1,0 +1,183 @@
+"""Decoding runs over held-out prompts: every policy at every threshold, costs, tuning on the dev split.
+
+Each (policy, threshold) runs on every decode prompt; prompts are split into dev (thresholds are tuned
+there) and test (what the report quotes). The modelled time per token is SpecDec++ Eq. 5.1:
+c·(1 + discard_rate) + (1 − c)·verification_rate in units of t_target with c = t_draft/t_target, so the
+modelled speedup over target-only decoding is its inverse. t_draft and t_target are also measured by
+a least-squares fit of each run's wall time on its draft forwards and target calls (SpecDec++ D.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterable
+
+import numpy as np
+from sklearn.linear_model import LinearRegression
+from tqdm.auto import tqdm
+
+from eval.decoding import DecodeResult, Decoder, target_log_likelihood
+from eval.policies import make_policy
+from heads import AcceptanceHead
+
+HEAD_THRESHOLDS = (0.3, 0.5, 0.65, 0.8, 0.9)
+SPRINTER_THRESHOLDS = (0.3, 0.5, 0.7, 0.85)
+CONSTANT_KS = (1, 2, 3, 4, 6, 8)
+STOP_SHARES = (0.1, 0.25, 0.45, 0.65)  # the share of drafted tokens after which a signal policy stops
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One policy at one threshold (K for constant_k)."""
+
+    policy: str
+    threshold: float
+
+
+@dataclass(frozen=True)
+class DecodePrompt:
+    """A held-out prompt to decode: its id, token ids and whether it tunes (dev) or reports (test)."""
+
+    prompt_id: str
+    ids: tuple[int, ...]
+    split: str
+
+
+@dataclass
+class RunRecord:
+    """One decoding run's counts."""
+
+    policy: str
+    threshold: float
+    prompt_id: str
+    split: str
+    emitted: int
+    drafted: int
+    accepted: int
+    target_calls: int
+    draft_forwards: int
+    seconds: float
+    forward_seconds: float
+    accepted_per_round: list[int]
+    target_logprob: float
+
+
+def signal_thresholds(entropy: np.ndarray, prob: np.ndarray) -> dict[str, list[float]]:
+    """SVIP and confidence thresholds at which each signal stops after about STOP_SHARES of drafted tokens."""
+    root_entropy = np.sqrt(np.clip(entropy, 0, None))
+    return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in STOP_SHARES],
+            "confidence": [round(float(np.quantile(prob, s)), 4) for s in STOP_SHARES]}
+
+
+def default_settings(reads: str, signal_grid: dict[str, list[float]], max_draft: int,
+                     head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
+                     constant_ks: Iterable[int] | None = None) -> list[Setting]:
+    """The sweep for a head: constant K, SVIP, confidence, the head and the oracle (SpecDec++ heads), or
+    constant K beside the SPRINTER loop (verifiers)."""
+    head_thresholds = HEAD_THRESHOLDS if head_thresholds is None else head_thresholds
+    sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
+    ks = sorted(set(constant_ks)) if constant_ks else sorted({k for k in CONSTANT_KS if k <= max_draft} | {max_draft})
+    settings = [Setting("constant_k", float(k)) for k in ks]
+    if reads == "candidate_state":
+        settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
+        settings += [Setting("head", t) for t in head_thresholds]
+        settings.append(Setting("oracle", float(max_draft)))
+    else:
+        settings += [Setting("sprinter", t) for t in sprinter_thresholds]
+    return settings
+
+
+def as_oracle(record: RunRecord) -> RunRecord:
+    """The hindsight oracle's accounting of a constant-K_max run (the same tokens: it keeps only accepted drafts)."""
+    return replace(record, policy="oracle", drafted=record.accepted)
+
+
+def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
+    """A run's counts as a record."""
+    return RunRecord(setting.policy, setting.threshold, prompt.prompt_id, prompt.split, result.emitted, result.drafted,
+                     result.accepted, result.target_calls, result.draft_forwards, result.seconds, result.forward_seconds,
+                     list(result.accepted_per_round), logprob)
+
+
+def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
+              max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True) -> list[RunRecord]:
+    """Decode every prompt under every setting (the oracle is read off the constant K_max runs)."""
+    records: list[RunRecord] = []
+    real = [s for s in settings if s.policy != "oracle"]
+    oracle_wanted = any(s.policy == "oracle" for s in settings)
+    if oracle_wanted and Setting("constant_k", float(max_draft)) not in real:
+        real.append(Setting("constant_k", float(max_draft)))
+    bar = tqdm(total=len(real) * len(prompts), desc="decoding runs", unit="run", disable=not progress)
+    for setting in real:
+        for number, prompt in enumerate(prompts):
+            run_seed = seed * 1_000_003 + number
+            if setting.policy == "sprinter":
+                result = decoder.sprinter_decode(list(prompt.ids), head, setting.threshold, max_new_tokens, run_seed)
+            else:
+                policy = make_policy(setting.policy, setting.threshold, max_draft)
+                result = decoder.speculative_decode(list(prompt.ids), policy, max_new_tokens, run_seed,
+                                                    head if policy.reads_head else None)
+            logprob = target_log_likelihood(decoder.target, list(prompt.ids), result.tokens)
+            record = record_of(setting, prompt, result, logprob)
+            records.append(record)
+            if oracle_wanted and setting == Setting("constant_k", float(max_draft)):
+                records.append(as_oracle(record))
+            bar.update()
+    bar.close()
+    return records
+
+
+def measure_costs(records: list[RunRecord]) -> dict[str, float]:
+    """t_draft and t_target (seconds per forward) from a least-squares fit of wall time on the forward counts."""
+    real = [r for r in records if r.policy != "oracle"]
+    design = np.array([[r.draft_forwards, r.target_calls] for r in real], dtype=np.float64)
+    seconds = np.array([r.seconds for r in real])
+    fit = LinearRegression(fit_intercept=False, positive=True).fit(design, seconds)
+    t_draft, t_target = (float(v) for v in fit.coef_)
+    return {"t_draft_s": t_draft, "t_target_s": t_target,
+            "ratio": t_draft / t_target if t_target > 0 else float("nan"),
+            "loop_overhead_share": 1.0 - sum(r.forward_seconds for r in real) / max(sum(r.seconds for r in real), 1e-9)}
+
+
+def modelled_speedup(discard_rate: float, verification_rate: float, cost_ratio: float) -> float:
+    """Speedup over target-only decoding by SpecDec++ Eq. 5.1 at t_draft/t_target = `cost_ratio`."""
+    return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
+
+
+def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float, measured_ratio: float) -> list[dict[str, Any]]:
+    """Per setting over the prompts of `split` (None: all): rates as ratios of totals, and the speedups."""
+    chosen = [r for r in records if split is None or r.split == split]
+    rows = []
+    for setting in dict.fromkeys(Setting(r.policy, r.threshold) for r in chosen):
+        runs = [r for r in chosen if (r.policy, r.threshold) == (setting.policy, setting.threshold)]
+        emitted = sum(r.emitted for r in runs)
+        calls = sum(r.target_calls for r in runs)
+        discard = sum(r.drafted - r.accepted for r in runs) / emitted
+        verification = calls / emitted
+        logprobs = [r.target_logprob for r in runs if math.isfinite(r.target_logprob)]
+        rows.append({
+            "policy": setting.policy, "threshold": setting.threshold, "prompts": len(runs), "tokens": emitted,
+            "discard_rate": discard, "verification_rate": verification,
+            "mean_accepted_length": sum(r.accepted for r in runs) / max(sum(len(r.accepted_per_round) for r in runs), 1),
+            "tokens_per_target_call": emitted / max(calls, 1),
+            "tokens_per_s": emitted / sum(r.seconds for r in runs), "wall_s": sum(r.seconds for r in runs),
+            "modelled_speedup": modelled_speedup(discard, verification, cost_ratio),
+            "modelled_speedup_measured_ratio": modelled_speedup(discard, verification, measured_ratio),
+            "mean_target_logprob": float(np.mean(logprobs)) if logprobs else None,
+        })
+    return rows
+
+
+def tune(dev_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per policy, the dev row with the highest modelled speedup (the tuned threshold)."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in dev_rows:
+        if row["policy"] not in best or row["modelled_speedup"] > best[row["policy"]]["modelled_speedup"]:
+            best[row["policy"]] = row
+    return best
+
+
+def records_as_dicts(records: list[RunRecord]) -> list[dict[str, Any]]:
+    """Plain dicts for JSON."""
+    return [asdict(r) for r in records]

@@ -1,0 +1,124 @@
+"""`load_head`: an exported head folder or Hub repo -> a ready module and its decision rule, safely.
+
+Only `model.safetensors` is ever read (a folder with pickled weights is refused), no remote code runs,
+the config's hidden size is checked against the weights before anything is built, and the draft the
+caller is about to use can be checked against the one the head was trained for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from heads.base import AcceptanceHead
+from heads.registry import head_class
+from specheads.errors import UsageError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+STOP_RULE = "stop_drafting_when_rejection_risk_above"
+VERIFY_RULE = "call_target_when_acceptance_below"
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    """How a decoder acts on the head's acceptance probabilities â.
+
+    `stop_drafting_when_rejection_risk_above` (SpecDec++, candidate_state): end the round once
+    1 − Π â_j over the round's scored candidates exceeds `threshold`, or at `max_draft` candidates.
+    `call_target_when_acceptance_below` (SPRINTER, context_state): send the drafted token to the target
+    when its â is below `threshold`; otherwise keep it unverified.
+    """
+
+    rule: str
+    threshold: float
+    tuned: bool
+    max_draft: int | None = None
+    cost_ratio: float | None = None  # the t_draft/t_target the threshold was tuned for
+
+    @classmethod
+    def untuned(cls, reads: str) -> DecisionRule:
+        """The default rule for a head that reads `reads`, marked untuned."""
+        if reads == "candidate_state":
+            return cls(STOP_RULE, 0.5, tuned=False, max_draft=8)
+        return cls(VERIFY_RULE, 0.5, tuned=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for config.json."""
+        return asdict(self)
+
+
+def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
+    """A local folder as given, or the safetensors + config files of a Hub repo downloaded to the cache."""
+    folder = Path(path_or_repo_id)
+    if folder.is_dir():
+        return folder
+    if folder.exists() or path_or_repo_id.count("/") != 1 or path_or_repo_id.startswith((".", "/")):
+        raise UsageError(f"{path_or_repo_id} is neither a head folder nor a Hub repo id (owner/name); "
+                         "give the folder `specheads export --out` wrote or its repo id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        local = snapshot_download(repo_id=path_or_repo_id, revision=revision,
+                                  allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, "README.md"])
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise UsageError(f"cannot download head {path_or_repo_id!r} (revision {revision or 'main'}): "
+                         f"{str(error).splitlines()[0]}; check the repo id, the revision and your token") from error
+    return Path(local)
+
+
+def read_head_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json after the file checks (safetensors present, no pickled weights)."""
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED_SUFFIXES)
+    if pickled:
+        raise UsageError(f"{folder} holds pickled weights ({', '.join(pickled)}), which can run code when loaded; "
+                         f"only {WEIGHTS_FILE} is loaded: re-export the head with `specheads export`")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise UsageError(f"{folder} has no {name}; a head folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
+                             "(write one with `specheads export`)")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{folder / CONFIG_FILE} is not valid JSON ({error}); re-export the head") from None
+    if not isinstance(config, dict) or "head_type" not in config:
+        raise UsageError(f"{folder / CONFIG_FILE} names no head_type; it is not a specheads head config")
+    return config
+
+
+def check_weights_shape(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse weights whose hidden size differs from the config's (read from the safetensors header)."""
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
+        if "hidden_mean" not in weights.keys():
+            raise UsageError(f"{folder / WEIGHTS_FILE} holds no specheads head (no hidden_mean tensor)")
+        found = weights.get_slice("hidden_mean").get_shape()[0]
+    if found != config.get("hidden_size"):
+        raise UsageError(f"{folder}: config.json says hidden_size {config.get('hidden_size')} but the weights were "
+                         f"made for hidden size {found}; the files do not belong together, re-export the head")
+
+
+def load_head(path_or_repo_id: str, revision: str | None = None,
+              expect_draft: str | None = None) -> tuple[AcceptanceHead, DecisionRule]:
+    """A ready head (eval mode) and its decision rule from a head folder or a Hub repo id.
+
+    `expect_draft` names the draft the caller will feed the head; a head trained for another draft is
+    refused with both names.
+    """
+    folder = resolve_folder(path_or_repo_id, revision)
+    config = read_head_config(folder)
+    cls = head_class(config["head_type"])
+    check_weights_shape(folder, config)
+    trained_for = (config.get("draft") or {}).get("name")
+    if expect_draft is not None and trained_for != expect_draft:
+        raise UsageError(f"head {path_or_repo_id} was trained for draft {trained_for!r}, not {expect_draft!r}; "
+                         "use a head trained for your draft, or train one")
+    head = cls.from_pretrained(str(folder))
+    head.eval()
+    rule = config.get("decision_rule")
+    return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.reads))

@@ -1,0 +1,117 @@
+"""A trained head with what it was trained on, from a Lightning checkpoint or an exported head folder.
+
+Eval and export both start here. The checkpoint carries the head's weights and the run's
+hyperparameters (data fingerprint and identity, split, τ); eval adds its tuned decision rule and
+headline metrics under `EVAL_KEY`, written back atomically, so export can carry them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data_gen.store import atomic_path
+from heads import AcceptanceHead
+from heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
+from specheads.errors import UsageError
+
+EVAL_KEY = "specheads_eval"
+
+
+@dataclass
+class TrainedHead:
+    """A head plus the facts about its training that eval and export need."""
+
+    head: AcceptanceHead
+    source: str
+    draft: str
+    target: str | None
+    data_fingerprint: str | None
+    data_identity: dict[str, Any] | None
+    sampling: dict[str, Any] | None
+    tau: float = 1.0
+    contexts: str = "consistent"
+    split: dict[str, Any] = field(default_factory=lambda: {"val_fraction": 0.1, "split_seed": 0})
+    decision: DecisionRule | None = None
+    evaluation: dict[str, Any] | None = None  # what eval recorded: metrics, cost ratio, report folder
+    training: dict[str, Any] = field(default_factory=dict)  # the run's hyperparameters, for the model card
+
+    @property
+    def reads(self) -> str:
+        """Which draft state the head reads."""
+        return self.head.reads
+
+    @property
+    def rule(self) -> DecisionRule:
+        """The tuned decision rule when eval recorded one, else the untuned default."""
+        return self.decision or DecisionRule.untuned(self.reads)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The raw checkpoint dict; a one-line error when the file is not a checkpoint."""
+    try:
+        # our own training run's file: it holds Lightning's hyperparameter containers, not only tensors
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch raises several types for a corrupt or foreign file
+        raise UsageError(f"{path} is not a readable Lightning checkpoint ({type(error).__name__}); "
+                         "give a .ckpt from `specheads train` or a head folder from `specheads export`") from None
+
+
+def from_checkpoint(path: Path) -> TrainedHead:
+    """The head and training facts stored in a `specheads train` checkpoint."""
+    from train.module import AcceptanceModule
+
+    checkpoint = read_checkpoint(path)
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    if "head" not in hparams or hparams.get("hidden_size") is None:
+        raise UsageError(f"{path} is not a `specheads train` checkpoint (its hyperparameters name no head); "
+                         "give a checkpoint from a specheads run folder")
+    module = AcceptanceModule.load_from_checkpoint(path, map_location="cpu")
+    evaluation = checkpoint.get(EVAL_KEY)
+    decision = DecisionRule(**evaluation["decision_rule"]) if evaluation and evaluation.get("decision_rule") else None
+    split = hparams.get("data_split") or {"val_fraction": 0.1, "split_seed": 0}
+    return TrainedHead(
+        head=module.head.eval(), source=str(path), draft=hparams.get("draft"), target=hparams.get("target"),
+        data_fingerprint=hparams.get("data_fingerprint"), data_identity=hparams.get("data_identity"),
+        sampling=hparams.get("data_sampling"), tau=float(hparams.get("tau", 1.0)),
+        contexts=hparams.get("contexts", "consistent"), split=dict(split), decision=decision, evaluation=evaluation,
+        training={k: v for k, v in hparams.items() if k not in ("data_identity",)},
+    )
+
+
+def from_folder(path: str) -> TrainedHead:
+    """The head and training facts of an exported head folder (or Hub repo id)."""
+    folder = resolve_folder(path)
+    config = read_head_config(folder)
+    head, rule = load_head(str(folder))
+    data = config.get("training_data") or {}
+    return TrainedHead(
+        head=head, source=path, draft=(config.get("draft") or {}).get("name"),
+        target=(config.get("target") or {}).get("name"), data_fingerprint=data.get("fingerprint"),
+        data_identity=data.get("identity"), sampling=config.get("sampling"), tau=float(config.get("tau") or 1.0),
+        contexts=config.get("contexts", "consistent"), split=data.get("split") or {"val_fraction": 0.1, "split_seed": 0},
+        decision=rule if rule.tuned else None, evaluation=config.get("metrics"), training=config.get("training") or {},
+    )
+
+
+def load_trained(path: str) -> TrainedHead:
+    """A `.ckpt` from `specheads train`, or a head folder / Hub repo id from `specheads export`."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return from_checkpoint(candidate)
+    if candidate.is_dir() and not (candidate / "config.json").exists():
+        last = candidate / "checkpoints" / "last.ckpt"
+        if last.is_file():  # a training run folder: its newest checkpoint
+            return from_checkpoint(last)
+    return from_folder(path)
+
+
+def record_evaluation(path: Path, evaluation: dict[str, Any]) -> None:
+    """Store eval's tuned decision rule and headline metrics in the checkpoint (temp file + rename)."""
+    checkpoint = read_checkpoint(path)
+    checkpoint[EVAL_KEY] = evaluation
+    with atomic_path(path) as temporary:
+        torch.save(checkpoint, temporary)
