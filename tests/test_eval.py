@@ -1,0 +1,265 @@
+"""`specheads eval`: metrics against scikit-learn and hand values, the decoding loops' exactness, the report."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from sklearn.metrics import brier_score_loss, roc_auc_score
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_args
+from data_gen.sampling import SamplingTransform
+from eval.decoding import CachedModel, Decoder
+from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_operating_points
+from eval.policies import make_policy
+from eval.run import check_data
+from eval.sweep import RunRecord, aggregate, measure_costs, modelled_speedup
+from heads import ResNetAcceptanceHead, LinearVerifier
+from specheads.cli import main
+from specheads.errors import UsageError
+from train.checkpoint import TrainedHead, load_trained
+
+CONFIGS = Path(__file__).parents[1] / "configs" / "train"
+VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
+
+
+# ---- metrics
+
+
+def test_soft_metrics_equal_sklearn_on_binary_labels_and_hand_values():
+    rng = np.random.default_rng(0)
+    labels = (rng.random(300) < 0.6).astype(float)
+    scores = np.clip(labels * 0.3 + rng.random(300) * 0.7, 0, 1)
+    assert soft_auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores))
+    assert brier(labels, scores) == pytest.approx(brier_score_loss(labels, scores))
+    # binary KL by hand: a = 0.5, â = 0.25 -> 0.5·log 2 + 0.5·log(2/3); a = 1, â = 0.5 -> log 2
+    expected = (0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75) + math.log(2)) / 2
+    assert binary_kl(np.array([0.5, 1.0]), np.array([0.25, 0.5])) == pytest.approx(expected)
+    # ECE by hand: bin [0.2, 0.3) holds predictions 0.25 (labels 1, 0) -> |0.5 − 0.25| = 0.25
+    assert expected_calibration_error(np.array([1.0, 0.0]), np.array([0.25, 0.25])) == pytest.approx(0.25)
+    # a soft label counts as a positive weighted a and a negative weighted 1 − a: the a = 0.3 token ties with
+    # itself (weight 0.3·0.7, counted half), the a = 1 token outranks it (weight 1·0.7); total weight 1.3·0.7
+    assert soft_auc(np.array([0.3, 1.0]), np.array([0.1, 0.9])) == pytest.approx((0.3 * 0.7 * 0.5 + 0.7) / (1.3 * 0.7))
+
+
+def test_roc_of_a_perfect_and_a_random_scorer():
+    rng = np.random.default_rng(1)
+    labels = (rng.random(4000) < 0.5).astype(float)
+    assert soft_auc(labels, labels + 0.01 * rng.random(4000)) == pytest.approx(1.0)
+    assert abs(soft_auc(labels, rng.random(4000)) - 0.5) < 0.03
+
+
+def table_of(labels: np.ndarray, prediction: np.ndarray, groups: np.ndarray) -> TokenTable:
+    n = len(labels)
+    return TokenTable(label=labels, prediction=prediction, logp=np.log(np.full(n, 0.5)), logq=np.log(np.full(n, 0.6)),
+                      entropy=np.ones(n), top1=np.full(n, 0.5), beta=np.full(n, 0.8), group=groups,
+                      prompts=int(groups.max()) + 1)
+
+
+def test_bootstrap_resamples_whole_prompts_and_intervals_cover_the_estimate():
+    groups = np.repeat(np.arange(10), 30)
+    for index in bootstrap_indices(groups, 5, seed=0):
+        counts = np.bincount(groups[index], minlength=10)
+        assert set(counts.tolist()) <= {0, 30, 60, 90, 120, 150}  # whole prompts only
+    rng = np.random.default_rng(2)
+    labels = rng.random(300)
+    table = table_of(labels, np.clip(labels + rng.normal(0, 0.2, 300), 0.01, 0.99), groups)
+    result = offline_metrics(table, resamples=100, seed=0)
+    head = result["signals"]["head"]
+    assert head["auc_ci"][0] <= head["auc"] <= head["auc_ci"][1]
+    assert head["binary_kl_ci"][0] <= head["binary_kl"] <= head["binary_kl_ci"][1]
+    assert result["signals"]["svip_entropy"]["binary_kl"] is None  # not a probability
+    assert result["signals"]["label_ceiling"]["binary_kl"] == pytest.approx(0.0)
+
+
+def test_sprinter_operating_point_and_total_variation_bound():
+    labels = np.array([1.0, 1.0, 0.0, 0.0])
+    table = table_of(labels, np.array([0.9, 0.2, 0.8, 0.1]), np.zeros(4, dtype=int))
+    table.logp, table.logq = np.log([0.5, 0.5, 0.1, 0.1]), np.log([0.4, 0.4, 0.4, 0.4])
+    point = sprinter_operating_points(table, threshold=0.5, taus=(1.0,))[0]
+    assert point["fpr"] == pytest.approx(0.5) and point["tpr"] == pytest.approx(0.5)
+    assert point["tv_bound"] == pytest.approx(0.5 * 0.2)  # FPR × mean(1 − β)
+
+
+def test_modelled_speedup_aggregation_and_cost_regression():
+    assert modelled_speedup(0.0, 1.0, 0.2) == pytest.approx(1.0 / (0.2 + 0.8))
+    assert modelled_speedup(0.5, 0.25, 0.2) == pytest.approx(1.0 / (0.2 * 1.5 + 0.8 * 0.25))
+    records = []
+    for drafts, calls in [(10, 5), (20, 4), (6, 6), (30, 3)]:
+        records.append(RunRecord("constant_k", 2.0, f"p{drafts}", "test", emitted=20, drafted=drafts, accepted=drafts // 2,
+                                 target_calls=calls, draft_forwards=drafts, seconds=0.01 * drafts + 0.05 * calls,
+                                 forward_seconds=0.01 * drafts + 0.05 * calls, accepted_per_round=[1], target_logprob=-1.0))
+    costs = measure_costs(records)
+    assert costs["t_draft_s"] == pytest.approx(0.01, rel=1e-6) and costs["ratio"] == pytest.approx(0.2, rel=1e-6)
+    row = aggregate(records, "test", 0.2, costs["ratio"])[0]
+    assert row["discard_rate"] == pytest.approx(sum(d - d // 2 for d in (10, 20, 6, 30)) / 80)
+    assert row["verification_rate"] == pytest.approx(18 / 80)
+
+
+# ---- the decoding loops on a tiny model with a small vocabulary
+
+
+def tiny_lm(seed: int, vocab: int = VOCAB, init: float = 0.35) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64, initializer_range=init, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_lm(seed=1), tiny_lm(seed=2)
+
+
+@torch.no_grad()
+def sequence_probabilities(model, transform: SamplingTransform) -> dict[tuple[int, ...], float]:
+    """The exact distribution of LENGTH tokens after PROMPT, by enumeration."""
+    result = {}
+    for tail in itertools.product(range(VOCAB), repeat=LENGTH):
+        logits = model(torch.tensor([PROMPT + list(tail)])).logits[0]
+        log_probs = transform.log_probs(logits)
+        result[tail] = float(np.prod([log_probs[len(PROMPT) - 1 + i, t].exp().item() for i, t in enumerate(tail)]))
+    return result
+
+
+def chi_square_p(samples: list[tuple[int, ...]], expected: dict[tuple[int, ...], float]) -> float:
+    keys = sorted(expected)
+    observed = np.array([sum(1 for s in samples if s == k) for k in keys], dtype=float)
+    probabilities = np.array([expected[k] for k in keys])
+    return float(chisquare(observed, probabilities / probabilities.sum() * len(samples)).pvalue)
+
+
+def test_cache_cropping_gives_the_logits_of_a_fresh_forward(tiny_pair):
+    target, _ = tiny_pair
+    runner = CachedModel(target)
+    runner.feed([0, 1, 2, 0, 1, 1, 2], 1)
+    runner.crop_to(4)
+    cached, _ = runner.feed([2], 1)
+    fresh = target(torch.tensor([[0, 1, 2, 0, 2]])).logits[0, -1].float()
+    assert runner.length == 5 and torch.allclose(cached[-1], fresh, atol=1e-5)
+
+
+POLICIES = [("constant_k", 2), ("svip", 1.0), ("confidence", 0.4), ("head", 0.5), ("oracle", 3)]
+
+
+def test_speculative_sampling_leaves_the_target_distribution_unchanged(tiny_pair):
+    """Every stop policy, and SPRINTER when it verifies every token, samples exactly the target's distribution."""
+    target, draft = tiny_pair
+    transform = SamplingTransform(1.0)
+    exact = sequence_probabilities(target, transform)
+    assert 0.15 < sum(abs(exact[k] - v) for k, v in sequence_probabilities(draft, transform).items()) / 2
+    decoder = Decoder(target, draft, transform, stop_ids=[])
+    head = ResNetAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"])
+    torch.nn.init.normal_(head.out.weight, std=2.0)  # a head whose stop decisions vary with the state
+    runs = 500
+    for name, threshold in POLICIES:
+        policy = make_policy(name, threshold, max_draft=3)
+        samples = [tuple(decoder.speculative_decode(PROMPT, policy, LENGTH, seed=s, head=head).tokens) for s in range(runs)]
+        assert chi_square_p(samples, exact) > 1e-3, name
+    verifier = LinearVerifier(16)
+    samples = [tuple(decoder.sprinter_decode(PROMPT, verifier, 1.01, LENGTH, seed=s).tokens) for s in range(runs)]
+    assert chi_square_p(samples, exact) > 1e-3, "sprinter verifying every token"
+    # the test has power: sampling the draft alone is detected
+    draft_only = [tuple(decoder.sprinter_decode(PROMPT, verifier, 0.0, LENGTH, seed=s).tokens) for s in range(runs)]
+    assert chi_square_p(draft_only, exact) < 1e-6
+
+
+def test_greedy_oracle_never_discards_and_every_policy_reproduces_greedy_target(tiny_pair):
+    target, draft = tiny_lm(seed=3, vocab=11), tiny_lm(seed=4, vocab=11)
+    transform = SamplingTransform(0.0)
+    decoder = Decoder(target, draft, transform, stop_ids=[])
+    prompt = [1, 2, 3]
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    head = ResNetAcceptanceHead(16, depth=0)
+    for name, threshold in POLICIES:
+        result = decoder.speculative_decode(prompt, make_policy(name, threshold, max_draft=4), 12, seed=0, head=head)
+        assert result.tokens == greedy, name
+        if name == "oracle":
+            assert result.drafted == result.accepted and result.target_calls > 1
+    constant = decoder.speculative_decode(prompt, make_policy("constant_k", 4), 12, seed=0)
+    assert constant.drafted > constant.accepted  # the constant policy does discard on this pair
+
+
+# ---- the command on the tiny pair
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, prompts_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "gen"
+    assert main(tiny_args(tiny_model, prompts_file, data, "--mixing.schedule", "[0.15, 1.0]")) == 0
+    for name, config in (("specdecpp", "specdecpp.yaml"), ("sprinter", "sprinter.yaml")):
+        assert main(["train", "fit", "--config", str(CONFIGS / config), "--data.path", str(data),
+                     "--data.val_fraction", "0.4", "--data.batch_size", "4", "--trainer.default_root_dir",
+                     str(root / name), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                     "--trainer.max_epochs", "1"]) == 0
+    return data, root
+
+
+def eval_args(head: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["eval", "--head", str(head), "--data", str(data), "--out", str(out), "--num-decode-prompts", "4",
+            "--max-new-tokens", "6", "--max-draft", "4", "--constant-ks", "[1,2,4]", "--head-thresholds", "[0.3,0.7]",
+            "--sprinter-thresholds", "[0.3,0.6]", "--bootstrap", "20", "--progress", "false", *extra]
+
+
+def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_path, capsys):
+    data, root = trained
+    checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "report"
+    assert main(eval_args(checkpoint, data, out)) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "beta_oracle",
+                                       "label_ceiling", "constant"}
+    for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
+        assert name in metrics["offline"]["head"]
+    decoding = metrics["decoding"]
+    assert decoding["t_draft_over_t_target"] == 0.2
+    assert {row["policy"] for row in decoding["policies"]} == {"constant_k", "svip", "confidence", "head", "oracle"}
+    for row in decoding["policies"]:
+        for name in ("threshold", "discard_rate", "verification_rate", "mean_accepted_length", "tokens_per_s",
+                     "modelled_speedup"):
+            assert isinstance(row[name], float), name
+        expected = modelled_speedup(row["discard_rate"], row["verification_rate"], 0.2)
+        assert row["modelled_speedup"] == pytest.approx(expected)
+    assert all(row["discard_rate"] == 0 for row in decoding["policies"] if row["policy"] == "oracle")
+    for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
+        assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()
+    assert "Verdict" in (out / "report.md").read_text()
+    tuned = load_trained(str(checkpoint))
+    assert tuned.decision is not None and tuned.decision.tuned
+    assert tuned.decision.threshold == decoding["tuned_thresholds"]["head"]
+    assert "report:" in capsys.readouterr().out
+
+
+def test_eval_of_a_sprinter_verifier_reports_operating_points(trained, tmp_path):
+    data, root = trained
+    out = tmp_path / "report"
+    assert main(eval_args(root / "sprinter" / "checkpoints" / "last.ckpt", data, out, "--record", "false")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [p["tau"] for p in metrics["sprinter"]] == [1.0, 1.2, 1.5]
+    assert {row["policy"] for row in metrics["decoding"]["policies"]} == {"constant_k", "sprinter"}
+    assert set(metrics["offline"]["label_ceiling"]) and metrics["offline"]["label_ceiling"]["auc"] == pytest.approx(1.0)
+
+
+def test_eval_refuses_data_of_another_fingerprint(trained, tmp_path, capsys):
+    data, root = trained
+    head = load_trained(str(root / "specdecpp" / "checkpoints" / "last.ckpt"))
+    manifest = json.loads((data / "manifest.json").read_text())
+    other = json.loads(json.dumps(manifest))
+    other["fingerprint"] = "0000000000000000"
+    other["identity"]["sampling"]["temperature"] = 0.0
+    with pytest.raises(UsageError, match=r"differs in sampling\.temperature"):
+        check_data(head, other, "other-data", allow_other_data=True)
+    other["identity"]["sampling"]["temperature"] = manifest["identity"]["sampling"]["temperature"]
+    other["identity"]["seed"] = 7
+    with pytest.raises(UsageError, match=r"differs in seed; pass --allow-other-data"):
+        check_data(head, other, "other-data", allow_other_data=False)
+    check_data(head, other, "other-data", allow_other_data=True)  # other prompts or seeds of the same models: allowed
+    assert main(eval_args(tmp_path / "missing.ckpt", data, tmp_path / "r")) == 2
+    assert "error" in capsys.readouterr().err and not (tmp_path / "r").exists()
