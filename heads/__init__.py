@@ -2,7 +2,9 @@
 
 from heads.base import SIGNALS, AcceptanceHead
 from heads.linear import LinearVerifier
+from heads.loading import DecisionRule, load_head
 from heads.registry import HEADS, build_head, head_class
 from heads.resnet import ResNetAcceptanceHead
 
-__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "LinearVerifier", "SIGNALS", "HEADS", "build_head", "head_class"]
+__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "LinearVerifier", "SIGNALS", "HEADS", "build_head", "head_class",
+           "load_head", "DecisionRule"]

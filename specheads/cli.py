@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gen": ("data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
     "train": ("train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
     "eval": ("eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
+    "export": ("export.cli", "write a head folder (safetensors + config.json + model card) and push it to the Hub"),
 }
 
 USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads SUBCOMMAND --help)"

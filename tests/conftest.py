@@ -93,3 +93,20 @@ def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> s
     """Run `python -m specheads ARGS` in a fresh process."""
     return subprocess.run([sys.executable, "-m", "specheads", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_model, prompts_file, tmp_path_factory):
+    """A tiny labelled dataset and a SpecDec++ head and a SPRINTER verifier trained on it for one epoch."""
+    from specheads.cli import main
+
+    configs = Path(__file__).parents[1] / "configs" / "train"
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "gen"
+    assert main(tiny_args(tiny_model, prompts_file, data, "--mixing.schedule", "[0.15, 1.0]")) == 0
+    for name, config in (("specdecpp", "specdecpp.yaml"), ("sprinter", "sprinter.yaml")):
+        assert main(["train", "fit", "--config", str(configs / config), "--data.path", str(data),
+                     "--data.val_fraction", "0.4", "--data.batch_size", "4", "--trainer.default_root_dir",
+                     str(root / name), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+                     "--trainer.max_epochs", "1"]) == 0
+    return data, root

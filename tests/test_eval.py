@@ -12,7 +12,6 @@ from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_args
 from data_gen.sampling import SamplingTransform
 from eval.decoding import CachedModel, Decoder
 from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
@@ -25,7 +24,6 @@ from specheads.cli import main
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained
 
-CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 
 
@@ -187,19 +185,6 @@ def test_greedy_oracle_never_discards_and_every_policy_reproduces_greedy_target(
 
 
 # ---- the command on the tiny pair
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_model, prompts_file, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval")
-    data = root / "gen"
-    assert main(tiny_args(tiny_model, prompts_file, data, "--mixing.schedule", "[0.15, 1.0]")) == 0
-    for name, config in (("specdecpp", "specdecpp.yaml"), ("sprinter", "sprinter.yaml")):
-        assert main(["train", "fit", "--config", str(CONFIGS / config), "--data.path", str(data),
-                     "--data.val_fraction", "0.4", "--data.batch_size", "4", "--trainer.default_root_dir",
-                     str(root / name), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-                     "--trainer.max_epochs", "1"]) == 0
-    return data, root
 
 
 def eval_args(head: Path, data: Path, out: Path, *extra: str) -> list[str]:

