@@ -59,7 +59,7 @@ def label_positions(
     logp = logp_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
-    entropy, top1 = signal_statistics(draft_logits, logq_all, transform)
+    entropy, top1 = signal_statistics(signal_log_probs(draft_logits, logq_all, transform))
     return PositionLabels(
         draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
@@ -67,13 +67,14 @@ def label_positions(
     )
 
 
-def signal_statistics(draft_logits: torch.Tensor, logq_all: torch.Tensor,
-                      transform: SamplingTransform) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy H(q), top-1 probability) per row: the training-free signals, as decoding computes them too.
+def signal_log_probs(draft_logits: torch.Tensor, logq_all: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
+    """The draft distribution the training-free signals read: q after the transform, or, since greedy q is
+    one-hot, the untempered draft distribution under T = 0 (decoding computes them the same way)."""
+    return draft_logits.float().log_softmax(-1) if transform.greedy else logq_all
 
-    Greedy q is one-hot, so under T = 0 they read the untempered draft distribution instead.
-    """
-    logq_signal = draft_logits.float().log_softmax(-1) if transform.greedy else logq_all
+
+def signal_statistics(logq_signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy, top-1 probability) per row of `signal_log_probs`' output."""
     q_signal = logq_signal.exp()
     return torch.special.entr(q_signal).sum(-1), q_signal.amax(-1)
 

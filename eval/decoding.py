@@ -12,13 +12,14 @@ the same forward) and goes through the p/q test; unflagged tokens stand unverifi
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from data_gen.labels import output_logits, signal_statistics
+from data_gen.labels import output_logits, signal_log_probs, signal_statistics
 from data_gen.sampling import SamplingTransform, draw_from_log_probs, uniforms
 from eval.policies import Drafted, StopPolicy
 from heads import AcceptanceHead
@@ -87,10 +88,10 @@ def acceptance_step(head: AcceptanceHead, state: torch.Tensor, signals: dict[str
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
                       transform: SamplingTransform) -> dict[str, float]:
     """The draft's signals for a candidate, as data_gen stored them: logq, entropy, top1 (and prob for policies)."""
-    entropy, top1 = signal_statistics(draft_logits, logq_all, transform)
-    logq = float(logq_all[token])
-    prob = float(draft_logits.float().softmax(-1)[token]) if transform.greedy else float(torch.exp(logq_all[token]))
-    return {"logq": logq, "entropy": float(entropy), "top1": float(top1), "prob": prob}
+    logq_signal = signal_log_probs(draft_logits, logq_all, transform)
+    entropy, top1 = signal_statistics(logq_signal)
+    return {"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
+            "prob": math.exp(float(logq_signal[token]))}
 
 
 class Decoder:
@@ -109,7 +110,7 @@ class Decoder:
         return int(draw_from_log_probs(log_probs.unsqueeze(0), uniforms(generator, 1))[0])
 
     def _accepts(self, logp: float, logq: float, generator: torch.Generator) -> bool:
-        return float(uniforms(generator, 1)[0]) <= float(torch.exp(torch.tensor(logp - logq)).clamp(max=1.0))
+        return float(uniforms(generator, 1)[0]) <= min(1.0, math.exp(logp - logq))
 
     def _residual_draw(self, logp_all: torch.Tensor, logq_all: torch.Tensor, generator: torch.Generator) -> int:
         residual = (logp_all.exp() - logq_all.exp()).clamp_min(0)

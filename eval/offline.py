@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
-                          soft_auc)
+                          soft_auc, soft_pr_auc)
 from train.checkpoint import TrainedHead
 from train.data import AcceptanceDataModule
 from train.targets import draft_features, head_inputs
@@ -87,8 +87,8 @@ def signal_metrics(name: str, label: np.ndarray, score: np.ndarray, bins: int, s
     if name in PROBABILITY_SIGNALS:
         metrics: dict[str, float | None] = classification_metrics(label, score, bins)
     else:
-        metrics = {"auc": soft_auc(label, score), "pr_auc": classification_metrics(label, score, bins)["pr_auc"],
-                   "brier": None, "ece": None, "binary_kl": None}
+        metrics = {"auc": soft_auc(label, score), "pr_auc": soft_pr_auc(label, score), "brier": None, "ece": None,
+                   "binary_kl": None}
     metrics["auc_bernoulli"] = bernoulli_auc(label, score, seed)
     return metrics
 

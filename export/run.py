@@ -20,10 +20,8 @@ TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "
                  "optimizer", "lr", "weight_decay", "warmup_ratio")
 
 
-def read_report(report: Path, trained: TrainedHead) -> tuple[DecisionRule, dict[str, Any], Path | None]:
-    """The tuned rule, headline metrics and ROC plot of an eval report made for this head's data."""
-    from eval.run import headline
-
+def read_report(report: Path, trained: TrainedHead) -> tuple[dict[str, Any], Path | None]:
+    """metrics.json and the ROC plot of an eval report made for this head's data."""
     path = report / "metrics.json"
     if not path.is_file():
         raise UsageError(f"{report} holds no metrics.json; give the folder `specheads eval --out` wrote")
@@ -33,7 +31,7 @@ def read_report(report: Path, trained: TrainedHead) -> tuple[DecisionRule, dict[
         raise UsageError(f"the report in {report} evaluated a head trained on data {made_for}, but this checkpoint was "
                          f"trained on {trained.data_fingerprint}; give the report of this head")
     roc = report / "roc.png"
-    return DecisionRule(**metrics["decision_rule"]), headline(metrics), roc if roc.is_file() else None
+    return metrics, roc if roc.is_file() else None
 
 
 def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -114,8 +112,10 @@ def export(config: ExportConfig) -> dict[str, Any]:
     report_metrics = None
     roc = None
     if config.report:
-        rule, metrics, roc = read_report(Path(config.report), trained)
-        report_metrics = json.loads((Path(config.report) / "metrics.json").read_text())
+        from eval.run import headline
+
+        report_metrics, roc = read_report(Path(config.report), trained)
+        rule, metrics = DecisionRule(**report_metrics["decision_rule"]), headline(report_metrics)
     elif trained.evaluation:
         rule, metrics = trained.rule, dict(trained.evaluation.get("headline") or {})
     else:

@@ -21,7 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from heads import SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
-from train.targets import Contexts, draft_features, head_inputs, head_states, token_targets
+from train.targets import Contexts, draft_features, head_inputs, token_targets
 from specheads.errors import UsageError
 
 VALIDATION_COLUMNS = ("prediction", "label", "logq", "entropy", "top1")
@@ -141,9 +141,7 @@ class AcceptanceModule(L.LightningModule):
         for index, batch in enumerate(data.ordered_batches("train", with_features=True)):
             if index == max_batches:
                 break
-            mask, _ = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
-            features = batch["features"] if "features" in batch else self.draft_features(batch, mask.shape[1])
-            states = head_states(features, self.reads)[mask.to(features.device)].double().cpu()
+            states = self.batch_inputs(batch)[0].double().cpu()
             total, squares, count = total + states.sum(0), squares + (states**2).sum(0), count + len(states)
         mean = total / count
         std = (squares / count - mean**2).clamp_min(0).sqrt()
@@ -153,10 +151,14 @@ class AcceptanceModule(L.LightningModule):
 
     def head_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, labels, mask) over the batch's labelled positions."""
-        features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
-        hidden, signals, embedding, label, mask = head_inputs(batch, features, self.reads, self.head.extra_features,
-                                                              self.hparams.tau, self.hparams.contexts, self.embeddings)
+        hidden, signals, embedding, label, mask = self.batch_inputs(batch)
         return self.head(hidden, signals, embedding), label, mask
+
+    def batch_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """(hidden, signals, candidate embedding, label, mask) of the batch's labelled positions (`head_inputs`)."""
+        features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
+        return head_inputs(batch, features, self.reads, self.head.extra_features, self.hparams.tau,
+                           self.hparams.contexts, self.embeddings)
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
