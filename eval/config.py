@@ -24,8 +24,12 @@ class EvalConfig:
         seed: seed of the Bernoulli draws, the bootstrap and the decoding runs.
         allow_other_data: evaluate data made with the head's models and sampling but other prompts or seeds.
         constant_ks, head_thresholds, sprinter_thresholds: override the sweep's grids.
+        stop_shares: SVIP's and confidence's thresholds are the quantiles at which each stops after these
+            shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation bound at or below this.
         record: write the tuned decision rule into the checkpoint, for `specheads export`.
+        device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
+            Offline metrics read stored features on the CPU.
         progress: show progress bars.
     """
 
@@ -43,8 +47,10 @@ class EvalConfig:
     constant_ks: list[int] | None = None
     head_thresholds: list[float] | None = None
     sprinter_thresholds: list[float] | None = None
+    stop_shares: list[float] | None = None
     sprinter_max_tv: float = 0.05
     record: bool = True
+    device: str = "auto"
     progress: bool = True
 
     def validate(self) -> None:
@@ -59,6 +65,8 @@ class EvalConfig:
                              f"prompt), got {self.num_decode_prompts}")
         if self.bootstrap < 0:
             raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
+        if any(not 0 < v < 1 for v in self.stop_shares or []):
+            raise UsageError(f"stop_shares are shares of drafted tokens in (0, 1), got {self.stop_shares}")
         for name in ("head_thresholds", "sprinter_thresholds"):
             values = getattr(self, name) or []
             if any(not 0 <= v <= 1 for v in values):

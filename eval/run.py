@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from data_gen.models import ModelPair, ModelSpec, load_pair
 from data_gen.prompts import encode_prompt, load_prompts
@@ -87,11 +88,27 @@ class Decoding:
     tuned_threshold: float | None
 
 
+def decoding_device(name: str) -> torch.device:
+    """`auto`: the first GPU when there is one, else the CPU; otherwise the named device (checked)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {name} asked for but torch sees no GPU; use --device cpu (or auto)")
+    return device
+
+
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
-           table: TokenTable, prompts: list[DecodePrompt]) -> Decoding:
+           table: TokenTable, prompts: list[DecodePrompt], device: torch.device) -> Decoding:
     """Run the sweep, measure the costs, tune on dev, and report on test."""
+    pair.target.to(device)
+    pair.draft.to(device)
+    trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
-    settings = default_settings(trained.reads, signal_thresholds(table.entropy, prob), config.max_draft,
+    settings = default_settings(trained.reads, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
                                 config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
     decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
@@ -133,6 +150,7 @@ def head_identity(trained: TrainedHead) -> dict[str, Any]:
 def evaluate(config: EvalConfig) -> dict[str, Any]:
     """Evaluate, write the report folder, record the tuned rule in the checkpoint; returns metrics.json's content."""
     config.validate()
+    device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
     if manifest is None or not manifest.get("complete"):
         raise UsageError(f"{config.data} holds no finished labelled dataset (no complete manifest.json); "
@@ -165,7 +183,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
         if len({p.split for p in prompts}) < 2:
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
-        decoding = decode(config, pair, trained, transform, table, prompts)
+        decoding = decode(config, pair, trained, transform, table, prompts, device)
         metrics["decoding"] = {**decoding.section, "prompts_dropped_as_seen_in_training": dropped}
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     metrics["decision_rule"] = rule.as_dict()

@@ -63,11 +63,14 @@ class RunRecord:
     target_logprob: float
 
 
-def signal_thresholds(entropy: np.ndarray, prob: np.ndarray) -> dict[str, list[float]]:
-    """SVIP and confidence thresholds at which each signal stops after about STOP_SHARES of drafted tokens."""
+def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
+                      shares: Iterable[float] | None = None) -> dict[str, list[float]]:
+    """SVIP and confidence thresholds at which each signal stops after about `shares` (default STOP_SHARES)
+    of drafted tokens."""
+    shares = STOP_SHARES if shares is None else tuple(shares)
     root_entropy = np.sqrt(np.clip(entropy, 0, None))
-    return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in STOP_SHARES],
-            "confidence": [round(float(np.quantile(prob, s)), 4) for s in STOP_SHARES]}
+    return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
+            "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares]}
 
 
 def default_settings(reads: str, signal_grid: dict[str, list[float]], max_draft: int,

@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
     "eval": ("eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
     "export": ("export.cli", "write a head folder (safetensors + config.json + model card) and push it to the Hub"),
+    "demo": ("demo.cli", "the whole pipeline on the embedded pair: gen, train both heads, eval, export, one report"),
 }
 
 USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads SUBCOMMAND --help)"

@@ -248,3 +248,22 @@ def test_eval_refuses_data_of_another_fingerprint(trained, tmp_path, capsys):
     check_data(head, other, "other-data", allow_other_data=True)  # other prompts or seeds of the same models: allowed
     assert main(eval_args(tmp_path / "missing.ckpt", data, tmp_path / "r")) == 2
     assert "error" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_decoding_device_and_signal_grid_options(trained, tmp_path, capsys):
+    from eval.run import decoding_device
+    from eval.sweep import signal_thresholds
+
+    assert decoding_device("cpu") == torch.device("cpu")
+    assert decoding_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UsageError, match="unknown device 'tpu9'"):
+        decoding_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no GPU"):
+            decoding_device("cuda")
+    entropy, prob = np.linspace(0, 4, 101), np.linspace(0, 1, 101)
+    grid = signal_thresholds(entropy, prob, [0.25, 0.5])
+    assert grid["confidence"] == [0.25, 0.5] and grid["svip"] == pytest.approx([np.sqrt(3.0), np.sqrt(2.0)], abs=1e-4)
+    data, root = trained  # a bad device is refused before anything is loaded or written
+    assert main(eval_args(root / "specdecpp", data, tmp_path / "r", "--device", "tpu9")) == 2
+    assert "unknown device" in capsys.readouterr().err and not (tmp_path / "r").exists()

@@ -1,0 +1,55 @@
+"""The `specheads demo` options and where its stage configs live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specheads.errors import UsageError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class DemoConfig:
+    """What `specheads demo` runs.
+
+    Args:
+        out: the demo folder (data/, train/, eval/, heads/, report.html, summary.json);
+            default runs/demo, or runs/demo-quick with --quick.
+        quick: the small version (about 1 k labelled tokens, a few decoding runs): every stage in a few minutes.
+        overwrite: delete `out` first; without it a finished stage is reused and an unfinished one resumes.
+        progress: show progress bars.
+    """
+
+    out: str | None = None
+    quick: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    @property
+    def folder(self) -> Path:
+        """The demo folder."""
+        return Path(self.out or ("runs/demo-quick" if self.quick else "runs/demo"))
+
+    @property
+    def size(self) -> str:
+        """`quick` or `full`: the folder of stage configs under configs/demo/."""
+        return "quick" if self.quick else "full"
+
+
+def stage_config(size: str, name: str) -> Path:
+    """A stage's YAML: `configs/gen/smollm2-demo.yaml`-style bases live beside `configs/demo/<size>/<name>.yaml`."""
+    path = CONFIGS / "demo" / size / f"{name}.yaml"
+    if not path.is_file():
+        raise UsageError(f"the demo's config {path} is missing; run the demo from a clone of the repository "
+                         "installed with `sh scripts/install.sh` (an editable install keeps configs/ beside the code)")
+    return path
+
+
+def base_config(relative: str) -> Path:
+    """A base YAML under configs/ (the one the stage's own command documents)."""
+    path = CONFIGS / relative
+    if not path.is_file():
+        raise UsageError(f"the config {path} is missing; run the demo from a clone installed with `sh scripts/install.sh`")
+    return path

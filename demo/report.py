@@ -1,0 +1,48 @@
+"""The demo's report.md / report.html: the summary, the commands that ran, and each head's eval report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from demo.stages import HEADS, Layout
+from demo.summary import decoding_line, duration
+from eval.report import fmt, report_markdown, write_markdown
+
+
+def summary_table(summary: dict[str, Any]) -> list[str]:
+    """Both heads side by side."""
+    heads = summary["heads"]
+    rows = [("AUC on held-out tokens [95 % CI]", lambda f: fmt(f["auc"]) + (f" [{f['auc_ci'][0]:.3f}, {f['auc_ci'][1]:.3f}]" if f["auc_ci"] else "")),
+            ("best training-free signal (AUC)", lambda f: f"{f['best_baseline']} ({fmt(f['best_baseline_auc'])})"),
+            ("AUC margin over it", lambda f: f"{f['auc_margin']:+.3f}"),
+            ("binary KL (constant predictor)", lambda f: f"{fmt(f['binary_kl'])} ({fmt(f['binary_kl_constant'])})"),
+            ("decoding (test prompts)", decoding_line),
+            ("decision rule", lambda f: f"`{f['decision_rule']['rule']}` at {f['decision_rule']['threshold']:g}"
+                                        f"{'' if f['decision_rule']['tuned'] else ' (untuned)'}"),
+            ("exported to", lambda f: f"`heads/{f['exported'].rsplit('/', 1)[-1]}`")]
+    lines = ["| | " + " | ".join(f["title"] for f in heads.values()) + " |", "|---|" + "---|" * len(heads)]
+    lines += [f"| {name} | " + " | ".join(cell(f) for f in heads.values()) + " |" for name, cell in rows]
+    return lines
+
+
+def demo_markdown(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) -> str:
+    """The whole demo report as markdown (plots linked into each head's eval folder)."""
+    data, pair = summary["data"], summary["pair"]
+    lines = ["# specheads demo", "",
+             f"Target `{pair['target']}`, draft `{pair['draft']}`, temperature {pair['sampling']['temperature']:g}. "
+             f"{data['labelled_tokens']:,} labelled tokens in {data['rows']} rows from {data['prompts']} built-in prompts "
+             f"(mean acceptance {data['mean_accept']:.3f}; fingerprint `{data['fingerprint']}`). Finished in "
+             f"{duration(summary['seconds']['total'])}.", "", *summary_table(summary), "",
+             "## What ran", "", "Each stage is a `specheads` command; run one alone to change it.", ""]
+    keys = [key for key in summary["seconds"] if key != "total"]
+    lines += [f"{n}. `{command}` ({duration(summary['seconds'][key])})"
+              for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
+    lines.append("")
+    for head, title in HEADS.items():
+        lines += [f"## {title}", "", report_markdown(metrics[head], plot_dir=f"eval/{head}/", depth=3)]
+    return "\n".join(lines)
+
+
+def write_demo_report(summary: dict[str, Any], metrics: dict[str, dict[str, Any]], layout: Layout) -> None:
+    """report.md and report.html in the demo folder."""
+    write_markdown(demo_markdown(summary, metrics), layout.root, "specheads demo report")

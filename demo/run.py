@@ -1,0 +1,68 @@
+"""`specheads demo` end to end: each stage through its own command, then the summary and the combined report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from demo.config import DemoConfig
+from demo.report import write_demo_report
+from demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
+from demo.summary import summarise, summary_text
+from data_gen.store import read_manifest, write_json_atomic
+from specheads.errors import UsageError
+from train.checkpoint import read_checkpoint, EVAL_KEY
+
+
+def evaluated(layout: Layout, head: str) -> bool:
+    """Whether the head's checkpoint already carries an evaluation written to its report folder."""
+    metrics = layout.report(head) / "metrics.json"
+    if not (metrics.is_file() and layout.checkpoint(head).is_file()):
+        return False
+    recorded = read_checkpoint(layout.checkpoint(head)).get(EVAL_KEY) or {}
+    return recorded.get("report") == str(layout.report(head).resolve())
+
+
+def run_stage(stage: Stage, number: int, total: int) -> float:
+    """Run one stage's command in this process; returns its seconds. A failing stage stops the demo."""
+    from specheads.cli import main
+
+    print(f"\n── [{number}/{total}] {stage.title}\n   {stage.command()}", flush=True)
+    start = time.perf_counter()
+    code = main(list(stage.argv))
+    if code != 0:
+        raise UsageError(f"the demo stopped at `{stage.key}` (exit {code}, the error is above); fix it and run "
+                         "`specheads demo` again with the same --out: finished stages are kept")
+    return time.perf_counter() - start
+
+
+def demo(config: DemoConfig) -> dict[str, Any]:
+    """Run (or resume) the demo into `config.folder`; returns summary.json's content."""
+    layout = Layout(config.folder.resolve())
+    if config.overwrite and layout.root.exists():
+        shutil.rmtree(layout.root)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    stages = [gen_stage(layout, config.size, config.progress)]
+    stages += [train_stage(layout, config.size, head, config.progress) for head in HEADS]
+    stages += [eval_stage(layout, config.size, head, config.progress) for head in HEADS]
+    stages += [export_stage(layout, head) for head in HEADS]
+    seconds: dict[str, float] = {}
+    for number, stage in enumerate(stages, 1):
+        head = stage.key.partition("_")[2]
+        if stage.key.startswith("eval_") and evaluated(layout, head):
+            print(f"\n── [{number}/{len(stages)}] {stage.title}: already evaluated into {layout.report(head)} (kept)")
+            seconds[stage.key] = 0.0
+            continue
+        seconds[stage.key] = run_stage(stage, number, len(stages))
+    seconds["total"] = time.perf_counter() - started
+    metrics = {head: json.loads((layout.report(head) / "metrics.json").read_text()) for head in HEADS}
+    summary = summarise(layout, read_manifest(layout.data), metrics, seconds, [s.command() for s in stages],
+                        config.size)
+    write_json_atomic(layout.root / "summary.json", summary)
+    write_demo_report(summary, metrics, layout)
+    print("\n" + summary_text(summary))
+    return summary

@@ -1,0 +1,93 @@
+"""The demo's stages as the `specheads` command lines a user would type, and the folders they fill."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from demo.config import base_config, stage_config
+
+HEADS = {"specdecpp": "SpecDec++ head", "sprinter": "SPRINTER verifier"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each stage writes inside the demo folder."""
+
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def run(self, head: str) -> Path:
+        """The training run folder of `head`."""
+        return self.root / "train" / head
+
+    def checkpoint(self, head: str) -> Path:
+        """The checkpoint eval and export read (the run's newest)."""
+        return self.run(head) / "checkpoints" / "last.ckpt"
+
+    def report(self, head: str) -> Path:
+        """The eval report folder of `head`."""
+        return self.root / "eval" / head
+
+    def exported(self, head: str) -> Path:
+        """The exported head folder."""
+        return self.root / "heads" / head
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the demo: a title and the `specheads` arguments that do it."""
+
+    key: str
+    title: str
+    argv: tuple[str, ...]
+
+    def command(self) -> str:
+        """The equivalent shell command, paths relative to the working directory where possible."""
+        return "specheads " + shlex.join(relative(arg) for arg in self.argv)
+
+
+def relative(arg: str) -> str:
+    """`arg` relative to the working directory when it is a path below it."""
+    if not arg.startswith("/"):
+        return arg
+    try:
+        return os.path.relpath(arg) if Path(arg).resolve().is_relative_to(Path.cwd().resolve()) else arg
+    except ValueError:
+        return arg
+
+
+def gen_stage(layout: Layout, size: str, progress: bool) -> Stage:
+    """Label the built-in prompts with the embedded pair (both heads' rows in one dataset)."""
+    argv = ("gen", "--config", str(base_config("gen/smollm2-demo.yaml")), "--config", str(stage_config(size, "gen")),
+            "--out", str(layout.data), "--progress", str(progress).lower())
+    return Stage("gen", "label token mixes with the embedded pair", argv)
+
+
+def train_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
+    """Fit `head` (`specdecpp` or `sprinter`) with Lightning; resumes a run folder that holds a checkpoint."""
+    argv = ["train", "fit", "--config", str(base_config(f"train/{head}.yaml")), "--config", str(stage_config(size, head)),
+            "--data.path", str(layout.data), "--trainer.default_root_dir", str(layout.run(head)),
+            "--trainer.enable_progress_bar", str(progress).lower()]
+    if layout.checkpoint(head).is_file():
+        argv += ["--ckpt_path", "last"]
+    return Stage(f"train_{head}", f"train the {HEADS[head]}", tuple(argv))
+
+
+def eval_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
+    """Offline metrics and decoding runs of `head` on held-out built-in prompts."""
+    argv = ("eval", "--config", str(stage_config(size, "eval")), "--head", str(layout.checkpoint(head)),
+            "--data", str(layout.data), "--out", str(layout.report(head)), "--progress", str(progress).lower())
+    return Stage(f"eval_{head}", f"evaluate the {HEADS[head]}", argv)
+
+
+def export_stage(layout: Layout, head: str) -> Stage:
+    """Write the head folder with its tuned decision rule and model card."""
+    argv = ("export", "--ckpt", str(layout.checkpoint(head)), "--out", str(layout.exported(head)),
+            "--report", str(layout.report(head)), "--overwrite")
+    return Stage(f"export_{head}", f"export the {HEADS[head]}", argv)

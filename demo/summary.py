@@ -1,0 +1,105 @@
+"""The demo's numbers (summary.json), read from each head's metrics.json, and the one-screen text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from demo.stages import HEADS, Layout, relative
+
+
+def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str, Any]:
+    """One head's headline figures, each taken as it stands in its metrics.json."""
+    offline, comparison = metrics["offline"], metrics["offline_comparison"]
+    best = comparison["baseline"]
+    result: dict[str, Any] = {
+        "title": HEADS[head], "label": metrics["data"]["label"], "held_out_tokens": metrics["data"]["tokens"],
+        "held_out_prompts": metrics["data"]["prompts"],
+        "auc": offline["head"]["auc"], "auc_ci": offline["head"]["auc_ci"],
+        "best_baseline": best, "best_baseline_auc": offline[best]["auc"],
+        "auc_margin": comparison["auc_margin"], "auc_margin_ci": comparison["auc_margin_ci"],
+        "binary_kl": offline["head"]["binary_kl"], "binary_kl_constant": offline["constant"]["binary_kl"],
+        "decision_rule": metrics["decision_rule"],
+        "metrics": str(layout.report(head) / "metrics.json"), "report": str(layout.report(head) / "report.html"),
+        "exported": str(layout.exported(head)),
+    }
+    if "decoding" in metrics:
+        decoding = metrics["decoding"]
+        result["decoding"] = {**metrics["verdict"]["decoding"], "t_draft_over_t_target": decoding["t_draft_over_t_target"],
+                              "measured_t_draft_over_t_target": decoding["measured_costs"]["ratio"],
+                              "test_prompts": decoding["prompts"]["test"], "max_new_tokens": decoding["max_new_tokens"]}
+    if "sprinter" in metrics:
+        result["tv_bound"] = metrics["sprinter"][0]["tv_bound"]
+    return result
+
+
+def summarise(layout: Layout, manifest: dict[str, Any], metrics: dict[str, dict[str, Any]], seconds: dict[str, float],
+              commands: list[str], size: str) -> dict[str, Any]:
+    """summary.json: the data, each head's figures, where everything is, how long each stage took."""
+    counts = manifest["counts"]
+    return {
+        "size": size, "folder": str(layout.root), "report": str(layout.root / "report.html"),
+        "pair": {"target": manifest["target_name"], "draft": manifest["draft_name"],
+                 "sampling": manifest["identity"]["sampling"]},
+        "data": {"path": str(layout.data), "fingerprint": manifest["fingerprint"], "rows": counts["rows"],
+                 "prompts": counts["prompts"], "labelled_tokens": counts["labelled_tokens"],
+                 "mean_accept": manifest["mean_accept"]},
+        "heads": {head: head_summary(metrics[head], layout, head) for head in HEADS},
+        "seconds": seconds, "commands": commands,
+    }
+
+
+def duration(seconds: float) -> str:
+    """`3m07s`."""
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{rest:02d}s" if minutes else f"{rest}s"
+
+
+def ci_text(interval: list[float] | None, signed: bool = False) -> str:
+    """` [lo, hi]` (empty without an interval)."""
+    if not interval:
+        return ""
+    form = "{:+.3f}" if signed else "{:.3f}"
+    return " [" + form.format(interval[0]) + ", " + form.format(interval[1]) + "]"
+
+
+def decoding_line(figures: dict[str, Any]) -> str:
+    """The head's decoding result in one line."""
+    d = figures.get("decoding")
+    if not d:
+        return "no decoding runs"
+    if "modelled_speedup" not in d:
+        return d.get("note", "no decoding run of the learned policy")
+    c = f"t_draft/t_target = {d['t_draft_over_t_target']:g}"
+    if d["policy"] == "head":
+        line = f"modelled speedup {d['modelled_speedup']:.3f}x at h = {d['threshold']:g}"
+    else:
+        line = f"{d['tokens_per_target_call']:.2f} tokens/target call, modelled {d['modelled_speedup']:.3f}x at τ-threshold {d['threshold']:g}"
+    if "constant_k_speedup" in d:
+        line += (f" vs best constant K {d['constant_k_speedup']:.3f}x (K = {d['constant_k_threshold']:g}): "
+                 f"{d['gain_vs_constant_k'] * 100:+.1f} %")
+    if "oracle_speedup" in d:
+        line += f"; oracle {d['oracle_speedup']:.3f}x"
+    if "target_logprob_drop_vs_sd" in d:
+        line += f"; text {d['target_logprob_drop_vs_sd']:+.3f} nats/token below exact SD under the target"
+    return f"{line} ({c}, {d['test_prompts']} test prompt{'s' if d['test_prompts'] != 1 else ''} x {d['max_new_tokens']} tokens)"
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """The one-screen summary printed at the end of the demo."""
+    data, pair = summary["data"], summary["pair"]
+    lines = [f"specheads demo ({summary['size']}) finished in {duration(summary['seconds']['total'])}",
+             f"  pair     target {pair['target']}, draft {pair['draft']}, temperature {pair['sampling']['temperature']:g}",
+             f"  data     {data['labelled_tokens']:,} labelled tokens, {data['rows']} rows from {data['prompts']} built-in "
+             f"prompts (mean acceptance {data['mean_accept']:.3f})  {relative(data['path'])}"]
+    for figures in summary["heads"].values():
+        lines += [f"  {figures['title']}  ({figures['held_out_tokens']:,} held-out tokens, label {figures['label']})",
+                  f"    AUC {figures['auc']:.3f}{ci_text(figures['auc_ci'])} vs best baseline {figures['best_baseline']} "
+                  f"{figures['best_baseline_auc']:.3f}: margin {figures['auc_margin']:+.3f}"
+                  f"{ci_text(figures['auc_margin_ci'], signed=True)}",
+                  f"    binary KL {figures['binary_kl']:.3f} vs constant predictor {figures['binary_kl_constant']:.3f}",
+                  f"    {decoding_line(figures)}",
+                  f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]
+    stages = " · ".join(f"{key} {duration(value)}" for key, value in summary["seconds"].items() if key != "total")
+    lines += [f"  stages   {stages}", f"  report   {relative(summary['report'])}",
+              "  load a head: heads.load_head(folder) (docs/decoding-core.md); the figures are in summary.json"]
+    return "\n".join(lines)

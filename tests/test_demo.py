@@ -1,0 +1,100 @@
+"""`specheads demo`: its stage configs are valid (fast tier) and the quick demo runs end to end (integration)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from demo.config import CONFIGS, DemoConfig
+from demo.stages import HEADS
+from specheads.cli import main
+
+SIZES = ("full", "quick")
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_demo_gen_and_eval_configs_are_valid(size):
+    from data_gen.cli import parse_config as gen_config
+    from eval.cli import parse_config as eval_config
+
+    gen = gen_config(["--config", str(CONFIGS / "gen/smollm2-demo.yaml"), "--config", str(CONFIGS / f"demo/{size}/gen.yaml")])
+    gen.validate()
+    assert gen.target.path == "embedded:smollm2" and gen.mixing.ratios() == [0.15, 1.0]  # rows for both heads
+    evaluation = eval_config(["--config", str(CONFIGS / f"demo/{size}/eval.yaml"), "--head", "h", "--data", "d"])
+    evaluation.validate()
+    assert evaluation.num_decode_prompts >= 2 and max(evaluation.constant_ks) <= evaluation.max_draft
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("head", HEADS)
+def test_demo_train_configs_are_valid(size, head, tmp_path, capsys):
+    override = CONFIGS / f"demo/{size}/{head}.yaml"
+    assert main(["train", "fit", "--config", str(CONFIGS / f"train/{head}.yaml"), "--config", str(override),
+                 "--data.path", str(tmp_path), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    wanted = yaml.safe_load(override.read_text())
+    for section, values in wanted.items():
+        assert {k: printed[section][k] for k in values} == values  # the override reached the resolved config
+
+
+def test_demo_defaults_and_refusal(tmp_path, capsys):
+    assert DemoConfig().folder == Path("runs/demo") and DemoConfig(quick=True).folder == Path("runs/demo-quick")
+    assert main(["demo", "--bogus"]) == 2
+    assert "specheads demo" in capsys.readouterr().err
+
+
+def numbers(text: str) -> set[str]:
+    return set(re.findall(r"[-+]?\d+\.\d{3}", text))
+
+
+@pytest.mark.integration
+def test_quick_demo_end_to_end(tmp_path, capsys):
+    from heads import load_head
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert manifest["complete"] and summary["data"]["labelled_tokens"] == manifest["counts"]["labelled_tokens"] > 500
+    report = (out / "report.html").read_text()
+    for head in HEADS:
+        assert (out / "train" / head / "checkpoints" / "last.ckpt").is_file()
+        metrics = json.loads((out / "eval" / head / "metrics.json").read_text())
+        figures = summary["heads"][head]
+        # the summary's numbers are metrics.json's, and the printed screen shows them
+        assert figures["auc"] == metrics["offline"]["head"]["auc"]
+        assert figures["binary_kl"] == metrics["offline"]["head"]["binary_kl"]
+        assert figures["best_baseline_auc"] == metrics["offline"][metrics["offline_comparison"]["baseline"]]["auc"]
+        assert figures["binary_kl_constant"] == metrics["offline"]["constant"]["binary_kl"]
+        assert figures["decision_rule"] == metrics["decision_rule"]
+        tuned = {r["policy"]: r for r in metrics["decoding"]["policies"] if r.get("tuned")}
+        assert figures["decoding"]["constant_k_speedup"] == tuned["constant_k"]["modelled_speedup"]
+        if "modelled_speedup" in figures["decoding"]:
+            learned = "head" if head == "specdecpp" else "sprinter"
+            assert figures["decoding"]["modelled_speedup"] == tuned[learned]["modelled_speedup"]
+            assert f"{figures['decoding']['modelled_speedup']:.3f}x" in printed
+        assert {f"{figures['auc']:.3f}", f"{figures['binary_kl']:.3f}", f"{figures['best_baseline_auc']:.3f}"} <= numbers(printed)
+        # every plot of both heads is in the demo report and on disk
+        for plot in metrics["plots"].values():
+            assert f'src="eval/{head}/{plot}"' in report and (out / "eval" / head / plot).is_file()
+        assert set(metrics["plots"]) == {"roc", "reliability", "pareto", "acceptance_lengths"}
+        # the exported head loads and carries the rule eval tuned
+        module, rule = load_head(str(out / "heads" / head))
+        assert module.reads == ("candidate_state" if head == "specdecpp" else "context_state")
+        assert rule.as_dict() == metrics["decision_rule"]
+    assert str(out / "report.html") in printed or "report.html" in printed
+    stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
+    # a second run resumes: no retraining, no re-evaluation
+    assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0
+    assert capsys.readouterr().out.count("already evaluated") == 2
+    assert stamps == {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
+    # the full-size demo into the quick demo's folder is refused, naming what differs
+    assert main(["demo", "--out", str(out), "--progress", "false"]) == 2
+    error = capsys.readouterr().err
+    assert "num_prompts" in error or "prompts" in error
+    assert "--overwrite" in error and "demo stopped at `gen`" in error
