@@ -80,7 +80,7 @@ def decoding_line(figures: dict[str, Any]) -> str:
     if "oracle_speedup" in d:
         line += f"; oracle {d['oracle_speedup']:.3f}x"
     if "target_logprob_drop_vs_sd" in d:
-        line += f"; text {d['target_logprob_drop_vs_sd']:+.3f} nats/token below exact SD under the target"
+        line += f"; target log-likelihood of its text {-d['target_logprob_drop_vs_sd']:+.3f} nats/token vs exact SD"
     return f"{line} ({c}, {d['test_prompts']} test prompt{'s' if d['test_prompts'] != 1 else ''} x {d['max_new_tokens']} tokens)"
 
 

@@ -55,7 +55,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     The input is concat[hidden, candidate embedding (when `candidate_embedding_size` > 0),
     standardised signals], the signals' columns in `extra_features` order. Subclasses set
-    `head_type` and `reads` and implement `score`.
+    `head_type` and `reads`, implement `score`, and end in a linear layer `out` to one logit.
     """
 
     head_type: ClassVar[str]
@@ -104,6 +104,19 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     def set_signal_statistics(self, mean: Tensor, std: Tensor) -> None:
         """Set the signals' standardisation from the training split; std is floored at MIN_SIGNAL_STD."""
         self._set_statistics("signal", mean, std, len(self.extra_features), f"one per extra feature {self.extra_features}")
+
+    @torch.no_grad()
+    def start_at_signal_probe(self, coefficients: Tensor, intercept: float) -> None:
+        """Set the output layer to a linear probe of the standardised signals alone (zero weight on every other
+        input): with the zero-initialised blocks the untrained head is then exactly that probe."""
+        signals = len(self.extra_features)
+        if coefficients.shape != (signals,):
+            raise UsageError(f"a signal probe needs one coefficient per extra feature {self.extra_features}, "
+                             f"got shape {list(coefficients.shape)}")
+        self.out.weight.zero_()
+        if signals:
+            self.out.weight[0, -signals:] = coefficients.to(self.out.weight)
+        self.out.bias.fill_(intercept)
 
     def set_hidden_statistics(self, mean: Tensor, std: Tensor) -> None:
         """Set the hidden state's per-dimension standardisation from the training split (std floored)."""

@@ -220,3 +220,32 @@ def test_class_weight_correction_recovers_the_soft_label():
         optimizer.step(closure)
         assert torch.sigmoid(z).item() == pytest.approx(a / (a + 6 * (1 - a)), abs=1e-4)  # the weighted optimum
         assert head.probabilities(z.detach()).item() == pytest.approx(a, abs=1e-4)  # corrected back to a
+
+
+@pytest.mark.parametrize("head", ["specdecpp_resnet", "sprinter_linear"])
+def test_untrained_head_starts_at_the_weighted_signal_probe(labelled, head):
+    from train.data import AcceptanceDataModule
+    from train.loss import weighted_bce
+
+    data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)
+    data.setup()
+    w_rej = 6.0 if head == "specdecpp_resnet" else 1.0
+    module = AcceptanceModule(head=head, extra_features=["logq", "entropy", "top1"], hidden_size=data.hidden_size,
+                              w_rej=w_rej, contexts="all")
+    module.fit_statistics(data)
+    parts = [module.batch_inputs(batch) for batch in data.ordered_batches("train", with_features=True)]
+    hidden, signals, labels = (torch.cat([p[i] for p in parts]) for i in (0, 1, 3))
+    out = module.head.out
+    assert not out.weight[0, : data.hidden_size].any()  # the state starts with no say: only the signals count
+    logits = module.head(hidden, signals)
+    assert torch.allclose(logits, module.head(torch.randn_like(hidden), signals))
+    loss = weighted_bce(logits, labels, 1.0, w_rej)
+    loss.backward()
+    # the probe minimises the training loss over the signal weights and the bias (up to sklearn's mild L2)
+    assert out.weight.grad[0, -3:].abs().max() < 0.02 and out.bias.grad.abs().max() < 0.02
+    intercept_only = torch.full_like(logits, math.log(float(labels.sum()) / (w_rej * float((1 - labels).sum()))))
+    assert loss < weighted_bce(intercept_only, labels, 1.0, w_rej)  # the signals carry information the constant lacks
+    plain = AcceptanceModule(head=head, extra_features=["logq", "entropy", "top1"], hidden_size=data.hidden_size,
+                             w_rej=w_rej, contexts="all", start_from_signals=False)
+    plain.fit_statistics(data)
+    assert plain.head.out.weight[0, : data.hidden_size].any()  # the default initialisation, untouched

@@ -21,6 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from heads import SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
+from train.probe import signal_probe
 from train.targets import Contexts, draft_features, head_inputs, token_targets
 from specheads.errors import UsageError
 
@@ -43,6 +44,8 @@ class AcceptanceModule(L.LightningModule):
         optimizer, lr, weight_decay, warmup_ratio: AdamW/Adam with linear warmup then cosine decay.
         ece_bins: bins of the expected calibration error.
         embedding_size: filled in from the draft when `candidate_embedding` is on; leave it at 0.
+        start_from_signals: start the output layer at the weighted logistic regression of the extra features
+            on the training labels (`train.probe`), so that the untrained head already uses the draft's signals.
     """
 
     def __init__(self, head: str = "specdecpp_resnet", head_args: dict[str, Any] | None = None,
@@ -50,7 +53,7 @@ class AcceptanceModule(L.LightningModule):
                  hidden_size: int | None = None, draft: str | None = None, w_acc: float = 1.0, w_rej: float = 6.0,
                  tau: float = 1.0, contexts: Contexts = "consistent", optimizer: Literal["adamw", "adam"] = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.05, ece_bins: int = 10,
-                 embedding_size: int = 0):
+                 embedding_size: int = 0, start_from_signals: bool = True):
         super().__init__()
         head_class(head)
         if tau <= 0 or w_acc <= 0 or w_rej <= 0:
@@ -133,6 +136,12 @@ class AcceptanceModule(L.LightningModule):
         self.head.set_hidden_statistics(*self.hidden_statistics(data))
         self.head.set_class_weights(self.hparams.w_acc, self.hparams.w_rej)
         self.constant = float(labels_all.double().mean())
+        if self.hparams.start_from_signals:
+            chosen = signals_all[:, self.signal_index].float()
+            probe = signal_probe((chosen - self.head.signal_mean) / self.head.signal_std, labels_all,
+                                 self.hparams.w_acc, self.hparams.w_rej)
+            if probe is not None:
+                self.head.start_at_signal_probe(*probe)
 
     @torch.no_grad()
     def hidden_statistics(self, data: Any, max_batches: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
