@@ -39,17 +39,14 @@ class DemoConfig:
 
 
 def stage_config(size: str, name: str) -> Path:
-    """A stage's YAML: `configs/gen/smollm2-demo.yaml`-style bases live beside `configs/demo/<size>/<name>.yaml`."""
-    path = CONFIGS / "demo" / size / f"{name}.yaml"
-    if not path.is_file():
-        raise UsageError(f"the demo's config {path} is missing; run the demo from a clone of the repository "
-                         "installed with `sh scripts/install.sh` (an editable install keeps configs/ beside the code)")
-    return path
+    """A demo stage's override YAML, `configs/demo/<size>/<name>.yaml`."""
+    return base_config(f"demo/{size}/{name}.yaml")
 
 
 def base_config(relative: str) -> Path:
-    """A base YAML under configs/ (the one the stage's own command documents)."""
+    """A YAML under configs/; a missing one names the install that keeps configs/ beside the code."""
     path = CONFIGS / relative
     if not path.is_file():
-        raise UsageError(f"the config {path} is missing; run the demo from a clone installed with `sh scripts/install.sh`")
+        raise UsageError(f"the config {path} is missing; run the demo from a clone of the repository installed with "
+                         "`sh scripts/install.sh` (an editable install keeps configs/ beside the code)")
     return path

@@ -6,13 +6,13 @@ from typing import Any
 
 from demo.stages import HEADS, Layout
 from demo.summary import decoding_line, duration
-from eval.report import fmt, report_markdown, write_markdown
+from eval.report import fmt, interval_cell, report_markdown, write_markdown
 
 
 def summary_table(summary: dict[str, Any]) -> list[str]:
     """Both heads side by side."""
     heads = summary["heads"]
-    rows = [("AUC on held-out tokens [95 % CI]", lambda f: fmt(f["auc"]) + (f" [{f['auc_ci'][0]:.3f}, {f['auc_ci'][1]:.3f}]" if f["auc_ci"] else "")),
+    rows = [("AUC on held-out tokens [95 % CI]", lambda f: interval_cell(f["auc"], f["auc_ci"])),
             ("best training-free signal (AUC)", lambda f: f"{f['best_baseline']} ({fmt(f['best_baseline_auc'])})"),
             ("AUC margin over it", lambda f: f"{f['auc_margin']:+.3f}"),
             ("binary KL (constant predictor)", lambda f: f"{fmt(f['binary_kl'])} ({fmt(f['binary_kl_constant'])})"),

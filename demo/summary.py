@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from demo.stages import HEADS, Layout, relative
+from eval.report import interval_cell
 
 
 def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str, Any]:
@@ -54,12 +55,9 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{rest:02d}s" if minutes else f"{rest}s"
 
 
-def ci_text(interval: list[float] | None, signed: bool = False) -> str:
-    """` [lo, hi]` (empty without an interval)."""
-    if not interval:
-        return ""
-    form = "{:+.3f}" if signed else "{:.3f}"
-    return " [" + form.format(interval[0]) + ", " + form.format(interval[1]) + "]"
+def signed_interval(interval: list[float] | None) -> str:
+    """` [+lo, +hi]` (empty without an interval)."""
+    return f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
 
 
 def decoding_line(figures: dict[str, Any]) -> str:
@@ -93,9 +91,9 @@ def summary_text(summary: dict[str, Any]) -> str:
              f"prompts (mean acceptance {data['mean_accept']:.3f})  {relative(data['path'])}"]
     for figures in summary["heads"].values():
         lines += [f"  {figures['title']}  ({figures['held_out_tokens']:,} held-out tokens, label {figures['label']})",
-                  f"    AUC {figures['auc']:.3f}{ci_text(figures['auc_ci'])} vs best baseline {figures['best_baseline']} "
+                  f"    AUC {interval_cell(figures['auc'], figures['auc_ci'])} vs best baseline {figures['best_baseline']} "
                   f"{figures['best_baseline_auc']:.3f}: margin {figures['auc_margin']:+.3f}"
-                  f"{ci_text(figures['auc_margin_ci'], signed=True)}",
+                  f"{signed_interval(figures['auc_margin_ci'])}",
                   f"    binary KL {figures['binary_kl']:.3f} vs constant predictor {figures['binary_kl_constant']:.3f}",
                   f"    {decoding_line(figures)}",
                   f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]

@@ -105,6 +105,10 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         """Set the signals' standardisation from the training split; std is floored at MIN_SIGNAL_STD."""
         self._set_statistics("signal", mean, std, len(self.extra_features), f"one per extra feature {self.extra_features}")
 
+    def standardised_signals(self, signals: Tensor) -> Tensor:
+        """The draft signals [..., len(extra_features)] as the head reads them (training-split mean/std)."""
+        return (signals - self.signal_mean) / self.signal_std
+
     @torch.no_grad()
     def start_at_signal_probe(self, coefficients: Tensor, intercept: float) -> None:
         """Set the output layer to a linear probe of the standardised signals alone (zero weight on every other
@@ -177,7 +181,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
                                  f"[..., {len(self.extra_features)}] in that order")
             signals = self._checked("signals", signals, hidden, len(self.extra_features),
                                     f"one column per extra feature {self.extra_features}")
-            parts.append((signals.to(dtype) - self.signal_mean) / self.signal_std)
+            parts.append(self.standardised_signals(signals.to(dtype)))
         elif signals is not None and signals.shape[-1] != 0:
             raise UsageError(f"this head reads no draft signals (extra_features=[]) but got signals of shape "
                              f"{list(signals.shape)}; pass signals=None")

@@ -130,15 +130,14 @@ class AcceptanceModule(L.LightningModule):
             raise UsageError(f"the training split of {data.path} has no labelled token for a {self.reads} head "
                              "(SPRINTER with contexts=consistent needs rows with mixing ratio 1: --mixing.schedule); "
                              "use other data or model.contexts all")
+        chosen = signals_all[:, self.signal_index].double()
         if self.signal_index:
-            chosen = signals_all[:, self.signal_index].double()
             self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
         self.head.set_hidden_statistics(*self.hidden_statistics(data))
         self.head.set_class_weights(self.hparams.w_acc, self.hparams.w_rej)
         self.constant = float(labels_all.double().mean())
         if self.hparams.start_from_signals:
-            chosen = signals_all[:, self.signal_index].float()
-            probe = signal_probe((chosen - self.head.signal_mean) / self.head.signal_std, labels_all,
+            probe = signal_probe(self.head.standardised_signals(chosen.float()), labels_all,
                                  self.hparams.w_acc, self.hparams.w_rej)
             if probe is not None:
                 self.head.start_at_signal_probe(*probe)
