@@ -6,6 +6,11 @@ hyper-parameter is chosen on the split that is reported.
 
     python benchmarks/train_quality.py --specdecpp runs/gen/smollm2-demo \
         --sprinter runs/gen/sprinter-t1 --sprinter-greedy runs/gen/sprinter-greedy --out runs/quality
+
+`--sweep DATA` runs SpecDec++ Table 3 instead: D in {0, 1, 3} x w_rej in {1, 3, 6, 12}, reporting the binary KL
+and AUC of the final epoch on the training and on the held-out prompts.
+
+    python benchmarks/train_quality.py --sweep runs/gen/smollm2-demo --out runs/sweep
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("auc_svip_entropy", "auc_draft_top1", "auc_draft_prob")
+SWEEP_DEPTHS = (0, 1, 3)
+SWEEP_W_REJ = (1.0, 3.0, 6.0, 12.0)
 
 
 def experiments(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
@@ -47,29 +54,47 @@ def final_validation(root: Path) -> dict[str, float]:
     return {key.removeprefix("val/"): float(value) for key, value in rows[-1].items() if key.startswith("val/") and value}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--specdecpp", help="gen folder with token-mixed rows (configs/gen/smollm2-demo.yaml)")
-    parser.add_argument("--sprinter", help="gen folder with target-only rows at T=1")
-    parser.add_argument("--sprinter-greedy", help="gen folder with target-only rows at T=0")
-    parser.add_argument("--out", default="runs/quality")
-    parser.add_argument("--epochs", type=int, help="override the configs' trainer.max_epochs")
-    args = parser.parse_args()
+def fit(root: Path, config: str, data: str, flags: list[str], epochs: int | None) -> str:
+    """Run `specheads train fit` into `root`; returns the command as a user would type it."""
+    command = [sys.executable, "-m", "specheads", "train", "fit", "--config", str(ROOT / "configs/train" / config),
+               "--data.path", data, "--trainer.default_root_dir", str(root),
+               "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", *flags]
+    if epochs:
+        command += ["--trainer.max_epochs", str(epochs)]
+    if not (root / "checkpoints" / "last.ckpt").exists():  # a rerun keeps finished runs
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{root} failed:\n{done.stderr[-3000:]}")
+    return " ".join(["specheads", *command[3:]])
+
+
+def split_metrics(root: Path, data_path: str) -> dict[str, float]:
+    """Binary KL and AUC of the run's last checkpoint on its training and on its validation prompts."""
+    from eval.metrics import binary_kl, soft_auc
+    from eval.offline import collect_tokens
+    from train.checkpoint import load_trained
+    from train.data import AcceptanceDataModule
+
+    trained = load_trained(str(root / "checkpoints" / "last.ckpt"))
+    data = AcceptanceDataModule(data_path, val_fraction=trained.split["val_fraction"], split_seed=trained.split["split_seed"])
+    data.setup()
+    metrics = {}
+    for split in ("train", "val"):
+        table = collect_tokens(trained, data, None, split)
+        metrics[f"{split}_binary_kl"] = binary_kl(table.label, table.prediction)
+        metrics[f"{split}_auc"] = soft_auc(table.label, table.prediction)
+    return metrics
+
+
+def quality_table(args: argparse.Namespace) -> list[dict]:
+    """Every experiment's final validation metrics against the training-free signals, as a markdown table."""
     results = []
     for index, (name, config, data, flags) in enumerate(experiments(args)):
         root = Path(args.out) / f"run{index}"
-        command = [sys.executable, "-m", "specheads", "train", "fit", "--config", str(ROOT / "configs/train" / config),
-                   "--data.path", data, "--trainer.default_root_dir", str(root),
-                   "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu", *flags]
-        if args.epochs:
-            command += ["--trainer.max_epochs", str(args.epochs)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+        command = fit(root, config, data, flags, args.epochs)
         split = json.loads((root / "split.json").read_text())
-        metrics = final_validation(root)
-        results.append({"name": name, "command": " ".join(["specheads", *command[3:]]), "train_tokens": split["train"]["tokens"],
-                        "val_prompts": len(split["val"]["prompt_ids"]), **metrics})
+        results.append({"name": name, "command": command, "train_tokens": split["train"]["tokens"],
+                        "val_prompts": len(split["val"]["prompt_ids"]), **final_validation(root)})
         print(json.dumps(results[-1]), flush=True)
     print("\n| experiment | val labelled tokens | head AUC | best training-free AUC | margin | binary KL | constant KL | KL cut | ECE |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -78,8 +103,41 @@ def main() -> None:
         print(f"| {r['name']} | {int(r['tokens'])} | {r['auc']:.3f} | {r[best]:.3f} ({best[4:]}) | {r['auc'] - r[best]:+.3f} "
               f"| {r['binary_kl']:.4f} | {r['binary_kl_constant']:.4f} | {1 - r['binary_kl'] / r['binary_kl_constant']:.0%} "
               f"| {r['ece']:.3f} |")
+    return results
+
+
+def depth_weight_sweep(args: argparse.Namespace) -> list[dict]:
+    """SpecDec++ Table 3: D x w_rej with everything else as configs/train/specdecpp.yaml; train and validation
+    binary KL and AUC of the final epoch."""
+    results = []
+    for depth in SWEEP_DEPTHS:
+        for w_rej in SWEEP_W_REJ:
+            root = Path(args.out) / f"sweep-d{depth}-w{w_rej:g}"
+            flags = ["--model.head_args", f"{{depth: {depth}, state_dropout: {args.state_dropout}}}", "--model.w_rej", str(w_rej)]
+            command = fit(root, "specdecpp.yaml", args.sweep, flags, args.epochs)
+            results.append({"depth": depth, "w_rej": w_rej, "command": command, **split_metrics(root, args.sweep)})
+            print(json.dumps(results[-1]), flush=True)
+    print("\n| D | w_rej | train binary KL | val binary KL | train AUC | val AUC |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['depth']} | {r['w_rej']:g} | {r['train_binary_kl']:.4f} | {r['val_binary_kl']:.4f} "
+              f"| {r['train_auc']:.3f} | {r['val_auc']:.3f} |")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--specdecpp", help="gen folder with token-mixed rows (configs/gen/smollm2-demo.yaml)")
+    parser.add_argument("--sprinter", help="gen folder with target-only rows at T=1")
+    parser.add_argument("--sprinter-greedy", help="gen folder with target-only rows at T=0")
+    parser.add_argument("--sweep", help="gen folder with token-mixed rows: run the D x w_rej sweep on it instead")
+    parser.add_argument("--state-dropout", type=float, default=0.5, help="the sweep's head_args.state_dropout")
+    parser.add_argument("--out", default="runs/quality")
+    parser.add_argument("--epochs", type=int, help="override the configs' trainer.max_epochs")
+    args = parser.parse_args()
+    results = depth_weight_sweep(args) if args.sweep else quality_table(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "quality.json").write_text(json.dumps(results, indent=2))
+    (Path(args.out) / ("sweep.json" if args.sweep else "quality.json")).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from data_gen.labels import output_logits, signal_log_probs, signal_statistics
 from data_gen.sampling import SamplingTransform, draw_from_log_probs, uniforms
 from eval.policies import Drafted, StopPolicy
-from heads import AcceptanceHead
+from heads import AcceptanceHead, with_derived_signals
 
 
 class CachedModel:
@@ -87,11 +87,12 @@ def acceptance_step(head: AcceptanceHead, state: torch.Tensor, signals: dict[str
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
                       transform: SamplingTransform) -> dict[str, float]:
-    """The draft's signals for a candidate, as data_gen stored them: logq, entropy, top1 (and prob for policies)."""
+    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q), and
+    `prob`, the candidate's probability under the signal transform, for the confidence policy."""
     logq_signal = signal_log_probs(draft_logits, logq_all, transform)
     entropy, top1 = signal_statistics(logq_signal)
-    return {"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
-            "prob": math.exp(float(logq_signal[token]))}
+    return with_derived_signals({"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
+                                 "prob": math.exp(float(logq_signal[token]))})
 
 
 class Decoder:

@@ -55,16 +55,18 @@ class TokenTable:
 
 
 @torch.no_grad()
-def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torch.nn.Module | None) -> TokenTable:
-    """The head's predictions and the per-token signals on the data's held-out prompts."""
+def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torch.nn.Module | None,
+                   split: str = "val") -> TokenTable:
+    """The head's predictions and the per-token signals on one split of the data: the held-out prompts by default,
+    `"train"` for the training prompts (a training-vs-validation comparison)."""
     head = trained.head
     embeddings = draft.get_input_embeddings() if head.candidate_embedding_size and draft is not None else None
     columns: dict[str, list[np.ndarray]] = {name: [] for name in
                                             ("label", "prediction", "logp", "logq", "entropy", "top1", "beta", "group")}
     prompt_index: dict[str, int] = {}
-    rows = data.splits["val"]["prompt_id"]
+    rows = data.splits[split]["prompt_id"]
     start = 0
-    for batch in data.ordered_batches("val", with_features=True):
+    for batch in data.ordered_batches(split, with_features=True):
         size = len(batch["valid"])
         ids = rows[start : start + size]
         start += size

@@ -20,8 +20,16 @@ from torch import Tensor, nn
 
 from specheads.errors import UsageError
 
-SIGNALS = ("logq", "entropy", "top1")
-"""Draft signals a head may read: log q of the candidate, entropy H(q), and the top-1 probability of q."""
+SIGNALS = ("logq", "entropy", "top1", "q")
+"""Draft signals a head may read: log q of the candidate, entropy H(q), the top-1 probability of q, and q of the
+candidate itself. The data stores the first three; `q` = exp(logq) is derived (`with_derived_signals`) because
+acceptance is not linear in log q: a linear probe of the first three ranks tokens below q(ŷ) alone."""
+
+
+def with_derived_signals(columns: dict[str, Any]) -> dict[str, Any]:
+    """`columns` (tensors or floats, holding `logq`) plus the derived signal `q` = exp(logq)."""
+    logq = columns["logq"]
+    return {**columns, "q": logq.exp() if isinstance(logq, torch.Tensor) else math.exp(logq)}
 
 MIN_SIGNAL_STD = 1e-3
 """Floor on a signal's std: a signal constant in training still standardises to finite fp16 values."""
@@ -54,7 +62,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     """A learned acceptance predictor: input features -> one logit per position.
 
     The input is concat[hidden, candidate embedding (when `candidate_embedding_size` > 0),
-    standardised signals], the signals' columns in `extra_features` order. Subclasses set
+    standardised signals], the signals' columns in `extra_features` order. `state_dropout` drops
+    dimensions of the standardised hidden state while training (a 576-wide state on tens of thousands of
+    tokens overfits; the few signals are kept). Subclasses set
     `head_type` and `reads`, implement `score`, and end in a linear layer `out` to one logit.
     """
 
@@ -62,9 +72,12 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     reads: ClassVar[str]  # "candidate_state" (the state that has read the candidate) or "context_state" (the one before)
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
-                 candidate_embedding_size: int = 0) -> None:
+                 candidate_embedding_size: int = 0, state_dropout: float = 0.0) -> None:
         super().__init__()
         self.hidden_size = check_count("hidden_size", hidden_size, minimum=1)
+        if not 0.0 <= state_dropout < 1.0:
+            raise UsageError(f"state_dropout must be in [0, 1), got {state_dropout}; 0 turns it off")
+        self.state_dropout = float(state_dropout)
         self.candidate_embedding_size = check_count("candidate_embedding_size", candidate_embedding_size, minimum=0)
         self.extra_features = check_signals(extra_features)
         self.register_buffer("signal_mean", torch.zeros(len(self.extra_features)))
@@ -77,7 +90,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         # log(w_rej / w_acc) to its logit recovers a (the prior correction); `predict` applies it
         self.register_buffer("logit_correction", torch.zeros(()))
         self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
-                            head_type=self.head_type, reads=self.reads)
+                            state_dropout=self.state_dropout, head_type=self.head_type, reads=self.reads)
 
     def _record_config(self, **values: Any) -> None:
         """Store normalised constructor values in the config `save_pretrained` writes.
@@ -165,7 +178,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         """The checked, concatenated input [..., input_size], in the head's parameter dtype."""
         dtype = next(self.parameters()).dtype
         hidden = self._checked("hidden", hidden, hidden, self.hidden_size, "the head's hidden_size")
-        parts = [(hidden.to(dtype) - self.hidden_mean) / self.hidden_std]
+        # dropout on the standardised state sets dimensions to their training mean; the signals are never dropped
+        state = (hidden.to(dtype) - self.hidden_mean) / self.hidden_std
+        parts = [nn.functional.dropout(state, self.state_dropout, self.training)]
         if self.candidate_embedding_size:
             if candidate_embedding is None:
                 raise UsageError(f"this {self.head_type} head reads the candidate's input embedding "

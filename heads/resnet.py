@@ -22,8 +22,9 @@ class ResNetAcceptanceHead(AcceptanceHead):
     head_type = "specdecpp_resnet"
     reads = "candidate_state"
 
-    def __init__(self, hidden_size: int, depth: int = 3, extra_features: list[str] | None = None) -> None:
-        super().__init__(hidden_size, extra_features)
+    def __init__(self, hidden_size: int, depth: int = 3, extra_features: list[str] | None = None,
+                 state_dropout: float = 0.0) -> None:
+        super().__init__(hidden_size, extra_features, state_dropout=state_dropout)
         self.depth = check_count("depth", depth, minimum=0)
         self._record_config(depth=self.depth)
         width = self.input_size

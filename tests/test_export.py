@@ -34,7 +34,7 @@ def test_round_trip_gives_identical_predictions(exported):
     checkpoint, out, _ = exported
     original = load_trained(str(checkpoint)).head
     head, rule = load_head(str(out), expect_draft="target minus layers 2")
-    hidden, signals = torch.randn(7, 32), torch.randn(7, 3)
+    hidden, signals = torch.randn(7, 32), torch.randn(7, len(original.extra_features))
     assert torch.equal(original.predict(hidden, signals), head.predict(hidden, signals))
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "roc.png"]
     config = json.loads((out / "config.json").read_text())

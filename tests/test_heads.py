@@ -2,13 +2,14 @@
 
 import copy
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from heads import HEADS, SIGNALS, LinearVerifier, ResNetAcceptanceHead, build_head, head_class
+from heads import HEADS, SIGNALS, LinearVerifier, ResNetAcceptanceHead, build_head, head_class, with_derived_signals
 from specheads.errors import UsageError
 
 H = 16
@@ -97,7 +98,7 @@ def test_save_and_load_round_trip(tmp_path):
     head.save_pretrained(tmp_path)
 
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config == {"hidden_size": H, "depth": 2, "extra_features": ["entropy", "logq"],
+    assert config == {"hidden_size": H, "depth": 2, "extra_features": ["entropy", "logq"], "state_dropout": 0.0,
                       "head_type": "specdecpp_resnet", "reads": "candidate_state"}
     tensors = load_file(tmp_path / "model.safetensors")
     assert torch.equal(tensors["signal_mean"], mean) and torch.equal(tensors["signal_std"], std)
@@ -132,13 +133,44 @@ def test_config_is_normalised_and_survives_deepcopy():
 
 def test_signals_are_standardised():
     head = resnet(extra_features=list(SIGNALS))
-    hidden, signals = torch.randn(4, H), torch.randn(4, 3)
+    k = len(SIGNALS)
+    hidden, signals = torch.randn(4, H), torch.randn(4, k)
     before = head(hidden, signals)
-    head.set_signal_statistics(torch.tensor([1.0, 0.0, 0.0]), torch.ones(3))
+    shift, scale = torch.eye(k)[0], torch.ones(k) + torch.eye(k)[0]
+    head.set_signal_statistics(shift, torch.ones(k))
     assert not torch.allclose(before, head(hidden, signals))
-    assert torch.allclose(before, head(hidden, signals + torch.tensor([1.0, 0.0, 0.0])))
-    head.set_signal_statistics(torch.zeros(3), torch.tensor([2.0, 1.0, 1.0]))
-    assert torch.allclose(before, head(hidden, signals * torch.tensor([2.0, 1.0, 1.0])))
+    assert torch.allclose(before, head(hidden, signals + shift))
+    head.set_signal_statistics(torch.zeros(k), scale)
+    assert torch.allclose(before, head(hidden, signals * scale))
+
+
+@pytest.mark.parametrize("head_type", sorted(HEADS))
+def test_state_dropout_drops_state_dimensions_only_while_training(head_type, tmp_path):
+    head = build_head(head_type, hidden_size=H, extra_features=["logq", "q"], state_dropout=0.5)
+    head.set_hidden_statistics(torch.full((H,), 3.0), torch.full((H,), 2.0))
+    hidden, signals = torch.randn(2000, H), torch.randn(2000, 2)
+    standardised = (hidden - 3.0) / 2.0
+    head.train()
+    torch.manual_seed(0)
+    features = head.features(hidden, signals)
+    kept = features[:, :H] != 0
+    assert 0.45 < kept.float().mean() < 0.55  # half the state dimensions fall to their training mean
+    assert torch.allclose(features[:, :H][kept], 2 * standardised[kept])  # inverted dropout: the rest scaled by 1/(1-p)
+    assert torch.equal(features[:, H:], signals)  # the signals are never dropped
+    head.eval()
+    assert torch.equal(head.features(hidden, signals)[:, :H], standardised)
+    head.save_pretrained(tmp_path)
+    loaded = head_class(head_type).from_pretrained(tmp_path)
+    assert loaded.state_dropout == 0.5 and not loaded.training
+    assert torch.equal(loaded.predict(hidden, signals), head.predict(hidden, signals))
+    with pytest.raises(UsageError, match=r"state_dropout must be in \[0, 1\), got 1.0"):
+        build_head(head_type, hidden_size=H, state_dropout=1.0)
+
+
+def test_derived_signal_q_is_the_candidate_probability():
+    logq = torch.tensor([-0.1, -2.0, 0.0])
+    assert torch.allclose(with_derived_signals({"logq": logq})["q"], logq.exp())
+    assert with_derived_signals({"logq": -2.0, "top1": 0.5}) == {"logq": -2.0, "top1": 0.5, "q": math.exp(-2.0)}
 
 
 def test_signal_std_is_floored():

@@ -10,6 +10,7 @@ import torch
 
 from conftest import run_cli, tiny_args
 from eval.metrics import binary_kl, soft_auc
+from heads import SIGNALS
 from specheads.cli import main
 from train.data import AcceptanceDataModule, RankBatchSampler, is_validation_prompt
 from train.loss import weighted_bce
@@ -114,7 +115,7 @@ def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
 def test_validation_metrics_equal_a_recomputation(labelled, tmp_path):
     root = tmp_path / "run"
     assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "1")) == 0
-    module = AcceptanceModule.load_from_checkpoint(root / "checkpoints" / "last.ckpt")
+    module = AcceptanceModule.load_from_checkpoint(root / "checkpoints" / "last.ckpt").eval()  # no state dropout
     data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)
     data.setup("validate")
     labels, predictions, entropy = [], [], []
@@ -136,7 +137,7 @@ def test_sprinter_verifier_trains_on_consistent_contexts(labelled, tmp_path):
     assert main(fit_args("sprinter.yaml", labelled, root, "--trainer.max_epochs", "1", "--model.tau", "1.2",
                          "--model.candidate_embedding", "true")) == 0
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
-    assert checkpoint["state_dict"]["head.out.weight"].shape == (1, 32 + 32 + 3)  # state, embedding, signals
+    assert checkpoint["state_dict"]["head.out.weight"].shape == (1, 32 + 32 + len(SIGNALS))  # state, embedding, signals
     assert "embeddings.weight" not in checkpoint["state_dict"]
     assert checkpoint["hyper_parameters"]["tau"] == 1.2
     assert 0 < last_metrics(root)["val/mean_label"] <= 1
@@ -230,10 +231,12 @@ def test_untrained_head_starts_at_the_weighted_signal_probe(labelled, head):
     data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)
     data.setup()
     w_rej = 6.0 if head == "specdecpp_resnet" else 1.0
-    module = AcceptanceModule(head=head, extra_features=["logq", "entropy", "top1"], hidden_size=data.hidden_size,
+    module = AcceptanceModule(head=head, extra_features=list(SIGNALS), hidden_size=data.hidden_size,
                               w_rej=w_rej, contexts="all")
     module.fit_statistics(data)
-    parts = [module.batch_inputs(batch) for batch in data.ordered_batches("train", with_features=True)]
+    batches = list(data.ordered_batches("train", with_features=True))
+    assert torch.equal(batches[0]["q"], batches[0]["logq"].exp())  # the derived signal, as decoding derives it
+    parts = [module.batch_inputs(batch) for batch in batches]
     hidden, signals, labels = (torch.cat([p[i] for p in parts]) for i in (0, 1, 3))
     out = module.head.out
     assert not out.weight[0, : data.hidden_size].any()  # the state starts with no say: only the signals count
@@ -242,10 +245,10 @@ def test_untrained_head_starts_at_the_weighted_signal_probe(labelled, head):
     loss = weighted_bce(logits, labels, 1.0, w_rej)
     loss.backward()
     # the probe minimises the training loss over the signal weights and the bias (up to sklearn's mild L2)
-    assert out.weight.grad[0, -3:].abs().max() < 0.02 and out.bias.grad.abs().max() < 0.02
+    assert out.weight.grad[0, -len(SIGNALS):].abs().max() < 0.02 and out.bias.grad.abs().max() < 0.02
     intercept_only = torch.full_like(logits, math.log(float(labels.sum()) / (w_rej * float((1 - labels).sum()))))
     assert loss < weighted_bce(intercept_only, labels, 1.0, w_rej)  # the signals carry information the constant lacks
-    plain = AcceptanceModule(head=head, extra_features=["logq", "entropy", "top1"], hidden_size=data.hidden_size,
+    plain = AcceptanceModule(head=head, extra_features=list(SIGNALS), hidden_size=data.hidden_size,
                              w_rej=w_rej, contexts="all", start_from_signals=False)
     plain.fit_statistics(data)
     assert plain.head.out.weight[0, : data.hidden_size].any()  # the default initialisation, untouched

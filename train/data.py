@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from data_gen.store import load_labelled, read_manifest, write_json_atomic
+from heads.base import with_derived_signals
 from specheads.errors import UsageError
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
@@ -47,7 +48,7 @@ class RowDataset(Dataset):
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pad per-position columns to the longest response; `valid` marks real positions."""
+    """Pad per-position columns to the longest response; `valid` marks real positions; derived signals added."""
     width = max(len(row["accept"]) for row in rows)
     batch: dict[str, Any] = {"valid": torch.zeros(len(rows), width, dtype=torch.bool),
                              "is_draft": torch.zeros(len(rows), width, dtype=torch.bool),
@@ -69,7 +70,7 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     else:
         batch["prompt_ids"] = [row["prompt_ids"].tolist() for row in rows]
         batch["mixed_ids"] = [row["mixed_ids"].tolist() for row in rows]
-    return batch
+    return with_derived_signals(batch)
 
 
 class RankBatchSampler(Sampler[list[int]]):

@@ -34,7 +34,7 @@ class AcceptanceModule(L.LightningModule):
     Args:
         head: registry name, `specdecpp_resnet` or `sprinter_linear`.
         head_args: further constructor arguments of the head (e.g. `{depth: 3}`).
-        extra_features: draft signals to concatenate to the state, from ("logq", "entropy", "top1").
+        extra_features: draft signals to concatenate to the state, from `heads.SIGNALS` (logq, entropy, top1, q).
         candidate_embedding: feed the candidate's input embedding (from the draft) to a verifier.
         hidden_size: expected draft hidden size; null takes the dataset's, a different value is refused.
         draft: expected draft name (as `specheads gen` recorded it); null accepts the dataset's.
