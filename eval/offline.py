@@ -17,6 +17,7 @@ import torch
 
 from eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
                           soft_auc, soft_pr_auc)
+from heads import STORED_SIGNALS
 from train.checkpoint import TrainedHead
 from train.data import AcceptanceDataModule
 from train.targets import draft_features, head_inputs
@@ -25,6 +26,9 @@ BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
 PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "beta_oracle", "label_ceiling", "constant")
 SPRINTER_TAUS = (1.0, 1.2, 1.5)
+POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta")
+"""The per-position data columns a token table keeps beside the label and the head's prediction."""
+TOKEN_COLUMNS = ("label", "prediction", *POSITION_COLUMNS, "group")
 
 
 @dataclass
@@ -49,8 +53,7 @@ class TokenTable:
 
     def subset(self, index: np.ndarray) -> TokenTable:
         """The tokens at `index` (a bootstrap resample)."""
-        values = {name: getattr(self, name)[index] for name in
-                  ("label", "prediction", "logp", "logq", "entropy", "top1", "beta", "group")}
+        values = {name: getattr(self, name)[index] for name in TOKEN_COLUMNS}
         return TokenTable(**values, prompts=self.prompts)
 
 
@@ -61,8 +64,7 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
     `"train"` for the training prompts (a training-vs-validation comparison)."""
     head = trained.head
     embeddings = draft.get_input_embeddings() if head.candidate_embedding_size and draft is not None else None
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in
-                                            ("label", "prediction", "logp", "logq", "entropy", "top1", "beta", "group")}
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
     prompt_index: dict[str, int] = {}
     rows = data.splits[split]["prompt_id"]
     start = 0
@@ -75,7 +77,7 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
                                                               trained.tau, trained.contexts, embeddings)
         columns["prediction"].append(head.predict(hidden, signals, embedding).float().cpu().numpy())
         columns["label"].append(label.numpy())
-        for name in ("logp", "logq", "entropy", "top1", "beta"):
+        for name in POSITION_COLUMNS:
             columns[name].append(batch[name][mask].numpy())
         groups = torch.tensor([prompt_index.setdefault(i, len(prompt_index)) for i in ids]).unsqueeze(1)
         columns["group"].append(groups.expand_as(mask)[mask].numpy())

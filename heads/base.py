@@ -20,7 +20,10 @@ from torch import Tensor, nn
 
 from specheads.errors import UsageError
 
-SIGNALS = ("logq", "entropy", "top1", "q")
+STORED_SIGNALS = ("logq", "entropy", "top1")
+"""The draft signals `specheads gen` stores per position (and the training-free baselines are built from)."""
+
+SIGNALS = (*STORED_SIGNALS, "q")
 """Draft signals a head may read: log q of the candidate, entropy H(q), the top-1 probability of q, and q of the
 candidate itself. The data stores the first three; `q` = exp(logq) is derived (`with_derived_signals`) because
 acceptance is not linear in log q: a linear probe of the first three ranks tokens below q(ŷ) alone."""

@@ -19,13 +19,13 @@ from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
-from heads import SIGNALS, AcceptanceHead, build_head, head_class
+from heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
 from train.probe import signal_probe
 from train.targets import Contexts, draft_features, head_inputs, token_targets
 from specheads.errors import UsageError
 
-VALIDATION_COLUMNS = ("prediction", "label", "logq", "entropy", "top1")
+VALIDATION_COLUMNS = ("prediction", "label", *STORED_SIGNALS)
 
 
 class AcceptanceModule(L.LightningModule):
@@ -192,7 +192,7 @@ class AcceptanceModule(L.LightningModule):
         self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
                  batch_size=len(labels), sync_dist=True)
         values = {"prediction": self.head.probabilities(logits.float()), "label": labels,
-                  **{name: batch[name][mask] for name in ("logq", "entropy", "top1")}}
+                  **{name: batch[name][mask] for name in STORED_SIGNALS}}
         for name, value in values.items():
             self.validation[name].update(value.float())
 
