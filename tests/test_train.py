@@ -12,7 +12,7 @@ from conftest import run_cli, tiny_args
 from eval.metrics import binary_kl, soft_auc
 from heads import SIGNALS
 from specheads.cli import main
-from train.data import AcceptanceDataModule, RankBatchSampler, is_validation_prompt
+from train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
 from train.loss import weighted_bce
 from train.module import AcceptanceModule
 from train.targets import token_targets
@@ -160,6 +160,30 @@ def test_online_mode_computes_the_stored_features(labelled, labelled_online, tmp
     features = module.draft_features(online_batch, online_batch["valid"].shape[1])
     valid = torch.cat([torch.ones_like(online_batch["valid"][:, :1]), online_batch["valid"]], 1)
     assert torch.allclose(features[valid], offline_batch["features"][valid].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_a_batch_read_in_one_take_equals_the_stored_rows(labelled):
+    """RowDataset reads a batch with one Arrow take: every row keeps its own columns and float16 states."""
+    from torch.utils.data import DataLoader
+
+    from data_gen.store import load_labelled
+
+    rows = load_labelled(labelled)
+    dataset = RowDataset(rows, with_features=True)
+    indices = [3, 0, len(rows) - 1, 5, 3]
+    reference = rows.with_format("numpy")
+    for index, item in zip(indices, dataset.__getitems__(indices)):
+        expected = reference[index]
+        assert item["features"].dtype == np.float16 and item["features"].shape == expected["features"].shape
+        np.testing.assert_array_equal(item["features"].astype(np.float32), expected["features"])
+        for name in ("accept", "logq", "draft_ids", "is_draft", "mixed_ids", "prompt_ids"):
+            np.testing.assert_array_equal(item[name], expected[name])
+    batch = next(iter(DataLoader(dataset, batch_sampler=[indices], collate_fn=collate_rows)))
+    lengths = [len(reference[i]["accept"]) for i in indices]
+    assert batch["valid"].sum(1).tolist() == lengths
+    for row, index in enumerate(indices):
+        np.testing.assert_array_equal(batch["features"][row, : lengths[row] + 1].float().numpy(), reference[index]["features"])
+        assert not batch["features"][row, lengths[row] + 1:].any()
 
 
 def test_refusals(labelled, tmp_path, capsys):

@@ -11,8 +11,9 @@ prints the resolved config, and `--ckpt_path last` resumes. The run folder is
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -53,11 +54,17 @@ class TrainCLI(LightningCLI):
         return trainer
 
 
+def build_cli(argv: list[str], callbacks: Sequence[Callback] = ()) -> TrainCLI:
+    """Parse `argv` as `specheads train` does and run its subcommand; `callbacks` are added to the trainer's."""
+    defaults = {**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS
+    return TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=defaults,
+                    save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+
+
 def main(argv: list[str]) -> int:
     """Entry point for `specheads train`."""
     try:
-        TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=TRAINER_DEFAULTS,
-                 save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+        build_cli(argv)
     except SystemExit as done:  # --help, --print_config and argument errors end the parser this way
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     return 0
