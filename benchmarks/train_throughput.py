@@ -3,9 +3,9 @@ memory, and the share of step time spent loading data.
 
 Each mode runs `specheads train fit` with configs/train/specdecpp.yaml in its own process (so that peak
 memory is that mode's). A callback times every training batch: the step (in online mode it includes the
-frozen draft's forward) and the gap before it, in which Lightning fetches and collates the batch, moves it to
-the device and does its per-step bookkeeping (reported as data loading: an upper bound). The first epoch is a warm-up and is not counted; labelled tokens are counted per
-batch with the same mask the loss uses.
+frozen draft's forward) and the gap before it, in which Lightning fetches and collates the batch, moves it
+to the device and does its per-step bookkeeping (reported as data loading: an upper bound). The first
+epoch is a warm-up and is not counted; labelled tokens are counted per batch with the mask the loss uses.
 
 CPU, embedded pair (data from `specheads gen --config configs/gen/smollm2-demo.yaml`):
 
