@@ -30,6 +30,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
             result[f"{baseline}_speedup"] = row["modelled_speedup"]
             if mine is not None:
                 result[f"gain_vs_{baseline}"] = mine["modelled_speedup"] / row["modelled_speedup"] - 1
+                result[f"gain_vs_{baseline}_ci"] = decoding.get("gain_intervals", {}).get(baseline)
     if mine is None:
         result["note"] = ("no SPRINTER threshold of the sweep kept the Theorem 1 TV bound within the budget on dev "
                           "prompts: the verifier keeps its untuned default (try higher --sprinter-thresholds or a "
@@ -44,8 +45,11 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                                ("confidence", "draft confidence at its best threshold")):
             if f"gain_vs_{baseline}" in result:
                 gain = result[f"gain_vs_{baseline}"]
+                ci = result[f"gain_vs_{baseline}_ci"]
                 lines.append(f"That is {abs(gain) * 100:.1f} % {'above' if gain >= 0 else 'below'} {what} "
-                             f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g}).")
+                             f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g})"
+                             + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
+                                else "."))
         if "oracle_speedup" in result:
             lines.append(f"The hindsight oracle bounds what any stop policy can reach: {result['oracle_speedup']:.3f}×.")
     else:

@@ -20,8 +20,8 @@ from eval.decoding import Decoder
 from eval.offline import TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_operating_points
 from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from eval.report import verdict, write_report
-from eval.sweep import (DecodePrompt, aggregate, default_settings, measure_costs, records_as_dicts, run_sweep,
-                        signal_thresholds, tune)
+from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, measure_costs, paired_gain_interval,
+                        records_as_dicts, run_sweep, signal_thresholds, tune)
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained, record_evaluation
@@ -124,10 +124,13 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     learned = "head" if trained.reads == "candidate_state" else "sprinter"
+    intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
+                                                config.cost_ratio, config.bootstrap, config.seed)
+                 for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
     section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
-               "policies": test, "dev_policies": dev}
+               "gain_intervals": intervals, "policies": test, "dev_policies": dev}
     return Decoding(section, records, tuned.get(learned))
 
 

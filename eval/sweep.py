@@ -143,8 +143,8 @@ def measure_costs(records: list[RunRecord]) -> dict[str, float]:
             "loop_overhead_share": 1.0 - sum(r.forward_seconds for r in real) / max(sum(r.seconds for r in real), 1e-9)}
 
 
-def modelled_speedup(discard_rate: float, verification_rate: float, cost_ratio: float) -> float:
-    """Speedup over target-only decoding by SpecDec++ Eq. 5.1 at t_draft/t_target = `cost_ratio`."""
+def modelled_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:
+    """Speedup over target-only decoding by SpecDec++ Eq. 5.1 at t_draft/t_target = `cost_ratio` (floats or arrays)."""
     return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
 
 
@@ -170,6 +170,30 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float, me
             "mean_target_logprob": float(np.mean(logprobs)) if logprobs else None,
         })
     return rows
+
+
+def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting, cost_ratio: float,
+                         resamples: int = 1000, seed: int = 0, split: str = "test") -> list[float] | None:
+    """95 % interval of `mine`'s modelled speedup over `other`'s, minus 1, resampling the split's prompts with
+    replacement (paired: each resample draws the same prompts for both; rates are ratios of totals, as in
+    `aggregate`). None when fewer than two prompts ran under both."""
+    def per_prompt(setting: Setting) -> dict[str, RunRecord]:
+        return {r.prompt_id: r for r in records
+                if r.split == split and (r.policy, r.threshold) == (setting.policy, setting.threshold)}
+
+    runs_a, runs_b = per_prompt(mine), per_prompt(other)
+    prompts = sorted(set(runs_a) & set(runs_b))
+    if len(prompts) < 2 or resamples < 1:
+        return None
+    counts = {name: np.array([[r.emitted, r.drafted - r.accepted, r.target_calls] for r in (runs[p] for p in prompts)],
+                             dtype=np.float64) for name, runs in (("a", runs_a), ("b", runs_b))}
+    draws = np.random.default_rng(seed).integers(0, len(prompts), (resamples, len(prompts)))
+    speedups = {}
+    for name, table in counts.items():
+        emitted, discarded, calls = (table[:, column][draws].sum(1) for column in range(3))
+        speedups[name] = modelled_speedup(discarded / emitted, calls / emitted, cost_ratio)
+    gains = speedups["a"] / speedups["b"] - 1.0
+    return [float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))]
 
 
 def tune(dev_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

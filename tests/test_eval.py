@@ -18,7 +18,7 @@ from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_operating_points
 from eval.policies import make_policy
 from eval.run import check_data
-from eval.sweep import RunRecord, aggregate, measure_costs, modelled_speedup
+from eval.sweep import RunRecord, Setting, aggregate, measure_costs, modelled_speedup, paired_gain_interval
 from heads import ResNetAcceptanceHead, LinearVerifier
 from specheads.cli import main
 from specheads.errors import UsageError
@@ -98,6 +98,27 @@ def test_modelled_speedup_aggregation_and_cost_regression():
     row = aggregate(records, "test", 0.2, costs["ratio"])[0]
     assert row["discard_rate"] == pytest.approx(sum(d - d // 2 for d in (10, 20, 6, 30)) / 80)
     assert row["verification_rate"] == pytest.approx(18 / 80)
+
+
+def test_paired_gain_interval_resamples_prompts_for_both_policies():
+    def run(policy: str, prompt: int, calls: int) -> RunRecord:
+        return RunRecord(policy, 1.0, f"p{prompt}", "test", emitted=20, drafted=12, accepted=8, target_calls=calls,
+                         draft_forwards=12, seconds=1.0, forward_seconds=1.0, accepted_per_round=[2], target_logprob=-1.0)
+
+    head, constant = Setting("head", 1.0), Setting("constant_k", 1.0)
+    same = [run(policy, i, 5 + i) for policy in ("head", "constant_k") for i in range(8)]
+    assert paired_gain_interval(same, head, constant, 0.2) == pytest.approx([0.0, 0.0])
+    # the head saves one target call on every prompt: the interval lies above zero and holds the point gain
+    better = [run("head", i, 4 + i) for i in range(8)] + [run("constant_k", i, 5 + i) for i in range(8)]
+    rows = {row["policy"]: row for row in aggregate(better, "test", 0.2, 0.2)}
+    gain = rows["head"]["modelled_speedup"] / rows["constant_k"]["modelled_speedup"] - 1
+    low, high = paired_gain_interval(better, head, constant, 0.2, resamples=500, seed=1)
+    assert 0 < low <= gain <= high
+    # a prompt that saves many calls widens the interval; one shared prompt gives none
+    mixed = better + [run("head", 8, 2), run("constant_k", 8, 12)]
+    wide = paired_gain_interval(mixed, head, constant, 0.2, resamples=500, seed=1)
+    assert wide[1] - wide[0] > high - low
+    assert paired_gain_interval(better[:1] + better[8:9], head, constant, 0.2) is None
 
 
 # ---- the decoding loops on a tiny model with a small vocabulary
@@ -219,6 +240,10 @@ def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_pat
     tuned = load_trained(str(checkpoint))
     assert tuned.decision is not None and tuned.decision.tuned
     assert tuned.decision.threshold == decoding["tuned_thresholds"]["head"]
+    assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence"}
+    for baseline, ci in decoding["gain_intervals"].items():  # paired over test prompts: none from a single one
+        gain = metrics["verdict"]["decoding"][f"gain_vs_{baseline}"]
+        assert ci is None if decoding["prompts"]["test"] < 2 else ci[0] <= gain <= ci[1]
     assert "report:" in capsys.readouterr().out
 
 
