@@ -18,6 +18,7 @@ from sklearn.linear_model import LinearRegression
 from tqdm.auto import tqdm
 
 from eval.decoding import DecodeResult, Decoder, target_log_likelihood
+from eval.offline import interval
 from eval.policies import make_policy
 from heads import AcceptanceHead
 
@@ -192,8 +193,7 @@ def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting
     for name, table in counts.items():
         emitted, discarded, calls = (table[:, column][draws].sum(1) for column in range(3))
         speedups[name] = modelled_speedup(discarded / emitted, calls / emitted, cost_ratio)
-    gains = speedups["a"] / speedups["b"] - 1.0
-    return [float(np.percentile(gains, 2.5)), float(np.percentile(gains, 97.5))]
+    return interval(list(speedups["a"] / speedups["b"] - 1.0))
 
 
 def tune(dev_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -6,5 +6,5 @@ from heads.loading import DecisionRule, load_head
 from heads.registry import HEADS, build_head, head_class
 from heads.resnet import ResNetAcceptanceHead
 
-__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "LinearVerifier", "SIGNALS", "STORED_SIGNALS", "HEADS", "build_head", "head_class",
-           "load_head", "DecisionRule", "with_derived_signals"]
+__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "LinearVerifier", "SIGNALS", "STORED_SIGNALS", "HEADS",
+           "build_head", "head_class", "load_head", "DecisionRule", "with_derived_signals"]
