@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
+from data_gen.states import describe_state
+
 LABELS_TABLE = """\
 | field | meaning |
 |---|---|
@@ -27,7 +29,8 @@ def dataset_card(manifest: dict) -> str:
         tags=["speculative-decoding", "acceptance-prediction", "specheads"],
         size_categories=["n<1K"] if counts["rows"] < 1000 else ["1K<n<10K"] if counts["rows"] < 10000 else ["10K<n<100K"],
     )
-    features = "stored" if identity["store_features"] else "not stored (train online)"
+    features = (f"{'stored' if identity['store_features'] else 'not stored (train online)'}; the draft state "
+                f"{describe_state(identity.get('state_layer'))}")
     body = f"""
 # Labelled token mixes for acceptance prediction
 

@@ -58,6 +58,7 @@ class GenConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     mixing: MixingConfig = field(default_factory=MixingConfig)
     store_features: bool = True
+    state_layer: int | None = None
     long_prompts: Literal["skip", "fail"] = "skip"
     max_prompt_tokens: int | None = None
     batch_size: int = 8
@@ -80,6 +81,8 @@ class GenConfig:
         for name, value in positive.items():
             if value < 1:
                 raise UsageError(f"{name} must be at least 1, got {value}")
+        if self.state_layer is not None and (isinstance(self.state_layer, bool) or self.state_layer < 1):
+            raise UsageError(f"state_layer must be a decoder layer count >= 1 or null (the last layer), got {self.state_layer}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise UsageError(f"num_prompts must be at least 1, got {self.num_prompts}")
         if self.rows_per_shard % self.batch_size:

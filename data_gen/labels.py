@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from data_gen.plan import WorkItem, row_seed
+from data_gen.states import decoder_forward
 from data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
@@ -28,18 +29,18 @@ class PositionLabels:
     top1: torch.Tensor
 
 
-def last_hidden_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
-    """The decoder's last-layer states (after the final norm) for right-padded `sequences`: [B, L, h]."""
+def last_hidden_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
+                       state_layer: int | None = None) -> torch.Tensor:
+    """The decoder's states for right-padded `sequences`: [B, L, h]; the last layer's (after the final norm) unless
+    `state_layer` names an inner one (`data_gen.states`)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, sequence in enumerate(sequences):
         input_ids[row, : len(sequence)] = torch.tensor(sequence)
         attention_mask[row, : len(sequence)] = 1
-    output = model.get_decoder()(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
-    )
-    return output.last_hidden_state
+    return decoder_forward(model, state_layer, input_ids=input_ids.to(device),
+                           attention_mask=attention_mask.to(device), use_cache=False)[1]
 
 
 def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:
@@ -105,8 +106,9 @@ def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: 
 def label_batch(
     target: Any, draft: Any, items: list[WorkItem], responses: list[list[int]], transform: SamplingTransform,
     global_seed: int, pad_id: int, chunk: int, store_features: bool, device: torch.device,
+    state_layer: int | None = None,
 ) -> dict[str, list]:
-    """Label one batch of rows; returns columns ready for the Arrow writer."""
+    """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
     target_states = last_hidden_states(target, sequences, pad_id, device)
     draft_states = last_hidden_states(draft, sequences, pad_id, device)
@@ -130,20 +132,22 @@ def label_batch(
             columns[name].append(getattr(labels, name).numpy())
     del target_states, draft_states
     if store_features:
-        columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device)
+        columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device, state_layer)
     return columns
 
 
 def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], pad_id: int,
-                 device: torch.device) -> list[torch.Tensor]:
-    """Draft last-layer states on prompt + mixed tokens, at the prompt's last position and every response
+                 device: torch.device, state_layer: int | None = None) -> list[torch.Tensor]:
+    """Draft states (at `state_layer`) on prompt + mixed tokens, at the prompt's last position and every response
     position: one [len(mixed) + 1, h] tensor per row, on `device` (what `features` stores, and what online
     training computes)."""
-    states = last_hidden_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device)
+    states = last_hidden_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device,
+                                state_layer)
     return [states[row, len(p) - 1 : len(p) + len(m)] for row, (p, m) in enumerate(zip(prompts, mixed))]
 
 
-def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device) -> list:
+def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device,
+                   state_layer: int | None = None) -> list:
     """`mixed_states` as fp16 numpy arrays for the Arrow writer."""
-    states = mixed_states(draft, [list(i.prompt_ids) for i in items], mixed, pad_id, device)
+    states = mixed_states(draft, [list(i.prompt_ids) for i in items], mixed, pad_id, device, state_layer)
     return [row.to(torch.float16).cpu().numpy() for row in states]

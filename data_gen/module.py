@@ -27,7 +27,8 @@ class LabellingModule(L.LightningModule):
     """Generates (or takes imported) responses and labels them, one shard per predict step."""
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
-                 transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool):
+                 transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
+                 state_layer: int | None = None):
         super().__init__()
         self.target = target
         self.draft = draft
@@ -39,6 +40,7 @@ class LabellingModule(L.LightningModule):
         self.seed = seed
         self.chunk = chunk
         self.store_features = store_features
+        self.state_layer = state_layer
 
     def predict_dataloader(self) -> DataLoader:
         """This rank's shards: every world_size-th one, starting at its global rank."""
@@ -58,7 +60,8 @@ class LabellingModule(L.LightningModule):
                                    [row_seed(self.seed, i.prompt_id, i.sample_index, "response") for i in items],
                                    self.device))
             batch = label_batch(self.target, self.draft, items, responses, self.transform, self.seed,
-                                self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device)
+                                self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
+                                self.state_layer)
             for name, values in batch.items():
                 columns.setdefault(name, []).extend(values)
         return shard, columns

@@ -22,6 +22,7 @@ from data_gen.module import LabellingModule, ShardWriter
 from data_gen.plan import WorkItem, build_plan
 from data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from data_gen.responses import load_imported_responses
+from data_gen.states import check_state_layer
 from data_gen.store import (FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, read_manifest, shard_statistics,
                             write_json_atomic, write_text_atomic)
 from specheads import __version__
@@ -98,6 +99,8 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         if config.responses else {"source": "target-generate"},
         "store_features": config.store_features,
         "draft_hidden_size": int(pair.draft.config.hidden_size),
+        # only when set, so that data made before the option keeps its fingerprint
+        **({"state_layer": config.state_layer} if config.state_layer is not None else {}),
         "long_prompts": config.long_prompts,
         "max_prompt_tokens": config.max_prompt_tokens,
         "batch_size": config.batch_size,
@@ -135,6 +138,7 @@ def run(config: GenConfig) -> Summary:
     imported = (load_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts},
                                         config.sampling.max_new_tokens) if config.responses else None)
     pair = load_pair(config.target, config.draft, tokenizer)
+    check_state_layer(pair.draft, config.state_layer)
     items, skipped = select_items(config, tokenizer, prompts, imported, context_length(pair.target))
     shards = build_plan(items, config.batch_size, config.rows_per_shard)
     identity = data_identity(config, pair, prompts)
@@ -169,7 +173,7 @@ def run(config: GenConfig) -> Summary:
 
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
-                             config.store_features)
+                             config.store_features, config.state_layer)
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise)
     trainer = make_trainer(config, writer)
     trainer.predict(module, return_predictions=False)

@@ -21,6 +21,7 @@ import torch
 
 from data_gen.labels import output_logits, signal_log_probs, signal_statistics
 from data_gen.sampling import SamplingTransform, draw_from_log_probs, uniforms
+from data_gen.states import decoder_forward
 from eval.policies import Drafted, StopPolicy
 from heads import AcceptanceHead, with_derived_signals
 
@@ -28,8 +29,9 @@ from heads import AcceptanceHead, with_derived_signals
 class CachedModel:
     """A causal LM with its own KV cache over the tokens fed so far; times its forwards."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, state_layer: int | None = None):
         self.model = model
+        self.state_layer = state_layer
         self.device = next(model.parameters()).device
         self.cache: Any = None
         self.length = 0
@@ -38,13 +40,14 @@ class CachedModel:
 
     @torch.no_grad()
     def feed(self, tokens: list[int], logits_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Extend the cache by `tokens`; returns (float32 logits of the last `logits_rows` positions, their states)."""
+        """Extend the cache by `tokens`; returns (float32 logits of the last `logits_rows` positions, their states at
+        `state_layer`, the ones a head reads)."""
         start = time.perf_counter()
-        output = self.model.get_decoder()(input_ids=torch.tensor([tokens], device=self.device),
-                                          past_key_values=self.cache, use_cache=True)
+        output, states = decoder_forward(self.model, self.state_layer, input_ids=torch.tensor([tokens], device=self.device),
+                                         past_key_values=self.cache, use_cache=True)
         self.cache = output.past_key_values
-        states = output.last_hidden_state[0, -logits_rows:]
-        logits = output_logits(self.model, states)
+        logits = output_logits(self.model, output.last_hidden_state[0, -logits_rows:])
+        states = states[0, -logits_rows:]
         self.length += len(tokens)
         self.forwards += 1
         self.forward_seconds += time.perf_counter() - start
@@ -143,7 +146,7 @@ class Decoder:
             raise ValueError(f"the {policy.name} policy needs an acceptance head")
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
-        draft, target = CachedModel(self.draft), CachedModel(self.target)
+        draft, target = CachedModel(self.draft, head.state_layer if head is not None else None), CachedModel(self.target)
         tokens, generated = list(prompt), []
         result = DecodeResult(tokens=[])
         while not self._done(generated, max_new_tokens):
@@ -195,7 +198,7 @@ class Decoder:
         """SPRINTER: call the target only for drafted tokens the verifier scores below `threshold`."""
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
-        draft, target = CachedModel(self.draft), CachedModel(self.target)
+        draft, target = CachedModel(self.draft, verifier.state_layer), CachedModel(self.target)
         tokens, generated = list(prompt), []
         result = DecodeResult(tokens=[])
         run_length = 0

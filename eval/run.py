@@ -14,6 +14,7 @@ from data_gen.models import ModelPair, ModelSpec, load_pair
 from data_gen.prompts import encode_prompt, load_prompts
 from data_gen.responses import stop_token_ids
 from data_gen.sampling import SamplingTransform
+from data_gen.states import describe_state
 from data_gen.store import read_manifest, write_json_atomic
 from eval.config import EvalConfig
 from eval.decoding import Decoder
@@ -45,6 +46,11 @@ def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_
     if found_size != trained.head.hidden_size:
         raise UsageError(f"{path} was labelled with a draft of hidden size {found_size} but the head reads "
                          f"{trained.head.hidden_size}; evaluate it on data from its own draft")
+    found_layer = manifest["identity"].get("state_layer")
+    if found_layer != trained.head.state_layer:
+        raise UsageError(f"{path} stores the draft state {describe_state(found_layer)} but the head reads the state "
+                         f"{describe_state(trained.head.state_layer)}; evaluate it on data made with "
+                         f"`specheads gen --state_layer {trained.head.state_layer or 'null'}`")
     if trained.data_fingerprint is None or manifest["fingerprint"] == trained.data_fingerprint:
         return
     differs = identity_differences(trained.data_identity or {}, manifest["identity"]) or ["unknown fields"]

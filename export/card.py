@@ -51,10 +51,12 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
     rule = config["decision_rule"]
     draft, target = config["draft"]["name"], config["target"]["name"]
     sampling = config.get("sampling") or {}
-    what = ("It reads the draft's last hidden state **at** each drafted token (after the draft has read it) and predicts "
+    layer = config.get("state_layer")
+    state = "last hidden state" if layer is None else f"hidden state after decoder layer {layer} (`state_layer`)"
+    what = (f"It reads the draft's {state} **at** each drafted token (after the draft has read it) and predicts "
             "the probability min(1, p/q) that the target accepts it; a decoder ends the drafting round once "
             "1 − Π â exceeds the threshold (SpecDec++)." if reads == "candidate_state" else
-            "It reads the draft's last hidden state **before** each drafted token and predicts whether the token is "
+            f"It reads the draft's {state} **before** each drafted token and predicts whether the token is "
             f"acceptable (q/p ≤ τ = {config.get('tau')}); a decoder calls the target only for tokens scored below the "
             "threshold (SPRINTER). This is approximate decoding: its distance from the target is bounded by the "
             "verifier's false-positive rate.")
@@ -64,7 +66,9 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
             f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
             "## Use", "", "```python", "from heads import load_head", "",
             f"head, rule = load_head(\"REPO_OR_FOLDER\", expect_draft={draft!r})",
-            "# hidden: the draft's last-layer state after its final norm, [..., hidden_size]",
+            ("# hidden: the draft's last-layer state after its final norm, [..., hidden_size]" if layer is None else
+             f"# hidden: the draft's residual stream after decoder layer {layer} (no norm; e.g. output_hidden_states"
+             f"[{layer}]), [..., hidden_size]"),
             f"# signals: the draft's {config.get('extra_features') or []} for the token, [..., n] (or None)",
             "probability = head.predict(hidden, signals)", "```", "",
             f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",

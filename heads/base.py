@@ -67,7 +67,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     The input is concat[hidden, candidate embedding (when `candidate_embedding_size` > 0),
     standardised signals], the signals' columns in `extra_features` order. `state_dropout` drops
     dimensions of the standardised hidden state while training (a 576-wide state on tens of thousands of
-    tokens overfits; the few signals are kept). Subclasses set
+    tokens overfits; the few signals are kept). `state_layer` says which draft state the head reads
+    (`data_gen.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
     `head_type` and `reads`, implement `score`, and end in a linear layer `out` to one logit.
     """
 
@@ -75,9 +76,10 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     reads: ClassVar[str]  # "candidate_state" (the state that has read the candidate) or "context_state" (the one before)
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
-                 candidate_embedding_size: int = 0, state_dropout: float = 0.0) -> None:
+                 candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None) -> None:
         super().__init__()
         self.hidden_size = check_count("hidden_size", hidden_size, minimum=1)
+        self.state_layer = None if state_layer is None else check_count("state_layer", state_layer, minimum=1)
         if not 0.0 <= state_dropout < 1.0:
             raise UsageError(f"state_dropout must be in [0, 1), got {state_dropout}; 0 turns it off")
         self.state_dropout = float(state_dropout)
@@ -93,7 +95,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         # log(w_rej / w_acc) to its logit recovers a (the prior correction); `predict` applies it
         self.register_buffer("logit_correction", torch.zeros(()))
         self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
-                            state_dropout=self.state_dropout, head_type=self.head_type, reads=self.reads)
+                            state_dropout=self.state_dropout, state_layer=self.state_layer,
+                            head_type=self.head_type, reads=self.reads)
 
     def _record_config(self, **values: Any) -> None:
         """Store normalised constructor values in the config `save_pretrained` writes.

@@ -19,8 +19,8 @@ class LinearVerifier(AcceptanceHead):
     reads = "context_state"
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
-                 candidate_embedding_size: int = 0, state_dropout: float = 0.0) -> None:
-        super().__init__(hidden_size, extra_features, candidate_embedding_size, state_dropout)
+                 candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None) -> None:
+        super().__init__(hidden_size, extra_features, candidate_embedding_size, state_dropout, state_layer)
         self._record_config(candidate_embedding_size=self.candidate_embedding_size)
         self.out = nn.Linear(self.input_size, 1)
 

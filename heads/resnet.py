@@ -23,8 +23,8 @@ class ResNetAcceptanceHead(AcceptanceHead):
     reads = "candidate_state"
 
     def __init__(self, hidden_size: int, depth: int = 3, extra_features: list[str] | None = None,
-                 state_dropout: float = 0.0) -> None:
-        super().__init__(hidden_size, extra_features, state_dropout=state_dropout)
+                 state_dropout: float = 0.0, state_layer: int | None = None) -> None:
+        super().__init__(hidden_size, extra_features, state_dropout=state_dropout, state_layer=state_layer)
         self.depth = check_count("depth", depth, minimum=0)
         self._record_config(depth=self.depth)
         width = self.input_size

@@ -15,10 +15,11 @@ from specheads.errors import UsageError
 H = 16
 
 
-def resnet(depth: int = 2, extra_features: list[str] | None = None) -> ResNetAcceptanceHead:
+def resnet(depth: int = 2, extra_features: list[str] | None = None, state_layer: int | None = None
+           ) -> ResNetAcceptanceHead:
     """A tiny ResNet head whose blocks are randomised, so that depth matters to its output."""
     torch.manual_seed(0)
-    head = ResNetAcceptanceHead(H, depth=depth, extra_features=extra_features)
+    head = ResNetAcceptanceHead(H, depth=depth, extra_features=extra_features, state_layer=state_layer)
     with torch.no_grad():
         for block in head.blocks:
             block.weight.normal_(0, 0.3)
@@ -92,21 +93,21 @@ def test_forward_keeps_leading_dims_and_predict_is_sigmoid(leading):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    head = resnet(depth=2, extra_features=["entropy", "logq"])
+    head = resnet(depth=2, extra_features=["entropy", "logq"], state_layer=5)
     mean, std = torch.tensor([2.5, -3.0]), torch.tensor([0.7, 4.0])
     head.set_signal_statistics(mean, std)
     head.save_pretrained(tmp_path)
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {"hidden_size": H, "depth": 2, "extra_features": ["entropy", "logq"], "state_dropout": 0.0,
-                      "head_type": "specdecpp_resnet", "reads": "candidate_state"}
+                      "state_layer": 5, "head_type": "specdecpp_resnet", "reads": "candidate_state"}
     tensors = load_file(tmp_path / "model.safetensors")
     assert torch.equal(tensors["signal_mean"], mean) and torch.equal(tensors["signal_std"], std)
     assert (tmp_path / "README.md").exists()
 
     loaded = ResNetAcceptanceHead.from_pretrained(tmp_path)
     assert torch.equal(loaded.signal_mean, mean) and torch.equal(loaded.signal_std, std)
-    assert loaded.extra_features == ["entropy", "logq"] and loaded.depth == 2
+    assert loaded.extra_features == ["entropy", "logq"] and loaded.depth == 2 and loaded.state_layer == 5
     hidden, signals = torch.randn(3, 4, H), torch.randn(3, 4, 2)
     assert torch.equal(loaded.predict(hidden, signals), head.predict(hidden, signals))
 

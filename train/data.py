@@ -185,6 +185,11 @@ class AcceptanceDataModule(L.LightningDataModule):
         return int(self.manifest["identity"]["draft_hidden_size"])
 
     @property
+    def state_layer(self) -> int | None:
+        """Which draft state the data's features hold (`data_gen.states`; None: the last layer)."""
+        return self.manifest["identity"].get("state_layer")
+
+    @property
     def draft_name(self) -> str:
         """The draft the data was labelled with, as the manifest names it."""
         return str(self.manifest["draft_name"])

@@ -18,6 +18,7 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
+from data_gen.states import describe_state
 from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
 from train.loss import weighted_bce
@@ -94,6 +95,7 @@ class AcceptanceModule(L.LightningModule):
         if self.hparams.draft is not None and self.hparams.draft != data.draft_name:
             raise UsageError(f"the config names draft {self.hparams.draft!r} but {data.path} was labelled with draft "
                              f"{data.draft_name!r}; fix model.draft or use data from that draft")
+        self.match_state_layer(data)
         self.hparams.hidden_size = found
         self.hparams.draft = data.draft_name
         self.hparams.data_fingerprint = data.fingerprint
@@ -117,6 +119,19 @@ class AcceptanceModule(L.LightningModule):
             log_dir = self.trainer.log_dir  # a collective call: every rank asks
             if self.trainer.is_global_zero and log_dir:
                 data.write_split(Path(log_dir))
+
+    def match_state_layer(self, data: Any) -> None:
+        """Read the draft state the data holds; refuse a head configured for another one."""
+        layer, head_args = data.state_layer, dict(self.hparams.head_args or {})
+        asked = head_args.get("state_layer")
+        if asked is not None and asked != layer:
+            raise UsageError(f"model.head_args.state_layer is {asked} but {data.path} holds the draft state "
+                             f"{describe_state(layer)}; drop the setting or "
+                             f"regenerate the data with `specheads gen --state_layer {asked}`")
+        if layer is not None:
+            self.hparams.head_args = {**head_args, "state_layer": layer}
+        if self.head is not None and self.head.state_layer != layer:
+            self.head = None  # built from the config before the data said which state it holds
 
     def fit_statistics(self, data: Any) -> None:
         """Input standardisation and the constant predictor, from the training split's labelled tokens."""
@@ -170,7 +185,7 @@ class AcceptanceModule(L.LightningModule):
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
-        return draft_features(self.draft_model[0], batch, width)
+        return draft_features(self.draft_model[0], batch, width, self.head.state_layer)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         logits, labels, _ = self.head_inputs(batch)

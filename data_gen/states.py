@@ -1,0 +1,59 @@
+"""Which draft hidden state a head reads (`state_layer`), taken from one decoder forward.
+
+`None` (the default, DESIGN.md's contract) is the last layer's state after the final norm. An integer L
+is the residual stream after the first L decoder layers, before any norm (`hidden_states[L]` in
+transformers' terms). Gen stores it as `features`, online training computes it, and the decoding loop
+hands the same state to the head, so one function serves all three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specheads.errors import UsageError
+
+
+def describe_state(state_layer: int | None) -> str:
+    """`state_layer` in words, for messages and cards."""
+    return "of the last layer (after the final norm)" if state_layer is None else f"after draft layer {state_layer}"
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder's list of layers (a UsageError for a model without one)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UsageError(f"cannot read an inner layer of {type(model).__name__}: its decoder has no `layers` list; "
+                         "use state_layer null (the last layer)")
+    return layers
+
+
+def check_state_layer(model: Any, state_layer: int | None) -> int | None:
+    """`state_layer` if `model` has that many decoder layers; a UsageError naming the valid range otherwise."""
+    if state_layer is None:
+        return None
+    count = len(decoder_layers(model))
+    if isinstance(state_layer, bool) or not isinstance(state_layer, int) or not 1 <= state_layer <= count:
+        raise UsageError(f"state_layer {state_layer!r} is out of range for a draft with {count} decoder layers; "
+                         f"give 1..{count} (the state after that many layers) or null (the last layer after the final norm)")
+    return state_layer
+
+
+def decoder_forward(model: Any, state_layer: int | None, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """(the decoder's output, the states at `state_layer` [B, L, h]) from one forward with `inputs`."""
+    decoder = model.get_decoder()
+    if state_layer is None:
+        output = decoder(**inputs)
+        return output, output.last_hidden_state
+    captured: list[torch.Tensor] = []
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output)
+
+    hook = decoder_layers(model)[state_layer - 1].register_forward_hook(keep)
+    try:
+        output = decoder(**inputs)
+    finally:
+        hook.remove()
+    return output, captured[0]
