@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from data_gen.embedded import embedded_folder
 from data_gen.models import ModelSpec, load_pair, load_tokenizers
@@ -38,3 +39,11 @@ def test_gen_on_the_embedded_pair(tmp_path):
     tokenizer = load_tokenizers(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
     assert tokenizer.decode(rows[0]["prompt_ids"]).rstrip().endswith("<|im_start|>assistant")
     assert np.asarray(rows[0]["features"]).shape == (len(rows[0]["target_ids"]) + 1, 576)
+    # the demo config stores the state after 20 draft layers: the target's own state where the skipped block starts
+    assert manifest["identity"]["state_layer"] == 20
+    target = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]), tokenizer).target
+    row = rows.with_format("numpy")[0]
+    with torch.no_grad():
+        states = target.model(torch.tensor([list(row["prompt_ids"]) + list(row["mixed_ids"])]),
+                              output_hidden_states=True).hidden_states[20][0, len(row["prompt_ids"]) - 1:]
+    assert np.allclose(np.asarray(row["features"], dtype=np.float32), states.numpy(), atol=0.1, rtol=1e-2)
