@@ -29,7 +29,7 @@ class PositionLabels:
     top1: torch.Tensor
 
 
-def last_hidden_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
+def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
                        state_layer: int | None = None) -> torch.Tensor:
     """The decoder's states for right-padded `sequences`: [B, L, h]; the last layer's (after the final norm) unless
     `state_layer` names an inner one (`data_gen.states`)."""
@@ -110,8 +110,8 @@ def label_batch(
 ) -> dict[str, list]:
     """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
-    target_states = last_hidden_states(target, sequences, pad_id, device)
-    draft_states = last_hidden_states(draft, sequences, pad_id, device)
+    target_states = decoder_states(target, sequences, pad_id, device)
+    draft_states = decoder_states(draft, sequences, pad_id, device)
     columns: dict[str, list] = {name: [] for name in (
         "prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",
         "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1")}
@@ -141,7 +141,7 @@ def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], p
     """Draft states (at `state_layer`) on prompt + mixed tokens, at the prompt's last position and every response
     position: one [len(mixed) + 1, h] tensor per row, on `device` (what `features` stores, and what online
     training computes)."""
-    states = last_hidden_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device,
+    states = decoder_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device,
                                 state_layer)
     return [states[row, len(p) - 1 : len(p) + len(m)] for row, (p, m) in enumerate(zip(prompts, mixed))]
 
