@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from specheads.errors import UsageError
 
@@ -31,6 +32,9 @@ class EvalConfig:
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
             Offline metrics read stored features on the CPU.
         progress: show progress bars.
+        reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
+            decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
+            max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
     """
 
     head: str
@@ -52,6 +56,7 @@ class EvalConfig:
     record: bool = True
     device: str = "auto"
     progress: bool = True
+    reuse_runs: str | None = None
 
     def validate(self) -> None:
         """Refuse values that cannot work, before anything is loaded."""
@@ -71,6 +76,9 @@ class EvalConfig:
             values = getattr(self, name) or []
             if any(not 0 <= v <= 1 for v in values):
                 raise UsageError(f"{name} are probabilities in [0, 1], got {values}")
+        if self.reuse_runs and not (Path(self.reuse_runs) / "runs.json").is_file():
+            raise UsageError(f"--reuse-runs {self.reuse_runs} holds no runs.json; give the folder of an earlier "
+                             "`specheads eval` report that decoded")
         if any(k < 1 for k in self.constant_ks or []):
             raise UsageError(f"constant_ks must be whole numbers >= 1, got {self.constant_ks}")
 

@@ -21,6 +21,7 @@ from eval.decoding import Decoder
 from eval.offline import TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_operating_points
 from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from eval.report import verdict, write_report
+from eval.reuse import decoding_context, load_reusable
 from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, measure_costs, paired_gain_interval,
                         records_as_dicts, run_sweep, signal_thresholds, tune)
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
@@ -92,6 +93,7 @@ class Decoding:
     section: dict[str, Any]
     records: list[Any]
     tuned_threshold: float | None
+    context: dict[str, Any]
 
 
 def decoding_device(name: str) -> torch.device:
@@ -108,8 +110,12 @@ def decoding_device(name: str) -> torch.device:
 
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
-           table: TokenTable, prompts: list[DecodePrompt], device: torch.device) -> Decoding:
-    """Run the sweep, measure the costs, tune on dev, and report on test."""
+           table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any]) -> Decoding:
+    """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them), measure the costs, tune
+    on dev, and report on test. `identity` is the data manifest's."""
+    context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
+                               prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
+    reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     pair.target.to(device)
     pair.draft.to(device)
     trained.head.to(device)
@@ -118,7 +124,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                 config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
     decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
-                        config.seed, config.progress)
+                        config.seed, config.progress, reused)
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
@@ -136,8 +142,9 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
-               "gain_intervals": intervals, "policies": test, "dev_policies": dev}
-    return Decoding(section, records, tuned.get(learned))
+               "gain_intervals": intervals, "policies": test, "dev_policies": dev,
+               "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")}}
+    return Decoding(section, records, tuned.get(learned), context)
 
 
 def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalConfig) -> DecisionRule:
@@ -192,7 +199,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
         if len({p.split for p in prompts}) < 2:
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
-        decoding = decode(config, pair, trained, transform, table, prompts, device)
+        decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])
         metrics["decoding"] = {**decoding.section, "prompts_dropped_as_seen_in_training": dropped}
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     metrics["decision_rule"] = rule.as_dict()
@@ -206,7 +213,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
     if decoding:
         pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
         acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])
-        write_json_atomic(out / "runs.json", {"runs": records_as_dicts(decoding.records)})
+        write_json_atomic(out / "runs.json", {"context": decoding.context, "runs": records_as_dicts(decoding.records)})
     metrics["plots"] = {name: file for name, file in PLOTS.items() if (out / file).exists()}
     write_json_atomic(out / "metrics.json", metrics)
     write_report(metrics, out)

@@ -62,6 +62,7 @@ class RunRecord:
     forward_seconds: float
     accepted_per_round: list[int]
     target_logprob: float
+    reused: bool = False  # taken from an earlier report (eval.reuse), not decoded in this run
 
 
 def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
@@ -104,9 +105,24 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      list(result.accepted_per_round), logprob)
 
 
+def decode_run(decoder: Decoder, setting: Setting, prompt: DecodePrompt, head: AcceptanceHead, max_new_tokens: int,
+               max_draft: int, seed: int) -> RunRecord:
+    """Decode one prompt under one setting."""
+    if setting.policy == "sprinter":
+        result = decoder.sprinter_decode(list(prompt.ids), head, setting.threshold, max_new_tokens, seed)
+    else:
+        policy = make_policy(setting.policy, setting.threshold, max_draft)
+        result = decoder.speculative_decode(list(prompt.ids), policy, max_new_tokens, seed,
+                                            head if policy.reads_head else None)
+    return record_of(setting, prompt, result, target_log_likelihood(decoder.target, list(prompt.ids), result.tokens))
+
+
 def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
-              max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True) -> list[RunRecord]:
-    """Decode every prompt under every setting (the oracle is read off the constant K_max runs)."""
+              max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True,
+              reused: dict[tuple[str, float, str], RunRecord] | None = None) -> list[RunRecord]:
+    """Decode every prompt under every setting (the oracle is read off the constant K_max runs); a run found in
+    `reused` (keyed by policy, threshold and prompt id; eval.reuse) is taken from there instead."""
+    reused = reused or {}
     records: list[RunRecord] = []
     real = [s for s in settings if s.policy != "oracle"]
     oracle_wanted = any(s.policy == "oracle" for s in settings)
@@ -116,14 +132,9 @@ def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Sett
     for setting in real:
         for number, prompt in enumerate(prompts):
             run_seed = seed * 1_000_003 + number
-            if setting.policy == "sprinter":
-                result = decoder.sprinter_decode(list(prompt.ids), head, setting.threshold, max_new_tokens, run_seed)
-            else:
-                policy = make_policy(setting.policy, setting.threshold, max_draft)
-                result = decoder.speculative_decode(list(prompt.ids), policy, max_new_tokens, run_seed,
-                                                    head if policy.reads_head else None)
-            logprob = target_log_likelihood(decoder.target, list(prompt.ids), result.tokens)
-            record = record_of(setting, prompt, result, logprob)
+            earlier = reused.get((setting.policy, setting.threshold, prompt.prompt_id))
+            record = (replace(earlier, split=prompt.split) if earlier is not None
+                      else decode_run(decoder, setting, prompt, head, max_new_tokens, max_draft, run_seed))
             records.append(record)
             if oracle_wanted and setting == Setting("constant_k", float(max_draft)):
                 records.append(as_oracle(record))
@@ -133,8 +144,9 @@ def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Sett
 
 
 def measure_costs(records: list[RunRecord]) -> dict[str, float]:
-    """t_draft and t_target (seconds per forward) from a least-squares fit of wall time on the forward counts."""
-    real = [r for r in records if r.policy != "oracle"]
+    """t_draft and t_target (seconds per forward) from a least-squares fit of wall time on the forward counts of
+    the runs decoded here (not those reused from an earlier report)."""
+    real = [r for r in records if r.policy != "oracle" and not r.reused]
     design = np.array([[r.draft_forwards, r.target_calls] for r in real], dtype=np.float64)
     seconds = np.array([r.seconds for r in real])
     fit = LinearRegression(fit_intercept=False, positive=True).fit(design, seconds)

@@ -292,3 +292,34 @@ def test_decoding_device_and_signal_grid_options(trained, tmp_path, capsys):
     data, root = trained  # a bad device is refused before anything is loaded or written
     assert main(eval_args(root / "specdecpp", data, tmp_path / "r", "--device", "tpu9")) == 2
     assert "unknown device" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(trained, tmp_path, capsys):
+    data, root = trained
+    head = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(eval_args(head, data, first, "--record", "false")) == 0
+    assert main(eval_args(head, data, second, "--record", "false", "--reuse-runs", str(first))) == 0
+    before = {(r["policy"], r["threshold"], r["prompt_id"]): r for r in json.loads((first / "runs.json").read_text())["runs"]}
+    after = json.loads((second / "runs.json").read_text())
+    head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence")]
+    assert head_free and all(r["reused"] for r in head_free)
+    for run in after["runs"]:
+        earlier = before[(run["policy"], run["threshold"], run["prompt_id"])]
+        assert (run["emitted"], run["drafted"], run["accepted"]) == (earlier["emitted"], earlier["drafted"], earlier["accepted"])
+        # wall times never repeat exactly: equal seconds means the run was taken, not decoded again
+        assert (run["seconds"] == earlier["seconds"]) == (run["policy"] != "head")
+    metrics = json.loads((second / "metrics.json").read_text())
+    assert metrics["decoding"]["reused_runs"] == {"from": str(first), "count": len(head_free)}
+    assert after["context"]["max_new_tokens"] == 6
+    assert len(after["context"]["prompts"]) == sum(metrics["decoding"]["prompts"].values())
+
+    other = eval_args(head, data, tmp_path / "other", "--record", "false", "--reuse-runs", str(first))
+    other[other.index("--max-new-tokens") + 1] = "5"
+    assert main(other) == 2
+    assert "another max_new_tokens" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "runs.json").write_text(json.dumps({"runs": list(before.values())}))
+    assert main(eval_args(head, data, tmp_path / "r", "--record", "false", "--reuse-runs", str(legacy))) == 2
+    assert "does not record its decoding context" in capsys.readouterr().err and not (tmp_path / "r").exists()

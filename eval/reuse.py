@@ -1,0 +1,62 @@
+"""Taking an earlier report's decoding runs of the policies that do not read the head.
+
+Constant K, SVIP and draft confidence (and the oracle, read off constant K_max) decode the same tokens
+whichever head is evaluated: a run depends only on the models, the sampling, the decode settings, the
+seed and the prompt at its position. `specheads eval --reuse_runs DIR` takes those runs from an earlier
+report's `runs.json` instead of decoding them again, after checking that its decoding context is this
+run's. Comparing several heads of one pair on one prompt set then costs only the head runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable
+
+from eval.sweep import DecodePrompt, RunRecord
+from specheads.errors import UsageError
+
+HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
+RunKey = tuple[str, float, str]
+
+
+def prompt_digest(ids: Iterable[int]) -> str:
+    """A short hash of a prompt's token ids."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()[:16]
+
+
+def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: list[DecodePrompt],
+                     max_new_tokens: int, max_draft: int, seed: int, device: str) -> dict[str, Any]:
+    """Everything a head-free run's tokens depend on, as runs.json records it. `prompts` is ordered: a run's
+    seed is derived from its prompt's position."""
+    return {"models": models, "sampling": sampling, "max_new_tokens": max_new_tokens, "max_draft": max_draft,
+            "seed": seed, "device": device, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
+
+
+def run_key(record: RunRecord) -> RunKey:
+    """What identifies a run within one decoding context."""
+    return record.policy, float(record.threshold), record.prompt_id
+
+
+def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecord]:
+    """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
+    marked as reused; refuses a report decoded in another context, naming what differs."""
+    path = Path(folder) / "runs.json"
+    if not path.is_file():
+        raise UsageError(f"{folder} holds no runs.json; --reuse-runs takes the folder of an earlier "
+                         "`specheads eval` report that decoded")
+    saved = json.loads(path.read_text())
+    earlier = saved.get("context")
+    if earlier is None:
+        raise UsageError(f"{path} does not record its decoding context (an older specheads wrote it), so its runs "
+                         "cannot be checked; drop --reuse-runs to decode them again")
+    differs = [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
+    if differs:
+        raise UsageError(f"{path} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
+                         "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")
+    same_position = {now[0] for now, then in zip(context["prompts"], earlier["prompts"]) if now == then}
+    return {run_key(record): replace(record, reused=True)
+            for record in (RunRecord(**row) for row in saved["runs"])
+            if record.policy in HEAD_FREE_POLICIES and record.prompt_id in same_position}
