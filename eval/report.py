@@ -163,9 +163,18 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
                   f"ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, t_target "
                   f"{costs['t_target_s'] * 1e3:.1f} ms per forward) and the loop spends "
                   f"{costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
-                  "time is its constant-K_max run's.", "", *decoding_table(decoding["policies"]), "",
+                  f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
     return "\n".join(lines) + "\n"
+
+
+def reuse_note(decoding: dict[str, Any]) -> str:
+    """A sentence on the runs taken from an earlier report, or nothing."""
+    reused = decoding.get("reused_runs") or {}
+    if not reused.get("count"):
+        return ""
+    return (f" {reused['count']} head-free runs were taken from `{reused['from']}` (same decoding context); their "
+            "tokens/s are that report's, and the measured ratio comes from the runs decoded here.")
 
 
 def write_markdown(text: str, out: Path, title: str) -> None:

@@ -311,6 +311,7 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
         assert (run["seconds"] == earlier["seconds"]) == (run["policy"] != "head")
     metrics = json.loads((second / "metrics.json").read_text())
     assert metrics["decoding"]["reused_runs"] == {"from": str(first), "count": len(head_free)}
+    assert f"{len(head_free)} head-free runs were taken from" in (second / "report.md").read_text()
     assert after["context"]["max_new_tokens"] == 6
     assert len(after["context"]["prompts"]) == sum(metrics["decoding"]["prompts"].values())
 
