@@ -30,7 +30,7 @@ class PositionLabels:
 
 
 def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
-                       state_layer: int | None = None) -> torch.Tensor:
+                   state_layer: int | None = None) -> torch.Tensor:
     """The decoder's states for right-padded `sequences`: [B, L, h]; the last layer's (after the final norm) unless
     `state_layer` names an inner one (`data_gen.states`)."""
     width = max(len(s) for s in sequences)
@@ -141,8 +141,7 @@ def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], p
     """Draft states (at `state_layer`) on prompt + mixed tokens, at the prompt's last position and every response
     position: one [len(mixed) + 1, h] tensor per row, on `device` (what `features` stores, and what online
     training computes)."""
-    states = decoder_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device,
-                                state_layer)
+    states = decoder_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device, state_layer)
     return [states[row, len(p) - 1 : len(p) + len(m)] for row, (p, m) in enumerate(zip(prompts, mixed))]
 
 

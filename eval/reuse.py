@@ -15,11 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from eval.sweep import DecodePrompt, RunRecord
+from eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.errors import UsageError
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
-RunKey = tuple[str, float, str]
 
 
 def prompt_digest(ids: Iterable[int]) -> str:
@@ -43,10 +42,7 @@ def run_key(record: RunRecord) -> RunKey:
 def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecord]:
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
-    path = Path(folder) / "runs.json"
-    if not path.is_file():
-        raise UsageError(f"{folder} holds no runs.json; --reuse-runs takes the folder of an earlier "
-                         "`specheads eval` report that decoded")
+    path = Path(folder) / "runs.json"  # its existence is checked by EvalConfig.validate, before models load
     saved = json.loads(path.read_text())
     earlier = saved.get("context")
     if earlier is None:

@@ -45,6 +45,9 @@ class DecodePrompt:
     split: str
 
 
+RunKey = tuple[str, float, str]  # policy, threshold, prompt id: a run within one decoding context
+
+
 @dataclass
 class RunRecord:
     """One decoding run's counts."""
@@ -119,7 +122,7 @@ def decode_run(decoder: Decoder, setting: Setting, prompt: DecodePrompt, head: A
 
 def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
               max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True,
-              reused: dict[tuple[str, float, str], RunRecord] | None = None) -> list[RunRecord]:
+              reused: dict[RunKey, RunRecord] | None = None) -> list[RunRecord]:
     """Decode every prompt under every setting (the oracle is read off the constant K_max runs); a run found in
     `reused` (keyed by policy, threshold and prompt id; eval.reuse) is taken from there instead."""
     reused = reused or {}
