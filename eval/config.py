@@ -35,6 +35,9 @@ class EvalConfig:
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
+        tuned_from: an earlier report of this head whose tuned thresholds are decoded, one per policy, with every
+            prompt here a test prompt (none may be one of its dev prompts; checked); to confirm a tuning on
+            fresh prompts.
     """
 
     head: str
@@ -57,6 +60,7 @@ class EvalConfig:
     device: str = "auto"
     progress: bool = True
     reuse_runs: str | None = None
+    tuned_from: str | None = None
 
     def validate(self) -> None:
         """Refuse values that cannot work, before anything is loaded."""
@@ -79,8 +83,24 @@ class EvalConfig:
         if self.reuse_runs and not (Path(self.reuse_runs) / "runs.json").is_file():
             raise UsageError(f"--reuse-runs {self.reuse_runs} holds no runs.json; give the folder of an earlier "
                              "`specheads eval` report that decoded")
+        if self.tuned_from:
+            self.validate_tuned_from()
         if any(k < 1 for k in self.constant_ks or []):
             raise UsageError(f"constant_ks must be whole numbers >= 1, got {self.constant_ks}")
+
+    def validate_tuned_from(self) -> None:
+        """`tuned_from` names a report that decoded, and no grid is given beside it."""
+        missing = [name for name in ("metrics.json", "runs.json") if not (Path(self.tuned_from) / name).is_file()]
+        if missing:
+            raise UsageError(f"--tuned-from {self.tuned_from} holds no {' or '.join(missing)}; give the folder of an "
+                             "earlier `specheads eval` report that decoded")
+        grids = [name for name in ("constant_ks", "head_thresholds", "sprinter_thresholds", "stop_shares")
+                 if getattr(self, name) is not None]
+        if grids:
+            raise UsageError(f"--tuned-from decodes only the thresholds {self.tuned_from} tuned; drop "
+                             f"{', '.join('--' + name.replace('_', '-') for name in grids)}")
+        if self.num_decode_prompts < 1:
+            raise UsageError("--tuned-from needs prompts to decode: give --num-decode-prompts of at least 2")
 
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""

@@ -157,8 +157,8 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
         decoding = metrics["decoding"]
         costs = decoding["measured_costs"]
         lines += [f"{section} Decoding runs (test prompts)", "",
-                  f"{decoding['prompts']['test']} test prompts (thresholds tuned on {decoding['prompts']['dev']} dev "
-                  f"prompts), {decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
+                  f"{decoding['prompts']['test']} test prompts ({tuning_note(decoding)}), "
+                  f"{decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
                   f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; on this machine the measured "
                   f"ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, t_target "
                   f"{costs['t_target_s'] * 1e3:.1f} ms per forward) and the loop spends "
@@ -166,6 +166,15 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
     return "\n".join(lines) + "\n"
+
+
+def tuning_note(decoding: dict[str, Any]) -> str:
+    """Where the thresholds were tuned."""
+    earlier = decoding.get("tuned_from")
+    if earlier:
+        return (f"each policy at the threshold tuned on the {earlier['dev_prompts']} dev prompts of `{earlier['report']}`, "
+                "none of them decoded here")
+    return f"thresholds tuned on {decoding['prompts']['dev']} dev prompts"
 
 
 def reuse_note(decoding: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from eval.offline import TokenTable, calibration_table, collect_tokens, offline_
 from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from eval.report import verdict, write_report
 from eval.reuse import decoding_context, load_reusable
+from eval.tuned import load_tuning
 from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, measure_costs, paired_gain_interval,
                         records_as_dicts, run_sweep, signal_thresholds, tune)
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
@@ -67,7 +68,8 @@ def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_
 
 def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], data: AcceptanceDataModule, trained: TrainedHead,
                      tokenizer: Any) -> tuple[list[DecodePrompt], int]:
-    """The decode prompts (alternately dev and test) and how many were dropped for appearing in training."""
+    """The decode prompts (alternately dev and test; all test when the thresholds were tuned elsewhere) and how many
+    were dropped for appearing in training."""
     if config.decode_prompts:
         prompts = load_prompts(config.decode_prompts)
     else:
@@ -82,7 +84,8 @@ def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], data: Accepta
             dropped += 1
             continue
         if len(chosen) < config.num_decode_prompts:
-            chosen.append(DecodePrompt(prompt.id, ids, "dev" if len(chosen) % 2 == 0 else "test"))
+            split = "dev" if len(chosen) % 2 == 0 and not config.tuned_from else "test"
+            chosen.append(DecodePrompt(prompt.id, ids, split))
     return chosen, dropped
 
 
@@ -109,30 +112,42 @@ def decoding_device(name: str) -> torch.device:
     return device
 
 
+def within_tv_budget(dev: list[dict[str, Any]], table: TokenTable, max_tv: float) -> list[dict[str, Any]]:
+    """The dev rows without the SPRINTER thresholds whose Theorem 1 TV bound exceeds `max_tv`."""
+    allowed = {t for t in {row["threshold"] for row in dev if row["policy"] == "sprinter"}
+               if sprinter_operating_points(table, t, (1.0,))[0]["tv_bound"] <= max_tv}
+    return [row for row in dev if row["policy"] != "sprinter" or row["threshold"] in allowed]
+
+
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
            table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any]) -> Decoding:
     """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them), measure the costs, tune
-    on dev, and report on test. `identity` is the data manifest's."""
+    on dev (or take the thresholds `config.tuned_from` tuned), and report on test. `identity` is the data
+    manifest's."""
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
+    tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio)
+              if config.tuned_from else None)
     pair.target.to(device)
     pair.draft.to(device)
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
-    settings = default_settings(trained.reads, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
-                                config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
+    settings = tuning.settings() if tuning else default_settings(
+        trained.reads, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
+        config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
     decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused)
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
-    if trained.reads == "context_state":  # a verifier trades quality for speed: tune within the TV budget
-        allowed = {t for t in {row["threshold"] for row in dev if row["policy"] == "sprinter"}
-                   if sprinter_operating_points(table, t, (1.0,))[0]["tv_bound"] <= config.sprinter_max_tv}
-        dev = [row for row in dev if row["policy"] != "sprinter" or row["threshold"] in allowed]
-    tuned = {policy: row["threshold"] for policy, row in tune(dev).items()}
+    if tuning:
+        tuned = dict(tuning.thresholds)
+    else:
+        if trained.reads == "context_state":  # a verifier trades quality for speed: tune within the TV budget
+            dev = within_tv_budget(dev, table, config.sprinter_max_tv)
+        tuned = {policy: row["threshold"] for policy, row in tune(dev).items()}
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     learned = "head" if trained.reads == "candidate_state" else "sprinter"
@@ -143,7 +158,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
                "gain_intervals": intervals, "policies": test, "dev_policies": dev,
-               "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")}}
+               "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
+               "tuned_from": tuning.as_dict() if tuning else None}
     return Decoding(section, records, tuned.get(learned), context)
 
 
@@ -160,7 +176,7 @@ def head_identity(trained: TrainedHead) -> dict[str, Any]:
     """What identifies the evaluated head in metrics.json."""
     return {"source": trained.source, "config": trained.head.config, "reads": trained.reads, "tau": trained.tau,
             "draft": trained.draft, "target": trained.target, "data_fingerprint": trained.data_fingerprint,
-            "parameters": trained.head.num_parameters()}
+            "parameters": trained.head.num_parameters(), "weights_digest": trained.head.weights_digest()}
 
 
 def evaluate(config: EvalConfig) -> dict[str, Any]:
@@ -196,7 +212,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
     decoding = None
     if config.num_decode_prompts:
         prompts, dropped = held_out_prompts(config, manifest, data, trained, pair.tokenizer)
-        if len({p.split for p in prompts}) < 2:
+        if len({p.split for p in prompts}) < (1 if config.tuned_from else 2):
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])

@@ -9,6 +9,7 @@ to `model.safetensors`; `from_pretrained` rebuilds the head from both.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import io
 import operator
@@ -119,6 +120,14 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     def num_parameters(self) -> int:
         """Number of trainable scalars (the signal statistics are buffers and not counted)."""
         return sum(p.numel() for p in self.parameters())
+
+    def weights_digest(self) -> str:
+        """A short hash of every weight and statistics buffer: equal exactly when two heads score alike."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def set_signal_statistics(self, mean: Tensor, std: Tensor) -> None:
         """Set the signals' standardisation from the training split; std is floored at MIN_SIGNAL_STD."""

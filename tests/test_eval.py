@@ -324,3 +324,50 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
     (legacy / "runs.json").write_text(json.dumps({"runs": list(before.values())}))
     assert main(eval_args(head, data, tmp_path / "r", "--record", "false", "--reuse-runs", str(legacy))) == 2
     assert "does not record its decoding context" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path, capsys):
+    data, root = trained
+    head = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    tuning = tmp_path / "tuning"
+    assert main(eval_args(head, data, tuning, "--record", "false")) == 0
+    earlier = json.loads((tuning / "metrics.json").read_text())["decoding"]
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_text("".join(json.dumps({"id": f"fresh{i}", "prompt": text}) + "\n"
+                             for i, text in enumerate(["Draft a note to the team.", "Name three colours.", "Add 7 and 5."])))
+    confirm = ["eval", "--head", str(head), "--data", str(data), "--out", str(tmp_path / "confirm"), "--decode-prompts",
+               str(fresh), "--num-decode-prompts", "3", "--max-new-tokens", "6", "--max-draft", "4", "--bootstrap", "20",
+               "--progress", "false", "--record", "false", "--tuned-from", str(tuning)]
+    assert main(confirm) == 0
+    metrics = json.loads((tmp_path / "confirm" / "metrics.json").read_text())
+    decoding = metrics["decoding"]
+    assert decoding["prompts"] == {"dev": 0, "test": 3} and decoding["dev_policies"] == []
+    assert decoding["tuned_thresholds"] == earlier["tuned_thresholds"]
+    assert decoding["tuned_from"] == {"report": str(tuning), "dev_prompts": earlier["prompts"]["dev"]}
+    # each policy ran at its earlier tuned threshold only (the oracle is read off constant K_max), on every fresh prompt
+    runs = json.loads((tmp_path / "confirm" / "runs.json").read_text())["runs"]
+    assert {(r["policy"], r["threshold"]) for r in runs} == set(earlier["tuned_thresholds"].items()) | {("constant_k", 4.0)}
+    assert {r["prompt_id"] for r in runs} == {"fresh0", "fresh1", "fresh2"} and {r["split"] for r in runs} == {"test"}
+    assert all(row["tuned"] for row in decoding["policies"])
+    assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence"}
+    assert metrics["decision_rule"]["threshold"] == earlier["tuned_thresholds"]["head"]
+    assert f"dev prompts of `{tuning}`" in (tmp_path / "confirm" / "report.md").read_text()
+    capsys.readouterr()
+
+    def refused(args: list[str], reason: str) -> None:
+        out = Path(args[args.index("--out") + 1])
+        assert main(args) == 2
+        assert reason in capsys.readouterr().err and not out.exists()
+
+    on_dev = eval_args(head, data, tmp_path / "on-dev", "--record", "false")[:-2] + ["--tuned-from", str(tuning)]
+    on_dev = [a for a in on_dev if a not in ("--constant-ks", "[1,2,4]", "--head-thresholds", "[0.3,0.7]",
+                                             "--sprinter-thresholds", "[0.3,0.6]")]
+    refused(on_dev, "tuned the thresholds of")  # the earlier report's own prompts include its dev half
+    refused(confirm[:confirm.index("--out") + 1] + [str(tmp_path / "grid")] + confirm[confirm.index("--out") + 2:]
+            + ["--head-thresholds", "[0.5]"], "drop --head-thresholds")
+    other_head = [str(root / "sprinter" / "checkpoints" / "last.ckpt") if a == str(head) else a for a in confirm]
+    other_head[other_head.index("--out") + 1] = str(tmp_path / "other-head")
+    refused(other_head, "for another head (differs in weights_digest, config, reads")
+    longer = [a if a != "6" else "7" for a in confirm]
+    longer[longer.index("--out") + 1] = str(tmp_path / "longer")
+    refused(longer, "tuned with another max_new_tokens")

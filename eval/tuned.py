@@ -1,0 +1,87 @@
+"""Taking the thresholds an earlier report tuned on its dev prompts, to confirm them on fresh test prompts.
+
+`specheads eval --tuned-from DIR` decodes each policy only at the threshold DIR's report tuned for it, and
+counts every prompt decoded here as a test prompt. Nothing is tuned again, so a new prompt set measures the
+tuned rules with all its prompts. Checked against DIR: the same head (its weights), models, sampling,
+max_new_tokens, max_draft and cost ratio; none of DIR's dev prompts may be decoded here. Other seeds and
+devices are allowed: they only draw fresh samples.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eval.sweep import Setting
+from specheads.errors import UsageError
+
+POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")
+MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft")
+
+
+@dataclass(frozen=True)
+class EarlierTuning:
+    """The thresholds a report tuned, and on how many dev prompts."""
+
+    report: str
+    thresholds: dict[str, float]
+    dev_prompts: int
+
+    def settings(self) -> list[Setting]:
+        """One setting per tuned policy, in the sweep's order."""
+        return [Setting(policy, float(self.thresholds[policy])) for policy in POLICY_ORDER if policy in self.thresholds]
+
+    def as_dict(self) -> dict[str, Any]:
+        """What metrics.json records under `decoding.tuned_from`."""
+        return {"report": self.report, "dev_prompts": self.dev_prompts}
+
+
+def read_report(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An earlier report's metrics.json and runs.json (their existence is checked by EvalConfig.validate)."""
+    path = Path(folder)
+    return json.loads((path / "metrics.json").read_text()), json.loads((path / "runs.json").read_text())
+
+
+def head_differences(earlier: dict[str, Any], head: dict[str, Any]) -> list[str]:
+    """Why the earlier report's head is not this one: compared by weights where both record a digest (reports
+    of older versions do not), else by source path; the architecture and training data always."""
+    key = "weights_digest" if earlier.get("weights_digest") and head.get("weights_digest") else "source"
+    return [name for name in (key, "config", "reads", "data_fingerprint") if earlier.get(name) != head.get(name)]
+
+
+def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost_ratio: float) -> EarlierTuning:
+    """The thresholds tuned in the report `folder` for `head` (eval.run.head_identity), refused when that report
+    decoded another head or context (`context` as eval.reuse.decoding_context writes it) or tuned on a prompt
+    of this context."""
+    metrics, runs = read_report(folder)
+    decoding = metrics.get("decoding") or {}
+    if not decoding.get("tuned_thresholds"):
+        raise UsageError(f"{folder} holds no tuned thresholds (its eval decoded nothing); give a report that ran "
+                         "decoding with --num-decode-prompts")
+    if decoding.get("tuned_from"):
+        raise UsageError(f"{folder} tuned nothing itself: it took its thresholds from {decoding['tuned_from']['report']}; "
+                         "give that report to --tuned-from")
+    differs = head_differences(metrics.get("head") or {}, head)
+    if differs:
+        raise UsageError(f"{folder} tuned its thresholds for another head (differs in {', '.join(differs)}); give a "
+                         "report of this head, or drop --tuned-from to tune on dev prompts here")
+    earlier = runs.get("context")
+    if earlier is None:
+        raise UsageError(f"{folder}/runs.json does not record its decoding context (an older specheads wrote it), "
+                         "so its tuning cannot be checked; drop --tuned-from to tune on dev prompts here")
+    differs = [name for name in MATCHED_CONTEXT if earlier.get(name) != context[name]]
+    if decoding.get("t_draft_over_t_target") != cost_ratio:
+        differs.append("cost_ratio")
+    if differs:
+        raise UsageError(f"{folder} tuned with another {', '.join(differs)} than this run; give the same settings, "
+                         "or drop --tuned-from to tune on dev prompts here")
+    digests = dict(map(tuple, earlier["prompts"]))
+    dev_ids = {row["prompt_id"] for row in runs["runs"] if row["split"] == "dev"}
+    dev = {digests[prompt_id] for prompt_id in dev_ids}
+    seen = [prompt_id for prompt_id, digest in context["prompts"] if digest in dev]
+    if seen:
+        raise UsageError(f"{len(seen)} of the prompts to decode (first {seen[0]!r}) tuned the thresholds of {folder}; "
+                         "confirm them on prompts that report never tuned on")
+    return EarlierTuning(folder, {policy: float(t) for policy, t in decoding["tuned_thresholds"].items()}, len(dev_ids))
