@@ -48,7 +48,16 @@ def head_differences(earlier: dict[str, Any], head: dict[str, Any]) -> list[str]
     """Why the earlier report's head is not this one: compared by weights where both record a digest (reports
     of older versions do not), else by source path; the architecture and training data always."""
     key = "weights_digest" if earlier.get("weights_digest") and head.get("weights_digest") else "source"
-    return [name for name in (key, "config", "reads", "data_fingerprint") if earlier.get(name) != head.get(name)]
+    differs = [name for name in (key, "reads", "data_fingerprint") if earlier.get(name) != head.get(name)]
+    if set_fields(earlier.get("config")) != set_fields(head.get("config")):
+        differs.insert(1, "config")
+    return differs
+
+
+def set_fields(config: dict[str, Any] | None) -> dict[str, Any]:
+    """A head config without its unset (None) fields: a field added to the heads later reads None in configs
+    written before it existed."""
+    return {name: value for name, value in (config or {}).items() if value is not None}
 
 
 def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost_ratio: float) -> EarlierTuning:

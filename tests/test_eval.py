@@ -371,3 +371,15 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
     longer = [a if a != "6" else "7" for a in confirm]
     longer[longer.index("--out") + 1] = str(tmp_path / "longer")
     refused(longer, "tuned with another max_new_tokens")
+
+
+def test_an_earlier_tuning_is_matched_to_its_head_by_weights_then_source_and_config():
+    from eval.tuned import head_differences
+
+    head = {"source": "a.ckpt", "weights_digest": "d1", "reads": "candidate_state", "data_fingerprint": "f",
+            "config": {"depth": 3, "state_layer": None}}
+    older_report = {k: v for k, v in head.items() if k != "weights_digest"} | {"config": {"depth": 3}}
+    assert head_differences(older_report, head) == []  # no digest recorded: the source decides; unset fields match
+    assert head_differences(older_report | {"source": "b.ckpt"}, head) == ["source"]
+    assert head_differences(head | {"weights_digest": "d2", "source": "b.ckpt"}, head) == ["weights_digest"]
+    assert head_differences(head | {"config": {"depth": 3, "state_layer": 20}}, head) == ["config"]
