@@ -80,9 +80,8 @@ class EvalConfig:
             values = getattr(self, name) or []
             if any(not 0 <= v <= 1 for v in values):
                 raise UsageError(f"{name} are probabilities in [0, 1], got {values}")
-        if self.reuse_runs and not (Path(self.reuse_runs) / "runs.json").is_file():
-            raise UsageError(f"--reuse-runs {self.reuse_runs} holds no runs.json; give the folder of an earlier "
-                             "`specheads eval` report that decoded")
+        if self.reuse_runs:
+            require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
         if self.tuned_from:
             self.validate_tuned_from()
         if any(k < 1 for k in self.constant_ks or []):
@@ -90,10 +89,7 @@ class EvalConfig:
 
     def validate_tuned_from(self) -> None:
         """`tuned_from` names a report that decoded, and no grid is given beside it."""
-        missing = [name for name in ("metrics.json", "runs.json") if not (Path(self.tuned_from) / name).is_file()]
-        if missing:
-            raise UsageError(f"--tuned-from {self.tuned_from} holds no {' or '.join(missing)}; give the folder of an "
-                             "earlier `specheads eval` report that decoded")
+        require_report_files("--tuned-from", self.tuned_from, ("metrics.json", "runs.json"))
         grids = [name for name in ("constant_ks", "head_thresholds", "sprinter_thresholds", "stop_shares")
                  if getattr(self, name) is not None]
         if grids:
@@ -105,3 +101,11 @@ class EvalConfig:
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""
         return asdict(self)
+
+
+def require_report_files(flag: str, folder: str, names: tuple[str, ...]) -> None:
+    """Refuse a `flag` folder that lacks any of the files `names` of a `specheads eval` report that decoded."""
+    missing = [name for name in names if not (Path(folder) / name).is_file()]
+    if missing:
+        raise UsageError(f"{flag} {folder} holds no {' or '.join(missing)}; give the folder of an earlier "
+                         "`specheads eval` report that decoded")

@@ -39,20 +39,27 @@ def run_key(record: RunRecord) -> RunKey:
     return record.policy, float(record.threshold), record.prompt_id
 
 
+def saved_runs(folder: str, what: str, remedy: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The decoding context and the runs of the report in `folder` (its runs.json exists: EvalConfig.validate
+    checks it before models load); refuses a runs.json written before it recorded its context, saying that
+    `what` cannot be checked and the `remedy`."""
+    path = Path(folder) / "runs.json"
+    saved = json.loads(path.read_text())
+    if saved.get("context") is None:
+        raise UsageError(f"{path} does not record its decoding context (an older specheads wrote it), so {what} "
+                         f"cannot be checked; {remedy}")
+    return saved["context"], saved["runs"]
+
+
 def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecord]:
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
-    path = Path(folder) / "runs.json"  # its existence is checked by EvalConfig.validate, before models load
-    saved = json.loads(path.read_text())
-    earlier = saved.get("context")
-    if earlier is None:
-        raise UsageError(f"{path} does not record its decoding context (an older specheads wrote it), so its runs "
-                         "cannot be checked; drop --reuse-runs to decode them again")
+    earlier, runs = saved_runs(folder, "its runs", "drop --reuse-runs to decode them again")
     differs = [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
     if differs:
-        raise UsageError(f"{path} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
+        raise UsageError(f"{Path(folder) / 'runs.json'} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")
     same_position = {now[0] for now, then in zip(context["prompts"], earlier["prompts"]) if now == then}
     return {run_key(record): replace(record, reused=True)
-            for record in (RunRecord(**row) for row in saved["runs"])
+            for record in (RunRecord(**row) for row in runs)
             if record.policy in HEAD_FREE_POLICIES and record.prompt_id in same_position}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eval.reuse import saved_runs
 from eval.sweep import Setting
 from specheads.errors import UsageError
 
@@ -31,17 +32,11 @@ class EarlierTuning:
 
     def settings(self) -> list[Setting]:
         """One setting per tuned policy, in the sweep's order."""
-        return [Setting(policy, float(self.thresholds[policy])) for policy in POLICY_ORDER if policy in self.thresholds]
+        return [Setting(policy, self.thresholds[policy]) for policy in POLICY_ORDER if policy in self.thresholds]
 
     def as_dict(self) -> dict[str, Any]:
         """What metrics.json records under `decoding.tuned_from`."""
         return {"report": self.report, "dev_prompts": self.dev_prompts}
-
-
-def read_report(folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An earlier report's metrics.json and runs.json (their existence is checked by EvalConfig.validate)."""
-    path = Path(folder)
-    return json.loads((path / "metrics.json").read_text()), json.loads((path / "runs.json").read_text())
 
 
 def head_differences(earlier: dict[str, Any], head: dict[str, Any]) -> list[str]:
@@ -64,7 +59,7 @@ def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost
     """The thresholds tuned in the report `folder` for `head` (eval.run.head_identity), refused when that report
     decoded another head or context (`context` as eval.reuse.decoding_context writes it) or tuned on a prompt
     of this context."""
-    metrics, runs = read_report(folder)
+    metrics = json.loads((Path(folder) / "metrics.json").read_text())  # exists: checked by EvalConfig.validate
     decoding = metrics.get("decoding") or {}
     if not decoding.get("tuned_thresholds"):
         raise UsageError(f"{folder} holds no tuned thresholds (its eval decoded nothing); give a report that ran "
@@ -76,10 +71,7 @@ def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost
     if differs:
         raise UsageError(f"{folder} tuned its thresholds for another head (differs in {', '.join(differs)}); give a "
                          "report of this head, or drop --tuned-from to tune on dev prompts here")
-    earlier = runs.get("context")
-    if earlier is None:
-        raise UsageError(f"{folder}/runs.json does not record its decoding context (an older specheads wrote it), "
-                         "so its tuning cannot be checked; drop --tuned-from to tune on dev prompts here")
+    earlier, runs = saved_runs(folder, "its tuning", "drop --tuned-from to tune on dev prompts here")
     differs = [name for name in MATCHED_CONTEXT if earlier.get(name) != context[name]]
     if decoding.get("t_draft_over_t_target") != cost_ratio:
         differs.append("cost_ratio")
@@ -87,7 +79,7 @@ def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost
         raise UsageError(f"{folder} tuned with another {', '.join(differs)} than this run; give the same settings, "
                          "or drop --tuned-from to tune on dev prompts here")
     digests = dict(map(tuple, earlier["prompts"]))
-    dev_ids = {row["prompt_id"] for row in runs["runs"] if row["split"] == "dev"}
+    dev_ids = {row["prompt_id"] for row in runs if row["split"] == "dev"}
     dev = {digests[prompt_id] for prompt_id in dev_ids}
     seen = [prompt_id for prompt_id, digest in context["prompts"] if digest in dev]
     if seen:
