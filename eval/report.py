@@ -11,6 +11,9 @@ from data_gen.store import write_text_atomic
 from eval.offline import BASELINES, SIGNAL_ORDER
 from eval.plots import PLOTS
 
+GRID_FLAGS = {"constant_k": "--constant-ks", "svip": "--stop-shares", "confidence": "--stop-shares",
+              "head": "--head-thresholds", "sprinter": "--sprinter-thresholds"}  # the flag that sets each grid
+
 
 def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
     """The test row of `policy` at its dev-tuned threshold."""
@@ -66,6 +69,16 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     return result, lines
 
 
+def grid_edge_lines(decoding: dict[str, Any]) -> list[str]:
+    """A warning for each policy whose dev-tuned threshold is an end of its grid, with the flag that widens it."""
+    lines = []
+    for policy, end in decoding.get("tuned_at_grid_edge", {}).items():
+        threshold = decoding["tuned_thresholds"][policy]
+        lines.append(f"Warning: {policy}'s tuned threshold {threshold:g} is the {end} of its grid, so its best may lie "
+                     f"beyond it; widen the grid ({GRID_FLAGS[policy]}) before trusting comparisons with it.")
+    return lines
+
+
 def verdict(metrics: dict[str, Any]) -> dict[str, Any]:
     """Does the head beat the baselines, by how much, at which threshold: numbers and sentences."""
     offline = metrics["offline"]
@@ -86,7 +99,7 @@ def verdict(metrics: dict[str, Any]) -> dict[str, Any]:
              f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}."]
     if "decoding" in metrics:
         result["decoding"], more = decoding_verdict(metrics["decoding"])
-        lines += more
+        lines += more + grid_edge_lines(metrics["decoding"])
     result["text"] = lines
     return result
 

@@ -23,8 +23,8 @@ from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_p
 from eval.report import verdict, write_report
 from eval.reuse import decoding_context, load_reusable
 from eval.tuned import load_tuning
-from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, measure_costs, paired_gain_interval,
-                        records_as_dicts, run_sweep, signal_thresholds, tune)
+from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, grid_edges, measure_costs,
+                        paired_gain_interval, records_as_dicts, run_sweep, signal_thresholds, tune)
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained, record_evaluation
@@ -159,7 +159,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
                "gain_intervals": intervals, "policies": test, "dev_policies": dev,
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
-               "tuned_from": tuning.as_dict() if tuning else None}
+               "tuned_from": tuning.as_dict() if tuning else None,
+               "tuned_at_grid_edge": {} if tuning else grid_edges(dev, tuned)}
     return Decoding(section, records, tuned.get(learned), context)
 
 

@@ -220,6 +220,21 @@ def tune(dev_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def grid_edges(dev_rows: list[dict[str, Any]], tuned: dict[str, float]) -> dict[str, str]:
+    """Per policy whose tuned threshold is the lowest or highest of its dev grid (of two or more), which end:
+    the best may lie beyond it. Constant K's lower end, K = 1, is not an edge: nothing lies below it."""
+    edges: dict[str, str] = {}
+    for policy, threshold in tuned.items():
+        grid = sorted({row["threshold"] for row in dev_rows if row["policy"] == policy})
+        if len(grid) < 2:  # the oracle's single K_max
+            continue
+        if threshold == grid[-1]:
+            edges[policy] = "highest"
+        elif threshold == grid[0] and not (policy == "constant_k" and threshold <= 1):
+            edges[policy] = "lowest"
+    return edges
+
+
 def records_as_dicts(records: list[RunRecord]) -> list[dict[str, Any]]:
     """Plain dicts for JSON."""
     return [asdict(r) for r in records]

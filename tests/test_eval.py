@@ -18,7 +18,9 @@ from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_operating_points
 from eval.policies import make_policy
 from eval.run import check_data
-from eval.sweep import RunRecord, Setting, aggregate, measure_costs, modelled_speedup, paired_gain_interval
+from eval.report import grid_edge_lines
+from eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
+                         paired_gain_interval)
 from heads import ResNetAcceptanceHead, LinearVerifier
 from specheads.cli import main
 from specheads.errors import UsageError
@@ -119,6 +121,20 @@ def test_paired_gain_interval_resamples_prompts_for_both_policies():
     wide = paired_gain_interval(mixed, head, constant, 0.2, resamples=500, seed=1)
     assert wide[1] - wide[0] > high - low
     assert paired_gain_interval(better[:1] + better[8:9], head, constant, 0.2) is None
+
+
+def test_a_threshold_tuned_at_an_end_of_its_grid_is_flagged_in_the_report():
+    dev = [{"policy": policy, "threshold": t} for policy, grid in
+           (("constant_k", (1, 2, 4)), ("confidence", (0.01, 0.1, 0.34)), ("svip", (1.4, 1.8)), ("head", (0.3, 0.45, 0.6)),
+            ("oracle", (6,)))
+           for t in grid]
+    tuned = {"constant_k": 1, "confidence": 0.34, "svip": 1.4, "head": 0.45, "oracle": 6}
+    edges = grid_edges(dev, tuned)
+    # K = 1 has nothing below it; the head's pick is inside its grid; the oracle has no grid
+    assert edges == {"confidence": "highest", "svip": "lowest"}
+    assert grid_edges(dev, {**tuned, "constant_k": 4})["constant_k"] == "highest"
+    warnings = grid_edge_lines({"tuned_at_grid_edge": edges, "tuned_thresholds": tuned})
+    assert len(warnings) == 2 and "0.34 is the highest" in warnings[0] and "--stop-shares" in warnings[0]
 
 
 # ---- the decoding loops on a tiny model with a small vocabulary
@@ -241,6 +257,9 @@ def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_pat
     assert tuned.decision is not None and tuned.decision.tuned
     assert tuned.decision.threshold == decoding["tuned_thresholds"]["head"]
     assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence"}
+    assert decoding["tuned_at_grid_edge"] == grid_edges(decoding["dev_policies"], decoding["tuned_thresholds"])
+    for policy in decoding["tuned_at_grid_edge"]:
+        assert f"Warning: {policy}'s tuned threshold" in (out / "report.md").read_text()
     for baseline, ci in decoding["gain_intervals"].items():  # paired over test prompts: none from a single one
         gain = metrics["verdict"]["decoding"][f"gain_vs_{baseline}"]
         assert ci is None if decoding["prompts"]["test"] < 2 else ci[0] <= gain <= ci[1]
