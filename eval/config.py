@@ -8,6 +8,10 @@ from pathlib import Path
 from specheads.errors import UsageError
 
 
+GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
+               "head": "head_thresholds", "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
+
+
 @dataclass
 class EvalConfig:
     """What `specheads eval` evaluates and how.
@@ -90,17 +94,21 @@ class EvalConfig:
     def validate_tuned_from(self) -> None:
         """`tuned_from` names a report that decoded, and no grid is given beside it."""
         require_report_files("--tuned-from", self.tuned_from, ("metrics.json", "runs.json"))
-        grids = [name for name in ("constant_ks", "head_thresholds", "sprinter_thresholds", "stop_shares")
-                 if getattr(self, name) is not None]
+        grids = [name for name in sorted(set(GRID_FIELDS.values())) if getattr(self, name) is not None]
         if grids:
             raise UsageError(f"--tuned-from decodes only the thresholds {self.tuned_from} tuned; drop "
-                             f"{', '.join('--' + name.replace('_', '-') for name in grids)}")
+                             f"{', '.join(flag(name) for name in grids)}")
         if self.num_decode_prompts < 1:
             raise UsageError("--tuned-from needs prompts to decode: give --num-decode-prompts of at least 2")
 
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""
         return asdict(self)
+
+
+def flag(field: str) -> str:
+    """The command-line flag of an EvalConfig field."""
+    return "--" + field.replace("_", "-")
 
 
 def require_report_files(flag: str, folder: str, names: tuple[str, ...]) -> None:

@@ -9,10 +9,8 @@ import markdown
 
 from data_gen.store import write_text_atomic
 from eval.offline import BASELINES, SIGNAL_ORDER
+from eval.config import GRID_FIELDS, flag
 from eval.plots import PLOTS
-
-GRID_FLAGS = {"constant_k": "--constant-ks", "svip": "--stop-shares", "confidence": "--stop-shares",
-              "head": "--head-thresholds", "sprinter": "--sprinter-thresholds"}  # the flag that sets each grid
 
 
 def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
@@ -75,7 +73,7 @@ def grid_edge_lines(decoding: dict[str, Any]) -> list[str]:
     for policy, end in decoding.get("tuned_at_grid_edge", {}).items():
         threshold = decoding["tuned_thresholds"][policy]
         lines.append(f"Warning: {policy}'s tuned threshold {threshold:g} is the {end} of its grid, so its best may lie "
-                     f"beyond it; widen the grid ({GRID_FLAGS[policy]}) before trusting comparisons with it.")
+                     f"beyond it; widen the grid ({flag(GRID_FIELDS[policy])}) before trusting comparisons with it.")
     return lines
 
 

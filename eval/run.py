@@ -22,9 +22,9 @@ from eval.offline import TokenTable, calibration_table, collect_tokens, offline_
 from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from eval.report import verdict, write_report
 from eval.reuse import decoding_context, load_reusable
-from eval.tuned import load_tuning
 from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, grid_edges, measure_costs,
                         paired_gain_interval, records_as_dicts, run_sweep, signal_thresholds, tune)
+from eval.tuned import load_tuning
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained, record_evaluation
