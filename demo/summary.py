@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from demo.stages import HEADS, Layout, relative
-from eval.report import interval_cell
+from eval.report import MIN_TEST_PROMPTS, interval_cell
 
 
 def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str
                               "measured_t_draft_over_t_target": decoding["measured_costs"]["ratio"],
                               "test_prompts": decoding["prompts"]["test"], "max_new_tokens": decoding["max_new_tokens"]}
     if "sprinter" in metrics:
-        result["tv_bound"] = metrics["sprinter"][0]["tv_bound"]
+        result["tv_distance"] = metrics["sprinter"]["tv_distance"]
     return result
 
 
@@ -79,7 +79,10 @@ def decoding_line(figures: dict[str, Any]) -> str:
         line += f"; oracle {d['oracle_speedup']:.3f}x"
     if "target_logprob_drop_vs_sd" in d:
         line += f"; target log-likelihood of its text {-d['target_logprob_drop_vs_sd']:+.3f} nats/token vs exact SD"
-    return f"{line} ({c}, {d['test_prompts']} test prompt{'s' if d['test_prompts'] != 1 else ''} x {d['max_new_tokens']} tokens)"
+    line += f" ({c}, {d['test_prompts']} test prompt{'s' if d['test_prompts'] != 1 else ''} x {d['max_new_tokens']} tokens)"
+    if d.get("indicative"):
+        line += f"; indicative only, not a finding: fewer than {MIN_TEST_PROMPTS} test prompts"
+    return line
 
 
 def summary_text(summary: dict[str, Any]) -> str:

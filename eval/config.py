@@ -31,7 +31,8 @@ class EvalConfig:
         constant_ks, head_thresholds, sprinter_thresholds: override the sweep's grids.
         stop_shares: SVIP's and confidence's thresholds are the quantiles at which each stops after these
             shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
-        sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation bound at or below this.
+        sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per
+            generated token (estimated on the held-out tokens) at or below this.
         record: write the tuned decision rule into the checkpoint, for `specheads export`.
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
             Offline metrics read stored features on the CPU.

@@ -26,7 +26,7 @@ BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
 PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "beta_oracle", "label_ceiling", "constant")
 SPRINTER_TAUS = (1.0, 1.2, 1.5)
-POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta")
+POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta", "accept")
 """The per-position data columns a token table keeps beside the label and the head's prediction."""
 TOKEN_COLUMNS = ("label", "prediction", *POSITION_COLUMNS, "group")
 
@@ -42,6 +42,7 @@ class TokenTable:
     entropy: np.ndarray
     top1: np.ndarray
     beta: np.ndarray
+    accept: np.ndarray
     group: np.ndarray
     prompts: int
 
@@ -138,20 +139,27 @@ def calibration_table(table: TokenTable, bins: int = 10) -> dict[str, list[float
     return {name: [float(v) for v in values] for name, values in calibration_bins(table.label, table.prediction, bins).items()}
 
 
-def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[float, ...] = SPRINTER_TAUS) -> list[dict]:
-    """FPR and TPR of a verifier at `threshold` against the labels of each τ, and SPRINTER Theorem 1's bound.
+def sprinter_distance(table: TokenTable, threshold: float) -> float:
+    """The total-variation distance of SPRINTER's output from the target's, per generated token, at `threshold`.
 
-    A positive is an acceptable token (q/p ≤ τ); the verifier passes it unverified when â ≥ threshold.
-    With FPR α the SPRINTER distribution is (1 − α)·p + α·q per token, so its total-variation distance
-    from the target is α·TV(p, q) = α·(1 − β); `tv_bound` is that, averaged over the tokens.
+    A drafted token ŷ ~ q that the verifier passes (â ≥ threshold) is kept unverified; any other goes through the
+    p/q test. Per context the output then differs from p by exactly Σ over passed tokens of max(0, q − p), which is
+    E_{ŷ~q}[passed · (1 − min(1, p/q))]: the mean over the stored drafted tokens of passed · (1 − accept).
     """
     passed = table.prediction >= threshold
-    mean_tv = float(np.mean(1.0 - table.beta))
+    return float(np.mean(passed * (1.0 - table.accept))) if len(passed) else float("nan")
+
+
+def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[float, ...] = SPRINTER_TAUS) -> dict:
+    """A verifier at `threshold`: its SPRINTER distance from the target (`sprinter_distance`), and FPR and TPR
+    against the labels of each τ (a positive is an acceptable token, q/p ≤ τ; the verifier passes it unverified
+    when â ≥ threshold)."""
+    passed = table.prediction >= threshold
     points = []
     for tau in taus:
         acceptable = (table.logq - table.logp) <= math.log(tau)
         negatives, positives = max(int((~acceptable).sum()), 1), max(int(acceptable.sum()), 1)
-        fpr = float((passed & ~acceptable).sum() / negatives)
-        points.append({"tau": tau, "threshold": threshold, "fpr": fpr, "tpr": float((passed & acceptable).sum() / positives),
-                       "tv_bound": fpr * mean_tv})
-    return points
+        points.append({"tau": tau, "fpr": float((passed & ~acceptable).sum() / negatives),
+                       "tpr": float((passed & acceptable).sum() / positives)})
+    return {"threshold": threshold, "tv_distance": sprinter_distance(table, threshold),
+            "passed_share": float(passed.mean()) if len(passed) else float("nan"), "operating_points": points}

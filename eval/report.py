@@ -13,6 +13,10 @@ from eval.config import GRID_FIELDS, flag
 from eval.plots import PLOTS
 
 
+MIN_TEST_PROMPTS = 8
+"""Below this many test prompts a decoding comparison is called indicative, not a finding."""
+
+
 def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
     """The test row of `policy` at its dev-tuned threshold."""
     return next((r for r in decoding["policies"] if r["policy"] == policy and r.get("tuned")), None)
@@ -22,8 +26,11 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     """How the learned policy's tuned threshold fares on test prompts against the tuned baselines."""
     learned = "head" if any(r["policy"] == "head" for r in decoding["policies"]) else "sprinter"
     mine = tuned_row(decoding, learned)
-    result: dict[str, Any] = {"policy": learned}
-    lines = []
+    tested = decoding["prompts"]["test"]
+    result: dict[str, Any] = {"policy": learned, "test_prompts": tested, "indicative": tested < MIN_TEST_PROMPTS}
+    lines = [f"Decoding figures rest on {tested} test prompt{'s' if tested != 1 else ''} × {decoding['max_new_tokens']} "
+             "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
+                             "with --num-decode-prompts)." if result["indicative"] else ".")]
     for baseline in ("constant_k", "svip", "confidence", "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
@@ -33,10 +40,10 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                 result[f"gain_vs_{baseline}"] = mine["modelled_speedup"] / row["modelled_speedup"] - 1
                 result[f"gain_vs_{baseline}_ci"] = decoding.get("gain_intervals", {}).get(baseline)
     if mine is None:
-        result["note"] = ("no SPRINTER threshold of the sweep kept the Theorem 1 TV bound within the budget on dev "
+        result["note"] = ("no SPRINTER threshold of the sweep kept the distance from the target within the budget on dev "
                           "prompts: the verifier keeps its untuned default (try higher --sprinter-thresholds or a "
                           "larger --sprinter-max-tv)" if learned == "sprinter" else "no decoding run of the head policy")
-        return result, [result["note"][0].upper() + result["note"][1:] + "."]
+        return result, lines + [result["note"][0].upper() + result["note"][1:] + "."]
     result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
     c = decoding["t_draft_over_t_target"]
     if learned == "head":
@@ -159,10 +166,13 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
               "`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1.", "",
               f"![ROC]({plot['roc']})", "", f"![Reliability diagram]({plot['reliability']})", ""]
     if "sprinter" in metrics:
-        lines += [f"{section} SPRINTER operating point", "", "| τ | threshold | FPR | TPR | TV bound (Theorem 1) |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {p['tau']:g} | {p['threshold']:g} | {p['fpr']:.3f} | {p['tpr']:.3f} | {p['tv_bound']:.4f} |"
-                  for p in metrics["sprinter"]]
+        sprinter = metrics["sprinter"]
+        lines += [f"{section} SPRINTER operating point", "",
+                  f"At threshold {sprinter['threshold']:g} the verifier passes {sprinter['passed_share'] * 100:.1f} % of the "
+                  f"held-out drafted tokens unverified; the total-variation distance of SPRINTER's output from the "
+                  f"target's is {sprinter['tv_distance']:.4f} per generated token (the mean of passed · (1 − min(1, p/q))).",
+                  "", "| τ | FPR | TPR |", "|---|---|---|"]
+        lines += [f"| {p['tau']:g} | {p['fpr']:.3f} | {p['tpr']:.3f} |" for p in sprinter["operating_points"]]
         lines.append("")
     if "decoding" in metrics:
         decoding = metrics["decoding"]
@@ -170,13 +180,20 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
         lines += [f"{section} Decoding runs (test prompts)", "",
                   f"{decoding['prompts']['test']} test prompts ({tuning_note(decoding)}), "
                   f"{decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
-                  f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; on this machine the measured "
-                  f"ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, t_target "
-                  f"{costs['t_target_s'] * 1e3:.1f} ms per forward) and the loop spends "
-                  f"{costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
+                  f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; {measured_costs_note(costs)} "
+                  f"The loop spends {costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
     return "\n".join(lines) + "\n"
+
+
+def measured_costs_note(costs: dict[str, Any]) -> str:
+    """The forward times measured on this machine, or what the runs left undetermined."""
+    if costs["ratio"] is not None:
+        return (f"on this machine the measured ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, "
+                f"t_target {costs['t_target_s'] * 1e3:.1f} ms per forward).")
+    return (f"the runs do not determine the ratio on this machine ({costs['undetermined']}), so no speedup at a "
+            "measured ratio is given.")
 
 
 def tuning_note(decoding: dict[str, Any]) -> str:

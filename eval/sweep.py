@@ -146,17 +146,37 @@ def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Sett
     return records
 
 
-def measure_costs(records: list[RunRecord]) -> dict[str, float]:
+def measure_costs(records: list[RunRecord]) -> dict[str, Any]:
     """t_draft and t_target (seconds per forward) from a least-squares fit of wall time on the forward counts of
-    the runs decoded here (not those reused from an earlier report)."""
+    the runs decoded here (not those reused from an earlier report).
+
+    Only what the runs determine is fitted: with no target call among them (every run a SPRINTER run that passed
+    every token, say) t_target and the ratio are None, and so is the ratio when the two counts are proportional
+    across runs or the fit puts either time at zero; `undetermined` says why."""
     real = [r for r in records if r.policy != "oracle" and not r.reused]
-    design = np.array([[r.draft_forwards, r.target_calls] for r in real], dtype=np.float64)
+    design = np.array([[r.draft_forwards, r.target_calls] for r in real], dtype=np.float64).reshape(-1, 2)
     seconds = np.array([r.seconds for r in real])
-    fit = LinearRegression(fit_intercept=False, positive=True).fit(design, seconds)
-    t_draft, t_target = (float(v) for v in fit.coef_)
-    return {"t_draft_s": t_draft, "t_target_s": t_target,
-            "ratio": t_draft / t_target if t_target > 0 else float("nan"),
-            "loop_overhead_share": 1.0 - sum(r.forward_seconds for r in real) / max(sum(r.seconds for r in real), 1e-9)}
+    wall = max(float(seconds.sum()), 1e-9)
+    overhead = 1.0 - sum(r.forward_seconds for r in real) / wall
+    costs: dict[str, Any] = {"t_draft_s": None, "t_target_s": None, "ratio": None, "loop_overhead_share": overhead,
+                             "undetermined": None}
+    used = [column for column in range(2) if design[:, column].any()]
+    if not used:
+        costs["undetermined"] = "no run decoded here made a forward"
+        return costs
+    fit = LinearRegression(fit_intercept=False, positive=True).fit(design[:, used], seconds)
+    for column, value in zip(used, fit.coef_):
+        costs[("t_draft_s", "t_target_s")[column]] = float(value)
+    if len(used) < 2:
+        costs["undetermined"] = ("no run decoded here called the target" if used == [0]
+                                 else "no run decoded here made a draft forward")
+    elif np.linalg.matrix_rank(design) < 2:
+        costs["undetermined"] = "draft forwards and target calls are proportional across the runs decoded here"
+    elif min(fit.coef_) <= 0:
+        costs["undetermined"] = "the fit puts one of the forward times at zero (too few or too noisy runs)"
+    else:
+        costs["ratio"] = costs["t_draft_s"] / costs["t_target_s"]
+    return costs
 
 
 def modelled_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:
@@ -164,7 +184,16 @@ def modelled_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: floa
     return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
 
 
-def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float, measured_ratio: float) -> list[dict[str, Any]]:
+def measured_speedup(discard_rate: float, verification_rate: float, measured_ratio: float | None) -> float | None:
+    """The modelled speedup at the ratio measured on this machine; None where the runs did not determine the ratio,
+    or where it models no time at all (a zero ratio and no target call)."""
+    if measured_ratio is None or measured_ratio * (1.0 + discard_rate) + (1.0 - measured_ratio) * verification_rate <= 0:
+        return None
+    return modelled_speedup(discard_rate, verification_rate, measured_ratio)
+
+
+def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
+              measured_ratio: float | None) -> list[dict[str, Any]]:
     """Per setting over the prompts of `split` (None: all): rates as ratios of totals, and the speedups."""
     chosen = [r for r in records if split is None or r.split == split]
     rows = []
@@ -182,7 +211,7 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float, me
             "tokens_per_target_call": emitted / max(calls, 1),
             "tokens_per_s": emitted / sum(r.seconds for r in runs), "wall_s": sum(r.seconds for r in runs),
             "modelled_speedup": modelled_speedup(discard, verification, cost_ratio),
-            "modelled_speedup_measured_ratio": modelled_speedup(discard, verification, measured_ratio),
+            "modelled_speedup_measured_ratio": measured_speedup(discard, verification, measured_ratio),
             "mean_target_logprob": float(np.mean(logprobs)) if logprobs else None,
         })
     return rows

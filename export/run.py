@@ -21,15 +21,27 @@ TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "
 
 
 def read_report(report: Path, trained: TrainedHead) -> tuple[dict[str, Any], Path | None]:
-    """metrics.json and the ROC plot of an eval report made for this head's data."""
+    """metrics.json and the ROC plot of an eval report of this very head (its weights digest and kind checked)."""
     path = report / "metrics.json"
     if not path.is_file():
         raise UsageError(f"{report} holds no metrics.json; give the folder `specheads eval --out` wrote")
-    metrics = json.loads(path.read_text())
-    made_for = metrics.get("head", {}).get("data_fingerprint")
-    if trained.data_fingerprint and made_for != trained.data_fingerprint:
-        raise UsageError(f"the report in {report} evaluated a head trained on data {made_for}, but this checkpoint was "
-                         f"trained on {trained.data_fingerprint}; give the report of this head")
+    try:
+        metrics = json.loads(path.read_text())
+        evaluated = metrics["head"]
+        kind = (evaluated["config"].get("head_type"), evaluated["reads"])
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{path} is not a `specheads eval` report (unreadable or no head record); give the folder "
+                         "`specheads eval --out` wrote for this head") from None
+    mine = (trained.head.config.get("head_type"), trained.reads)
+    if kind != mine:
+        raise UsageError(f"the report in {report} evaluated a {kind[0]} head (reads {kind[1]}), but {trained.source} is a "
+                         f"{mine[0]} head (reads {mine[1]}); give the report of this head")
+    digest, recorded = trained.head.weights_digest(), evaluated.get("weights_digest")
+    if recorded != digest:
+        found = f"weights {recorded}" if recorded else "no weights digest (an older report)"
+        raise UsageError(f"the report in {report} evaluated another head ({found}, from {evaluated.get('source')}) than "
+                         f"{trained.source} (weights {digest}); give the report of this head, or run "
+                         f"`specheads eval --head {trained.source}` for one")
     roc = report / "roc.png"
     return metrics, roc if roc.is_file() else None
 

@@ -15,10 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from data_gen.sampling import SamplingTransform
 from eval.decoding import CachedModel, Decoder
 from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
-from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_operating_points
+from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from eval.policies import make_policy
 from eval.run import check_data
-from eval.report import grid_edge_lines
+from demo.summary import decoding_line
+from eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
 from eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
                          paired_gain_interval)
 from heads import ResNetAcceptanceHead, LinearVerifier
@@ -58,7 +59,7 @@ def test_roc_of_a_perfect_and_a_random_scorer():
 def table_of(labels: np.ndarray, prediction: np.ndarray, groups: np.ndarray) -> TokenTable:
     n = len(labels)
     return TokenTable(label=labels, prediction=prediction, logp=np.log(np.full(n, 0.5)), logq=np.log(np.full(n, 0.6)),
-                      entropy=np.ones(n), top1=np.full(n, 0.5), beta=np.full(n, 0.8), group=groups,
+                      entropy=np.ones(n), top1=np.full(n, 0.5), beta=np.full(n, 0.8), accept=np.full(n, 0.8), group=groups,
                       prompts=int(groups.max()) + 1)
 
 
@@ -78,13 +79,61 @@ def test_bootstrap_resamples_whole_prompts_and_intervals_cover_the_estimate():
     assert result["signals"]["label_ceiling"]["binary_kl"] == pytest.approx(0.0)
 
 
-def test_sprinter_operating_point_and_total_variation_bound():
+def sprinter_step_by_enumeration(q: np.ndarray, p: np.ndarray, passed: np.ndarray) -> np.ndarray:
+    """SPRINTER's output distribution for one token, summed over every draw: a passed ŷ ~ q is kept; any other is
+    accepted with probability min(1, p/q) or replaced by a draw from norm(max(0, p − q))."""
+    residual = np.maximum(p - q, 0.0)
+    residual = residual / residual.sum() if residual.sum() > 0 else residual
+    out = np.zeros_like(q)
+    for token, mass in enumerate(q):
+        if passed[token]:
+            out[token] += mass
+        else:
+            kept = min(1.0, p[token] / mass)
+            out[token] += mass * kept
+            out += mass * (1.0 - kept) * residual
+    return out
+
+
+def drafted_tokens(q_counts: list[int], p: np.ndarray, passed: np.ndarray) -> TokenTable:
+    """Every draft of a q with denominator sum(q_counts), each token as often as q draws it, with its stored label."""
+    q = np.array(q_counts) / sum(q_counts)
+    tokens = np.repeat(np.arange(len(q)), q_counts)
+    table = table_of(np.zeros(len(tokens)), passed[tokens].astype(float), np.zeros(len(tokens), dtype=int))
+    table.logq, table.logp = np.log(q[tokens]), np.log(np.maximum(p[tokens], 1e-300))
+    table.accept = np.minimum(1.0, p[tokens] / q[tokens])
+    return table
+
+
+def test_sprinter_distance_equals_the_exact_enumeration():
+    # the hand case: q = (0.5, 0.3, 0.2), p = (0, 0.29, 0.71), the verifier passes only the first token
+    p, passed = np.array([0.0, 0.29, 0.71]), np.array([True, False, False])
+    output = sprinter_step_by_enumeration(np.array([0.5, 0.3, 0.2]), p, passed)
+    assert 0.5 * np.abs(output - p).sum() == pytest.approx(0.50)
+    assert sprinter_distance(drafted_tokens([5, 3, 2], p, passed), 0.5) == pytest.approx(0.50)
+    rng = np.random.default_rng(3)
+    for _ in range(50):  # random pairs on a 6-token vocabulary, random pass sets
+        counts = rng.integers(1, 9, 6).tolist()
+        p, passed = rng.dirichlet(np.ones(6) * 0.7), rng.random(6) < 0.5
+        exact = 0.5 * np.abs(sprinter_step_by_enumeration(np.array(counts) / sum(counts), p, passed) - p).sum()
+        assert sprinter_distance(drafted_tokens(counts, p, passed), 0.5) == pytest.approx(exact, abs=1e-12)
+    # verifying everything is exact; passing everything is the draft's own distance 1 − β
+    assert sprinter_distance(drafted_tokens(counts, p, np.zeros(6, bool)), 0.5) == 0.0
+    q = np.array(counts) / sum(counts)
+    everything = sprinter_distance(drafted_tokens(counts, p, np.ones(6, bool)), 0.5)
+    assert everything == pytest.approx(1.0 - np.minimum(p, q).sum())
+
+
+def test_sprinter_operating_points_count_false_and_true_positives_per_tau():
     labels = np.array([1.0, 1.0, 0.0, 0.0])
     table = table_of(labels, np.array([0.9, 0.2, 0.8, 0.1]), np.zeros(4, dtype=int))
     table.logp, table.logq = np.log([0.5, 0.5, 0.1, 0.1]), np.log([0.4, 0.4, 0.4, 0.4])
-    point = sprinter_operating_points(table, threshold=0.5, taus=(1.0,))[0]
-    assert point["fpr"] == pytest.approx(0.5) and point["tpr"] == pytest.approx(0.5)
-    assert point["tv_bound"] == pytest.approx(0.5 * 0.2)  # FPR × mean(1 − β)
+    table.accept = np.minimum(1.0, np.exp(table.logp - table.logq))
+    result = sprinter_operating_points(table, threshold=0.5, taus=(1.0, 5.0))
+    assert result["operating_points"][0] == {"tau": 1.0, "fpr": 0.5, "tpr": 0.5}
+    assert result["operating_points"][1] == {"tau": 5.0, "fpr": 0.0, "tpr": 0.5}  # q/p = 4 is acceptable at τ = 5
+    # the passed tokens are the first (accept 1) and the third (accept 0.25): (0 + 0.75) / 4
+    assert result["tv_distance"] == pytest.approx(0.75 / 4) and result["passed_share"] == 0.5
 
 
 def test_modelled_speedup_aggregation_and_cost_regression():
@@ -100,6 +149,43 @@ def test_modelled_speedup_aggregation_and_cost_regression():
     row = aggregate(records, "test", 0.2, costs["ratio"])[0]
     assert row["discard_rate"] == pytest.approx(sum(d - d // 2 for d in (10, 20, 6, 30)) / 80)
     assert row["verification_rate"] == pytest.approx(18 / 80)
+
+
+def test_cost_fit_leaves_undetermined_what_the_runs_do_not_determine():
+    def run(policy: str, threshold: float, drafts: int, calls: int) -> RunRecord:
+        return RunRecord(policy, threshold, f"p{drafts}-{calls}", "dev", emitted=20, drafted=drafts, accepted=drafts // 2,
+                         target_calls=calls, draft_forwards=drafts, seconds=0.01 * drafts + 0.05 * calls + 1e-4,
+                         forward_seconds=0.01 * drafts, accepted_per_round=[1], target_logprob=-1.0)
+
+    never_verified = [run("sprinter", 0.0, 20, 0), run("sprinter", 0.0, 24, 0)]  # every token passed unverified
+    costs = measure_costs(never_verified)
+    assert costs["t_target_s"] is None and costs["ratio"] is None and "called the target" in costs["undetermined"]
+    assert costs["t_draft_s"] == pytest.approx(0.01, rel=0.05)
+    row = aggregate(never_verified, "dev", 0.2, costs["ratio"])[0]
+    assert row["verification_rate"] == 0 and row["modelled_speedup_measured_ratio"] is None
+    assert row["modelled_speedup"] == pytest.approx(1 / (0.2 * (1 + 22 / 40)))  # (10 + 12) discarded of 40 tokens
+    proportional = [run("constant_k", 2.0, 2 * n, n) for n in (3, 5, 8)]
+    assert "proportional" in measure_costs(proportional)["undetermined"]
+    # a zero measured ratio with no target call models no time at all: no figure rather than a division by zero
+    assert aggregate(never_verified, "dev", 0.2, 0.0)[0]["modelled_speedup_measured_ratio"] is None
+    assert "do not determine the ratio" in measured_costs_note(costs)
+
+
+def test_a_decoding_verdict_on_few_test_prompts_is_called_indicative():
+    def decoding(test_prompts: int) -> dict:
+        rows = [{"policy": "head", "threshold": 0.5, "tuned": True, "modelled_speedup": 1.5},
+                {"policy": "constant_k", "threshold": 2.0, "tuned": True, "modelled_speedup": 1.4}]
+        return {"policies": rows, "prompts": {"dev": test_prompts, "test": test_prompts}, "max_new_tokens": 24,
+                "t_draft_over_t_target": 0.2, "gain_intervals": {}}
+
+    few, lines = decoding_verdict(decoding(3))
+    assert few["indicative"] and few["test_prompts"] == 3
+    assert "rest on 3 test prompts" in lines[0] and "indicative only, not a finding" in lines[0]
+    enough, lines = decoding_verdict(decoding(8))
+    assert not enough["indicative"] and "indicative" not in " ".join(lines)
+    summary = {"decoding": {**few, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}}
+    assert "indicative only, not a finding: fewer than 8 test prompts" in decoding_line(summary)
+    assert "indicative" not in decoding_line({"decoding": {**enough, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
 
 
 def test_paired_gain_interval_resamples_prompts_for_both_policies():
@@ -271,7 +357,12 @@ def test_eval_of_a_sprinter_verifier_reports_operating_points(trained, tmp_path)
     out = tmp_path / "report"
     assert main(eval_args(root / "sprinter" / "checkpoints" / "last.ckpt", data, out, "--record", "false")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [p["tau"] for p in metrics["sprinter"]] == [1.0, 1.2, 1.5]
+    sprinter = metrics["sprinter"]
+    assert [p["tau"] for p in sprinter["operating_points"]] == [1.0, 1.2, 1.5]
+    assert sprinter["threshold"] == metrics["decision_rule"]["threshold"] and 0 <= sprinter["tv_distance"] <= 1
+    tuned = metrics["decoding"]["tuned_thresholds"].get("sprinter")  # tuned only within the distance budget
+    if tuned is not None:
+        assert sprinter["threshold"] == tuned and sprinter["tv_distance"] <= 0.05
     assert {row["policy"] for row in metrics["decoding"]["policies"]} == {"constant_k", "sprinter"}
     assert set(metrics["offline"]["label_ceiling"]) and metrics["offline"]["label_ceiling"]["auc"] == pytest.approx(1.0)
 

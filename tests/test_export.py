@@ -55,6 +55,36 @@ def test_model_card_renders_metrics_and_links_the_plot(exported):
     assert f"{auc:.4g}" in card.text and "](roc.png)" in card.text and "specheads eval" in card.text
 
 
+def test_export_refuses_the_report_of_another_head(exported, trained, tmp_path, capsys):
+    checkpoint, _, report = exported
+    _, root = trained
+    metrics = json.loads((report / "metrics.json").read_text())
+
+    def report_of(name: str, head: dict) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "metrics.json").write_text(json.dumps({**metrics, "head": {**metrics["head"], **head}}))
+        return folder
+
+    verifier = report_of("verifier", {"config": {**metrics["head"]["config"], "head_type": "sprinter_linear"},
+                                      "reads": "context_state", "weights_digest": "0123456789abcdef"})
+    other = report_of("other", {"weights_digest": "0123456789abcdef"})
+    older = report_of("older", {"weights_digest": None})
+    for folder, reason in ((verifier, "evaluated a sprinter_linear head (reads context_state), but"),
+                           (other, "evaluated another head (weights 0123456789abcdef"),
+                           (older, "no weights digest (an older report)")):
+        out = tmp_path / f"head-{folder.name}"
+        assert main(["export", "--ckpt", str(checkpoint), "--out", str(out), "--report", str(folder)]) == 2
+        error = capsys.readouterr().err
+        assert reason in error and str(checkpoint) in error and len(error.strip().splitlines()) == 1
+        assert not out.exists()
+    # the verifier's own checkpoint with the SpecDec++ head's report: refused the other way round
+    out = tmp_path / "head-swapped"
+    assert main(["export", "--ckpt", str(root / "sprinter" / "checkpoints" / "last.ckpt"), "--out", str(out),
+                 "--report", str(report)]) == 2
+    assert "evaluated a specdecpp_resnet head (reads candidate_state)" in capsys.readouterr().err and not out.exists()
+
+
 def test_untuned_export_without_a_report(trained, tmp_path):
     _, root = trained
     out = tmp_path / "head"
