@@ -175,3 +175,40 @@ def test_load_head_refusals(exported, tmp_path, breakage, message):
         expect = "my-draft"
     with pytest.raises(UsageError, match=message):
         load_head(str(folder), expect_draft=expect)
+
+
+class WritesAMarker:
+    """Unpickling this runs code: it writes the file it names."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def test_a_malicious_pickle_given_as_a_checkpoint_runs_no_code(trained, tmp_path, capsys):
+    data, _ = trained
+    marker = tmp_path / "marker"
+    payload = {"state_dict": {}, "hyper_parameters": {"head": "specdecpp_resnet", "hidden_size": 32},
+               "evil": WritesAMarker(marker)}
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save(payload, crafted)
+    run_folder = tmp_path / "run"
+    (run_folder / "checkpoints").mkdir(parents=True)
+    shutil.copyfile(crafted, run_folder / "checkpoints" / "last.ckpt")
+    head_folder = tmp_path / "head-folder"
+    head_folder.mkdir()
+    shutil.copyfile(crafted, head_folder / "model.bin")
+    for given in (crafted, run_folder, head_folder / "model.bin", head_folder):
+        for command in (["eval", "--head", str(given), "--data", str(data), "--out", str(tmp_path / "report"),
+                         "--num-decode-prompts", "0", "--progress", "false"],
+                        ["export", "--ckpt", str(given), "--out", str(tmp_path / "exported")]):
+            assert main(command) == 2, command
+            error = capsys.readouterr().err.strip()
+            assert len(error.splitlines()) == 1 and ("weights_only" in error or "pickled weights" in error), error
+            assert not marker.exists(), command
+    assert not (tmp_path / "report").exists() and not (tmp_path / "exported").exists()
+    # the same payload loaded the unsafe way does run: the test would catch a return to weights_only=False
+    torch.load(crafted, weights_only=False)
+    assert marker.read_text() == "ran"

@@ -7,6 +7,8 @@ headline metrics under `EVAL_KEY`, written back atomically, so export can carry 
 
 from __future__ import annotations
 
+import inspect
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,25 +53,45 @@ class TrainedHead:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The raw checkpoint dict; a one-line error when the file is not a checkpoint."""
+    """The raw checkpoint dict, unpickled with `weights_only=True`: tensors, numbers, strings and plain containers
+    only, so a downloaded file cannot run code. A one-line refusal for anything else."""
     try:
-        # our own training run's file: it holds Lightning's hyperparameter containers, not only tensors
-        return torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                     "not allowed by weights_only")
+        raise UsageError(f"refused {path}: it pickles Python objects beyond tensors and plain containers ({found}), "
+                         "which could run code when loaded; specheads loads checkpoints with torch.load(weights_only=True): "
+                         "give a .ckpt from `specheads train` or a head folder from `specheads export`") from None
     except Exception as error:  # torch raises several types for a corrupt or foreign file
         raise UsageError(f"{path} is not a readable Lightning checkpoint ({type(error).__name__}); "
                          "give a .ckpt from `specheads train` or a head folder from `specheads export`") from None
+    if not isinstance(checkpoint, dict):
+        raise UsageError(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint; give a .ckpt from "
+                         "`specheads train` or a head folder from `specheads export`")
+    return checkpoint
+
+
+def module_from_checkpoint(checkpoint: dict[str, Any]) -> Any:
+    """The `AcceptanceModule` a checkpoint describes, built from its constructor arguments (no instantiator or
+    class path stored in the file is followed) with the head's weights loaded."""
+    from train.module import AcceptanceModule
+
+    accepted = set(inspect.signature(AcceptanceModule.__init__).parameters) - {"self"}
+    hparams = checkpoint.get("hyper_parameters") or {}
+    module = AcceptanceModule(**{name: value for name, value in hparams.items() if name in accepted})
+    module.load_state_dict(checkpoint.get("state_dict") or {})
+    return module
 
 
 def from_checkpoint(path: Path) -> TrainedHead:
     """The head and training facts stored in a `specheads train` checkpoint."""
-    from train.module import AcceptanceModule
-
     checkpoint = read_checkpoint(path)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     if "head" not in hparams or hparams.get("hidden_size") is None:
         raise UsageError(f"{path} is not a `specheads train` checkpoint (its hyperparameters name no head); "
                          "give a checkpoint from a specheads run folder")
-    module = AcceptanceModule.load_from_checkpoint(path, map_location="cpu")
+    module = module_from_checkpoint(checkpoint)
     evaluation = checkpoint.get(EVAL_KEY)
     decision = DecisionRule(**evaluation["decision_rule"]) if evaluation and evaluation.get("decision_rule") else None
     split = hparams.get("data_split") or {"val_fraction": 0.1, "split_seed": 0}
