@@ -7,7 +7,7 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from specheads.errors import UsageError
 
@@ -130,6 +130,12 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         text = tokenizer.apply_chat_template(prompt.as_chat(), tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n".join(content for _, content in prompt.messages))["input_ids"])
+
+
+def prompt_digest(ids: Iterable[int]) -> str:
+    """A short hash of a prompt's token ids (chat template applied): what identifies a prompt as the models see it,
+    whatever its id or file."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()[:16]
 
 
 def prompts_hash(prompts: list[Prompt]) -> str:

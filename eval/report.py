@@ -156,7 +156,8 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
     lines = [f"{title} Acceptance head report: {head['config'].get('head_type')}", "",
              f"Head `{head['source']}` ({head['parameters']:,} parameters, reads `{head['reads']}`), draft "
              f"`{head['draft']}`, target `{head['target']}`. Data `{data['path']}` (fingerprint `{data['fingerprint']}`): "
-             f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts, label {data['label']}, "
+             f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts (prompts the head did not train "
+             f"on; {data.get('prompts_trained_on', 0)} of the data's prompts it trained on are left out), label {data['label']}, "
              f"mean {data['mean_label']:.3f}.", "", f"{section} Verdict", ""]
     lines += [f"- {line}" for line in metrics["verdict"]["text"]]
     lines += ["", f"Decision rule: `{rule['rule']}` at threshold {rule['threshold']:g} "

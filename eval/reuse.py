@@ -9,21 +9,16 @@ run's. Comparing several heads of one pair on one prompt set then costs only the
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+from data_gen.prompts import prompt_digest
 from eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.errors import UsageError
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
-
-
-def prompt_digest(ids: Iterable[int]) -> str:
-    """A short hash of a prompt's token ids."""
-    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()[:16]
 
 
 def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: list[DecodePrompt],

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from data_gen.models import ModelPair, ModelSpec, load_pair
-from data_gen.prompts import encode_prompt, load_prompts
+from data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from data_gen.responses import stop_token_ids
 from data_gen.sampling import SamplingTransform
 from data_gen.states import describe_state
@@ -29,7 +29,7 @@ from eval.tuned import load_tuning
 from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained, record_evaluation
-from train.data import AcceptanceDataModule, is_validation_prompt
+from train.data import AcceptanceDataModule
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
@@ -67,27 +67,43 @@ def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_
                      f"(fingerprint {trained.data_fingerprint}): differs in {what}; {hint}")
 
 
-def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], data: AcceptanceDataModule, trained: TrainedHead,
+def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: set[str],
                      tokenizer: Any) -> tuple[list[DecodePrompt], int]:
     """The decode prompts (alternately dev and test; all test when the thresholds were tuned elsewhere) and how many
-    were dropped for appearing in training."""
+    were dropped because the head trained on them (`trained_on`: `prompt_digest`s). They come from
+    `config.decode_prompts`, else from the evaluated data's prompt source."""
     if config.decode_prompts:
         prompts = load_prompts(config.decode_prompts)
     else:
         source = manifest["config"]
-        prompts = [p for p in load_prompts(source["prompts"], source["prompts_split"], source["prompts_column"])
-                   if is_validation_prompt(p.id, trained.split["split_seed"], trained.split["val_fraction"])]
-    trained_on = {tuple(int(t) for t in ids) for ids in data.splits["train"]["prompt_ids"]}
+        prompts = load_prompts(source["prompts"], source["prompts_split"], source["prompts_column"])
     chosen, dropped = [], 0
     for prompt in prompts:
         ids = tuple(encode_prompt(tokenizer, prompt))
-        if ids in trained_on:
+        if prompt_digest(ids) in trained_on:
             dropped += 1
             continue
         if len(chosen) < config.num_decode_prompts:
             split = "dev" if len(chosen) % 2 == 0 and not config.tuned_from else "test"
             chosen.append(DecodePrompt(prompt.id, ids, split))
     return chosen, dropped
+
+
+def held_out_data(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any]) -> tuple[AcceptanceDataModule, set[str]]:
+    """The evaluated data split into the prompts the head trained on and the held-out rest, and the trained-on
+    prompts. A head records its training prompts; one trained before specheads did so is split by its seed and
+    fraction, which names its held-out prompts only on its own training data."""
+    data = AcceptanceDataModule(config.data, val_fraction=trained.split["val_fraction"],
+                                split_seed=trained.split["split_seed"])
+    if trained.train_prompts is not None:
+        data.split_by_trained_prompts(trained.train_prompts)
+        return data, trained.train_prompts
+    if trained.data_fingerprint is not None and manifest["fingerprint"] != trained.data_fingerprint:
+        raise UsageError(f"{trained.source} does not record the prompts it trained on (an older specheads made it), so "
+                         f"the held-out prompts of other data such as {config.data} cannot be told; evaluate it on its "
+                         "own training data, or train it again")
+    data.setup()
+    return data, set(data.prompt_digests("train"))
 
 
 @dataclass
@@ -192,9 +208,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
                          f"run `specheads gen --out {config.data}` first")
     trained = load_trained(config.head)
     check_data(trained, manifest, config.data, config.allow_other_data)
-    data = AcceptanceDataModule(config.data, val_fraction=trained.split["val_fraction"],
-                                split_seed=trained.split["split_seed"])
-    data.setup()
+    data, trained_on = held_out_data(config, trained, manifest)
     need_models = config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
     source = manifest["config"]
     pair = load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])) if need_models else None
@@ -207,6 +221,8 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
         "head": head_identity(trained),
         "data": {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                  "prompts": table.prompts, "mean_label": float(table.label.mean()),
+                 "held_out": "the prompts the head did not train on",
+                 "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                  "label": "accept = min(1, p/q)" if trained.reads == "candidate_state" else f"1[q/p <= {trained.tau}]"},
         "offline": offline["signals"], "offline_comparison": offline["head_vs_best_baseline"],
         "calibration": calibration_table(table), "config": config.as_dict(),
@@ -214,7 +230,7 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     decoding = None
     if config.num_decode_prompts:
-        prompts, dropped = held_out_prompts(config, manifest, data, trained, pair.tokenizer)
+        prompts, dropped = held_out_prompts(config, manifest, trained_on, pair.tokenizer)
         if len({p.split for p in prompts}) < (1 if config.tuned_from else 2):
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")

@@ -23,6 +23,9 @@ from eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
 from eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
                          paired_gain_interval)
 from heads import ResNetAcceptanceHead, LinearVerifier
+from conftest import tiny_args
+from data_gen.prompts import prompt_digest
+from data_gen.store import load_labelled
 from specheads.cli import main
 from specheads.errors import UsageError
 from train.checkpoint import TrainedHead, load_trained
@@ -383,6 +386,55 @@ def test_eval_refuses_data_of_another_fingerprint(trained, tmp_path, capsys):
     check_data(head, other, "other-data", allow_other_data=True)  # other prompts or seeds of the same models: allowed
     assert main(eval_args(tmp_path / "missing.ckpt", data, tmp_path / "r")) == 2
     assert "error" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+UNSEEN = ["Plan a picnic for four friends.", "List two prime numbers above ten.", "Describe a quiet morning.",
+          "Translate 'good night' into French.", "Write a haiku about rain.", "Explain what a compiler does.",
+          "Give a tip for learning to swim.", "Name a planet with rings.", "Suggest a title for a mystery novel.",
+          "Convert 3 kilometres to metres.", "Why do leaves change colour?", "Recommend a board game for kids."]
+
+
+def test_other_data_is_held_out_by_the_prompts_the_head_trained_on(trained, tiny_model, prompts_file, tmp_path):
+    """12 prompts the head never saw, plus two of its training prompts under new ids: evaluated with
+    --allow-other-data, all 12 are held out offline and decoded, and the two are recognised by their tokens."""
+    data, root = trained
+    checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    split = json.loads((root / "specdecpp" / "split.json").read_text())
+    original = {json.loads(line)["id"]: json.loads(line) for line in prompts_file.read_text().splitlines()}
+    trained_ids = split["train"]["prompt_ids"][:2]
+    assert load_trained(str(checkpoint)).train_prompts == set(split["train"]["prompt_digests"])
+    records = [{"id": f"new{i}", "prompt": text} for i, text in enumerate(UNSEEN)]
+    records += [{**original[prompt_id], "id": f"renamed-{prompt_id}"} for prompt_id in trained_ids]
+    other_prompts = tmp_path / "other.jsonl"
+    other_prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    other = tmp_path / "other-data"
+    assert main(tiny_args(tiny_model, other_prompts, other, "--mixing.schedule", "[0.15, 1.0]")) == 0
+    out = tmp_path / "report"
+    args = eval_args(checkpoint, other, out, "--allow-other-data", "true", "--record", "false")
+    args[args.index("--num-decode-prompts") + 1] = "14"
+    assert main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["data"]["prompts"] == 12 and metrics["data"]["prompts_trained_on"] == 2
+    decoding = metrics["decoding"]
+    assert decoding["prompts"] == {"dev": 6, "test": 6} and decoding["prompts_dropped_as_seen_in_training"] == 2
+    decoded = {run["prompt_id"] for run in json.loads((out / "runs.json").read_text())["runs"]}
+    assert decoded == {f"new{i}" for i in range(12)}
+    # on its own data: the validation prompts, less those whose tokens equal a training prompt's (the fixture's
+    # prompts repeat texts under other ids, as text and as a chat message, which the chat template makes equal)
+    rows = load_labelled(str(data))
+    trained_digests = set(split["train"]["prompt_digests"])
+    unseen = {prompt_id for prompt_id, ids in zip(rows["prompt_id"], rows["prompt_ids"])
+              if prompt_id in split["val"]["prompt_ids"] and prompt_digest(ids) not in trained_digests}
+    assert 0 < len(unseen) < len(split["val"]["prompt_ids"])
+    own = tmp_path / "own"
+    assert main(eval_args(checkpoint, data, own, "--record", "false", "--num-decode-prompts", "0")) == 0
+    assert json.loads((own / "metrics.json").read_text())["data"]["prompts"] == len(unseen)
+    # a head that does not record its training prompts cannot be held out on other data: refused, nothing written
+    older = torch.load(checkpoint, weights_only=True)
+    del older["hyper_parameters"]["data_split"]["train_prompts"]
+    torch.save(older, tmp_path / "older.ckpt")
+    refused = eval_args(tmp_path / "older.ckpt", other, tmp_path / "older-report", "--allow-other-data", "true")
+    assert main(refused) == 2 and not (tmp_path / "older-report").exists()
 
 
 def test_decoding_device_and_signal_grid_options(trained, tmp_path, capsys):

@@ -47,6 +47,13 @@ class TrainedHead:
         return self.head.reads
 
     @property
+    def train_prompts(self) -> set[str] | None:
+        """The prompts the head trained on (`data_gen.prompts.prompt_digest` of their token ids); None for a head
+        trained before specheads recorded them."""
+        recorded = self.split.get("train_prompts")
+        return None if recorded is None else set(recorded)
+
+    @property
     def rule(self) -> DecisionRule:
         """The tuned decision rule when eval recorded one, else the untuned default."""
         return self.decision or DecisionRule.untuned(self.reads)

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from data_gen.prompts import prompt_digest
 from data_gen.store import load_labelled, read_manifest, write_json_atomic
 from heads.base import with_derived_signals
 from specheads.errors import UsageError
@@ -211,6 +212,19 @@ class AcceptanceDataModule(L.LightningDataModule):
                              "give more prompts or change data.val_fraction")
         self.splits = {"train": rows.select(train), "val": rows.select(val)}
 
+    def split_by_trained_prompts(self, trained: set[str]) -> None:
+        """Eval's split, for any data of the head's models: rows whose prompt (by `prompt_digest` of its token ids)
+        the head trained on form "train", every other row "val", the held-out rows."""
+        rows = load_labelled(self.path)
+        seen = [prompt_digest(ids) in trained for ids in rows.with_format("numpy", columns=["prompt_ids"])["prompt_ids"]]
+        self.splits = {"train": rows.select([i for i, s in enumerate(seen) if s]),
+                       "val": rows.select([i for i, s in enumerate(seen) if not s])}
+
+    def prompt_digests(self, split: str) -> list[str]:
+        """The distinct prompts of `split`, as sorted `prompt_digest`s of their token ids."""
+        ids = self.splits[split].with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
+        return sorted({prompt_digest(row) for row in ids})
+
     def split_record(self) -> dict[str, Any]:
         """The split, for the run folder: which prompts went where, and the counts."""
         record: dict[str, Any] = {"data": self.path, "fingerprint": self.fingerprint, "val_fraction": self.val_fraction,
@@ -218,7 +232,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         for name, rows in self.splits.items():
             accept = rows.with_format("numpy", columns=["accept"])["accept"]
             record[name] = {"rows": len(rows), "tokens": int(sum(len(a) for a in accept)),
-                            "prompt_ids": sorted(set(rows["prompt_id"]))}
+                            "prompt_ids": sorted(set(rows["prompt_id"])), "prompt_digests": self.prompt_digests(name)}
         return record
 
     def write_split(self, folder: Path) -> None:

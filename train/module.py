@@ -102,7 +102,9 @@ class AcceptanceModule(L.LightningModule):
         self.hparams.data_sampling = data.manifest["identity"]["sampling"]
         self.hparams.data_identity = data.manifest["identity"]
         self.hparams.target = data.manifest.get("target_name")
-        self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed}
+        # the prompts it trains on travel with the head: eval holds out every other prompt, whatever data it reads
+        self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
+                                   "train_prompts": data.prompt_digests("train")}
         if data.mode == "online" or self.hparams.candidate_embedding:
             from train.draft import load_draft
 
