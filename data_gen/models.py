@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from data_gen.digests import cached_sha256
 from data_gen.embedded import EMBEDDED_NAME, embedded_folder
 from specheads.errors import UsageError
 
@@ -192,8 +193,13 @@ def check_same_vocab(target_name: str, target: torch.nn.Module, draft_name: str,
         )
 
 
+WEIGHT_SUFFIXES = {".safetensors", ".bin", ".gguf", ".json"}
+"""The files of a local model folder that its fingerprint hashes."""
+
+
 def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
-    """What identifies the weights: the Hub commit, or a hash of the local files' config, names and heads."""
+    """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole
+    (`data_gen.digests`: computed once per file version, then cached)."""
     identity: dict[str, Any] = {"spec": asdict(spec), "class": type(model).__name__}
     commit = getattr(model.config, "_commit_hash", None)
     source = resolve_source(spec)
@@ -201,13 +207,12 @@ def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
         identity["revision"] = commit
         return identity
     folder = Path(source.location)
+    files = ([folder / source.gguf_file] if source.gguf_file else
+             [file for file in sorted(folder.iterdir()) if file.suffix in WEIGHT_SUFFIXES and file.is_file()])
     digest = hashlib.sha256()
-    for file in sorted(folder.iterdir()):
-        if file.suffix in {".safetensors", ".bin", ".gguf", ".json"} and file.is_file():
-            digest.update(f"{file.name}:{file.stat().st_size}".encode())
-            with open(file, "rb") as handle:
-                digest.update(handle.read(1 << 20))
-    identity["files_sha256"] = digest.hexdigest()[:16]
+    for file in files:
+        digest.update(f"{file.name}:{cached_sha256(file)}\n".encode())
+    identity["weights_sha256"] = digest.hexdigest()[:16]
     return identity
 
 
