@@ -43,15 +43,16 @@ class LabellingModule(L.LightningModule):
         self.state_layer = state_layer
 
     def predict_dataloader(self) -> DataLoader:
-        """This rank's shards: every world_size-th one, starting at its global rank."""
-        mine = self.shards[self.global_rank :: self.trainer.world_size]
+        """This rank's shards: every world_size-th one, starting at its global rank. A rank left without a shard
+        (a small job on many devices) takes one empty step, so that it still joins the collective end of the run."""
+        mine: list[Shard | None] = list(self.shards[self.global_rank :: self.trainer.world_size]) or [None]
         return DataLoader(mine, batch_size=None, collate_fn=_identity, shuffle=False)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a shard is a plan; tensors are built on the device inside the step
 
-    def predict_step(self, shard: Shard, batch_idx: int) -> tuple[Shard, dict[str, list] | None]:
-        if shard_path(self.out, shard.index).is_file():
+    def predict_step(self, shard: Shard | None, batch_idx: int) -> tuple[Shard | None, dict[str, list] | None]:
+        if shard is None or shard_path(self.out, shard.index).is_file():
             return shard, None
         columns: dict[str, list] = {}
         for items in shard.batches:

@@ -38,6 +38,25 @@ def test_two_ranks_give_the_same_rows_as_one(tiny_model, prompts_file, tmp_path)
     assert read_manifest(one)["fingerprint"] == read_manifest(two)["fingerprint"]
 
 
+def test_more_ranks_than_shards_finish_with_the_rows_of_one_rank(tiny_model, prompts_file, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    small = ("--num-prompts", "2")  # 2 prompts x 2 samples = 4 rows = one shard of 4, for two ranks
+    first = subprocess.run([sys.executable, "-m", "specheads", *tiny_args(tiny_model, prompts_file, one, *small)],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert read_manifest(one)["plan"]["num_shards"] == 1
+    second = subprocess.run([sys.executable, "-m", "specheads",
+                             *tiny_args(tiny_model, prompts_file, two, *small, "--devices", "2")],
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "Traceback" not in second.stderr and read_manifest(two)["complete"]
+    a, b = rows_by_key(one), rows_by_key(two)
+    assert sorted(a) == sorted(b) and len(a) == 4
+    for key in a:
+        for column in COLUMNS:
+            assert np.array_equal(np.asarray(a[key][column]), np.asarray(b[key][column])), (key, column)
+
+
 def test_killed_run_resumes_and_labels_every_row_once(tiny_model, prompts_file, tmp_path):
     out = tmp_path / "resume"
     args = tiny_args(tiny_model, prompts_file, out, "--samples-per-prompt", "8", "--max-new-tokens", "24",
