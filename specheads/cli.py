@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
 from specheads import __version__
@@ -19,9 +21,39 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads SUBCOMMAND --help)"
 
 
+DEBUG_FLAG, DEBUG_ENV = "--debug", "SPECHEADS_DEBUG"
+
+
+def failure_line(error: BaseException) -> str:
+    """One line for a failure that is not a UsageError: what went wrong and what to do about it."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"the disk is full{where} (No space left on device); free space or choose another --out, then run the "
+                "same command again: finished work is kept")
+    if isinstance(error, PermissionError):
+        return f"permission denied: {error.filename or error}; choose a folder you can write to, or fix its permissions"
+    if isinstance(error, (MemoryError, torch_out_of_memory())):
+        return ("out of memory; lower the batch size (--batch-size, --data.batch_size) or the sequence lengths, "
+                "or use a device with more memory")
+    message = " ".join(str(error).split())[:300] or "no message"
+    return (f"unexpected {type(error).__name__}: {message}; run again with {DEBUG_ENV}=1 (or {DEBUG_FLAG}) for the "
+            "traceback, and report it if the input looks right")
+
+
+def torch_out_of_memory() -> type[BaseException]:
+    """torch's out-of-memory error type, where torch is already imported (a subclass of RuntimeError)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", MemoryError) if torch else MemoryError
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run `specheads SUBCOMMAND ...`; returns the process exit code."""
+    """Run `specheads SUBCOMMAND ...`; returns the process exit code.
+
+    A failure prints one line and exits non-zero: 2 for bad input (UsageError), 1 for anything else, 130 when
+    interrupted. `--debug` (anywhere) or SPECHEADS_DEBUG=1 lets the traceback through instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [arg for arg in argv if arg != DEBUG_FLAG]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         for name, (_, what) in SUBCOMMANDS.items():
@@ -34,12 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"specheads: error: unknown subcommand {name!r}; known: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
     try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)
     except UsageError as error:
+        if debug:
+            raise
         print(f"specheads {name}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"specheads {name}: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    except Exception as error:  # the last resort: one line instead of a traceback
+        if debug:
+            raise
+        print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -132,3 +132,37 @@ def test_bad_settings(capsys, tiny_model, prompts_file, tmp_path, flags, fragmen
 def test_unknown_subcommand(capsys):
     assert main(["nope"]) == 2
     assert "unknown subcommand 'nope'" in capsys.readouterr().err
+
+
+def test_a_full_disk_and_an_unexpected_error_end_in_one_line_unless_debugging(capsys, tiny_model, prompts_file,
+                                                                            tmp_path, monkeypatch):
+    import errno
+
+    import data_gen.module
+
+    def disk_full(out, index, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / f"shard-{index:05d}.arrow"))
+
+    monkeypatch.setattr(data_gen.module, "write_shard", disk_full)
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specheads gen: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "the disk is full writing" in lines[0] and "run the same command again" in lines[0]
+    with pytest.raises(OSError):  # the traceback is there for whoever asks
+        main(["--debug", *tiny_args(tiny_model, prompts_file, tmp_path / "again", "--num-prompts", "2")])
+    monkeypatch.setenv("SPECHEADS_DEBUG", "1")
+    with pytest.raises(OSError):
+        main(tiny_args(tiny_model, prompts_file, tmp_path / "again", "--num-prompts", "2"))
+    monkeypatch.delenv("SPECHEADS_DEBUG")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something nobody foresaw\nsecond line")
+
+    monkeypatch.setattr(data_gen.module, "write_shard", broken)
+    assert main(tiny_args(tiny_model, prompts_file, tmp_path / "third", "--num-prompts", "2")) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("specheads gen: error:")]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "unexpected RuntimeError: something nobody foresaw second line" in lines[0] and "SPECHEADS_DEBUG=1" in lines[0]
