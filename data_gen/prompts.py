@@ -28,14 +28,36 @@ class Prompt:
         return [{"role": role, "content": content} for role, content in self.messages]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles of the chat format (OpenAI's and Hugging Face chat templates'); any other is refused."""
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI-style content parts `[{"type": "text", "text": ...}]` joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
+                                                 and isinstance(p.get("text"), str) for p in value):
+        return "\n".join(part["text"] for part in value)
+    raise UsageError(f"{where}: a message's content must be text or a list of "
+                     f'{{"type": "text", "text": ...}} parts, got {json.dumps(value)[:80]}; fix that message')
+
+
 def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     if isinstance(value, str):
         if not value.strip():
             raise UsageError(f"{where}: the prompt is empty; give it some text")
         return (("user", value),)
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        return tuple((str(m["role"]), str(m["content"])) for m in value)
-    raise UsageError(f"{where}: expected prompt text or a list of chat messages with `role` and `content`")
+    if not (isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in value)):
+        raise UsageError(f"{where}: expected prompt text or a list of chat messages with `role` and `content`")
+    messages = []
+    for message in value:
+        if message["role"] not in CHAT_ROLES:
+            raise UsageError(f"{where}: unknown chat role {json.dumps(message['role'])}; use one of "
+                             f"{', '.join(CHAT_ROLES)}")
+        messages.append((message["role"], _content(message["content"], where)))
+    return tuple(messages)
 
 
 def _record_to_prompt(record: Any, index: int, where: str, column: str | None) -> Prompt:
@@ -50,12 +72,17 @@ def _record_to_prompt(record: Any, index: int, where: str, column: str | None) -
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Parse a JSONL file, naming the line of any malformed record."""
+    """Parse a JSONL file, naming the line of any malformed or non-UTF-8 record."""
     if not path.is_file():
         raise UsageError(f"file {path} does not exist; check the path")
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UsageError(f"{path}:{number}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                                 f"{error.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

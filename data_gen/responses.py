@@ -89,8 +89,9 @@ def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max
             continue
         if "response_ids" in record:
             ids = record["response_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in ids):
-                raise UsageError(f"{where}: `response_ids` must be a list of token ids below {len(tokenizer)}")
+            if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < len(tokenizer) for t in ids):
+                raise UsageError(f"{where}: `response_ids` must be a list of integer token ids below {len(tokenizer)} "
+                                 "(no booleans, floats or strings); fix that line")
         elif isinstance(record.get("response"), str):
             ids = list(tokenizer(record["response"], add_special_tokens=False)["input_ids"])
             if record.get("finish_reason", "stop") == "stop":

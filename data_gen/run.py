@@ -39,12 +39,18 @@ class Summary:
     mean_accept: float
     tokens_per_s: float | None
     resumed_complete: bool = False
+    skipped_prompts: int = 0
 
     def text(self) -> str:
         """The end-of-run lines printed to the terminal."""
         speed = "nothing new to label" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} labelled tokens/s"
-        return (f"specheads gen: {self.rows} rows, {self.labelled_tokens:,} labelled tokens, "
-                f"mean acceptance {self.mean_accept:.3f}, {speed}\n  wrote {self.out}")
+        lines = [f"specheads gen: {self.rows} rows, {self.labelled_tokens:,} labelled tokens, "
+                 f"mean acceptance {self.mean_accept:.3f}, {speed}"]
+        if self.skipped_prompts:
+            lines.append(f"  skipped {self.skipped_prompts} prompt{'s' if self.skipped_prompts != 1 else ''} too long for "
+                         f"the context (long_prompts: skip; their ids are in {self.out / MANIFEST} under "
+                         "skipped_prompt_ids); raise max_prompt_tokens or shorten them to keep them")
+        return "\n".join(lines + [f"  wrote {self.out}"])
 
 
 def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], imported: dict[str, list[list[int]]] | None,
@@ -154,7 +160,8 @@ def run(config: GenConfig) -> Summary:
         finished = prepare_output(out, fingerprint, identity, config.overwrite)
         if finished is not None:
             counts = finished["counts"]
-            return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True)
+            return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
+                           counts.get("skipped_prompts", 0))
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / MANIFEST, started)
     summary: dict[str, Summary] = {}
@@ -169,7 +176,8 @@ def run(config: GenConfig) -> Summary:
         write_text_atomic(out / "README.md", dataset_card(manifest))
         write_json_atomic(out / MANIFEST, manifest)
         speed = tokens_written / seconds if tokens_written else None
-        summary["done"] = Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_accept"], speed)
+        summary["done"] = Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_accept"], speed,
+                                  skipped_prompts=len(skipped))
 
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,

@@ -52,12 +52,25 @@ def shard_path(out: Path, index: int) -> Path:
     return out / SHARDS / f"shard-{index:05d}.arrow"
 
 
-def publish(temporary: str, final: Path) -> None:
-    """Give a finished temporary file the usual permissions and move it into place atomically."""
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(temporary, 0o666 & ~umask)
+    return umask
+
+
+def publish(temporary: str, final: Path) -> None:
+    """Give a finished temporary file the usual permissions and move it into place atomically."""
+    os.chmod(temporary, 0o666 & ~current_umask())
     os.replace(temporary, final)
+
+
+def usual_permissions(folder: Path) -> None:
+    """Give a folder built in a private temporary directory (mkdtemp's 0700), and everything in it, the permissions
+    a plain mkdir and open would have given under the umask, so that others can read what is published."""
+    umask = current_umask()
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from data_gen.store import usual_permissions
 from export.card import render_card
 from export.config import ExportConfig
 from heads.loading import DecisionRule
@@ -89,6 +90,7 @@ def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], c
         if roc is not None:
             shutil.copyfile(roc, staging / "roc.png")
         render_card(config_json, card_commands, roc is not None).save(staging / "README.md")
+        usual_permissions(staging)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             out.rename(old / out.name)

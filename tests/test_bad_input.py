@@ -79,6 +79,10 @@ def test_long_prompts_are_skipped_and_counted_or_fail(capsys, tiny_model, tmp_pa
     manifest = read_manifest(out)
     assert manifest["counts"]["skipped_prompts"] == 3 and manifest["skipped_prompt_ids"] == ["q0", "q2", "q4"]
     assert set(load_labelled(out)["prompt_id"]) == {"q1", "q3", "q5"}
+    printed = capsys.readouterr().out
+    assert "skipped 3 prompts too long for the context" in printed and "skipped_prompt_ids" in printed
+    assert main(tiny_args(tiny_model, prompts, out, "--max-prompt-tokens", "40")) == 0  # a finished run says it again
+    assert "skipped 3 prompts" in capsys.readouterr().out
     fails(capsys, tiny_args(tiny_model, prompts, tmp_path / "out2", "--max-prompt-tokens", "40", "--long-prompts", "fail"),
           "prompt 'q0'", "long_prompts: skip")
     assert not (tmp_path / "out2").exists()
@@ -166,3 +170,42 @@ def test_a_full_disk_and_an_unexpected_error_end_in_one_line_unless_debugging(ca
     lines = [line for line in err.splitlines() if line.startswith("specheads gen: error:")]
     assert len(lines) == 1 and "Traceback" not in err
     assert "unexpected RuntimeError: something nobody foresaw second line" in lines[0] and "SPECHEADS_DEBUG=1" in lines[0]
+
+
+def test_non_utf8_prompts_and_responses_name_the_file_and_line(capsys, tiny_model, prompts_file, tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    fails(capsys, tiny_args(tiny_model, bad, tmp_path / "out"), f"{bad}:2", "not UTF-8", "0xe9", "save the file as UTF-8")
+    responses = tmp_path / "responses.jsonl"
+    responses.write_bytes(b'{"id": "p0", "response": "\xff\xfe"}\n')
+    fails(capsys, tiny_args(tiny_model, prompts_file, tmp_path / "out", "--responses", str(responses)),
+          f"{responses}:1", "not UTF-8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_response_ids_must_be_integers_not_booleans(capsys, tiny_model, prompts_file, tmp_path):
+    for ids in ([True, 100, 2], [1.0, 2], ["5"]):
+        responses = tmp_path / "responses.jsonl"
+        responses.write_text(json.dumps({"id": "p0", "response_ids": ids}) + "\n")
+        fails(capsys, tiny_args(tiny_model, prompts_file, tmp_path / "out", "--responses", str(responses)),
+              f"{responses}:1", "integer token ids")
+        assert not (tmp_path / "out").exists()  # refused before any compute or write
+
+
+def test_chat_messages_accept_content_parts_and_refuse_unknown_roles_and_nulls(capsys, tiny_model, tmp_path):
+    from data_gen.prompts import load_prompts
+
+    good = tmp_path / "parts.jsonl"
+    good.write_text(json.dumps({"id": "a", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]}) + "\n")
+    assert load_prompts(str(good))[0].messages == (("system", "Be brief."), ("user", "Hello\nthere"))
+    for number, (message, fragment) in enumerate([
+            ({"role": "hacker", "content": "hi"}, 'unknown chat role "hacker"'),
+            ({"role": None, "content": "hi"}, "unknown chat role null"),
+            ({"role": "user", "content": None}, "content must be text"),
+            ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "content must be text")]):
+        bad = tmp_path / f"bad{number}.jsonl"
+        bad.write_text(json.dumps({"id": "ok", "prompt": "fine"}) + "\n" + json.dumps({"id": "b", "messages": [message]}) + "\n")
+        fails(capsys, tiny_args(tiny_model, bad, tmp_path / "out"), f"{bad}:2", fragment)
+        assert not (tmp_path / "out").exists()

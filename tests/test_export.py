@@ -212,3 +212,19 @@ def test_a_malicious_pickle_given_as_a_checkpoint_runs_no_code(trained, tmp_path
     # the same payload loaded the unsafe way does run: the test would catch a return to weights_only=False
     torch.load(crafted, weights_only=False)
     assert marker.read_text() == "ran"
+
+
+def test_an_exported_folder_is_readable_by_others_under_the_usual_umask(trained, tmp_path):
+    import os
+    import stat
+
+    _, root = trained
+    out = tmp_path / "head"
+    previous = os.umask(0o022)
+    try:
+        assert main(["export", "--ckpt", str(root / "sprinter" / "checkpoints" / "last.ckpt"), "--out", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        "README.md": 0o644, "config.json": 0o644, "model.safetensors": 0o644}
