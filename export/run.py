@@ -117,7 +117,23 @@ def push(out: Path, repo_id: str, private: bool, revision: str | None, message: 
     except HfHubHTTPError as error:
         raise UsageError(f"pushing to {repo_id} failed: {str(error).splitlines()[0]}; check the repo id and that "
                          "HF_TOKEN (or `hf auth login`) gives write access") from None
+    except Exception as error:  # no network, HF_HUB_OFFLINE=1, a proxy: httpx and huggingface_hub raise many types
+        reason = " ".join(str(error).split())[:200]
+        raise UsageError(f"pushing to {repo_id} failed ({type(error).__name__}: {reason}); the head is written in {out}: "
+                         "run the same command again once the Hub is reachable (unset HF_HUB_OFFLINE)") from None
     return str(getattr(info, "commit_url", None) or repo_id)
+
+
+def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any]) -> bool:
+    """True when `out` holds exactly this export already (same config.json, same weights): a push can be retried
+    without writing the folder again."""
+    from heads.loading import load_head
+
+    try:
+        same_config = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(config_json))
+        return same_config and load_head(str(out))[0].weights_digest() == trained.head.weights_digest()
+    except (OSError, ValueError, UsageError):
+        return False
 
 
 def export(config: ExportConfig) -> dict[str, Any]:
@@ -136,7 +152,8 @@ def export(config: ExportConfig) -> dict[str, Any]:
         rule, metrics = DecisionRule.untuned(trained.reads), {}
     config_json = head_config(trained, rule, metrics)
     out = Path(config.out)
-    write_folder(out, trained, config_json, commands(config, trained, report_metrics), roc, config.overwrite)
+    if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json)):
+        write_folder(out, trained, config_json, commands(config, trained, report_metrics), roc, config.overwrite)
     if config.push_to_hub:
         config_json["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
                                         f"specheads export of {Path(config.ckpt).name}")

@@ -94,10 +94,15 @@ def read_head_config(folder: Path) -> dict[str, Any]:
 
 def check_weights_shape(folder: Path, config: dict[str, Any]) -> None:
     """Refuse weights whose hidden size differs from the config's (read from the safetensors header)."""
-    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
-        if "hidden_mean" not in weights.keys():
-            raise UsageError(f"{folder / WEIGHTS_FILE} holds no specheads head (no hidden_mean tensor)")
-        found = weights.get_slice("hidden_mean").get_shape()[0]
+    try:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
+            names = set(weights.keys())
+            found = weights.get_slice("hidden_mean").get_shape()[0] if "hidden_mean" in names else None
+    except Exception as error:  # safetensors raises SafetensorError (and others) on a file that is not its format
+        raise UsageError(f"{folder / WEIGHTS_FILE} is not a safetensors file ({' '.join(str(error).split())[:120]}); "
+                         "re-export the head with `specheads export`") from None
+    if found is None:
+        raise UsageError(f"{folder / WEIGHTS_FILE} holds no specheads head (no hidden_mean tensor)")
     if found != config.get("hidden_size"):
         raise UsageError(f"{folder}: config.json says hidden_size {config.get('hidden_size')} but the weights were "
                          f"made for hidden size {found}; the files do not belong together, re-export the head")
@@ -118,7 +123,12 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
     if expect_draft is not None and trained_for != expect_draft:
         raise UsageError(f"head {path_or_repo_id} was trained for draft {trained_for!r}, not {expect_draft!r}; "
                          "use a head trained for your draft, or train one")
-    head = cls.from_pretrained(str(folder))
+    try:
+        head = cls.from_pretrained(str(folder))
+    except (RuntimeError, TypeError, ValueError) as error:  # torch's load_state_dict: missing or unexpected keys
+        reason = " ".join(str(error).split())[:200]
+        raise UsageError(f"{folder}: the weights do not fit config.json (depth {config.get('depth')}): {reason}; the "
+                         "files do not belong together, re-export the head") from None
     head.eval()
     rule = config.get("decision_rule")
     return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.reads))

@@ -141,6 +141,39 @@ def test_push_and_load_through_the_hub_client(exported, tmp_path, monkeypatch, c
     assert rule.tuned
 
 
+def test_a_push_without_the_network_ends_in_one_line_and_is_retried_without_overwrite(exported, tmp_path, monkeypatch,
+                                                                                    capsys):
+    class ConnectError(Exception):
+        """Stands in for the HTTP client's own error type (httpx's), which export cannot list in advance."""
+
+    checkpoint, _, report = exported
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    pushed = tmp_path / "pushed"
+    command = ["export", "--ckpt", str(checkpoint), "--out", str(pushed), "--report", str(report),
+               "--push-to-hub", "me/my-head"]
+
+    def unreachable(self, *args, **kwargs):
+        raise ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", unreachable)
+    assert main(command) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "ConnectError" in error and f"written in {pushed}" in error
+    assert SECRET not in error and (pushed / "model.safetensors").is_file()
+    monkeypatch.undo()  # the real client, offline: huggingface_hub's own refusal, still one line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    assert main(command) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "pushing to me/my-head failed" in error and SECRET not in error
+    uploads = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **k: uploads.append(k["folder_path"]))
+    written = (pushed / "model.safetensors").stat().st_mtime_ns
+    assert main(command) == 0  # back online: the same command pushes the folder it wrote, no --overwrite needed
+    assert uploads == [str(pushed)] and (pushed / "model.safetensors").stat().st_mtime_ns == written
+
+
 def copy_of(folder: Path, tmp_path: Path) -> Path:
     target = tmp_path / "copy"
     shutil.copytree(folder, target)
@@ -159,6 +192,8 @@ def edit_config(folder: Path, **changes) -> None:
     ("shape", r"config\.json says hidden_size 64 but the weights were made for hidden size 32"),
     ("unknown", r"unknown head type 'medusa'; known: specdecpp_resnet, sprinter_linear"),
     ("draft", r"trained for draft 'target minus layers 2', not 'my-draft'"),
+    ("depth", r"the weights do not fit config\.json \(depth 5\)"),
+    ("renamed pickle", r"model\.safetensors is not a safetensors file"),
 ])
 def test_load_head_refusals(exported, tmp_path, breakage, message):
     folder = copy_of(exported[1], tmp_path)
@@ -171,10 +206,16 @@ def test_load_head_refusals(exported, tmp_path, breakage, message):
         edit_config(folder, hidden_size=64)
     elif breakage == "unknown":
         edit_config(folder, head_type="medusa")
+    elif breakage == "depth":
+        edit_config(folder, depth=5)
+    elif breakage == "renamed pickle":
+        torch.save({"x": torch.zeros(1)}, folder / "model.safetensors")
     else:
         expect = "my-draft"
     with pytest.raises(UsageError, match=message):
         load_head(str(folder), expect_draft=expect)
+    if breakage in ("depth", "renamed pickle"):  # through the commands too: one line, exit 2
+        assert main(["export", "--ckpt", str(folder), "--out", str(tmp_path / "again")]) == 2
 
 
 class WritesAMarker:
