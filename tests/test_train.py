@@ -106,10 +106,22 @@ def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
     assert not torch.allclose(checkpoint["state_dict"]["head.hidden_std"], torch.ones(32))
     assert float(checkpoint["state_dict"]["head.logit_correction"]) == pytest.approx(math.log(6.0))  # w_rej / w_acc
     steps = checkpoint["global_step"]
-    # resume: one more epoch from last.ckpt
+    history = logged_epochs(root)
+    assert history == {0, 1}
+    # resume: one more epoch from last.ckpt, appended to the metrics history of the first two
     assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "3", "--ckpt_path", "last")) == 0
     resumed = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["epoch"] == 2 and resumed["global_step"] == steps * 3 // 2
+    assert logged_epochs(root) == {0, 1, 2}
+    # a fresh run in the same folder starts a new history
+    assert main(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "1")) == 0
+    assert logged_epochs(root) == {0}
+
+
+def logged_epochs(root: Path) -> set[int]:
+    import csv
+
+    return {int(float(row["epoch"])) for row in csv.DictReader(open(root / "metrics.csv")) if row.get("epoch")}
 
 
 def test_validation_metrics_equal_a_recomputation(labelled, tmp_path):
@@ -199,6 +211,30 @@ def test_refusals(labelled, tmp_path, capsys):
     refused("--model.lr", "1e12", fragments=["loss became", "step", "learning rate"])
     assert main(fit_args("specdecpp.yaml", tmp_path / "missing", tmp_path / "r")) == 2
     assert "no manifest.json" in capsys.readouterr().err
+    refused("--data.batch_size", "100", fragments=["fewer than one batch of data.batch_size 100",
+                                                   "lower --data.batch_size to at most"])
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_a_run_stopped_by_sigterm_exits_non_zero(labelled, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "specheads",
+                                *fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "100000")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (root / "checkpoints" / "last.ckpt").exists() and process.poll() is None:
+        time.sleep(0.05)
+    assert process.poll() is None, "training must still be running when the signal comes"
+    os.kill(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in err and "--ckpt_path last" in err
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)

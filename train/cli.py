@@ -10,12 +10,18 @@ prints the resolved config, and `--ckpt_path last` resumes. The run folder is
 
 from __future__ import annotations
 
+import csv
+import signal
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from train.data import AcceptanceDataModule
 from train.module import AcceptanceModule
@@ -26,6 +32,27 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 5,
     "default_root_dir": "runs/train",
 }
+
+
+class HistoryWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that it keeps the metrics.csv it finds and appends to it (a resumed run)."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = sorted(next(csv.reader(file), []))
+
+
+class HistoryCSVLogger(CSVLogger):
+    """A CSV logger whose run continues the metrics history of the run it resumes instead of deleting it."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self._root_dir, exist_ok=True)
+            self._experiment = HistoryWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 class TrainCLI(LightningCLI):
@@ -50,7 +77,9 @@ class TrainCLI(LightningCLI):
                                                  save_top_k=1, enable_version_counter=False))
         if config.trainer.logger in (None, True):
             root = config.trainer.default_root_dir
-            trainer.loggers = [CSVLogger(root, name="", version=""), TensorBoardLogger(root, name="tensorboard", version="")]
+            resumed = config.get("ckpt_path") is not None
+            csv_logger = (HistoryCSVLogger if resumed else CSVLogger)(root, name="", version="")
+            trainer.loggers = [csv_logger, TensorBoardLogger(root, name="tensorboard", version="")]
         return trainer
 
 
@@ -61,10 +90,17 @@ def build_cli(argv: list[str], callbacks: Sequence[Callback] = ()) -> TrainCLI:
                     save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
 
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
 def main(argv: list[str]) -> int:
-    """Entry point for `specheads train`."""
+    """Entry point for `specheads train`. A run stopped by SIGTERM (a scheduler's preemption) exits 143, never 0."""
     try:
         build_cli(argv)
+    except SIGTERMException:  # Lightning stops the loop this way; as a bare SystemExit it would read as success
+        print("specheads train: error: stopped by SIGTERM before the run finished; resume it with the same command "
+              "and --ckpt_path last", file=sys.stderr)
+        return SIGTERM_EXIT
     except SystemExit as done:  # --help, --print_config and argument errors end the parser this way
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     return 0

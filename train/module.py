@@ -117,10 +117,19 @@ class AcceptanceModule(L.LightningModule):
         if self.head is None:
             self.build(found, self.embeddings.embedding_dim if self.embeddings is not None else 0)
         if stage == "fit":
+            self.require_a_batch(data)
             self.fit_statistics(data)
             log_dir = self.trainer.log_dir  # a collective call: every rank asks
             if self.trainer.is_global_zero and log_dir:
                 data.write_split(Path(log_dir))
+
+    def require_a_batch(self, data: Any) -> None:
+        """Refuse, before fitting, a training split too small for one global batch (training would take no step)."""
+        rows, ranks = len(data.splits["train"]), self.trainer.world_size
+        if rows < data.batch_size * ranks:
+            raise UsageError(f"the training split of {data.path} holds {rows} rows, fewer than one batch of "
+                             f"data.batch_size {data.batch_size} x {ranks} process(es); lower --data.batch_size to at "
+                             f"most {max(rows // ranks, 1)} or label more prompts")
 
     def match_state_layer(self, data: Any) -> None:
         """Read the draft state the data holds; refuse a head configured for another one."""
