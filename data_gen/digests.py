@@ -1,26 +1,29 @@
-"""Whole-file sha256 digests of model weights, computed once and cached by path, size and modification time.
+"""Facts about files computed once per file version and cached: whole-file sha256 digests, value checks.
 
 A model's fingerprint must change whenever any byte of its weights does (a fine-tune of the same shape
-included), so every file is hashed whole. Hashing a few GB takes seconds to minutes, so the digest is kept
-in `$SPECHEADS_CACHE/file-digests.json` and reused while the file's size and mtime are unchanged.
+included), so every file is hashed whole; a labelled shard's values are range-checked before anything
+trains on them. Both read whole files, so the result is kept in `$SPECHEADS_CACHE/file-facts.json`, keyed by
+the file's path, and reused while its size and modification time are unchanged.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 from data_gen.embedded import cache_root, file_sha256
-from data_gen.store import write_json_atomic
+from data_gen.files import write_json_atomic
 
-CACHE_FILE = "file-digests.json"
+CACHE_FILE = "file-facts.json"
 
 
-def cached_sha256(path: Path) -> str:
-    """The hex sha256 of the whole file at `path`, from the cache when its size and mtime are unchanged."""
+def cached_fact(path: Path, kind: str, compute: Callable[[Path], Any]) -> Any:
+    """`compute(path)` for the file at `path`, from the cache while its size and mtime are unchanged. Nothing is
+    cached when `compute` raises."""
     resolved = path.resolve()
     stat = resolved.stat()
-    key, stamp = str(resolved), [stat.st_size, stat.st_mtime_ns]
+    key, stamp = f"{kind}:{resolved}", [stat.st_size, stat.st_mtime_ns]
     cache_path = cache_root() / CACHE_FILE
     try:
         cache = json.loads(cache_path.read_text())
@@ -28,12 +31,17 @@ def cached_sha256(path: Path) -> str:
         cache = {}
     entry = cache.get(key)
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
-        return str(entry["sha256"])
-    digest = file_sha256(resolved)
-    cache[key] = {"stamp": stamp, "sha256": digest}
+        return entry["value"]
+    value = compute(resolved)
+    cache[key] = {"stamp": stamp, "value": value}
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cache_path, cache)
     except OSError:
-        pass  # a read-only cache only costs hashing again next time
-    return digest
+        pass  # a read-only cache only costs computing again next time
+    return value
+
+
+def cached_sha256(path: Path) -> str:
+    """The hex sha256 of the whole file at `path` (cached)."""
+    return str(cached_fact(path, "sha256", file_sha256))

@@ -1,8 +1,9 @@
 """Labelling as a Lightning predict loop: one process per device, each writing its own shards.
 
 `Trainer.predict` gives the same code path on 1 CPU process, N GPUs, or several nodes under
-torchrun/SLURM. Shards are split over ranks by index; a shard whose file exists is skipped, so a
-killed run started again finishes the rest and nothing is labelled twice.
+torchrun/SLURM. Shards are split over ranks by index; a shard that exists and verifies against its
+record (this run's, its sha256 intact) is skipped, so a killed run started again finishes the rest and
+nothing is labelled twice, while a shard of another run or one changed on disk is labelled again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from data_gen.labels import label_batch
 from data_gen.plan import Shard, row_seed
 from data_gen.responses import generate_responses
 from data_gen.sampling import SamplingTransform
-from data_gen.store import row_features, shard_path, write_shard
+from data_gen.shards import shard_problem
+from data_gen.store import row_features, write_shard
 
 
 class LabellingModule(L.LightningModule):
@@ -28,7 +30,7 @@ class LabellingModule(L.LightningModule):
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
                  transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
-                 state_layer: int | None = None):
+                 state_layer: int | None, run: str):
         super().__init__()
         self.target = target
         self.draft = draft
@@ -41,6 +43,7 @@ class LabellingModule(L.LightningModule):
         self.chunk = chunk
         self.store_features = store_features
         self.state_layer = state_layer
+        self.run = run  # the data fingerprint: a shard another run wrote is labelled again
 
     def predict_dataloader(self) -> DataLoader:
         """This rank's shards: every world_size-th one, starting at its global rank. A rank left without a shard
@@ -52,8 +55,8 @@ class LabellingModule(L.LightningModule):
         return batch  # a shard is a plan; tensors are built on the device inside the step
 
     def predict_step(self, shard: Shard | None, batch_idx: int) -> tuple[Shard | None, dict[str, list] | None]:
-        if shard is None or shard_path(self.out, shard.index).is_file():
-            return shard, None
+        if shard is None or shard_problem(self.out, shard.index, self.run, None, deep=True) is None:
+            return shard, None  # nothing to do here, or done and verified (sha256 included)
         columns: dict[str, list] = {}
         for items in shard.batches:
             responses = [list(i.response_ids) for i in items] if items[0].response_ids is not None else (
@@ -75,9 +78,10 @@ def _identity(item: Any) -> Any:
 class ShardWriter(BasePredictionWriter):
     """Writes each finished shard atomically; when every rank is done, rank 0 runs `on_complete`."""
 
-    def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None]):
+    def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None], run: str):
         super().__init__(write_interval="batch")
         self.out = out
+        self.run = run
         self.schema = row_features(hidden_size)
         self.on_complete = on_complete
         self.tokens_written = 0
@@ -89,7 +93,7 @@ class ShardWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         shard, columns = prediction
         if columns is not None:
-            write_shard(self.out, shard.index, columns, self.schema)
+            write_shard(self.out, shard.index, columns, self.schema, self.run)
             self.tokens_written += sum(len(ids) for ids in columns["target_ids"])
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

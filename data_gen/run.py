@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,12 +21,14 @@ from data_gen.embedded import file_sha256
 from data_gen.models import (ModelPair, chat_template_hash, context_length, derived_draft, load_pair,
                              load_tokenizers, tokenizer_hash, weights_identity)
 from data_gen.module import LabellingModule, ShardWriter
-from data_gen.plan import WorkItem, build_plan
+from data_gen.plan import Shard, WorkItem, build_plan
 from data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from data_gen.responses import load_imported_responses
 from data_gen.states import check_state_layer
-from data_gen.store import (FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, read_manifest, shard_statistics,
-                            write_json_atomic, write_text_atomic)
+from data_gen.files import write_json_atomic, write_text_atomic
+from data_gen.lock import LOCK_FILE, output_lock
+from data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
+from data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
 from specheads import __version__
 from specheads.errors import UsageError
 
@@ -114,12 +118,30 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
     }
 
 
+def refuse_foreign_folder(out: Path, overwrite: bool) -> None:
+    """Refuse, before writing anything there, a non-empty folder that holds no specheads dataset (unless `overwrite`)."""
+    if overwrite or read_manifest(out) is not None or not out.exists():
+        return
+    if any(path.name != LOCK_FILE for path in out.iterdir()):
+        raise UsageError(f"{out} is not empty and holds no specheads dataset; pick another --out or pass --overwrite")
+
+
 def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool) -> dict | None:
-    """Refuse a folder holding other data (unless `overwrite`); returns the manifest of a finished identical run."""
+    """Refuse a folder holding other data (unless `overwrite`); returns the manifest of a finished identical run
+    whose every shard still verifies (sha256 included). Shards that fail are removed, to be labelled again."""
     manifest = read_manifest(out)
     if manifest is not None and manifest.get("fingerprint") == fingerprint:
-        return manifest if manifest.get("complete") else None
-    if manifest is not None or (out.exists() and any(out.iterdir())):
+        if not manifest.get("complete"):
+            return None
+        records = manifest.get("shards") or [None] * manifest["plan"]["num_shards"]
+        failed = {index: shard_problem(out, index, fingerprint, record, deep=True) for index, record in enumerate(records)}
+        failed = {index: problem for index, problem in failed.items() if problem}
+        for index, problem in failed.items():
+            print(f"specheads gen: {shard_path(out, index)} {problem}; labelling it again", file=sys.stderr)
+            shard_path(out, index).unlink(missing_ok=True)
+            record_path(out, index).unlink(missing_ok=True)
+        return None if failed else manifest
+    if manifest is not None or (out.exists() and any(path.name != LOCK_FILE for path in out.iterdir())):
         if not overwrite:
             if manifest is None:
                 raise UsageError(f"{out} is not empty and holds no specheads dataset; pick another --out or pass --overwrite")
@@ -137,7 +159,6 @@ def run(config: GenConfig) -> Summary:
     """Run `specheads gen` with a validated config; every check happens before anything is written."""
     config.validate()
     out = Path(config.out)
-    transform = config.sampling.transform()
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column)
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
     tokenizer = load_tokenizers(config.target, config.draft)
@@ -156,20 +177,33 @@ def run(config: GenConfig) -> Summary:
                  "rows_per_shard": config.rows_per_shard},
         "config": config.as_dict(), "tool_version": __version__,
     }
-    if rank_zero_only.rank == 0:
-        finished = prepare_output(out, fingerprint, identity, config.overwrite)
-        if finished is not None:
-            counts = finished["counts"]
-            return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
-                           counts.get("skipped_prompts", 0))
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / MANIFEST, started)
+    with ExitStack() as held:
+        if rank_zero_only.rank == 0:
+            refuse_foreign_folder(out, config.overwrite)
+            held.enter_context(output_lock(out))  # held until the run ends: a second run into `out` is refused
+            finished = prepare_output(out, fingerprint, identity, config.overwrite)
+            if finished is not None:
+                counts = finished["counts"]
+                return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
+                               counts.get("skipped_prompts", 0))
+            write_json_atomic(out / MANIFEST, started)
+        return label(config, pair, tokenizer, shards, out, started, len(prompts), skipped)
+
+
+def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard], out: Path, started: dict, prompts: int,
+          skipped: list[str]) -> Summary | None:
+    """Label every shard not yet done with Lightning; rank 0 writes the finished manifest. Returns the summary on
+    rank 0, None elsewhere."""
+    transform = config.sampling.transform()
+    fingerprint = started["fingerprint"]
     summary: dict[str, Summary] = {}
 
     def finalise(tokens_written: int, seconds: float) -> None:
         stats = shard_statistics(out, len(shards))
+        records = [read_record(out, index) for index in range(len(shards))]
         manifest = {**started, "complete": True, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "counts": {"prompts": len(prompts) - len(skipped), "skipped_prompts": len(skipped),
+                    "shards": records,
+                    "counts": {"prompts": prompts - len(skipped), "skipped_prompts": len(skipped),
                                "rows": stats["rows"], "labelled_tokens": stats["labelled_tokens"],
                                "draft_tokens": stats["draft_tokens"]},
                     "skipped_prompt_ids": skipped, "mean_accept": stats["mean_accept"], "mean_beta": stats["mean_beta"]}
@@ -181,8 +215,9 @@ def run(config: GenConfig) -> Summary:
 
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
-                             config.store_features, config.state_layer)
-    writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise)
+                             config.store_features, config.state_layer, fingerprint)
+    writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
+                         fingerprint)
     trainer = make_trainer(config, writer)
     trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
 
+from data_gen.files import atomic_path
+from data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
 from specheads.errors import UsageError
 
 MANIFEST = "manifest.json"
-SHARDS = "shards"
 FORMAT = "specheads-labels"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest keeps each shard's record (run, rows, bytes, sha256)
 PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1")
 PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
@@ -47,66 +46,17 @@ def row_features(hidden_size: int | None) -> datasets.Features:
     return datasets.Features(schema)
 
 
-def shard_path(out: Path, index: int) -> Path:
-    """Where shard `index` lives."""
-    return out / SHARDS / f"shard-{index:05d}.arrow"
-
-
-def current_umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def publish(temporary: str, final: Path) -> None:
-    """Give a finished temporary file the usual permissions and move it into place atomically."""
-    os.chmod(temporary, 0o666 & ~current_umask())
-    os.replace(temporary, final)
-
-
-def usual_permissions(folder: Path) -> None:
-    """Give a folder built in a private temporary directory (mkdtemp's 0700), and everything in it, the permissions
-    a plain mkdir and open would have given under the umask, so that others can read what is published."""
-    umask = current_umask()
-    for path in [folder, *folder.rglob("*")]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-@contextmanager
-def atomic_path(final: Path) -> Iterator[str]:
-    """A temporary path beside `final`, moved onto it when the block ends without error (else removed)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(handle)
-    try:
-        yield temporary
-        publish(temporary, final)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
-def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features) -> Path:
-    """Write one shard atomically: a reader sees the whole file or none of it."""
+def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features, run: str) -> Path:
+    """Write one shard atomically (a reader sees the whole file or none of it), carrying `run` (the data fingerprint)
+    in its metadata, then its record beside it (`data_gen.shards`)."""
     final = shard_path(out, index)
     with atomic_path(final) as temporary:
-        writer = ArrowWriter(features=schema, path=temporary)
+        writer = ArrowWriter(features=schema, path=temporary, fingerprint=arrow_fingerprint(run, index))
         writer.write_batch(columns)
         writer.finalize()
         writer.close()
+    write_record(out, index, run, len(columns["prompt_id"]))
     return final
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON via a temporary file and a rename."""
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text via a temporary file and a rename."""
-    with atomic_path(path) as temporary:
-        Path(temporary).write_text(text, encoding="utf-8")
 
 
 def read_manifest(out: Path) -> dict | None:
@@ -121,18 +71,35 @@ def read_manifest(out: Path) -> dict | None:
 
 
 def load_labelled(out: str | os.PathLike, require_complete: bool = True) -> datasets.Dataset:
-    """The labelled rows of a finished `specheads gen` folder, memory-mapped (nothing is read into RAM)."""
+    """The labelled rows of a finished `specheads gen` folder, memory-mapped (nothing is read into RAM).
+
+    Each shard is checked against the manifest's record of it (present, size, rows, the run that wrote it) and its
+    values are range-checked once per file version; a bad shard is refused by name."""
     out = Path(out)
     manifest = read_manifest(out)
     if manifest is None or manifest.get("format") != FORMAT:
         raise UsageError(f"{out} holds no specheads labelled dataset (no {MANIFEST}); run `specheads gen --out {out}` first")
     if require_complete and not manifest.get("complete"):
         raise UsageError(f"{out} holds an unfinished run; run the same `specheads gen` command again to finish it")
-    files = [shard_path(out, i) for i in range(manifest["plan"]["num_shards"])]
-    missing = [f.name for f in files if not f.is_file()]
-    if require_complete and missing:
-        raise UsageError(f"{out} is missing shards ({', '.join(missing[:3])}); run the same `specheads gen` command again")
-    parts = [datasets.Dataset.from_file(str(f)) for f in files if f.is_file()]
+    records = manifest.get("shards")  # per-shard records: written by format 2 and later
+    parts = []
+    for index in range(manifest["plan"]["num_shards"]):
+        path = shard_path(out, index)
+        if records is not None:
+            problem = shard_problem(out, index, manifest["fingerprint"], records[index], deep=False)
+            if problem:
+                raise UsageError(f"{path} {problem}; run the same `specheads gen` command again: it relabels exactly "
+                                 "the shards that fail")
+        elif not path.is_file():
+            if require_complete:
+                raise UsageError(f"{path} is missing; relabel the folder with `specheads gen ... --overwrite`")
+            continue
+        try:
+            parts.append(datasets.Dataset.from_file(str(path)))
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            raise UsageError(f"{path} is not a readable Arrow shard ({' '.join(str(error).split())[:100]}); run the "
+                             "same `specheads gen` command again to relabel it") from None
+        check_shard_values(path)
     if not parts:
         raise UsageError(f"{out} has no shards yet; run `specheads gen --out {out}`")
     return datasets.concatenate_datasets(parts)

@@ -12,7 +12,8 @@ from demo.config import DemoConfig
 from demo.report import write_demo_report
 from demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from demo.summary import summarise, summary_text
-from data_gen.store import read_manifest, write_json_atomic
+from data_gen.files import write_json_atomic
+from data_gen.store import read_manifest
 from specheads.errors import UsageError
 from train.checkpoint import read_checkpoint, EVAL_KEY
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import markdown
 
-from data_gen.store import write_text_atomic
+from data_gen.files import write_text_atomic
 from eval.offline import BASELINES, SIGNAL_ORDER
 from eval.config import GRID_FIELDS, flag
 from eval.plots import PLOTS

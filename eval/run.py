@@ -15,7 +15,8 @@ from data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from data_gen.responses import stop_token_ids
 from data_gen.sampling import SamplingTransform
 from data_gen.states import describe_state
-from data_gen.store import read_manifest, write_json_atomic
+from data_gen.files import write_json_atomic
+from data_gen.store import read_manifest
 from eval.config import EvalConfig
 from eval.decoding import Decoder
 from eval.offline import (TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_distance,

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from data_gen.store import usual_permissions
+from data_gen.files import usual_permissions
 from export.card import render_card
 from export.config import ExportConfig
 from heads.loading import DecisionRule

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from data_gen.store import atomic_path
+from data_gen.files import atomic_path
 from heads import AcceptanceHead
 from heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
 from specheads.errors import UsageError

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from data_gen.prompts import prompt_digest
-from data_gen.store import load_labelled, read_manifest, write_json_atomic
+from data_gen.files import write_json_atomic
+from data_gen.store import load_labelled, read_manifest
 from heads.base import with_derived_signals
 from specheads.errors import UsageError
 

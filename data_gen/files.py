@@ -1,0 +1,57 @@
+"""Writes that a reader never sees half done: a temporary file beside the target, then one rename; and the
+permissions a published file or folder should carry."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def publish(temporary: str, final: Path) -> None:
+    """Give a finished temporary file the usual permissions and move it into place atomically."""
+    os.chmod(temporary, 0o666 & ~current_umask())
+    os.replace(temporary, final)
+
+
+def usual_permissions(folder: Path) -> None:
+    """Give a folder built in a private temporary directory (mkdtemp's 0700), and everything in it, the permissions
+    a plain mkdir and open would have given under the umask, so that others can read what is published."""
+    umask = current_umask()
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[str]:
+    """A temporary path beside `final`, moved onto it when the block ends without error (else removed)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(handle)
+    try:
+        yield temporary
+        publish(temporary, final)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON via a temporary file and a rename."""
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text via a temporary file and a rename."""
+    with atomic_path(path) as temporary:
+        Path(temporary).write_text(text, encoding="utf-8")
