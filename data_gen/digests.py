@@ -18,6 +18,9 @@ from data_gen.files import write_json_atomic
 CACHE_FILE = "file-facts.json"
 
 
+_loaded: dict[Path, dict[str, Any]] = {}  # each cache file's entries, read once per process
+
+
 def cached_fact(path: Path, kind: str, compute: Callable[[Path], Any]) -> Any:
     """`compute(path)` for the file at `path`, from the cache while its size and mtime are unchanged. Nothing is
     cached when `compute` raises."""
@@ -25,10 +28,12 @@ def cached_fact(path: Path, kind: str, compute: Callable[[Path], Any]) -> Any:
     stat = resolved.stat()
     key, stamp = f"{kind}:{resolved}", [stat.st_size, stat.st_mtime_ns]
     cache_path = cache_root() / CACHE_FILE
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    if cache_path not in _loaded:
+        try:
+            _loaded[cache_path] = dict(json.loads(cache_path.read_text()))
+        except (OSError, ValueError, TypeError):
+            _loaded[cache_path] = {}
+    cache = _loaded[cache_path]
     entry = cache.get(key)
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return entry["value"]

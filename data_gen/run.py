@@ -118,11 +118,14 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
     }
 
 
+def holds_files(out: Path) -> bool:
+    """True when `out` exists and holds anything beside the gen lock."""
+    return out.exists() and any(path.name != LOCK_FILE for path in out.iterdir())
+
+
 def refuse_foreign_folder(out: Path, overwrite: bool) -> None:
     """Refuse, before writing anything there, a non-empty folder that holds no specheads dataset (unless `overwrite`)."""
-    if overwrite or read_manifest(out) is not None or not out.exists():
-        return
-    if any(path.name != LOCK_FILE for path in out.iterdir()):
+    if not overwrite and read_manifest(out) is None and holds_files(out):
         raise UsageError(f"{out} is not empty and holds no specheads dataset; pick another --out or pass --overwrite")
 
 
@@ -141,10 +144,9 @@ def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool)
             shard_path(out, index).unlink(missing_ok=True)
             record_path(out, index).unlink(missing_ok=True)
         return None if failed else manifest
-    if manifest is not None or (out.exists() and any(path.name != LOCK_FILE for path in out.iterdir())):
+    if manifest is not None or holds_files(out):
+        refuse_foreign_folder(out, overwrite)
         if not overwrite:
-            if manifest is None:
-                raise UsageError(f"{out} is not empty and holds no specheads dataset; pick another --out or pass --overwrite")
             old = manifest.get("identity", {})
             differs = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
             raise UsageError(f"{out} holds a dataset with a different fingerprint ({manifest.get('fingerprint')} vs "
