@@ -50,7 +50,7 @@ def high_water_mark_mib() -> float:
 
 def prompts_file(count: int, folder: str) -> str:
     """A JSONL of `count` distinct prompts: the built-in set, cycled with a short suffix past its 200."""
-    from data_gen.prompts import load_prompts
+    from specheads.data_gen.prompts import load_prompts
 
     builtin = load_prompts("builtin")
     path = Path(folder) / f"prompts-{count}.jsonl"
@@ -64,7 +64,7 @@ def prompts_file(count: int, folder: str) -> str:
 
 
 def gen_config(prompts: int, max_new_tokens: int, out: str):
-    from data_gen.cli import parse_config
+    from specheads.data_gen.cli import parse_config
 
     return parse_config(["--config", str(ROOT / "configs/gen/smollm2-demo.yaml"), "--prompts", prompts_file(prompts, out),
                          "--num-prompts", str(prompts), "--samples-per-prompt", "1",
@@ -74,7 +74,7 @@ def gen_config(prompts: int, max_new_tokens: int, out: str):
 
 def measure_ours(prompts: int, max_new_tokens: int) -> dict:
     """`specheads gen` end to end (model loading excluded, as for the reference)."""
-    from data_gen import run as run_module
+    from specheads.data_gen import run as run_module
 
     loaded = {}
     original = run_module.load_pair
@@ -99,8 +99,8 @@ def measure_ours(prompts: int, max_new_tokens: int) -> dict:
 
 def measure_reference(prompts: int, max_new_tokens: int) -> dict:
     """The per-prompt pipeline of the SpecDec++ reference code: nothing batched, full logits everywhere."""
-    from data_gen.models import ModelSpec, load_pair
-    from data_gen.prompts import encode_prompt, load_prompts
+    from specheads.data_gen.models import ModelSpec, load_pair
+    from specheads.data_gen.prompts import encode_prompt, load_prompts
 
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
     tokenizer = pair.tokenizer
@@ -137,13 +137,13 @@ def measure_reference(prompts: int, max_new_tokens: int) -> dict:
 
 def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
     """Our labelling stage against one batched target + draft forward (+ draft for features) on the same batches."""
-    from data_gen.config import GenConfig
-    from data_gen.labels import label_batch
-    from data_gen.models import load_pair
-    from data_gen.plan import build_plan, row_seed
-    from data_gen.prompts import load_prompts
-    from data_gen.responses import generate_responses
-    from data_gen.run import select_items
+    from specheads.data_gen.config import GenConfig
+    from specheads.data_gen.labels import label_batch
+    from specheads.data_gen.models import load_pair
+    from specheads.data_gen.plan import build_plan, row_seed
+    from specheads.data_gen.prompts import load_prompts
+    from specheads.data_gen.responses import generate_responses
+    from specheads.data_gen.run import select_items
 
     config: GenConfig = gen_config(prompts, max_new_tokens, tempfile.mkdtemp())
     pair = load_pair(config.target, config.draft)

@@ -49,7 +49,7 @@ class BatchTimer(Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        from train.targets import token_targets
+        from specheads.train.targets import token_targets
 
         synchronize(module.device)
         now = time.perf_counter()
@@ -68,7 +68,7 @@ def synchronize(device: torch.device) -> None:
 
 def measure(data: str, mode: str, root: Path, accelerator: str, epochs: int, num_workers: int) -> dict:
     """Train in this process; labelled tokens/s after the first epoch, data-loading share and peak memory."""
-    from train.cli import build_cli
+    from specheads.train.cli import build_cli
 
     timer = BatchTimer()
     argv = ["fit", "--config", str(ROOT / "configs/train/specdecpp.yaml"), "--data.path", data, "--data.mode", mode,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from data_gen.states import describe_state
+from specheads.data_gen.states import describe_state
 
 LABELS_TABLE = """\
 | field | meaning |
@@ -54,6 +54,6 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
 {LABELS_TABLE}
-Load it with `data_gen.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
+Load it with `specheads.data_gen.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

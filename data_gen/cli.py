@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_gen.config import GenConfig
+from specheads.data_gen.config import GenConfig
 from specheads.dataclass_cli import parse_dataclass
 
 SHORTHANDS = {f"--{name}": f"--sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
@@ -16,7 +16,7 @@ def parse_config(argv: list[str]) -> GenConfig:
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads gen`."""
-    from data_gen.run import run
+    from specheads.data_gen.run import run
 
     config = parse_config(argv)
     summary = run(config)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from data_gen.models import ModelSpec
-from data_gen.sampling import SamplingTransform
+from specheads.data_gen.models import ModelSpec
+from specheads.data_gen.sampling import SamplingTransform
 from specheads.errors import UsageError
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from data_gen.plan import WorkItem, row_seed
-from data_gen.states import decoder_forward
-from data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.data_gen.states import decoder_forward
+from specheads.data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
 @dataclass

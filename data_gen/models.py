@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from data_gen.digests import cached_sha256
-from data_gen.embedded import EMBEDDED_NAME, embedded_folder
+from specheads.data_gen.digests import cached_sha256
+from specheads.data_gen.embedded import EMBEDDED_NAME, embedded_folder
 from specheads.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

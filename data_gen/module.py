@@ -17,12 +17,12 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
 
-from data_gen.labels import label_batch
-from data_gen.plan import Shard, row_seed
-from data_gen.responses import generate_responses
-from data_gen.sampling import SamplingTransform
-from data_gen.shards import shard_problem
-from data_gen.store import row_features, write_shard
+from specheads.data_gen.labels import label_batch
+from specheads.data_gen.plan import Shard, row_seed
+from specheads.data_gen.responses import generate_responses
+from specheads.data_gen.sampling import SamplingTransform
+from specheads.data_gen.shards import shard_problem
+from specheads.data_gen.store import row_features, write_shard
 
 
 class LabellingModule(L.LightningModule):

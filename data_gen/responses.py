@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from data_gen.plan import WorkItem
-from data_gen.prompts import read_jsonl
-from data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.data_gen.plan import WorkItem
+from specheads.data_gen.prompts import read_jsonl
+from specheads.data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.errors import UsageError
 
 

@@ -16,9 +16,9 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
-from data_gen.digests import cached_fact
-from data_gen.embedded import file_sha256
-from data_gen.files import write_json_atomic
+from specheads.data_gen.digests import cached_fact
+from specheads.data_gen.embedded import file_sha256
+from specheads.data_gen.files import write_json_atomic
 from specheads.errors import UsageError
 
 SHARDS = "shards"

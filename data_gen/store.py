@@ -17,8 +17,8 @@ import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
 
-from data_gen.files import atomic_path
-from data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
+from specheads.data_gen.files import atomic_path
+from specheads.data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
 from specheads.errors import UsageError
 
 MANIFEST = "manifest.json"

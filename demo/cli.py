@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from demo.config import DemoConfig
+from specheads.demo.config import DemoConfig
 from specheads.dataclass_cli import parse_dataclass
 
 
@@ -15,7 +15,7 @@ def parse_config(argv: list[str]) -> DemoConfig:
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads demo`."""
-    from demo.run import demo
+    from specheads.demo.run import demo
 
     demo(parse_config(argv))
     return 0

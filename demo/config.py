@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.config_files import packaged_configs
 from specheads.errors import UsageError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = packaged_configs()
 
 
 @dataclass
@@ -44,9 +45,9 @@ def stage_config(size: str, name: str) -> Path:
 
 
 def base_config(relative: str) -> Path:
-    """A YAML under configs/; a missing one names the install that keeps configs/ beside the code."""
+    """A YAML among the configs installed with specheads; a missing one means a broken install."""
     path = CONFIGS / relative
     if not path.is_file():
-        raise UsageError(f"the config {path} is missing; run the demo from a clone of the repository installed with "
-                         "`sh scripts/install.sh` (an editable install keeps configs/ beside the code)")
+        raise UsageError(f"the config {path} is missing from the installed specheads; reinstall it "
+                         "(`sh scripts/install.sh`, or `pip install .`)")
     return path

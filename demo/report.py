@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from demo.stages import HEADS, Layout
-from demo.summary import decoding_line, duration
-from eval.report import fmt, interval_cell, report_markdown, write_markdown
+from specheads.demo.stages import HEADS, Layout
+from specheads.demo.summary import decoding_line, duration
+from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
 
 
 def summary_table(summary: dict[str, Any]) -> list[str]:

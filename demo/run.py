@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.config import DemoConfig
-from demo.report import write_demo_report
-from demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
-from demo.summary import summarise, summary_text
-from data_gen.files import write_json_atomic
-from data_gen.store import read_manifest
+from specheads.demo.config import DemoConfig
+from specheads.demo.report import write_demo_report
+from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
+from specheads.demo.summary import summarise, summary_text
+from specheads.data_gen.files import write_json_atomic
+from specheads.data_gen.store import read_manifest
 from specheads.errors import UsageError
-from train.checkpoint import read_checkpoint, EVAL_KEY
+from specheads.train.checkpoint import read_checkpoint, EVAL_KEY
 
 
 def evaluated(layout: Layout, head: str) -> bool:

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from demo.config import base_config, stage_config
+from specheads.demo.config import base_config, stage_config
 
 HEADS = {"specdecpp": "SpecDec++ head", "sprinter": "SPRINTER verifier"}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from demo.stages import HEADS, Layout, relative
-from eval.report import MIN_TEST_PROMPTS, interval_cell
+from specheads.demo.stages import HEADS, Layout, relative
+from specheads.eval.report import MIN_TEST_PROMPTS, interval_cell
 
 
 def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str, Any]:
@@ -102,5 +102,5 @@ def summary_text(summary: dict[str, Any]) -> str:
                   f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]
     stages = " · ".join(f"{key} {duration(value)}" for key, value in summary["seconds"].items() if key != "total")
     lines += [f"  stages   {stages}", f"  report   {relative(summary['report'])}",
-              "  load a head: heads.load_head(folder) (docs/decoding-core.md); the figures are in summary.json"]
+              "  load a head: specheads.heads.load_head(folder) (docs/decoding-core.md); the figures are in summary.json"]
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eval.config import EvalConfig
+from specheads.eval.config import EvalConfig
 from specheads.dataclass_cli import parse_dataclass
 
 
@@ -14,7 +14,7 @@ def parse_config(argv: list[str]) -> EvalConfig:
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads eval`."""
-    from eval.run import evaluate
+    from specheads.eval.run import evaluate
 
     config = parse_config(argv)
     metrics = evaluate(config)

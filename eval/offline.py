@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
+from specheads.eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
                           soft_auc, soft_pr_auc)
-from heads import STORED_SIGNALS
-from train.checkpoint import TrainedHead
-from train.data import AcceptanceDataModule
-from train.targets import draft_features, head_inputs
+from specheads.heads import STORED_SIGNALS
+from specheads.train.checkpoint import TrainedHead
+from specheads.train.data import AcceptanceDataModule
+from specheads.train.targets import draft_features, head_inputs
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")

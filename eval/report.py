@@ -7,10 +7,10 @@ from typing import Any
 
 import markdown
 
-from data_gen.files import write_text_atomic
-from eval.offline import BASELINES, SIGNAL_ORDER
-from eval.config import GRID_FIELDS, flag
-from eval.plots import PLOTS
+from specheads.data_gen.files import write_text_atomic
+from specheads.eval.offline import BASELINES, SIGNAL_ORDER
+from specheads.eval.config import GRID_FIELDS, flag
+from specheads.eval.plots import PLOTS
 
 
 MIN_TEST_PROMPTS = 8

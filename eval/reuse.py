@@ -14,8 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from data_gen.prompts import prompt_digest
-from eval.sweep import DecodePrompt, RunKey, RunRecord
+from specheads.data_gen.prompts import prompt_digest
+from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.errors import UsageError
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")

@@ -10,27 +10,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_gen.models import ModelPair, ModelSpec, load_pair
-from data_gen.prompts import encode_prompt, load_prompts, prompt_digest
-from data_gen.responses import stop_token_ids
-from data_gen.sampling import SamplingTransform
-from data_gen.states import describe_state
-from data_gen.files import write_json_atomic
-from data_gen.store import read_manifest
-from eval.config import EvalConfig
-from eval.decoding import Decoder
-from eval.offline import (TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_distance,
+from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
+from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
+from specheads.data_gen.responses import stop_token_ids
+from specheads.data_gen.sampling import SamplingTransform
+from specheads.data_gen.states import describe_state
+from specheads.data_gen.files import write_json_atomic
+from specheads.data_gen.store import read_manifest
+from specheads.eval.config import EvalConfig
+from specheads.eval.decoding import Decoder
+from specheads.eval.offline import (TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_distance,
                           sprinter_operating_points)
-from eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
-from eval.report import verdict, write_report
-from eval.reuse import decoding_context, load_reusable
-from eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, grid_edges, measure_costs,
+from specheads.eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
+from specheads.eval.report import verdict, write_report
+from specheads.eval.reuse import decoding_context, load_reusable
+from specheads.eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, grid_edges, measure_costs,
                         paired_gain_interval, records_as_dicts, run_sweep, signal_thresholds, tune)
-from eval.tuned import load_tuning
-from heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
+from specheads.eval.tuned import load_tuning
+from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.errors import UsageError
-from train.checkpoint import TrainedHead, load_trained, record_evaluation
-from train.data import AcceptanceDataModule
+from specheads.train.checkpoint import TrainedHead, load_trained, record_evaluation
+from specheads.train.data import AcceptanceDataModule
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")

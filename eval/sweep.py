@@ -17,10 +17,10 @@ import numpy as np
 from sklearn.linear_model import LinearRegression
 from tqdm.auto import tqdm
 
-from eval.decoding import DecodeResult, Decoder, target_log_likelihood
-from eval.offline import interval
-from eval.policies import make_policy
-from heads import AcceptanceHead
+from specheads.eval.decoding import DecodeResult, Decoder, target_log_likelihood
+from specheads.eval.offline import interval
+from specheads.eval.policies import make_policy
+from specheads.heads import AcceptanceHead
 
 HEAD_THRESHOLDS = (0.3, 0.5, 0.65, 0.8, 0.9)
 SPRINTER_THRESHOLDS = (0.3, 0.5, 0.7, 0.85)

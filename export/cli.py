@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export.config import ExportConfig
+from specheads.export.config import ExportConfig
 from specheads.dataclass_cli import parse_dataclass
 
 
@@ -14,7 +14,7 @@ def parse_config(argv: list[str]) -> ExportConfig:
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads export`."""
-    from export.run import export
+    from specheads.export.run import export
 
     config = parse_config(argv)
     written = export(config)

@@ -8,13 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from data_gen.files import usual_permissions
-from export.card import render_card
-from export.config import ExportConfig
-from heads.loading import DecisionRule
+from specheads.data_gen.files import usual_permissions
+from specheads.export.card import render_card
+from specheads.export.config import ExportConfig
+from specheads.heads.loading import DecisionRule
 from specheads import __version__
 from specheads.errors import UsageError
-from train.checkpoint import TrainedHead, load_trained
+from specheads.train.checkpoint import TrainedHead, load_trained
 
 FORMAT_VERSION = 1
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
@@ -127,7 +127,7 @@ def push(out: Path, repo_id: str, private: bool, revision: str | None, message: 
 def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any]) -> bool:
     """True when `out` holds exactly this export already (same config.json, same weights): a push can be retried
     without writing the folder again."""
-    from heads.loading import load_head
+    from specheads.heads.loading import load_head
 
     try:
         same_config = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(config_json))
@@ -142,7 +142,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
     report_metrics = None
     roc = None
     if config.report:
-        from eval.run import headline
+        from specheads.eval.run import headline
 
         report_metrics, roc = read_report(Path(config.report), trained)
         rule, metrics = DecisionRule(**report_metrics["decision_rule"]), headline(report_metrics)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from heads.base import AcceptanceHead
+from specheads.heads.base import AcceptanceHead
 
 
 class LinearVerifier(AcceptanceHead):

@@ -14,8 +14,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from heads.base import AcceptanceHead
-from heads.registry import head_class
+from specheads.heads.base import AcceptanceHead
+from specheads.heads.registry import head_class
 from specheads.errors import UsageError
 
 WEIGHTS_FILE = "model.safetensors"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from heads.base import AcceptanceHead
-from heads.linear import LinearVerifier
-from heads.resnet import ResNetAcceptanceHead
+from specheads.heads.base import AcceptanceHead
+from specheads.heads.linear import LinearVerifier
+from specheads.heads.resnet import ResNetAcceptanceHead
 from specheads.errors import UsageError
 
 HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, LinearVerifier)}

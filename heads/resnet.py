@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from heads.base import AcceptanceHead, check_count
+from specheads.heads.base import AcceptanceHead, check_count
 
 
 class ResNetAcceptanceHead(AcceptanceHead):

@@ -8,14 +8,15 @@ import os
 import sys
 
 from specheads import __version__
+from specheads.config_files import with_configs_resolved
 from specheads.errors import UsageError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "gen": ("data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
-    "train": ("train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
-    "eval": ("eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
-    "export": ("export.cli", "write a head folder (safetensors + config.json + model card) and push it to the Hub"),
-    "demo": ("demo.cli", "the whole pipeline on the embedded pair: gen, train both heads, eval, export, one report"),
+    "gen": ("specheads.data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
+    "train": ("specheads.train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
+    "eval": ("specheads.eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
+    "export": ("specheads.export.cli", "write a head folder (safetensors + config.json + model card) and push it to the Hub"),
+    "demo": ("specheads.demo.cli", "the whole pipeline on the embedded pair: gen, train both heads, eval, export, one report"),
 }
 
 USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads SUBCOMMAND --help)"
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
-        return int(module.main(argv[1:]) or 0)
+        return int(module.main(with_configs_resolved(argv[1:], name)) or 0)
     except UsageError as error:
         if debug:
             raise

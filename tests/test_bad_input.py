@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import tiny_args
-from data_gen.store import load_labelled, read_manifest
+from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.cli import main
 
 
@@ -142,12 +142,11 @@ def test_a_full_disk_and_an_unexpected_error_end_in_one_line_unless_debugging(ca
                                                                             tmp_path, monkeypatch):
     import errno
 
-    import data_gen.module
-
+    import specheads.data_gen.module
     def disk_full(out, index, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(out / f"shard-{index:05d}.arrow"))
 
-    monkeypatch.setattr(data_gen.module, "write_shard", disk_full)
+    monkeypatch.setattr(specheads.data_gen.module, "write_shard", disk_full)
     out = tmp_path / "out"
     assert main(tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")) == 1
     err = capsys.readouterr().err
@@ -164,7 +163,7 @@ def test_a_full_disk_and_an_unexpected_error_end_in_one_line_unless_debugging(ca
     def broken(*args, **kwargs):
         raise RuntimeError("something nobody foresaw\nsecond line")
 
-    monkeypatch.setattr(data_gen.module, "write_shard", broken)
+    monkeypatch.setattr(specheads.data_gen.module, "write_shard", broken)
     assert main(tiny_args(tiny_model, prompts_file, tmp_path / "third", "--num-prompts", "2")) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("specheads gen: error:")]
@@ -193,7 +192,7 @@ def test_response_ids_must_be_integers_not_booleans(capsys, tiny_model, prompts_
 
 
 def test_chat_messages_accept_content_parts_and_refuse_unknown_roles_and_nulls(capsys, tiny_model, tmp_path):
-    from data_gen.prompts import load_prompts
+    from specheads.data_gen.prompts import load_prompts
 
     good = tmp_path / "parts.jsonl"
     good.write_text(json.dumps({"id": "a", "messages": [

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from data_gen.cli import parse_config
-from data_gen.prompts import load_prompts
+from specheads.data_gen.cli import parse_config
+from specheads.data_gen.prompts import load_prompts
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "gen").glob("*.yaml"))
 
@@ -44,3 +44,25 @@ def test_hf_dataset_prompts_from_a_local_folder(tmp_path):
     assert [p.id for p in prompts] == ["a", "b"] and prompts[1].messages == (("user", "Count to 3."),)
     (tmp_path / "p.csv").write_text("prompt\nHello there\n")
     assert load_prompts(str(tmp_path / "p.csv"))[0].messages == (("user", "Hello there"),)
+
+
+def test_configs_are_found_by_name_among_the_packaged_ones(tmp_path, monkeypatch, capsys):
+    from importlib.resources import files
+
+    from specheads.cli import main
+    from specheads.config_files import resolve_config, with_configs_resolved
+    from specheads.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here: only the installed package data can answer
+    packaged = Path(str(files("specheads.configs")))
+    for value in ("smollm2-demo", "smollm2-demo.yaml", "gen/smollm2-demo.yaml", "configs/gen/smollm2-demo.yaml"):
+        assert Path(resolve_config(value, "gen")) == packaged / "gen" / "smollm2-demo.yaml"
+    assert Path(resolve_config("specdecpp", "train")).read_text() == (Path(__file__).parents[1] / "configs/train/specdecpp.yaml").read_text()
+    mine = tmp_path / "smollm2-demo"
+    mine.write_text("num_prompts: 3\n")  # a file of the user's wins over a packaged name
+    assert with_configs_resolved(["--config", "smollm2-demo", "--config=sprinter"], "train") == [
+        "--config", "smollm2-demo", "--config=" + str(packaged / "train" / "sprinter.yaml")]
+    with pytest.raises(UsageError, match="nor one of the gen configs that ship with specheads .*smollm2-demo-16x"):
+        resolve_config("no-such-config", "gen")
+    assert parse_config(with_configs_resolved(["--config", "smollm2-demo-16x"], "gen")).samples_per_prompt == 16
+    assert main(["gen", "--config", "no-such-config"]) == 2 and "no config 'no-such-config'" in capsys.readouterr().err

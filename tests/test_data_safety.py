@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_args
-from data_gen.shards import read_record, read_table, record_path, shard_path
-from data_gen.store import load_labelled, read_manifest
+from specheads.data_gen.shards import read_record, read_table, record_path, shard_path
+from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.cli import main
 from specheads.errors import UsageError
 

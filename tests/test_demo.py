@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from demo.config import CONFIGS, DemoConfig
-from demo.stages import HEADS
+from specheads.demo.config import CONFIGS, DemoConfig
+from specheads.demo.stages import HEADS
 from specheads.cli import main
 
 SIZES = ("full", "quick")
@@ -18,8 +18,8 @@ SIZES = ("full", "quick")
 
 @pytest.mark.parametrize("size", SIZES)
 def test_demo_gen_and_eval_configs_are_valid(size):
-    from data_gen.cli import parse_config as gen_config
-    from eval.cli import parse_config as eval_config
+    from specheads.data_gen.cli import parse_config as gen_config
+    from specheads.eval.cli import parse_config as eval_config
 
     gen = gen_config(["--config", str(CONFIGS / "gen/smollm2-demo.yaml"), "--config", str(CONFIGS / f"demo/{size}/gen.yaml")])
     gen.validate()
@@ -53,7 +53,7 @@ def numbers(text: str) -> set[str]:
 
 @pytest.mark.integration
 def test_quick_demo_end_to_end(tmp_path, capsys):
-    from heads import load_head
+    from specheads.heads import load_head
 
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0
@@ -98,3 +98,34 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "num_prompts" in error or "prompts" in error
     assert "--overwrite" in error and "demo stopped at `gen`" in error
+
+
+@pytest.mark.integration
+def test_an_installed_copy_runs_the_quick_demo_beside_a_users_train_and_eval(tmp_path):
+    """`pip install .` (not editable) puts only `specheads` into site-packages: a folder with its own train.py and
+    eval.py, and no configs/, runs the quick demo, and `import train` finds the user's file, not ours."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = tmp_path / "source"
+    shutil.copytree(Path(__file__).parents[1], source,
+                    ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info", "__pycache__"))
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-2000:]
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["specheads"]
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("train.py", "eval.py"):
+        (user / name).write_text("raise SystemExit('the user\\'s own module was imported instead of specheads')\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    demo = subprocess.run([sys.executable, "-m", "specheads", "demo", "--quick", "--out", "demo", "--progress", "false"],
+                          cwd=user, capture_output=True, text=True, timeout=900, env=env)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    summary = json.loads((user / "demo" / "summary.json").read_text())
+    assert set(summary["heads"]) == set(HEADS) and all((user / "demo" / "heads" / h / "model.safetensors").is_file() for h in HEADS)
+    where = subprocess.run([sys.executable, "-c", "import specheads.train, train"], cwd=user, capture_output=True,
+                           text=True, env=env)
+    assert "the user's own module was imported" in where.stderr  # `train` is the user's; specheads.train imported first

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_gen.embedded import embedded_folder
-from data_gen.models import ModelSpec, load_pair, load_tokenizers
-from data_gen.store import load_labelled, read_manifest
+from specheads.data_gen.embedded import embedded_folder
+from specheads.data_gen.models import ModelSpec, load_pair, load_tokenizers
+from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.cli import main
 
 pytestmark = pytest.mark.integration

@@ -12,23 +12,23 @@ from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from data_gen.sampling import SamplingTransform
-from eval.decoding import CachedModel, Decoder
-from eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
-from eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
-from eval.policies import make_policy
-from eval.run import check_data
-from demo.summary import decoding_line
-from eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
-from eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
+from specheads.data_gen.sampling import SamplingTransform
+from specheads.eval.decoding import CachedModel, Decoder
+from specheads.eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
+from specheads.eval.policies import make_policy
+from specheads.eval.run import check_data
+from specheads.demo.summary import decoding_line
+from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
+from specheads.eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
                          paired_gain_interval)
-from heads import ResNetAcceptanceHead, LinearVerifier
+from specheads.heads import ResNetAcceptanceHead, LinearVerifier
 from conftest import tiny_args
-from data_gen.prompts import prompt_digest
-from data_gen.store import load_labelled
+from specheads.data_gen.prompts import prompt_digest
+from specheads.data_gen.store import load_labelled
 from specheads.cli import main
 from specheads.errors import UsageError
-from train.checkpoint import TrainedHead, load_trained
+from specheads.train.checkpoint import TrainedHead, load_trained
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 
@@ -438,8 +438,8 @@ def test_other_data_is_held_out_by_the_prompts_the_head_trained_on(trained, tiny
 
 
 def test_decoding_device_and_signal_grid_options(trained, tmp_path, capsys):
-    from eval.run import decoding_device
-    from eval.sweep import signal_thresholds
+    from specheads.eval.run import decoding_device
+    from specheads.eval.sweep import signal_thresholds
 
     assert decoding_device("cpu") == torch.device("cpu")
     assert decoding_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -536,7 +536,7 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
 
 
 def test_an_earlier_tuning_is_matched_to_its_head_by_weights_then_source_and_config():
-    from eval.tuned import head_differences
+    from specheads.eval.tuned import head_differences
 
     head = {"source": "a.ckpt", "weights_digest": "d1", "reads": "candidate_state", "data_fingerprint": "f",
             "config": {"depth": 3, "state_layer": None}}

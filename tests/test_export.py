@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import huggingface_hub
-from heads import load_head
+from specheads.heads import load_head
 from specheads.cli import main
 from specheads.errors import UsageError
-from train.checkpoint import load_trained
+from specheads.train.checkpoint import load_trained
 
 SECRET = "hf_SECRETtoken0123456789"
 

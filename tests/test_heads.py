@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from heads import HEADS, SIGNALS, LinearVerifier, ResNetAcceptanceHead, build_head, head_class, with_derived_signals
+from specheads.heads import HEADS, SIGNALS, LinearVerifier, ResNetAcceptanceHead, build_head, head_class, with_derived_signals
 from specheads.errors import UsageError
 
 H = 16

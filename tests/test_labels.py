@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_args
-from data_gen.models import ModelSpec, load_model
-from data_gen.store import load_labelled, read_manifest
+from specheads.data_gen.models import ModelSpec, load_model
+from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.cli import main
 from test_sampling import brute_force_probs
 

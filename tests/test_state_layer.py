@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from conftest import tiny_args
-from data_gen.models import ModelSpec, load_model
-from data_gen.states import check_state_layer, decoder_forward
-from data_gen.store import load_labelled, read_manifest
-from eval.decoding import CachedModel
-from eval.run import check_data
+from specheads.data_gen.models import ModelSpec, load_model
+from specheads.data_gen.states import check_state_layer, decoder_forward
+from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.eval.decoding import CachedModel
+from specheads.eval.run import check_data
 from specheads.cli import main
 from specheads.errors import UsageError
-from train.checkpoint import load_trained
-from train.data import AcceptanceDataModule
-from train.draft import load_draft
+from specheads.train.checkpoint import load_trained
+from specheads.train.data import AcceptanceDataModule
+from specheads.train.draft import load_draft
 from test_train import fit_args
 
 LAYER = 2  # the tiny draft (target minus layer 2) has 3 decoder layers
@@ -80,7 +80,7 @@ def test_training_online_and_eval_follow_the_state_layer(inner, tmp_path, capsys
     online = AcceptanceDataModule(str(data), mode="online", val_fraction=0.3, batch_size=4)
     stored = AcceptanceDataModule(str(data), mode="offline", val_fraction=0.3, batch_size=4)
     online.setup("fit"), stored.setup("fit")
-    from train.targets import draft_features
+    from specheads.train.targets import draft_features
 
     draft = load_draft(online.manifest)
     online_batch, offline_batch = next(iter(online.val_dataloader())), next(iter(stored.val_dataloader()))
@@ -100,7 +100,7 @@ def test_training_online_and_eval_follow_the_state_layer(inner, tmp_path, capsys
     assert main(["export", "--ckpt", str(root / "run" / "checkpoints" / "last.ckpt"), "--out", str(exported)]) == 0
     assert json.loads((exported / "config.json").read_text())["state_layer"] == LAYER
     assert f"after decoder layer {LAYER}" in (exported / "README.md").read_text()
-    from heads import load_head
+    from specheads.heads import load_head
 
     assert load_head(str(exported))[0].state_layer == LAYER
     # a head configured for another layer, and data holding another state, are refused

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_args
-from eval.metrics import binary_kl, soft_auc
-from heads import SIGNALS
+from specheads.eval.metrics import binary_kl, soft_auc
+from specheads.heads import SIGNALS
 from specheads.cli import main
-from train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
-from train.loss import weighted_bce
-from train.module import AcceptanceModule
-from train.targets import token_targets
+from specheads.train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
+from specheads.train.loss import weighted_bce
+from specheads.train.module import AcceptanceModule
+from specheads.train.targets import token_targets
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 
@@ -165,7 +165,7 @@ def test_online_mode_computes_the_stored_features(labelled, labelled_online, tmp
     data = AcceptanceDataModule(str(labelled), mode="online", val_fraction=0.3, batch_size=4)
     stored = AcceptanceDataModule(str(labelled), mode="offline", val_fraction=0.3, batch_size=4)
     data.setup("fit"), stored.setup("fit")
-    from train.draft import load_draft
+    from specheads.train.draft import load_draft
 
     module.draft_model = [load_draft(data.manifest)]
     online_batch, offline_batch = next(iter(data.val_dataloader())), next(iter(stored.val_dataloader()))
@@ -178,7 +178,7 @@ def test_a_batch_read_in_one_take_equals_the_stored_rows(labelled):
     """RowDataset reads a batch with one Arrow take: every row keeps its own columns and float16 states."""
     from torch.utils.data import DataLoader
 
-    from data_gen.store import load_labelled
+    from specheads.data_gen.store import load_labelled
 
     rows = load_labelled(labelled)
     dataset = RowDataset(rows, with_features=True)
@@ -264,7 +264,7 @@ def test_two_process_ddp_on_cpu(labelled, tmp_path):
 
 
 def test_class_weight_correction_recovers_the_soft_label():
-    from heads import ResNetAcceptanceHead
+    from specheads.heads import ResNetAcceptanceHead
 
     head = ResNetAcceptanceHead(4, depth=0)
     head.set_class_weights(1.0, 6.0)
@@ -285,8 +285,8 @@ def test_class_weight_correction_recovers_the_soft_label():
 
 @pytest.mark.parametrize("head", ["specdecpp_resnet", "sprinter_linear"])
 def test_untrained_head_starts_at_the_weighted_signal_probe(labelled, head):
-    from train.data import AcceptanceDataModule
-    from train.loss import weighted_bce
+    from specheads.train.data import AcceptanceDataModule
+    from specheads.train.loss import weighted_bce
 
     data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)
     data.setup()

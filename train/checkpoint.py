@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from data_gen.files import atomic_path
-from heads import AcceptanceHead
-from heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
+from specheads.data_gen.files import atomic_path
+from specheads.heads import AcceptanceHead
+from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
 from specheads.errors import UsageError
 
 EVAL_KEY = "specheads_eval"
@@ -82,7 +82,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 def module_from_checkpoint(checkpoint: dict[str, Any]) -> Any:
     """The `AcceptanceModule` a checkpoint describes, built from its constructor arguments (no instantiator or
     class path stored in the file is followed) with the head's weights loaded."""
-    from train.module import AcceptanceModule
+    from specheads.train.module import AcceptanceModule
 
     accepted = set(inspect.signature(AcceptanceModule.__init__).parameters) - {"self"}
     hparams = checkpoint.get("hyper_parameters") or {}

@@ -23,8 +23,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from train.data import AcceptanceDataModule
-from train.module import AcceptanceModule
+from specheads.train.data import AcceptanceDataModule
+from specheads.train.module import AcceptanceModule
 
 TRAINER_DEFAULTS = {
     "max_epochs": 3,

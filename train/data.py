@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from data_gen.prompts import prompt_digest
-from data_gen.files import write_json_atomic
-from data_gen.store import load_labelled, read_manifest
-from heads.base import with_derived_signals
+from specheads.data_gen.prompts import prompt_digest
+from specheads.data_gen.files import write_json_atomic
+from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.heads.base import with_derived_signals
 from specheads.errors import UsageError
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")

@@ -18,12 +18,12 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
-from data_gen.states import describe_state
-from eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
-from heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
-from train.loss import weighted_bce
-from train.probe import signal_probe
-from train.targets import Contexts, draft_features, head_inputs, token_targets
+from specheads.data_gen.states import describe_state
+from specheads.eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
+from specheads.train.loss import weighted_bce
+from specheads.train.probe import signal_probe
+from specheads.train.targets import Contexts, draft_features, head_inputs, token_targets
 from specheads.errors import UsageError
 
 VALIDATION_COLUMNS = ("prediction", "label", *STORED_SIGNALS)
@@ -106,7 +106,7 @@ class AcceptanceModule(L.LightningModule):
         self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
                                    "train_prompts": data.prompt_digests("train")}
         if data.mode == "online" or self.hparams.candidate_embedding:
-            from train.draft import load_draft
+            from specheads.train.draft import load_draft
 
             draft = load_draft(data.manifest)
             if data.mode == "online":
