@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from specheads.data_gen.states import describe_state
+from specheads.states import describe_state
 
 LABELS_TABLE = """\
 | field | meaning |

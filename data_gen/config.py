@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from specheads.data_gen.models import ModelSpec
-from specheads.data_gen.sampling import SamplingTransform
+from specheads.sampling import SamplingTransform
 from specheads.errors import UsageError
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specheads.data_gen.embedded import cache_root, file_sha256
-from specheads.data_gen.files import write_json_atomic
+from specheads.files import write_json_atomic
 
 CACHE_FILE = "file-facts.json"
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
-from specheads.data_gen.states import decoder_forward
-from specheads.data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.states import decoder_forward
+from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PositionLabels:
 def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
                    state_layer: int | None = None) -> torch.Tensor:
     """The decoder's states for right-padded `sequences`: [B, L, h]; the last layer's (after the final norm) unless
-    `state_layer` names an inner one (`data_gen.states`)."""
+    `state_layer` names an inner one (`specheads.states`)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from specheads.data_gen.labels import label_batch
 from specheads.data_gen.plan import Shard, row_seed
 from specheads.data_gen.responses import generate_responses
-from specheads.data_gen.sampling import SamplingTransform
+from specheads.sampling import SamplingTransform
 from specheads.data_gen.shards import shard_problem
 from specheads.data_gen.store import row_features, write_shard
 

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.prompts import read_jsonl
-from specheads.data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.errors import UsageError
 
 

@@ -24,8 +24,8 @@ from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
 from specheads.data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from specheads.data_gen.responses import load_imported_responses
-from specheads.data_gen.states import check_state_layer
-from specheads.data_gen.files import write_json_atomic, write_text_atomic
+from specheads.states import check_state_layer
+from specheads.files import write_json_atomic, write_text_atomic
 from specheads.data_gen.lock import LOCK_FILE, output_lock
 from specheads.data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
 from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics

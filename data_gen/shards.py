@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from specheads.data_gen.digests import cached_fact
 from specheads.data_gen.embedded import file_sha256
-from specheads.data_gen.files import write_json_atomic
+from specheads.files import write_json_atomic
 from specheads.errors import UsageError
 
 SHARDS = "shards"

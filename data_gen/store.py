@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
 
-from specheads.data_gen.files import atomic_path
+from specheads.files import atomic_path
 from specheads.data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
 from specheads.errors import UsageError
 

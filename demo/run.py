@@ -12,7 +12,7 @@ from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
-from specheads.data_gen.files import write_json_atomic
+from specheads.files import write_json_atomic
 from specheads.data_gen.store import read_manifest
 from specheads.errors import UsageError
 from specheads.train.checkpoint import read_checkpoint, EVAL_KEY

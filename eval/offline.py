@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.eval.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
+from specheads.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
                           soft_auc, soft_pr_auc)
 from specheads.heads import STORED_SIGNALS
 from specheads.train.checkpoint import TrainedHead

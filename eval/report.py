@@ -7,7 +7,7 @@ from typing import Any
 
 import markdown
 
-from specheads.data_gen.files import write_text_atomic
+from specheads.files import write_text_atomic
 from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.plots import PLOTS

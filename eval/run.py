@@ -13,9 +13,9 @@ import torch
 from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
 from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.data_gen.responses import stop_token_ids
-from specheads.data_gen.sampling import SamplingTransform
-from specheads.data_gen.states import describe_state
-from specheads.data_gen.files import write_json_atomic
+from specheads.sampling import SamplingTransform
+from specheads.states import describe_state
+from specheads.files import write_json_atomic
 from specheads.data_gen.store import read_manifest
 from specheads.eval.config import EvalConfig
 from specheads.eval.decoding import Decoder

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specheads.data_gen.files import usual_permissions
+from specheads.files import usual_permissions
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.heads.loading import DecisionRule

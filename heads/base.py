@@ -69,7 +69,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     standardised signals], the signals' columns in `extra_features` order. `state_dropout` drops
     dimensions of the standardised hidden state while training (a 576-wide state on tens of thousands of
     tokens overfits; the few signals are kept). `state_layer` says which draft state the head reads
-    (`data_gen.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
+    (`specheads.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
     `head_type` and `reads`, implement `score`, and end in a linear layer `out` to one logit.
     """
 

@@ -12,9 +12,9 @@ from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specheads.data_gen.sampling import SamplingTransform
+from specheads.sampling import SamplingTransform
 from specheads.eval.decoding import CachedModel, Decoder
-from specheads.eval.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.policies import make_policy
 from specheads.eval.run import check_data

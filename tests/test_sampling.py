@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specheads.data_gen.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
 def brute_force_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:

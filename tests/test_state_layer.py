@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_args
 from specheads.data_gen.models import ModelSpec, load_model
-from specheads.data_gen.states import check_state_layer, decoder_forward
+from specheads.states import check_state_layer, decoder_forward
 from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.eval.decoding import CachedModel
 from specheads.eval.run import check_data

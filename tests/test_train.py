@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_args
-from specheads.eval.metrics import binary_kl, soft_auc
+from specheads.metrics import binary_kl, soft_auc
 from specheads.heads import SIGNALS
 from specheads.cli import main
 from specheads.train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specheads.data_gen.files import atomic_path
+from specheads.files import atomic_path
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
 from specheads.errors import UsageError

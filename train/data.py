@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from specheads.data_gen.prompts import prompt_digest
-from specheads.data_gen.files import write_json_atomic
+from specheads.files import write_json_atomic
 from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.heads.base import with_derived_signals
 from specheads.errors import UsageError
@@ -188,7 +188,7 @@ class AcceptanceDataModule(L.LightningDataModule):
 
     @property
     def state_layer(self) -> int | None:
-        """Which draft state the data's features hold (`data_gen.states`; None: the last layer)."""
+        """Which draft state the data's features hold (`specheads.states`; None: the last layer)."""
         return self.manifest["identity"].get("state_layer")
 
     @property

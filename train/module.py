@@ -18,8 +18,8 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
-from specheads.data_gen.states import describe_state
-from specheads.eval.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from specheads.states import describe_state
+from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
 from specheads.train.loss import weighted_bce
 from specheads.train.probe import signal_probe
