@@ -94,7 +94,7 @@ def measure(data: str, mode: str, root: Path, accelerator: str, epochs: int, num
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM; unlike ru_maxrss it is not inherited across exec)."""
-    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    line = next(row for row in Path("/proc/self/status").read_text().splitlines() if row.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
 
 

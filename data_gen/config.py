@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from specheads.data_gen.models import ModelSpec
-from specheads.sampling import SamplingTransform
 from specheads.errors import UsageError
+from specheads.sampling import SamplingTransform
 
 
 @dataclass

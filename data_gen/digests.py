@@ -9,8 +9,9 @@ the file's path, and reused while its size and modification time are unchanged.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specheads.data_gen.embedded import cache_root, file_sha256
 from specheads.files import write_json_atomic

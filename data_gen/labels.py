@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
-from specheads.states import decoder_forward
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.states import decoder_forward
 
 
 @dataclass

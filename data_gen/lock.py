@@ -10,10 +10,10 @@ import fcntl
 import json
 import os
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 from specheads.errors import UsageError
 

@@ -9,8 +9,9 @@ nothing is labelled twice, while a shard of another run or one changed on disk i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,9 +21,9 @@ from torch.utils.data import DataLoader
 from specheads.data_gen.labels import label_batch
 from specheads.data_gen.plan import Shard, row_seed
 from specheads.data_gen.responses import generate_responses
-from specheads.sampling import SamplingTransform
 from specheads.data_gen.shards import shard_problem
 from specheads.data_gen.store import row_features, write_shard
+from specheads.sampling import SamplingTransform
 
 
 class LabellingModule(L.LightningModule):

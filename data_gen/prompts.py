@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from specheads.errors import UsageError
 

@@ -12,8 +12,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.prompts import read_jsonl
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.errors import UsageError
+from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
 class RowSeededSampler(LogitsProcessor):

@@ -15,22 +15,30 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.embedded import file_sha256
-from specheads.data_gen.models import (ModelPair, chat_template_hash, context_length, derived_draft, load_pair,
-                             load_tokenizers, tokenizer_hash, weights_identity)
+from specheads.data_gen.lock import LOCK_FILE, output_lock
+from specheads.data_gen.models import (
+    ModelPair,
+    chat_template_hash,
+    context_length,
+    derived_draft,
+    load_pair,
+    load_tokenizers,
+    tokenizer_hash,
+    weights_identity,
+)
 from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
 from specheads.data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from specheads.data_gen.responses import load_imported_responses
-from specheads.states import check_state_layer
-from specheads.files import write_json_atomic, write_text_atomic
-from specheads.data_gen.lock import LOCK_FILE, output_lock
 from specheads.data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
 from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
-from specheads import __version__
 from specheads.errors import UsageError
+from specheads.files import write_json_atomic, write_text_atomic
+from specheads.states import check_state_layer
 
 
 @dataclass

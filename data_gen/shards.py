@@ -10,16 +10,17 @@ before it trusts one, and relabels exactly the shards that fail.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from specheads.data_gen.digests import cached_fact
 from specheads.data_gen.embedded import file_sha256
-from specheads.files import write_json_atomic
 from specheads.errors import UsageError
+from specheads.files import write_json_atomic
 
 SHARDS = "shards"
 RUN_PREFIX = "specheads-run-"

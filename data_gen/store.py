@@ -17,9 +17,9 @@ import datasets
 import numpy as np
 from datasets.arrow_writer import ArrowWriter
 
-from specheads.files import atomic_path
 from specheads.data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
 from specheads.errors import UsageError
+from specheads.files import atomic_path
 
 MANIFEST = "manifest.json"
 FORMAT = "specheads-labels"

@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
+from specheads.data_gen.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
-from specheads.files import write_json_atomic
-from specheads.data_gen.store import read_manifest
 from specheads.errors import UsageError
-from specheads.train.checkpoint import read_checkpoint, EVAL_KEY
+from specheads.files import write_json_atomic
+from specheads.train.checkpoint import EVAL_KEY, read_checkpoint
 
 
 def evaluated(layout: Layout, head: str) -> bool:

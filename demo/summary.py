@@ -71,7 +71,8 @@ def decoding_line(figures: dict[str, Any]) -> str:
     if d["policy"] == "head":
         line = f"modelled speedup {d['modelled_speedup']:.3f}x at h = {d['threshold']:g}"
     else:
-        line = f"{d['tokens_per_target_call']:.2f} tokens/target call, modelled {d['modelled_speedup']:.3f}x at τ-threshold {d['threshold']:g}"
+        line = (f"{d['tokens_per_target_call']:.2f} tokens/target call, modelled {d['modelled_speedup']:.3f}x "
+                f"at τ-threshold {d['threshold']:g}")
     if "constant_k_speedup" in d:
         line += (f" vs best constant K {d['constant_k_speedup']:.3f}x (K = {d['constant_k_threshold']:g}): "
                  f"{d['gain_vs_constant_k'] * 100:+.1f} %")

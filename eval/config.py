@@ -7,7 +7,6 @@ from pathlib import Path
 
 from specheads.errors import UsageError
 
-
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
                "head": "head_thresholds", "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
 

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from specheads.data_gen.labels import output_logits, signal_log_probs, signal_statistics
-from specheads.sampling import SamplingTransform, draw_from_log_probs, uniforms
-from specheads.states import decoder_forward
 from specheads.eval.policies import Drafted, StopPolicy
 from specheads.heads import AcceptanceHead, with_derived_signals
+from specheads.sampling import SamplingTransform, draw_from_log_probs, uniforms
+from specheads.states import decoder_forward
 
 
 class CachedModel:

@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.metrics import (baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics,
-                          soft_auc, soft_pr_auc)
 from specheads.heads import STORED_SIGNALS
+from specheads.metrics import baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics, soft_auc, soft_pr_auc
 from specheads.train.checkpoint import TrainedHead
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.targets import draft_features, head_inputs

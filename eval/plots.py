@@ -12,8 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 from sklearn.metrics import roc_curve  # noqa: E402
 
-from specheads.files import atomic_path  # noqa: E402
 from specheads.eval.offline import SIGNAL_ORDER, TokenTable  # noqa: E402
+from specheads.files import atomic_path  # noqa: E402
 
 PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "pareto": "pareto.png",
          "acceptance_lengths": "acceptance_lengths.png"}

@@ -7,11 +7,10 @@ from typing import Any
 
 import markdown
 
-from specheads.files import write_text_atomic
-from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.config import GRID_FIELDS, flag
+from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
-
+from specheads.files import write_text_atomic
 
 MIN_TEST_PROMPTS = 8
 """Below this many test prompts a decoding comparison is called indicative, not a finding."""

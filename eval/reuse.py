@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from specheads.data_gen.prompts import prompt_digest
-from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.errors import UsageError
+from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
 

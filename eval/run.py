@@ -13,22 +13,39 @@ import torch
 from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
 from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.data_gen.responses import stop_token_ids
-from specheads.sampling import SamplingTransform
-from specheads.states import describe_state
-from specheads.files import write_json_atomic
 from specheads.data_gen.store import read_manifest
+from specheads.errors import UsageError
 from specheads.eval.config import EvalConfig
 from specheads.eval.decoding import Decoder
-from specheads.eval.offline import (TokenTable, calibration_table, collect_tokens, offline_metrics, sprinter_distance,
-                          sprinter_operating_points)
+from specheads.eval.offline import (
+    TokenTable,
+    calibration_table,
+    collect_tokens,
+    offline_metrics,
+    sprinter_distance,
+    sprinter_operating_points,
+)
 from specheads.eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from specheads.eval.report import verdict, write_report
 from specheads.eval.reuse import decoding_context, load_reusable
-from specheads.eval.sweep import (DecodePrompt, Setting, aggregate, default_settings, grid_edges, measure_costs,
-                        paired_gain_interval, records_as_dicts, run_sweep, signal_thresholds, tune)
+from specheads.eval.sweep import (
+    DecodePrompt,
+    Setting,
+    aggregate,
+    default_settings,
+    grid_edges,
+    measure_costs,
+    paired_gain_interval,
+    records_as_dicts,
+    run_sweep,
+    signal_thresholds,
+    tune,
+)
 from specheads.eval.tuned import load_tuning
+from specheads.files import write_json_atomic
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
-from specheads.errors import UsageError
+from specheads.sampling import SamplingTransform
+from specheads.states import describe_state
 from specheads.train.checkpoint import TrainedHead, load_trained, record_evaluation
 from specheads.train.data import AcceptanceDataModule
 

@@ -10,14 +10,15 @@ a least-squares fit of each run's wall time on its draft forwards and target cal
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from sklearn.linear_model import LinearRegression
 from tqdm.auto import tqdm
 
-from specheads.eval.decoding import DecodeResult, Decoder, target_log_likelihood
+from specheads.eval.decoding import Decoder, DecodeResult, target_log_likelihood
 from specheads.eval.offline import interval
 from specheads.eval.policies import make_policy
 from specheads.heads import AcceptanceHead

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specheads.errors import UsageError
 from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
-from specheads.errors import UsageError
 
 POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft")

@@ -8,12 +8,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specheads.files import usual_permissions
-from specheads.export.card import render_card
-from specheads.export.config import ExportConfig
-from specheads.heads.loading import DecisionRule
 from specheads import __version__
 from specheads.errors import UsageError
+from specheads.export.card import render_card
+from specheads.export.config import ExportConfig
+from specheads.files import usual_permissions
+from specheads.heads.loading import DecisionRule
 from specheads.train.checkpoint import TrainedHead, load_trained
 
 FORMAT_VERSION = 1

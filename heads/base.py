@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import io
+import math
 import operator
 from typing import Any, ClassVar
 

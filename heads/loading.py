@@ -14,9 +14,9 @@ from typing import Any
 
 from safetensors import safe_open
 
+from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.registry import head_class
-from specheads.errors import UsageError
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-
 from conftest import tiny_args
-from specheads.data_gen.store import load_labelled, read_manifest
+
 from specheads.cli import main
+from specheads.data_gen.store import load_labelled, read_manifest
 
 
 def fails(capsys, args, *expected):

@@ -57,7 +57,8 @@ def test_configs_are_found_by_name_among_the_packaged_ones(tmp_path, monkeypatch
     packaged = Path(str(files("specheads.configs")))
     for value in ("smollm2-demo", "smollm2-demo.yaml", "gen/smollm2-demo.yaml", "configs/gen/smollm2-demo.yaml"):
         assert Path(resolve_config(value, "gen")) == packaged / "gen" / "smollm2-demo.yaml"
-    assert Path(resolve_config("specdecpp", "train")).read_text() == (Path(__file__).parents[1] / "configs/train/specdecpp.yaml").read_text()
+    source = Path(__file__).parents[1] / "configs/train/specdecpp.yaml"
+    assert Path(resolve_config("specdecpp", "train")).read_text() == source.read_text()
     mine = tmp_path / "smollm2-demo"
     mine.write_text("num_prompts: 3\n")  # a file of the user's wins over a packaged name
     assert with_configs_resolved(["--config", "smollm2-demo", "--config=sprinter"], "train") == [

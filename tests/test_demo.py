@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specheads.cli import main
 from specheads.demo.config import CONFIGS, DemoConfig
 from specheads.demo.stages import HEADS
-from specheads.cli import main
 
 SIZES = ("full", "quick")
 

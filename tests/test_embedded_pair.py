@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from specheads.cli import main
 from specheads.data_gen.embedded import embedded_folder
 from specheads.data_gen.models import ModelSpec, load_pair, load_tokenizers
 from specheads.data_gen.store import load_labelled, read_manifest
-from specheads.cli import main
 
 pytestmark = pytest.mark.integration
 

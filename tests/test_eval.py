@@ -8,27 +8,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_args
 from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specheads.sampling import SamplingTransform
-from specheads.eval.decoding import CachedModel, Decoder
-from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
-from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
-from specheads.eval.policies import make_policy
-from specheads.eval.run import check_data
-from specheads.demo.summary import decoding_line
-from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
-from specheads.eval.sweep import (RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup,
-                         paired_gain_interval)
-from specheads.heads import ResNetAcceptanceHead, LinearVerifier
-from conftest import tiny_args
+from specheads.cli import main
 from specheads.data_gen.prompts import prompt_digest
 from specheads.data_gen.store import load_labelled
-from specheads.cli import main
+from specheads.demo.summary import decoding_line
 from specheads.errors import UsageError
-from specheads.train.checkpoint import TrainedHead, load_trained
+from specheads.eval.decoding import CachedModel, Decoder
+from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
+from specheads.eval.policies import make_policy
+from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
+from specheads.eval.run import check_data
+from specheads.eval.sweep import RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup, paired_gain_interval
+from specheads.heads import LinearVerifier, ResNetAcceptanceHead
+from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.sampling import SamplingTransform
+from specheads.train.checkpoint import load_trained
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 

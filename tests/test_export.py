@@ -4,13 +4,13 @@ import json
 import shutil
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 
-import huggingface_hub
-from specheads.heads import load_head
 from specheads.cli import main
 from specheads.errors import UsageError
+from specheads.heads import load_head
 from specheads.train.checkpoint import load_trained
 
 SECRET = "hf_SECRETtoken0123456789"

@@ -7,8 +7,8 @@ import sys
 import time
 
 import numpy as np
-
 from conftest import tiny_args
+
 from specheads.data_gen.shards import shard_path
 from specheads.data_gen.store import load_labelled, read_manifest
 

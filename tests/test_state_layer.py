@@ -5,19 +5,19 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_args
+from test_train import fit_args
+
+from specheads.cli import main
 from specheads.data_gen.models import ModelSpec, load_model
-from specheads.states import check_state_layer, decoder_forward
 from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.errors import UsageError
 from specheads.eval.decoding import CachedModel
 from specheads.eval.run import check_data
-from specheads.cli import main
-from specheads.errors import UsageError
+from specheads.states import check_state_layer, decoder_forward
 from specheads.train.checkpoint import load_trained
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.draft import load_draft
-from test_train import fit_args
 
 LAYER = 2  # the tiny draft (target minus layer 2) has 3 decoder layers
 

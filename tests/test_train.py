@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_cli, tiny_args
-from specheads.metrics import binary_kl, soft_auc
-from specheads.heads import SIGNALS
+
 from specheads.cli import main
+from specheads.heads import SIGNALS
+from specheads.metrics import binary_kl, soft_auc
 from specheads.train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
 from specheads.train.loss import weighted_bce
 from specheads.train.module import AcceptanceModule
@@ -98,7 +98,8 @@ def test_fit_writes_the_run_folder_and_resumes(labelled, tmp_path, capsys):
         assert name in metrics, name
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 1 and set(checkpoint["state_dict"]) == {
-        "head.signal_mean", "head.signal_std", "head.hidden_mean", "head.hidden_std", "head.logit_correction", *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
+        "head.signal_mean", "head.signal_std", "head.hidden_mean", "head.hidden_std", "head.logit_correction",
+        *(f"head.blocks.{i}.{p}" for i in range(3) for p in ("weight", "bias")),
         "head.out.weight", "head.out.bias"}
     hparams = checkpoint["hyper_parameters"]
     assert hparams["hidden_size"] == 32 and hparams["draft"] == "target minus layers 2"
@@ -272,7 +273,7 @@ def test_class_weight_correction_recovers_the_soft_label():
         z = torch.zeros(1, requires_grad=True)
         optimizer = torch.optim.LBFGS([z], max_iter=100)
 
-        def closure():
+        def closure(optimizer=optimizer, z=z, a=a):
             optimizer.zero_grad()
             loss = weighted_bce(z.expand(1000), torch.full((1000,), a), 1.0, 6.0)
             loss.backward()

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from specheads.errors import UsageError
 from specheads.files import atomic_path
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
-from specheads.errors import UsageError
 
 EVAL_KEY = "specheads_eval"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import csv
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI

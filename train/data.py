@@ -9,8 +9,9 @@ rank takes its own slice of every global batch, so the same code runs on 1 proce
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import datasets
 import lightning as L
@@ -21,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from specheads.data_gen.prompts import prompt_digest
-from specheads.files import write_json_atomic
 from specheads.data_gen.store import load_labelled, read_manifest
-from specheads.heads.base import with_derived_signals
 from specheads.errors import UsageError
+from specheads.files import write_json_atomic
+from specheads.heads.base import with_derived_signals
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)

@@ -18,13 +18,13 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
-from specheads.states import describe_state
-from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from specheads.errors import UsageError
 from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
+from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from specheads.states import describe_state
 from specheads.train.loss import weighted_bce
 from specheads.train.probe import signal_probe
 from specheads.train.targets import Contexts, draft_features, head_inputs, token_targets
-from specheads.errors import UsageError
 
 VALIDATION_COLUMNS = ("prediction", "label", *STORED_SIGNALS)
 
