@@ -1,4 +1,4 @@
-"""Per-position labels (DESIGN.md "Labelled dataset"): candidates from q, log p, log q, acceptance, beta, entropy.
+"""Per-position labels (docs/data.md "Rows"): candidates from q, log p, log q, acceptance, beta, entropy.
 
 Vocabulary-sized tensors only ever exist for `chunk` positions of one row at a time, so peak memory
 is bounded by one batch of hidden states plus a few [chunk, vocab] tensors.

@@ -99,7 +99,7 @@ def fingerprint_of(identity: dict) -> str:
 
 
 def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> dict:
-    """What defines the dataset (DESIGN.md manifest); counts and times are left out on purpose."""
+    """What defines the dataset (docs/data.md "Manifest"); counts and times are left out on purpose."""
     draft = ({"derived_from_target": True, "skip_layers": sorted(config.draft.skip_layers)}
              if derived_draft(config.draft) else weights_identity(config.draft, pair.draft))
     return {

@@ -1,7 +1,7 @@
 """The labelled dataset on disk: Arrow shards written atomically, `manifest.json`, and a dataset card.
 
 Layout of an output folder:
-    manifest.json        the fingerprint and counts (DESIGN.md); `complete` is false while a run is going
+    manifest.json        the fingerprint and counts (docs/data.md); `complete` is false while a run is going
     README.md            the dataset card
     shards/shard-NNNNN.arrow   one Arrow file per planned shard, memory-mapped by `load_labelled`
 """

@@ -1,4 +1,4 @@
-"""Reference decoding loops with KV caches for both models, batch size 1 (DESIGN.md "Decision timing").
+"""Reference decoding loops with KV caches for both models, batch size 1 (docs/method.md "Decision timing at inference").
 
 `speculative_decode` is exact speculative sampling under a stop policy: the draft proposes candidates
 until the policy stops, the target scores them all in one forward, each is accepted with probability

@@ -1,7 +1,7 @@
 """Stop policies of speculative decoding: when the draft stops proposing and the target verifies.
 
 After drafting candidate ŷ_k a policy sees the draft's signals for ŷ_k and, for the learned head, the
-product of the acceptance predictions it already has (DESIGN.md "Decision timing at inference": the
+product of the acceptance predictions it already has (docs/method.md "Decision timing at inference": the
 state that has read ŷ_j exists only once ŷ_{j+1} is drafted, so at step k the head knows â_1..â_{k-1}).
 Every policy caps a round at `max_draft` candidates.
 """

@@ -48,7 +48,7 @@ def read_report(report: Path, trained: TrainedHead) -> tuple[dict[str, Any], Pat
 
 
 def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
-    """config.json: the head's constructor arguments plus the export contract's fields (DESIGN.md)."""
+    """config.json: the head's constructor arguments plus the export contract's fields (docs/decoding-core.md)."""
     identity = trained.data_identity or {}
     config = {**trained.head.config, "format": "specheads-head", "format_version": FORMAT_VERSION,
               "specheads_version": __version__, "depth": trained.head.config.get("depth", 0),

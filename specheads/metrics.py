@@ -1,4 +1,4 @@
-"""Classification metrics for acceptance predictors with soft or binary labels (DESIGN.md "Evaluation").
+"""Classification metrics for acceptance predictors with soft or binary labels (docs/method.md "Evaluation").
 
 Soft labels a ∈ [0, 1] (SpecDec++'s min(1, p/q)) are handled in expectation: each token counts as a
 positive with weight a and as a negative with weight 1 − a. Binary labels are the special case a ∈ {0, 1}.

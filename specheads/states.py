@@ -1,6 +1,6 @@
 """Which draft hidden state a head reads (`state_layer`), taken from one decoder forward.
 
-`None` (the default, DESIGN.md's contract) is the last layer's state after the final norm. An integer L
+`None` (the default, docs/data.md's `features`) is the last layer's state after the final norm. An integer L
 is the residual stream after the first L decoder layers, before any norm (`hidden_states[L]` in
 transformers' terms). Gen stores it as `features`, online training computes it, and the decoding loop
 hands the same state to the head, so one function serves all three.

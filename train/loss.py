@@ -1,4 +1,4 @@
-"""The weighted binary cross-entropy on soft labels (SpecDec++ §4.4, DESIGN.md "Heads")."""
+"""The weighted binary cross-entropy on soft labels (SpecDec++ §4.4, docs/method.md "Heads and loss")."""
 
 from __future__ import annotations
 
