@@ -14,16 +14,16 @@ from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage
 from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
-from specheads.train.checkpoint import EVAL_KEY, read_checkpoint
+from specheads.train.checkpoint import load_trained
 
 
 def evaluated(layout: Layout, head: str) -> bool:
-    """Whether the head's checkpoint already carries an evaluation written to its report folder."""
+    """Whether the head's report folder holds an evaluation of this very checkpoint (by its weights digest)."""
     metrics = layout.report(head) / "metrics.json"
     if not (metrics.is_file() and layout.checkpoint(head).is_file()):
         return False
-    recorded = read_checkpoint(layout.checkpoint(head)).get(EVAL_KEY) or {}
-    return recorded.get("report") == str(layout.report(head).resolve())
+    recorded = json.loads(metrics.read_text()).get("head", {}).get("weights_digest")
+    return recorded == load_trained(str(layout.checkpoint(head))).head.weights_digest()
 
 
 def run_stage(stage: Stage, number: int, total: int) -> float:

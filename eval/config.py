@@ -32,7 +32,6 @@ class EvalConfig:
             shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per
             generated token (estimated on the held-out tokens) at or below this.
-        record: write the tuned decision rule into the checkpoint, for `specheads export`.
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
             Offline metrics read stored features on the CPU.
         progress: show progress bars.
@@ -60,7 +59,6 @@ class EvalConfig:
     sprinter_thresholds: list[float] | None = None
     stop_shares: list[float] | None = None
     sprinter_max_tv: float = 0.05
-    record: bool = True
     device: str = "auto"
     progress: bool = True
     reuse_runs: str | None = None

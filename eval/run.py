@@ -46,7 +46,7 @@ from specheads.files import write_json_atomic
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
-from specheads.train.checkpoint import TrainedHead, load_trained, record_evaluation
+from specheads.train.checkpoint import TrainedHead, load_trained
 from specheads.train.data import AcceptanceDataModule
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
@@ -217,7 +217,8 @@ def head_identity(trained: TrainedHead) -> dict[str, Any]:
 
 
 def evaluate(config: EvalConfig) -> dict[str, Any]:
-    """Evaluate, write the report folder, record the tuned rule in the checkpoint; returns metrics.json's content."""
+    """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
+    checkpoint); returns metrics.json's content."""
     config.validate()
     device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
@@ -270,9 +271,6 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
     metrics["plots"] = {name: file for name, file in PLOTS.items() if (out / file).exists()}
     write_json_atomic(out / "metrics.json", metrics)
     write_report(metrics, out)
-    if config.record and trained.source.endswith(".ckpt"):
-        record_evaluation(Path(trained.source), {"decision_rule": rule.as_dict(), "report": str(out.resolve()),
-                                                 "headline": headline(metrics)})
     return metrics
 
 

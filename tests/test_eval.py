@@ -318,10 +318,11 @@ def eval_args(head: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--sprinter-thresholds", "[0.3,0.6]", "--bootstrap", "20", "--progress", "false", *extra]
 
 
-def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_path, capsys):
+def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_alone(trained, tmp_path, capsys):
     data, root = trained
     checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
     out = tmp_path / "report"
+    checkpoint_bytes = checkpoint.read_bytes()
     assert main(eval_args(checkpoint, data, out)) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "beta_oracle",
@@ -341,9 +342,9 @@ def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_pat
     for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
         assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()
     assert "Verdict" in (out / "report.md").read_text()
-    tuned = load_trained(str(checkpoint))
-    assert tuned.decision is not None and tuned.decision.tuned
-    assert tuned.decision.threshold == decoding["tuned_thresholds"]["head"]
+    rule = metrics["decision_rule"]  # the tuned rule lives in the report; the checkpoint is left as it was
+    assert rule["tuned"] and rule["threshold"] == decoding["tuned_thresholds"]["head"]
+    assert checkpoint.read_bytes() == checkpoint_bytes and load_trained(str(checkpoint)).decision is None
     assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence"}
     assert decoding["tuned_at_grid_edge"] == grid_edges(decoding["dev_policies"], decoding["tuned_thresholds"])
     for policy in decoding["tuned_at_grid_edge"]:
@@ -357,7 +358,7 @@ def test_eval_writes_the_report_and_records_the_tuned_threshold(trained, tmp_pat
 def test_eval_of_a_sprinter_verifier_reports_operating_points(trained, tmp_path):
     data, root = trained
     out = tmp_path / "report"
-    assert main(eval_args(root / "sprinter" / "checkpoints" / "last.ckpt", data, out, "--record", "false")) == 0
+    assert main(eval_args(root / "sprinter" / "checkpoints" / "last.ckpt", data, out)) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     sprinter = metrics["sprinter"]
     assert [p["tau"] for p in sprinter["operating_points"]] == [1.0, 1.2, 1.5]
@@ -409,7 +410,7 @@ def test_other_data_is_held_out_by_the_prompts_the_head_trained_on(trained, tiny
     other = tmp_path / "other-data"
     assert main(tiny_args(tiny_model, other_prompts, other, "--mixing.schedule", "[0.15, 1.0]")) == 0
     out = tmp_path / "report"
-    args = eval_args(checkpoint, other, out, "--allow-other-data", "true", "--record", "false")
+    args = eval_args(checkpoint, other, out, "--allow-other-data", "true")
     args[args.index("--num-decode-prompts") + 1] = "14"
     assert main(args) == 0
     metrics = json.loads((out / "metrics.json").read_text())
@@ -426,7 +427,7 @@ def test_other_data_is_held_out_by_the_prompts_the_head_trained_on(trained, tiny
               if prompt_id in split["val"]["prompt_ids"] and prompt_digest(ids) not in trained_digests}
     assert 0 < len(unseen) < len(split["val"]["prompt_ids"])
     own = tmp_path / "own"
-    assert main(eval_args(checkpoint, data, own, "--record", "false", "--num-decode-prompts", "0")) == 0
+    assert main(eval_args(checkpoint, data, own, "--num-decode-prompts", "0")) == 0
     assert json.loads((own / "metrics.json").read_text())["data"]["prompts"] == len(unseen)
     # a head that does not record its training prompts cannot be held out on other data: refused, nothing written
     older = torch.load(checkpoint, weights_only=True)
@@ -459,8 +460,8 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
     data, root = trained
     head = root / "specdecpp" / "checkpoints" / "last.ckpt"
     first, second = tmp_path / "first", tmp_path / "second"
-    assert main(eval_args(head, data, first, "--record", "false")) == 0
-    assert main(eval_args(head, data, second, "--record", "false", "--reuse-runs", str(first))) == 0
+    assert main(eval_args(head, data, first)) == 0
+    assert main(eval_args(head, data, second, "--reuse-runs", str(first))) == 0
     before = {(r["policy"], r["threshold"], r["prompt_id"]): r for r in json.loads((first / "runs.json").read_text())["runs"]}
     after = json.loads((second / "runs.json").read_text())
     head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence")]
@@ -476,14 +477,14 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
     assert after["context"]["max_new_tokens"] == 6
     assert len(after["context"]["prompts"]) == sum(metrics["decoding"]["prompts"].values())
 
-    other = eval_args(head, data, tmp_path / "other", "--record", "false", "--reuse-runs", str(first))
+    other = eval_args(head, data, tmp_path / "other", "--reuse-runs", str(first))
     other[other.index("--max-new-tokens") + 1] = "5"
     assert main(other) == 2
     assert "another max_new_tokens" in capsys.readouterr().err and not (tmp_path / "other").exists()
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "runs.json").write_text(json.dumps({"runs": list(before.values())}))
-    assert main(eval_args(head, data, tmp_path / "r", "--record", "false", "--reuse-runs", str(legacy))) == 2
+    assert main(eval_args(head, data, tmp_path / "r", "--reuse-runs", str(legacy))) == 2
     assert "does not record its decoding context" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
@@ -491,14 +492,14 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
     data, root = trained
     head = root / "specdecpp" / "checkpoints" / "last.ckpt"
     tuning = tmp_path / "tuning"
-    assert main(eval_args(head, data, tuning, "--record", "false")) == 0
+    assert main(eval_args(head, data, tuning)) == 0
     earlier = json.loads((tuning / "metrics.json").read_text())["decoding"]
     fresh = tmp_path / "fresh.jsonl"
     fresh.write_text("".join(json.dumps({"id": f"fresh{i}", "prompt": text}) + "\n"
                              for i, text in enumerate(["Draft a note to the team.", "Name three colours.", "Add 7 and 5."])))
     confirm = ["eval", "--head", str(head), "--data", str(data), "--out", str(tmp_path / "confirm"), "--decode-prompts",
                str(fresh), "--num-decode-prompts", "3", "--max-new-tokens", "6", "--max-draft", "4", "--bootstrap", "20",
-               "--progress", "false", "--record", "false", "--tuned-from", str(tuning)]
+               "--progress", "false", "--tuned-from", str(tuning)]
     assert main(confirm) == 0
     metrics = json.loads((tmp_path / "confirm" / "metrics.json").read_text())
     decoding = metrics["decoding"]
@@ -520,7 +521,7 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
         assert main(args) == 2
         assert reason in capsys.readouterr().err and not out.exists()
 
-    on_dev = eval_args(head, data, tmp_path / "on-dev", "--record", "false")[:-2] + ["--tuned-from", str(tuning)]
+    on_dev = eval_args(head, data, tmp_path / "on-dev")[:-2] + ["--tuned-from", str(tuning)]
     on_dev = [a for a in on_dev if a not in ("--constant-ks", "[1,2,4]", "--head-thresholds", "[0.3,0.7]",
                                              "--sprinter-thresholds", "[0.3,0.6]")]
     refused(on_dev, "tuned the thresholds of")  # the earlier report's own prompts include its dev half

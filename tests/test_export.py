@@ -24,7 +24,7 @@ def exported(trained, tmp_path_factory):
     checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
     assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(base / "report"),
                  "--num-decode-prompts", "4", "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]",
-                 "--head-thresholds", "[0.5]", "--bootstrap", "10", "--progress", "false", "--record", "false"]) == 0
+                 "--head-thresholds", "[0.5]", "--bootstrap", "10", "--progress", "false"]) == 0
     out = base / "head"
     assert main(["export", "--ckpt", str(checkpoint), "--out", str(out), "--report", str(base / "report")]) == 0
     return checkpoint, out, base / "report"

@@ -1,8 +1,8 @@
 """A trained head with what it was trained on, from a Lightning checkpoint or an exported head folder.
 
 Eval and export both start here. The checkpoint carries the head's weights and the run's
-hyperparameters (data fingerprint and identity, split, τ); eval adds its tuned decision rule and
-headline metrics under `EVAL_KEY`, written back atomically, so export can carry them.
+hyperparameters (data fingerprint and identity, split with its training prompts, τ). Nothing is ever
+written back into it: the tuned decision rule lives in eval's report, which export reads.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from typing import Any
 import torch
 
 from specheads.errors import UsageError
-from specheads.files import atomic_path
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
-
-EVAL_KEY = "specheads_eval"
 
 
 @dataclass
@@ -37,8 +34,8 @@ class TrainedHead:
     tau: float = 1.0
     contexts: str = "consistent"
     split: dict[str, Any] = field(default_factory=lambda: {"val_fraction": 0.1, "split_seed": 0})
-    decision: DecisionRule | None = None
-    evaluation: dict[str, Any] | None = None  # what eval recorded: metrics, cost ratio, report folder
+    decision: DecisionRule | None = None  # an exported head folder's tuned rule (a checkpoint carries none)
+    evaluation: dict[str, Any] | None = None  # an exported head folder's headline metrics
     training: dict[str, Any] = field(default_factory=dict)  # the run's hyperparameters, for the model card
 
     @property
@@ -55,7 +52,7 @@ class TrainedHead:
 
     @property
     def rule(self) -> DecisionRule:
-        """The tuned decision rule when eval recorded one, else the untuned default."""
+        """An exported folder's tuned decision rule, else the untuned default."""
         return self.decision or DecisionRule.untuned(self.reads)
 
 
@@ -99,14 +96,12 @@ def from_checkpoint(path: Path) -> TrainedHead:
         raise UsageError(f"{path} is not a `specheads train` checkpoint (its hyperparameters name no head); "
                          "give a checkpoint from a specheads run folder")
     module = module_from_checkpoint(checkpoint)
-    evaluation = checkpoint.get(EVAL_KEY)
-    decision = DecisionRule(**evaluation["decision_rule"]) if evaluation and evaluation.get("decision_rule") else None
     split = hparams.get("data_split") or {"val_fraction": 0.1, "split_seed": 0}
     return TrainedHead(
         head=module.head.eval(), source=str(path), draft=hparams.get("draft"), target=hparams.get("target"),
         data_fingerprint=hparams.get("data_fingerprint"), data_identity=hparams.get("data_identity"),
         sampling=hparams.get("data_sampling"), tau=float(hparams.get("tau", 1.0)),
-        contexts=hparams.get("contexts", "consistent"), split=dict(split), decision=decision, evaluation=evaluation,
+        contexts=hparams.get("contexts", "consistent"), split=dict(split),
         training={k: v for k, v in hparams.items() if k not in ("data_identity",)},
     )
 
@@ -136,11 +131,3 @@ def load_trained(path: str) -> TrainedHead:
         if last.is_file():  # a training run folder: its newest checkpoint
             return from_checkpoint(last)
     return from_folder(path)
-
-
-def record_evaluation(path: Path, evaluation: dict[str, Any]) -> None:
-    """Store eval's tuned decision rule and headline metrics in the checkpoint (temp file + rename)."""
-    checkpoint = read_checkpoint(path)
-    checkpoint[EVAL_KEY] = evaluation
-    with atomic_path(path) as temporary:
-        torch.save(checkpoint, temporary)
