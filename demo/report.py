@@ -7,6 +7,7 @@ from typing import Any
 from specheads.demo.stages import HEADS, Layout
 from specheads.demo.summary import decoding_line, duration
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
+from specheads.eval.report_file import Report
 
 
 def summary_table(summary: dict[str, Any]) -> list[str]:
@@ -25,7 +26,7 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def demo_markdown(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) -> str:
+def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
     """The whole demo report as markdown (plots linked into each head's eval folder)."""
     data, pair = summary["data"], summary["pair"]
     lines = ["# specheads demo", "",
@@ -39,10 +40,10 @@ def demo_markdown(summary: dict[str, Any], metrics: dict[str, dict[str, Any]]) -
               for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
     lines.append("")
     for head, title in HEADS.items():
-        lines += [f"## {title}", "", report_markdown(metrics[head], plot_dir=f"eval/{head}/", depth=3)]
+        lines += [f"## {title}", "", report_markdown(reports[head], plot_dir=f"eval/{head}/", depth=3)]
     return "\n".join(lines)
 
 
-def write_demo_report(summary: dict[str, Any], metrics: dict[str, dict[str, Any]], layout: Layout) -> None:
+def write_demo_report(summary: dict[str, Any], reports: dict[str, Report], layout: Layout) -> None:
     """report.md and report.html in the demo folder."""
-    write_markdown(demo_markdown(summary, metrics), layout.root, "specheads demo report")
+    write_markdown(demo_markdown(summary, reports), layout.root, "specheads demo report")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from typing import Any
@@ -13,16 +12,19 @@ from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
+from specheads.eval.report_file import REPORT_FILE, read_report
 from specheads.files import write_json_atomic
 from specheads.train.checkpoint import load_trained
 
 
 def evaluated(layout: Layout, head: str) -> bool:
     """Whether the head's report folder holds an evaluation of this very checkpoint (by its weights digest)."""
-    metrics = layout.report(head) / "metrics.json"
-    if not (metrics.is_file() and layout.checkpoint(head).is_file()):
+    if not ((layout.report(head) / REPORT_FILE).is_file() and layout.checkpoint(head).is_file()):
         return False
-    recorded = json.loads(metrics.read_text()).get("head", {}).get("weights_digest")
+    try:
+        recorded = read_report(layout.report(head)).head.weights_digest
+    except UsageError:  # a damaged report: evaluate again
+        return False
     return recorded == load_trained(str(layout.checkpoint(head))).head.weights_digest()
 
 
@@ -59,10 +61,10 @@ def demo(config: DemoConfig) -> dict[str, Any]:
             continue
         seconds[stage.key] = run_stage(stage, number, len(stages))
     seconds["total"] = time.perf_counter() - started
-    metrics = {head: json.loads((layout.report(head) / "metrics.json").read_text()) for head in HEADS}
-    summary = summarise(layout, read_manifest(layout.data), metrics, seconds, [s.command() for s in stages],
+    reports = {head: read_report(layout.report(head)) for head in HEADS}
+    summary = summarise(layout, read_manifest(layout.data), reports, seconds, [s.command() for s in stages],
                         config.size)
     write_json_atomic(layout.root / "summary.json", summary)
-    write_demo_report(summary, metrics, layout)
+    write_demo_report(summary, reports, layout)
     print("\n" + summary_text(summary))
     return summary

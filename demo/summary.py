@@ -1,4 +1,4 @@
-"""The demo's numbers (summary.json), read from each head's metrics.json, and the one-screen text."""
+"""The demo's numbers (summary.json), read from each head's report (metrics.json), and the one-screen text."""
 
 from __future__ import annotations
 
@@ -6,34 +6,30 @@ from typing import Any
 
 from specheads.demo.stages import HEADS, Layout, relative
 from specheads.eval.report import MIN_TEST_PROMPTS, interval_cell
+from specheads.eval.report_file import REPORT_FILE, Report
 
 
-def head_summary(metrics: dict[str, Any], layout: Layout, head: str) -> dict[str, Any]:
-    """One head's headline figures, each taken as it stands in its metrics.json."""
-    offline, comparison = metrics["offline"], metrics["offline_comparison"]
-    best = comparison["baseline"]
+def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
+    """One head's figures: its report's headline (the same numbers export puts into config.json), what the demo
+    screen adds, and where the files are."""
     result: dict[str, Any] = {
-        "title": HEADS[head], "label": metrics["data"]["label"], "held_out_tokens": metrics["data"]["tokens"],
-        "held_out_prompts": metrics["data"]["prompts"],
-        "auc": offline["head"]["auc"], "auc_ci": offline["head"]["auc_ci"],
-        "best_baseline": best, "best_baseline_auc": offline[best]["auc"],
-        "auc_margin": comparison["auc_margin"], "auc_margin_ci": comparison["auc_margin_ci"],
-        "binary_kl": offline["head"]["binary_kl"], "binary_kl_constant": offline["constant"]["binary_kl"],
-        "decision_rule": metrics["decision_rule"],
-        "metrics": str(layout.report(head) / "metrics.json"), "report": str(layout.report(head) / "report.html"),
+        **report.headline(), "title": HEADS[head], "label": report.data["label"],
+        "held_out_tokens": report.data["tokens"], "held_out_prompts": report.data["prompts"],
+        "decision_rule": report.decision_rule.as_dict(),
+        "metrics": str(layout.report(head) / REPORT_FILE), "report": str(layout.report(head) / "report.html"),
         "exported": str(layout.exported(head)),
     }
-    if "decoding" in metrics:
-        decoding = metrics["decoding"]
-        result["decoding"] = {**metrics["verdict"]["decoding"], "t_draft_over_t_target": decoding["t_draft_over_t_target"],
+    if report.decoding:
+        decoding = report.decoding
+        result["decoding"] = {**report.verdict["decoding"], "t_draft_over_t_target": decoding["t_draft_over_t_target"],
                               "measured_t_draft_over_t_target": decoding["measured_costs"]["ratio"],
                               "test_prompts": decoding["prompts"]["test"], "max_new_tokens": decoding["max_new_tokens"]}
-    if "sprinter" in metrics:
-        result["tv_distance"] = metrics["sprinter"]["tv_distance"]
+    if report.sprinter:
+        result["tv_distance"] = report.sprinter["tv_distance"]
     return result
 
 
-def summarise(layout: Layout, manifest: dict[str, Any], metrics: dict[str, dict[str, Any]], seconds: dict[str, float],
+def summarise(layout: Layout, manifest: dict[str, Any], reports: dict[str, Report], seconds: dict[str, float],
               commands: list[str], size: str) -> dict[str, Any]:
     """summary.json: the data, each head's figures, where everything is, how long each stage took."""
     counts = manifest["counts"]
@@ -44,7 +40,7 @@ def summarise(layout: Layout, manifest: dict[str, Any], metrics: dict[str, dict[
         "data": {"path": str(layout.data), "fingerprint": manifest["fingerprint"], "rows": counts["rows"],
                  "prompts": counts["prompts"], "labelled_tokens": counts["labelled_tokens"],
                  "mean_accept": manifest["mean_accept"]},
-        "heads": {head: head_summary(metrics[head], layout, head) for head in HEADS},
+        "heads": {head: head_summary(reports[head], layout, head) for head in HEADS},
         "seconds": seconds, "commands": commands,
     }
 

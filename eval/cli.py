@@ -17,8 +17,8 @@ def main(argv: list[str]) -> int:
     from specheads.eval.run import evaluate
 
     config = parse_config(argv)
-    metrics = evaluate(config)
-    for line in metrics["verdict"]["text"]:
+    report = evaluate(config)
+    for line in report.verdict["text"]:
         print(line)
     print(f"report: {config.out}/report.html")
     return 0

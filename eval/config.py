@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specheads.errors import UsageError
+from specheads.eval.report_file import REPORT_FILE
 
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
                "head": "head_thresholds", "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
@@ -91,7 +92,7 @@ class EvalConfig:
 
     def validate_tuned_from(self) -> None:
         """`tuned_from` names a report that decoded, and no grid is given beside it."""
-        require_report_files("--tuned-from", self.tuned_from, ("metrics.json", "runs.json"))
+        require_report_files("--tuned-from", self.tuned_from, (REPORT_FILE, "runs.json"))
         grids = [name for name in sorted(set(GRID_FIELDS.values())) if getattr(self, name) is not None]
         if grids:
             raise UsageError(f"--tuned-from decodes only the thresholds {self.tuned_from} tuned; drop "

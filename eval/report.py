@@ -1,4 +1,4 @@
-"""The plain-language verdict and the report (report.md, rendered to report.html) from metrics.json's content."""
+"""The plain-language verdict and the report (report.md, rendered to report.html) of a `Report` (metrics.json)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import markdown
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
+from specheads.eval.report_file import Report, tuned_row
 from specheads.files import write_text_atomic
 
 MIN_TEST_PROMPTS = 8
 """Below this many test prompts a decoding comparison is called indicative, not a finding."""
-
-
-def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
-    """The test row of `policy` at its dev-tuned threshold."""
-    return next((r for r in decoding["policies"] if r["policy"] == policy and r.get("tuned")), None)
 
 
 def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -83,10 +79,10 @@ def grid_edge_lines(decoding: dict[str, Any]) -> list[str]:
     return lines
 
 
-def verdict(metrics: dict[str, Any]) -> dict[str, Any]:
+def verdict(report: Report) -> dict[str, Any]:
     """Does the head beat the baselines, by how much, at which threshold: numbers and sentences."""
-    offline = metrics["offline"]
-    comparison = metrics["offline_comparison"]
+    offline = report.offline
+    comparison = report.offline_comparison
     head_auc, best = offline["head"]["auc"], comparison["baseline"]
     kl, kl_constant = offline["head"]["binary_kl"], offline["constant"]["binary_kl"]
     result: dict[str, Any] = {
@@ -101,9 +97,9 @@ def verdict(metrics: dict[str, Any]) -> dict[str, Any]:
              f"Its binary KL is {kl:.3f} against {kl_constant:.3f} for the constant predictor "
              f"({result['binary_kl_reduction'] * 100:.1f} % lower)." if kl < kl_constant else
              f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}."]
-    if "decoding" in metrics:
-        result["decoding"], more = decoding_verdict(metrics["decoding"])
-        lines += more + grid_edge_lines(metrics["decoding"])
+    if report.decoding:
+        result["decoding"], more = decoding_verdict(report.decoding)
+        lines += more + grid_edge_lines(report.decoding)
     result["text"] = lines
     return result
 
@@ -122,12 +118,12 @@ def interval_cell(value: float | None, ci: list[float] | None) -> str:
     return fmt(value) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
-def offline_table(metrics: dict[str, Any]) -> list[str]:
+def offline_table(report: Report) -> list[str]:
     """The offline metrics as a markdown table."""
     lines = ["| signal | AUC [95 % CI] | AUC (Bernoulli draws) | PR-AUC | Brier | ECE | binary KL [95 % CI] |",
              "|---|---|---|---|---|---|---|"]
     for name in SIGNAL_ORDER:
-        m = metrics["offline"][name]
+        m = report.offline[name]
         lines.append(f"| {name} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
                      f"| {fmt(m['brier'])} | {fmt(m['ece'])} | {interval_cell(m['binary_kl'], m['binary_kl_ci'])} |")
     return lines
@@ -146,27 +142,27 @@ def decoding_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1) -> str:
+def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
     """The whole report as markdown: plots linked as `plot_dir` + file name, the title at heading level `depth`."""
-    head, data = metrics["head"], metrics["data"]
-    rule = metrics["decision_rule"]
+    head, data = report.head, report.data
+    rule = report.decision_rule
     title, section = "#" * depth, "#" * (depth + 1)
     plot = {name: plot_dir + file for name, file in PLOTS.items()}
-    lines = [f"{title} Acceptance head report: {head['config'].get('head_type')}", "",
-             f"Head `{head['source']}` ({head['parameters']:,} parameters, reads `{head['reads']}`), draft "
-             f"`{head['draft']}`, target `{head['target']}`. Data `{data['path']}` (fingerprint `{data['fingerprint']}`): "
+    lines = [f"{title} Acceptance head report: {head.head_type}", "",
+             f"Head `{head.source}` ({head.parameters:,} parameters, reads `{head.reads}`), draft "
+             f"`{head.draft}`, target `{head.target}`. Data `{data['path']}` (fingerprint `{data['fingerprint']}`): "
              f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts (prompts the head did not train "
              f"on; {data.get('prompts_trained_on', 0)} of the data's prompts it trained on are left out), label {data['label']}, "
              f"mean {data['mean_label']:.3f}.", "", f"{section} Verdict", ""]
-    lines += [f"- {line}" for line in metrics["verdict"]["text"]]
-    lines += ["", f"Decision rule: `{rule['rule']}` at threshold {rule['threshold']:g} "
-                  f"({'tuned on dev prompts' if rule['tuned'] else 'untuned default: no decoding runs'}).", "",
-              f"{section} Offline metrics (held-out tokens)", "", *offline_table(metrics), "",
+    lines += [f"- {line}" for line in report.verdict["text"]]
+    lines += ["", f"Decision rule: `{rule.rule}` at threshold {rule.threshold:g} "
+                  f"({'tuned on dev prompts' if rule.tuned else 'untuned default: no decoding runs'}).", "",
+              f"{section} Offline metrics (held-out tokens)", "", *offline_table(report), "",
               "AUC is the expectation over soft labels; intervals are bootstrap over prompts. "
               "`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1.", "",
               f"![ROC]({plot['roc']})", "", f"![Reliability diagram]({plot['reliability']})", ""]
-    if "sprinter" in metrics:
-        sprinter = metrics["sprinter"]
+    if report.sprinter:
+        sprinter = report.sprinter
         lines += [f"{section} SPRINTER operating point", "",
                   f"At threshold {sprinter['threshold']:g} the verifier passes {sprinter['passed_share'] * 100:.1f} % of the "
                   f"held-out drafted tokens unverified; the total-variation distance of SPRINTER's output from the "
@@ -174,8 +170,8 @@ def report_markdown(metrics: dict[str, Any], plot_dir: str = "", depth: int = 1)
                   "", "| τ | FPR | TPR |", "|---|---|---|"]
         lines += [f"| {p['tau']:g} | {p['fpr']:.3f} | {p['tpr']:.3f} |" for p in sprinter["operating_points"]]
         lines.append("")
-    if "decoding" in metrics:
-        decoding = metrics["decoding"]
+    if report.decoding:
+        decoding = report.decoding
         costs = decoding["measured_costs"]
         lines += [f"{section} Decoding runs (test prompts)", "",
                   f"{decoding['prompts']['test']} test prompts ({tuning_note(decoding)}), "
@@ -225,6 +221,6 @@ def write_markdown(text: str, out: Path, title: str) -> None:
                                            f"</title><style>{style}</style></head><body>{body}</body></html>\n")
 
 
-def write_report(metrics: dict[str, Any], out: Path) -> None:
+def write_report(report: Report, out: Path) -> None:
     """report.md and report.html of one head's evaluation in `out`."""
-    write_markdown(report_markdown(metrics), out, "specheads report")
+    write_markdown(report_markdown(report), out, "specheads report")

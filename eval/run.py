@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from specheads.eval.offline import (
 )
 from specheads.eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
 from specheads.eval.report import verdict, write_report
+from specheads.eval.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
 from specheads.eval.sweep import (
     DecodePrompt,
@@ -209,16 +209,16 @@ def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalCon
     return DecisionRule(VERIFY_RULE, threshold, tuned=True, cost_ratio=config.cost_ratio)
 
 
-def head_identity(trained: TrainedHead) -> dict[str, Any]:
-    """What identifies the evaluated head in metrics.json."""
-    return {"source": trained.source, "config": trained.head.config, "reads": trained.reads, "tau": trained.tau,
-            "draft": trained.draft, "target": trained.target, "data_fingerprint": trained.data_fingerprint,
-            "parameters": trained.head.num_parameters(), "weights_digest": trained.head.weights_digest()}
+def head_identity(trained: TrainedHead) -> EvaluatedHead:
+    """What identifies the evaluated head in the report."""
+    return EvaluatedHead(source=trained.source, config=trained.head.config, reads=trained.reads, tau=trained.tau,
+                         draft=trained.draft, target=trained.target, data_fingerprint=trained.data_fingerprint,
+                         parameters=trained.head.num_parameters(), weights_digest=trained.head.weights_digest())
 
 
-def evaluate(config: EvalConfig) -> dict[str, Any]:
+def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
-    checkpoint); returns metrics.json's content."""
+    checkpoint); returns the report."""
     config.validate()
     device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
@@ -236,16 +236,11 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
     offline = offline_metrics(table, config.bootstrap, config.seed)
-    metrics: dict[str, Any] = {
-        "head": head_identity(trained),
-        "data": {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
-                 "prompts": table.prompts, "mean_label": float(table.label.mean()),
-                 "held_out": "the prompts the head did not train on",
-                 "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
-                 "label": "accept = min(1, p/q)" if trained.reads == "candidate_state" else f"1[q/p <= {trained.tau}]"},
-        "offline": offline["signals"], "offline_comparison": offline["head_vs_best_baseline"],
-        "calibration": calibration_table(table), "config": config.as_dict(),
-    }
+    data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
+                    "prompts": table.prompts, "mean_label": float(table.label.mean()),
+                    "held_out": "the prompts the head did not train on",
+                    "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
+                    "label": "accept = min(1, p/q)" if trained.reads == "candidate_state" else f"1[q/p <= {trained.tau}]"}
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     decoding = None
     if config.num_decode_prompts:
@@ -254,24 +249,25 @@ def evaluate(config: EvalConfig) -> dict[str, Any]:
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])
-        metrics["decoding"] = {**decoding.section, "prompts_dropped_as_seen_in_training": dropped}
+        decoding.section["prompts_dropped_as_seen_in_training"] = dropped
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
-    metrics["decision_rule"] = rule.as_dict()
-    if trained.reads == "context_state":
-        metrics["sprinter"] = sprinter_operating_points(table, rule.threshold)
-    metrics["verdict"] = verdict(metrics)
+    report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"],
+                    offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
+                    config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
+                    sprinter=sprinter_operating_points(table, rule.threshold) if trained.reads == "context_state" else None)
+    report.verdict = verdict(report)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    roc_plot(table, metrics["offline"], out / PLOTS["roc"], config.seed)
-    reliability_plot(metrics["calibration"], out / PLOTS["reliability"])
+    roc_plot(table, report.offline, out / PLOTS["roc"], config.seed)
+    reliability_plot(report.calibration, out / PLOTS["reliability"])
     if decoding:
         pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
         acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])
         write_json_atomic(out / "runs.json", {"context": decoding.context, "runs": records_as_dicts(decoding.records)})
-    metrics["plots"] = {name: file for name, file in PLOTS.items() if (out / file).exists()}
-    write_json_atomic(out / "metrics.json", metrics)
-    write_report(metrics, out)
-    return metrics
+    report.plots = {name: file for name, file in PLOTS.items() if (out / file).exists()}
+    report.write(out)
+    write_report(report, out)
+    return report
 
 
 def accepted_lengths(decoding: Decoding) -> dict[str, list[int]]:
@@ -282,24 +278,3 @@ def accepted_lengths(decoding: Decoding) -> dict[str, list[int]]:
         if record.split == "test" and tuned.get(record.policy) == record.threshold and record.policy != "oracle":
             lengths.setdefault(f"{record.policy} @ {record.threshold:g}", []).extend(record.accepted_per_round)
     return lengths
-
-
-def headline(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The few numbers export puts into config.json and the model card."""
-    head = metrics["offline"]["head"]
-    result = {"auc": head["auc"], "auc_ci": head["auc_ci"], "binary_kl": head["binary_kl"],
-              "binary_kl_constant": metrics["offline"]["constant"]["binary_kl"],
-              "best_baseline": metrics["offline_comparison"]["baseline"],
-              "best_baseline_auc": metrics["offline"][metrics["offline_comparison"]["baseline"]]["auc"],
-              "data_fingerprint": metrics["data"]["fingerprint"], "tokens": metrics["data"]["tokens"]}
-    decoding = metrics.get("decoding")
-    if decoding:
-        result["t_draft_over_t_target"] = decoding["t_draft_over_t_target"]
-        tuned_rows = [row for row in decoding["policies"] if row.get("tuned")]
-        learned = [row for row in tuned_rows if row["policy"] in ("head", "sprinter")]
-        if learned:
-            result["modelled_speedup"] = learned[0]["modelled_speedup"]
-        constant = [row for row in tuned_rows if row["policy"] == "constant_k"]
-        if constant:
-            result["modelled_speedup_constant_k"] = constant[0]["modelled_speedup"]
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}

@@ -9,12 +9,11 @@ devices are allowed: they only draw fresh samples.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from specheads.errors import UsageError
+from specheads.eval.report_file import EvaluatedHead, read_report
 from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
 
@@ -55,19 +54,19 @@ def set_fields(config: dict[str, Any] | None) -> dict[str, Any]:
     return {name: value for name, value in (config or {}).items() if value is not None}
 
 
-def load_tuning(folder: str, head: dict[str, Any], context: dict[str, Any], cost_ratio: float) -> EarlierTuning:
+def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_ratio: float) -> EarlierTuning:
     """The thresholds tuned in the report `folder` for `head` (eval.run.head_identity), refused when that report
     decoded another head or context (`context` as eval.reuse.decoding_context writes it) or tuned on a prompt
     of this context."""
-    metrics = json.loads((Path(folder) / "metrics.json").read_text())  # exists: checked by EvalConfig.validate
-    decoding = metrics.get("decoding") or {}
+    report = read_report(folder)
+    decoding = report.decoding or {}
     if not decoding.get("tuned_thresholds"):
         raise UsageError(f"{folder} holds no tuned thresholds (its eval decoded nothing); give a report that ran "
                          "decoding with --num-decode-prompts")
     if decoding.get("tuned_from"):
         raise UsageError(f"{folder} tuned nothing itself: it took its thresholds from {decoding['tuned_from']['report']}; "
                          "give that report to --tuned-from")
-    differs = head_differences(metrics.get("head") or {}, head)
+    differs = head_differences(asdict(report.head), asdict(head))
     if differs:
         raise UsageError(f"{folder} tuned its thresholds for another head (differs in {', '.join(differs)}); give a "
                          "report of this head, or drop --tuned-from to tune on dev prompts here")

@@ -10,6 +10,7 @@ from typing import Any
 
 from specheads import __version__
 from specheads.errors import UsageError
+from specheads.eval.report_file import Report, read_report
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.files import usual_permissions
@@ -21,30 +22,22 @@ TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "
                  "optimizer", "lr", "weight_decay", "warmup_ratio")
 
 
-def read_report(report: Path, trained: TrainedHead) -> tuple[dict[str, Any], Path | None]:
-    """metrics.json and the ROC plot of an eval report of this very head (its weights digest and kind checked)."""
-    path = report / "metrics.json"
-    if not path.is_file():
-        raise UsageError(f"{report} holds no metrics.json; give the folder `specheads eval --out` wrote")
-    try:
-        metrics = json.loads(path.read_text())
-        evaluated = metrics["head"]
-        kind = (evaluated["config"].get("head_type"), evaluated["reads"])
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise UsageError(f"{path} is not a `specheads eval` report (unreadable or no head record); give the folder "
-                         "`specheads eval --out` wrote for this head") from None
-    mine = (trained.head.config.get("head_type"), trained.reads)
+def report_of_this_head(folder: Path, trained: TrainedHead) -> tuple[Report, Path | None]:
+    """The eval report in `folder` and its ROC plot, refused unless it evaluated this very head (weights and kind)."""
+    report = read_report(folder)
+    evaluated = report.head
+    kind, mine = (evaluated.head_type, evaluated.reads), (trained.head.config.get("head_type"), trained.reads)
     if kind != mine:
-        raise UsageError(f"the report in {report} evaluated a {kind[0]} head (reads {kind[1]}), but {trained.source} is a "
+        raise UsageError(f"the report in {folder} evaluated a {kind[0]} head (reads {kind[1]}), but {trained.source} is a "
                          f"{mine[0]} head (reads {mine[1]}); give the report of this head")
-    digest, recorded = trained.head.weights_digest(), evaluated.get("weights_digest")
-    if recorded != digest:
-        found = f"weights {recorded}" if recorded else "no weights digest (an older report)"
-        raise UsageError(f"the report in {report} evaluated another head ({found}, from {evaluated.get('source')}) than "
+    digest = trained.head.weights_digest()
+    if evaluated.weights_digest != digest:
+        found = f"weights {evaluated.weights_digest}" if evaluated.weights_digest else "no weights digest (an older report)"
+        raise UsageError(f"the report in {folder} evaluated another head ({found}, from {evaluated.source}) than "
                          f"{trained.source} (weights {digest}); give the report of this head, or run "
                          f"`specheads eval --head {trained.source}` for one")
-    roc = report / "roc.png"
-    return metrics, roc if roc.is_file() else None
+    roc = folder / "roc.png"
+    return report, roc if roc.is_file() else None
 
 
 def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -64,14 +57,14 @@ def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any
     return config
 
 
-def commands(config: ExportConfig, trained: TrainedHead, report_metrics: dict[str, Any] | None) -> list[str]:
+def commands(config: ExportConfig, trained: TrainedHead, report: Report | None) -> list[str]:
     """The commands that made the head, as far as the checkpoint and report know them."""
     lines = []
     run_config = Path(trained.source).parent.parent / "config.yaml"
     if run_config.is_file():
         lines.append(f"specheads train fit --config {run_config}")
-    if report_metrics:
-        c = report_metrics.get("config", {})
+    if report:
+        c = report.config
         lines.append(f"specheads eval --head {c.get('head')} --data {c.get('data')} --out {c.get('out')} "
                      f"--num-decode-prompts {c.get('num_decode_prompts')} --cost-ratio {c.get('cost_ratio')}")
     lines.append(f"specheads export --ckpt {config.ckpt} --out {config.out}" + (f" --report {config.report}" if config.report else ""))
@@ -139,21 +132,15 @@ def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any
 def export(config: ExportConfig) -> dict[str, Any]:
     """Export the checkpoint's head; returns config.json's content."""
     trained = load_trained(config.ckpt)
-    report_metrics = None
-    roc = None
-    if config.report:
-        from specheads.eval.run import headline
-
-        report_metrics, roc = read_report(Path(config.report), trained)
-        rule, metrics = DecisionRule(**report_metrics["decision_rule"]), headline(report_metrics)
-    elif trained.evaluation:
-        rule, metrics = trained.rule, dict(trained.evaluation.get("headline") or {})
-    else:
-        rule, metrics = DecisionRule.untuned(trained.reads), {}
+    report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)
+    if report:
+        rule, metrics = report.decision_rule, report.headline()
+    else:  # an exported folder keeps its own rule and headline; a checkpoint without a report is untuned
+        rule, metrics = trained.rule, dict(trained.evaluation or {})
     config_json = head_config(trained, rule, metrics)
     out = Path(config.out)
     if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json)):
-        write_folder(out, trained, config_json, commands(config, trained, report_metrics), roc, config.overwrite)
+        write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite)
     if config.push_to_hub:
         config_json["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
                                         f"specheads export of {Path(config.ckpt).name}")

@@ -22,6 +22,7 @@ from specheads.eval.decoding import CachedModel, Decoder
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.policies import make_policy
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
+from specheads.eval.report_file import Report, read_report
 from specheads.eval.run import check_data
 from specheads.eval.sweep import RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup, paired_gain_interval
 from specheads.heads import LinearVerifier, ResNetAcceptanceHead
@@ -342,6 +343,16 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
         assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()
     assert "Verdict" in (out / "report.md").read_text()
+    # the typed report round-trips: read back, it is what was written, and writing it again gives the same file
+    report = read_report(out)
+    assert report.as_dict() == metrics and Report.from_dict(report.as_dict(), "again") == report
+    (tmp_path / "copy").mkdir()
+    report.write(tmp_path / "copy")
+    assert (tmp_path / "copy" / "metrics.json").read_text() == (out / "metrics.json").read_text()
+    assert report.headline()["auc"] == metrics["offline"]["head"]["auc"] and report.decision_rule.tuned
+    broken = {k: v for k, v in metrics.items() if k != "decision_rule"}
+    with pytest.raises(UsageError, match="not a `specheads eval` report .*decision_rule"):
+        Report.from_dict(broken, "broken.json")
     rule = metrics["decision_rule"]  # the tuned rule lives in the report; the checkpoint is left as it was
     assert rule["tuned"] and rule["threshold"] == decoding["tuned_thresholds"]["head"]
     assert checkpoint.read_bytes() == checkpoint_bytes and load_trained(str(checkpoint)).decision is None

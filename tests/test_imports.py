@@ -52,3 +52,15 @@ def test_no_stage_is_imported_by_its_top_level_name():
             for path in sorted((ROOT / folder).glob("*.py"))
             for name in imports_of(path) if name.split(".")[0] in STAGE_FOLDERS]
     assert not bare, "\n".join(bare)
+
+
+def test_metrics_json_is_written_and_read_in_one_module():
+    """Every consumer of a report (tuning, export, the card, the demo) goes through eval/report_file.py."""
+    holders = []
+    for folder in (*STAGE_FOLDERS, "specheads"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            constants = [node.value for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+            if "metrics.json" in constants:
+                holders.append(str(path.relative_to(ROOT)))
+    assert holders == ["eval/report_file.py"]
