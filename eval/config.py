@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInterval, PositiveInt
+
 from specheads.errors import UsageError
 from specheads.eval.report_file import REPORT_FILE
 
@@ -48,47 +50,33 @@ class EvalConfig:
     data: str
     out: str = "runs/eval"
     decode_prompts: str | None = None
-    num_decode_prompts: int = 16
-    max_new_tokens: int = 48
-    max_draft: int = 8
-    cost_ratio: float = 0.2
-    bootstrap: int = 200
+    num_decode_prompts: NonNegativeInt = 16
+    max_new_tokens: PositiveInt = 48
+    max_draft: PositiveInt = 8
+    cost_ratio: OpenUnitInterval = 0.2
+    bootstrap: NonNegativeInt = 200
     seed: int = 0
     allow_other_data: bool = False
-    constant_ks: list[int] | None = None
-    head_thresholds: list[float] | None = None
-    sprinter_thresholds: list[float] | None = None
-    stop_shares: list[float] | None = None
-    sprinter_max_tv: float = 0.05
+    constant_ks: list[PositiveInt] | None = None
+    head_thresholds: list[ClosedUnitInterval] | None = None
+    sprinter_thresholds: list[ClosedUnitInterval] | None = None
+    stop_shares: list[OpenUnitInterval] | None = None
+    sprinter_max_tv: ClosedUnitInterval = 0.05
     device: str = "auto"
     progress: bool = True
     reuse_runs: str | None = None
     tuned_from: str | None = None
 
     def validate(self) -> None:
-        """Refuse values that cannot work, before anything is loaded."""
-        if not 0 < self.cost_ratio < 1:
-            raise UsageError(f"cost_ratio (t_draft/t_target) must lie in (0, 1), got {self.cost_ratio}")
-        for name in ("max_new_tokens", "max_draft"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_decode_prompts < 0 or self.num_decode_prompts == 1:
-            raise UsageError(f"num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test "
-                             f"prompt), got {self.num_decode_prompts}")
-        if self.bootstrap < 0:
-            raise UsageError(f"bootstrap must be >= 0, got {self.bootstrap}")
-        if any(not 0 < v < 1 for v in self.stop_shares or []):
-            raise UsageError(f"stop_shares are shares of drafted tokens in (0, 1), got {self.stop_shares}")
-        for name in ("head_thresholds", "sprinter_thresholds"):
-            values = getattr(self, name) or []
-            if any(not 0 <= v <= 1 for v in values):
-                raise UsageError(f"{name} are probabilities in [0, 1], got {values}")
+        """Refuse combinations that cannot work, before anything is loaded (each field's own range is in its type,
+        checked when the config is parsed)."""
+        if self.num_decode_prompts == 1:
+            raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
+                             "got 1")
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
         if self.tuned_from:
             self.validate_tuned_from()
-        if any(k < 1 for k in self.constant_ks or []):
-            raise UsageError(f"constant_ks must be whole numbers >= 1, got {self.constant_ks}")
 
     def validate_tuned_from(self) -> None:
         """`tuned_from` names a report that decoded, and no grid is given beside it."""

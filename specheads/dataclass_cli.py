@@ -6,6 +6,7 @@ true (`--overwrite`), and a parse error becomes one UsageError line naming the p
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -40,6 +41,18 @@ def normalise_flags(argv: list[str], switches: set[str], shorthands: dict[str, s
     return normalised
 
 
+def parse_error_line(message: str) -> str:
+    """jsonargparse's error in one short line: a value outside a constrained type's range is said plainly."""
+    text = " ".join(message.split())
+    key = re.search(r'Parser key "([^"]+)"', text)
+    restriction = re.search(r"Not of type (\w+): (.*?) ?does not conform to restriction (.+?)(?: - |$)", text)
+    if key and restriction:
+        given = re.search(r"Given value: (.+)$", text)
+        value = restriction.group(2) or (given.group(1) if given else "the value")
+        return f"--{key.group(1)}: {value} is not a {restriction.group(1)} ({restriction.group(3).strip()})"
+    return text[:400]
+
+
 def parse_dataclass(cls: type[Config], argv: list[str], prog: str, description: str,
                     shorthands: dict[str, str] | None = None) -> Config:
     """The dataclass `cls` from flags (and the YAML they name); bad values become a one-line UsageError."""
@@ -48,7 +61,7 @@ def parse_dataclass(cls: type[Config], argv: list[str], prog: str, description: 
     try:
         namespace = parser.parse_args(normalise_flags(argv, switches, shorthands))
     except Exception as error:  # jsonargparse raises ArgumentError and friends
-        raise UsageError(" ".join(str(error).split())[:400] + f"; see `{prog} --help`") from error
+        raise UsageError(parse_error_line(str(error)) + f"; see `{prog} --help`") from error
     namespace.pop("config", None)
     instantiated: Any = parser.instantiate(namespace)
     return cls(**{f.name: getattr(instantiated, f.name) for f in fields(cls)})

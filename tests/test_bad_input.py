@@ -121,11 +121,11 @@ def test_imported_responses(capsys, tiny_model, prompts_file, tmp_path):
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--samples-per-prompt", "0"], "samples_per_prompt must be at least 1"),
+    (["--samples-per-prompt", "0"], "--samples_per_prompt: 0 is not a PositiveInt (v>0)"),
     (["--rows-per-shard", "6"], "multiple of batch_size"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--temperature", "0"], "every sample of a prompt is the same greedy response"),
-    (["--mixing.schedule", "[0.5, 2.0]"], "mixing ratios must lie in [0, 1]"),
+    (["--mixing.schedule", "[0.5, 2.0]"], "--mixing.schedule: 2.0 is not a ClosedUnitInterval (v>=0 and v<=1)"),
     (["--no-such-flag", "1"], "no_such_flag"),
 ])
 def test_bad_settings(capsys, tiny_model, prompts_file, tmp_path, flags, fragment):

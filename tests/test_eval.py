@@ -556,3 +556,17 @@ def test_an_earlier_tuning_is_matched_to_its_head_by_weights_then_source_and_con
     assert head_differences(older_report | {"source": "b.ckpt"}, head) == ["source"]
     assert head_differences(head | {"weights_digest": "d2", "source": "b.ckpt"}, head) == ["weights_digest"]
     assert head_differences(head | {"config": {"depth": 3, "state_layer": 20}}, head) == ["config"]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--cost-ratio", "1"], "--cost_ratio: 1 is not a OpenUnitInterval (v>0 and v<1)"),
+    (["--constant-ks", "[0,2]"], "--constant_ks: 0 is not a PositiveInt"),
+    (["--head-thresholds", "[0.5,1.5]"], "--head_thresholds: 1.5 is not a ClosedUnitInterval"),
+    (["--stop-shares", "[0.0]"], "--stop_shares: 0.0 is not a OpenUnitInterval"),
+    (["--num-decode-prompts", "1"], "num_decode_prompts must be 0 (no decoding runs) or at least 2"),
+])
+def test_eval_refuses_values_outside_their_typed_range_in_one_line(flags, fragment, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["eval", "--head", "h", "--data", "d", "--out", str(out), *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert fragment in error and len(error.splitlines()) == 1 and not out.exists()
