@@ -9,21 +9,23 @@ Three comparisons, each side by side in one run on the same prompts and settings
   3. peak RSS of `specheads gen` at 32 and at 256 prompts.
 Each measurement runs in its own process so peak RSS is that measurement's alone.
 
-    python benchmarks/gen_throughput.py --prompts 32 --max-new-tokens 64 --memory-prompts 32 256
+    python benchmarks/gen_throughput.py --prompts 32 --max-new-tokens 64 --memory-prompts "[32, 256]"
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -203,16 +205,32 @@ def in_child(mode: str, prompts: int, max_new_tokens: int) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@dataclass
+class GenBenchmark:
+    """What to measure.
+
+    Args:
+        prompts: built-in prompts per run.
+        max_new_tokens: tokens per response.
+        memory_prompts: prompt counts of the memory runs, whose peak memory after loading is compared.
+        memory_max_new_tokens: tokens per response in the memory runs.
+        child: internal: run one measurement in this process.
+        parts: which measurements to run.
+    """
+
+    prompts: PositiveInt = 32
+    max_new_tokens: PositiveInt = 64
+    memory_prompts: list[PositiveInt] = field(default_factory=lambda: [32, 256])
+    memory_max_new_tokens: PositiveInt = 32
+    child: Literal["ours", "reference", "labelling"] | None = None
+    parts: list[Literal["end_to_end", "labelling", "memory"]] = field(
+        default_factory=lambda: ["end_to_end", "labelling", "memory"])
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--memory-prompts", type=int, nargs="*", default=[32, 256])
-    parser.add_argument("--memory-max-new-tokens", type=int, default=32)
-    parser.add_argument("--child", choices=["ours", "reference", "labelling"])
-    parser.add_argument("--parts", nargs="*", choices=["end_to_end", "labelling", "memory"],
-                        default=["end_to_end", "labelling", "memory"])
-    args = parser.parse_args()
+    from specheads.dataclass_cli import parse_script
+
+    args = parse_script(GenBenchmark, "benchmarks/gen_throughput.py", __doc__)
     if args.child:
         child(args.child, args.prompts, args.max_new_tokens)
         return

@@ -15,12 +15,16 @@ and AUC of the final epoch on the training and on the held-out prompts.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from jsonargparse.typing import ClosedUnitInterval, PositiveInt
+
+from specheads.dataclass_cli import parse_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("auc_svip_entropy", "auc_draft_top1", "auc_draft_prob")
@@ -28,7 +32,30 @@ SWEEP_DEPTHS = (0, 1, 3)
 SWEEP_W_REJ = (1.0, 3.0, 6.0, 12.0)
 
 
-def experiments(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+@dataclass
+class QualityBenchmark:
+    """Which runs to make.
+
+    Args:
+        specdecpp: gen folder with token-mixed rows (configs/gen/smollm2-demo.yaml).
+        sprinter: gen folder with target-only rows at T=1.
+        sprinter_greedy: gen folder with target-only rows at T=0.
+        sweep: gen folder with token-mixed rows: run the D x w_rej sweep on it instead.
+        state_dropout: the sweep's head_args.state_dropout.
+        out: where the runs and the results go.
+        epochs: override the configs' trainer.max_epochs.
+    """
+
+    specdecpp: str | None = None
+    sprinter: str | None = None
+    sprinter_greedy: str | None = None
+    sweep: str | None = None
+    state_dropout: ClosedUnitInterval = 0.5
+    out: str = "runs/quality"
+    epochs: PositiveInt | None = None
+
+
+def experiments(args: QualityBenchmark) -> list[tuple[str, str, str, list[str]]]:
     """(name, config, data, extra flags) for every run."""
     runs = []
     if args.specdecpp:
@@ -86,7 +113,7 @@ def split_metrics(root: Path, data_path: str) -> dict[str, float]:
     return metrics
 
 
-def quality_table(args: argparse.Namespace) -> list[dict]:
+def quality_table(args: QualityBenchmark) -> list[dict]:
     """Every experiment's final validation metrics against the training-free signals, as a markdown table."""
     results = []
     for index, (name, config, data, flags) in enumerate(experiments(args)):
@@ -106,7 +133,7 @@ def quality_table(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def depth_weight_sweep(args: argparse.Namespace) -> list[dict]:
+def depth_weight_sweep(args: QualityBenchmark) -> list[dict]:
     """SpecDec++ Table 3: D x w_rej with everything else as configs/train/specdecpp.yaml; train and validation
     binary KL and AUC of the final epoch."""
     results = []
@@ -126,15 +153,7 @@ def depth_weight_sweep(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--specdecpp", help="gen folder with token-mixed rows (configs/gen/smollm2-demo.yaml)")
-    parser.add_argument("--sprinter", help="gen folder with target-only rows at T=1")
-    parser.add_argument("--sprinter-greedy", help="gen folder with target-only rows at T=0")
-    parser.add_argument("--sweep", help="gen folder with token-mixed rows: run the D x w_rej sweep on it instead")
-    parser.add_argument("--state-dropout", type=float, default=0.5, help="the sweep's head_args.state_dropout")
-    parser.add_argument("--out", default="runs/quality")
-    parser.add_argument("--epochs", type=int, help="override the configs' trainer.max_epochs")
-    args = parser.parse_args()
+    args = parse_script(QualityBenchmark, "benchmarks/train_quality.py", __doc__)
     results = depth_weight_sweep(args) if args.sweep else quality_table(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / ("sweep.json" if args.sweep else "quality.json")).write_text(json.dumps(results, indent=2))

@@ -21,15 +21,19 @@ the model folder and labels data with it first (`specheads gen`), then measures:
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from jsonargparse.typing import NonNegativeInt, PositiveInt
 from lightning.pytorch.callbacks import Callback
+
+from specheads.dataclass_cli import parse_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_TARGET_LAYERS, RANDOM_DRAFT_SKIPS = 18, [16, 17]
@@ -135,18 +139,35 @@ def label_with_random_draft(model: Path, out: Path, accelerator: str) -> str:
     return str(out)
 
 
+@dataclass
+class TrainBenchmark:
+    """What to measure.
+
+    Args:
+        data: a `specheads gen` folder with stored features.
+        random_draft: label data with a random 1B-class bf16 pair first.
+        tokenizer_from: model folder whose tokenizer the random pair uses.
+        out: where the runs and the results go.
+        accelerator: Lightning's accelerator (cpu, gpu).
+        epochs: epochs per mode; the first is not counted.
+        modes: the data modes to measure.
+        num_workers: DataLoader workers (data.num_workers).
+        measure: internal: measure one mode in this process.
+    """
+
+    data: str | None = None
+    random_draft: bool = False
+    tokenizer_from: str | None = None
+    out: str = "runs/bench/train"
+    accelerator: str = "cpu"
+    epochs: PositiveInt = 3
+    modes: list[Literal["offline", "online"]] = field(default_factory=lambda: ["offline", "online"])
+    num_workers: NonNegativeInt = 0
+    measure: Literal["offline", "online"] | None = None
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", help="a `specheads gen` folder with stored features")
-    parser.add_argument("--random-draft", action="store_true", help="label data with a random 1B-class bf16 pair first")
-    parser.add_argument("--tokenizer-from", help="model folder whose tokenizer the random pair uses")
-    parser.add_argument("--out", default="runs/bench/train")
-    parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per mode; the first is not counted")
-    parser.add_argument("--modes", nargs="+", default=["offline", "online"])
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (data.num_workers)")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: measure one mode in this process
-    args = parser.parse_args()
+    args = parse_script(TrainBenchmark, "benchmarks/train_throughput.py", __doc__)
     out = Path(args.out)
     if args.measure:
         print(json.dumps(measure(args.data, args.measure, out / args.measure, args.accelerator, args.epochs,

@@ -7,6 +7,7 @@ true (`--overwrite`), and a parse error becomes one UsageError line naming the p
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -51,6 +52,14 @@ def parse_error_line(message: str) -> str:
         value = restriction.group(2) or (given.group(1) if given else "the value")
         return f"--{key.group(1)}: {value} is not a {restriction.group(1)} ({restriction.group(3).strip()})"
     return text[:400]
+
+
+def parse_script(cls: type[Config], prog: str, description: str, argv: list[str] | None = None) -> Config:
+    """`parse_dataclass` for a script's own `main` (the benchmarks): a bad flag ends the process in one line."""
+    try:
+        return parse_dataclass(cls, sys.argv[1:] if argv is None else argv, prog, description)
+    except UsageError as error:
+        raise SystemExit(f"{prog}: error: {error}") from None
 
 
 def parse_dataclass(cls: type[Config], argv: list[str], prog: str, description: str,
