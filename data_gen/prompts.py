@@ -72,8 +72,9 @@ def _record_to_prompt(record: Any, index: int, where: str, column: str | None) -
     return Prompt(prompt_id, _messages(record[key], where))
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Parse a JSONL file, naming the line of any malformed or non-UTF-8 record."""
+def read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    """Parse a JSONL file into (line number, record) pairs, naming the line of any malformed or non-UTF-8 record;
+    blank lines are skipped."""
     if not path.is_file():
         raise UsageError(f"file {path} does not exist; check the path")
     records = []
@@ -87,7 +88,7 @@ def read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append((number, json.loads(line)))
             except json.JSONDecodeError as error:
                 raise UsageError(f"{path}:{number}: malformed JSON ({error.msg}); fix or remove that line") from error
     if not records:
@@ -96,7 +97,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def _from_jsonl(path: Path, column: str | None) -> list[Prompt]:
-    return [_record_to_prompt(r, i, f"{path}:{i + 1}", column) for i, r in enumerate(read_jsonl(path))]
+    return [_record_to_prompt(record, index, f"{path}:{line}", column)
+            for index, (line, record) in enumerate(read_jsonl(path))]
 
 
 def _builtin() -> list[Prompt]:

@@ -79,7 +79,7 @@ def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max
     """
     grouped: dict[str, list[list[int]]] = defaultdict(list)
     unknown: list[str] = []
-    for number, record in enumerate(read_jsonl(path), start=1):
+    for number, record in read_jsonl(path):
         where = f"{path}:{number}"
         if not isinstance(record, dict) or "id" not in record:
             raise UsageError(f"{where}: expected an object with the prompt `id` and `response` or `response_ids`")
