@@ -91,8 +91,9 @@ def shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | None
         return f"is not a readable Arrow file ({' '.join(str(error).split())[:100]})"
     if table.num_rows != record.get("rows"):
         return f"holds {table.num_rows} rows but {record.get('rows')} were written"
-    if shard_run(table) != run:
-        return f"carries run {shard_run(table)} in its Arrow metadata, not {run}"
+    written_by = shard_run(table)
+    if written_by != run:
+        return f"carries run {written_by} in its Arrow metadata, not {run}"
     if deep and file_sha256(path) != record.get("sha256"):
         return "no longer has the sha256 recorded when it was written (changed on disk)"
     return None

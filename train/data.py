@@ -206,26 +206,32 @@ class AcceptanceDataModule(L.LightningDataModule):
         if self.splits:
             return
         rows = load_labelled(self.path)
-        held_out = [is_validation_prompt(p, self.split_seed, self.val_fraction) for p in rows["prompt_id"]]
-        train = [i for i, out in enumerate(held_out) if not out]
-        val = [i for i, out in enumerate(held_out) if out]
-        if not train or not val:
-            raise UsageError(f"the prompt split leaves {len(train)} training and {len(val)} validation rows; "
+        self.assign_splits(rows, [is_validation_prompt(p, self.split_seed, self.val_fraction) for p in rows["prompt_id"]])
+        if not len(self.splits["train"]) or not len(self.splits["val"]):
+            counts = (len(self.splits["train"]), len(self.splits["val"]))
+            self.splits = {}
+            raise UsageError(f"the prompt split leaves {counts[0]} training and {counts[1]} validation rows; "
                              "give more prompts or change data.val_fraction")
-        self.splits = {"train": rows.select(train), "val": rows.select(val)}
 
     def split_by_trained_prompts(self, trained: set[str]) -> None:
         """Eval's split, for any data of the head's models: rows whose prompt (by `prompt_digest` of its token ids)
         the head trained on form "train", every other row "val", the held-out rows."""
         rows = load_labelled(self.path)
-        seen = [prompt_digest(ids) in trained for ids in rows.with_format("numpy", columns=["prompt_ids"])["prompt_ids"]]
-        self.splits = {"train": rows.select([i for i, s in enumerate(seen) if s]),
-                       "val": rows.select([i for i, s in enumerate(seen) if not s])}
+        ids = rows.with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
+        self.assign_splits(rows, [prompt_digest(row) not in trained for row in ids])
+
+    def assign_splits(self, rows: datasets.Dataset, held_out: list[bool]) -> None:
+        """"train" = the rows not held out, "val" = the held-out rows."""
+        self.splits = {"train": rows.select([i for i, out in enumerate(held_out) if not out]),
+                       "val": rows.select([i for i, out in enumerate(held_out) if out])}
+        self._digests: dict[str, list[str]] = {}
 
     def prompt_digests(self, split: str) -> list[str]:
-        """The distinct prompts of `split`, as sorted `prompt_digest`s of their token ids."""
-        ids = self.splits[split].with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
-        return sorted({prompt_digest(row) for row in ids})
+        """The distinct prompts of `split`, as sorted `prompt_digest`s of their token ids (computed once a split)."""
+        if split not in self._digests:
+            ids = self.splits[split].with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
+            self._digests[split] = sorted({prompt_digest(row) for row in ids})
+        return self._digests[split]
 
     def split_record(self) -> dict[str, Any]:
         """The split, for the run folder: which prompts went where, and the counts."""
