@@ -41,10 +41,11 @@ def arrow_fingerprint(run: str, index: int) -> str:
     return f"{RUN_PREFIX}{run}-shard{index:05d}"
 
 
-def write_record(out: Path, index: int, run: str, rows: int) -> dict[str, Any]:
-    """Record the shard just written: the run that wrote it, its rows, bytes and sha256 (atomic)."""
-    path = shard_path(out, index)
-    record = {"run": run, "rows": rows, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+def write_record(out: Path, index: int, run: str, rows: int, written: Path) -> dict[str, Any]:
+    """Record shard `index` from `written`, the finished file about to become it: the run that wrote it, its rows,
+    bytes and sha256 (atomic). Written before the shard is moved into place, so a shard never exists without its
+    record (a run killed in between leaves a record of a missing shard, which is labelled again)."""
+    record = {"run": run, "rows": rows, "bytes": written.stat().st_size, "sha256": file_sha256(written)}
     write_json_atomic(record_path(out, index), record)
     return record
 

@@ -48,14 +48,14 @@ def row_features(hidden_size: int | None) -> datasets.Features:
 
 def write_shard(out: Path, index: int, columns: dict[str, list], schema: datasets.Features, run: str) -> Path:
     """Write one shard atomically (a reader sees the whole file or none of it), carrying `run` (the data fingerprint)
-    in its metadata, then its record beside it (`data_gen.shards`)."""
+    in its metadata, with its record beside it (`data_gen.shards`), written just before the shard appears."""
     final = shard_path(out, index)
     with atomic_path(final) as temporary:
         writer = ArrowWriter(features=schema, path=temporary, fingerprint=arrow_fingerprint(run, index))
         writer.write_batch(columns)
         writer.finalize()
         writer.close()
-    write_record(out, index, run, len(columns["prompt_id"]))
+        write_record(out, index, run, len(columns["prompt_id"]), Path(temporary))
     return final
 
 
