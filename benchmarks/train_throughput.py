@@ -58,7 +58,7 @@ class BatchTimer(Callback):
         synchronize(module.device)
         now = time.perf_counter()
         if batch_idx > 0:
-            mask, _ = token_targets(batch, module.reads, module.hparams.tau, module.hparams.contexts)
+            mask, _ = token_targets(batch, module.purpose, module.hparams.tau, module.hparams.contexts)
             self.rows.append({"epoch": trainer.current_epoch, "tokens": int(mask.sum()),
                               "step_s": now - self.started, "data_s": self.started - self.ended})
         self.ended = time.perf_counter()

@@ -81,11 +81,12 @@ class DecodeResult:
 
 @torch.no_grad()
 def acceptance_step(head: AcceptanceHead, state: torch.Tensor, signals: dict[str, float],
-                    embedding: torch.Tensor | None) -> float:
-    """The head's acceptance probability for one candidate from its state and draft signals."""
+                    embedding: torch.Tensor | None, position: int | None = None) -> float:
+    """The head's acceptance probability for one candidate from its state and draft signals; `position` (1-based in
+    the round) applies a stop head's per-position calibration."""
     columns = [signals[name] for name in head.extra_features]
     signal_tensor = torch.tensor([columns], dtype=torch.float32, device=state.device) if columns else None
-    return float(head.predict(state.unsqueeze(0), signal_tensor, embedding)[0])
+    return float(head.predict(state.unsqueeze(0), signal_tensor, embedding, position)[0])
 
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
@@ -147,6 +148,7 @@ class Decoder:
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
         draft, target = CachedModel(self.draft, head.state_layer if head is not None else None), CachedModel(self.target)
+        on_time = policy.reads_head and head.decides == "at_draft"
         tokens, generated = list(prompt), []
         result = DecodeResult(tokens=[])
         while not self._done(generated, max_new_tokens):
@@ -158,10 +160,13 @@ class Decoder:
                 logits, states = draft.feed(pending, 1)
                 logq_all = self.transform.log_probs(logits[-1])
                 token = self._draw(logq_all, generator)
-                if policy.reads_head and previous_signals is not None:  # states[-1] has read the previous candidate
-                    acceptance *= acceptance_step(head, states[-1], previous_signals,
-                                                  self._embedding(head, candidates[-1]))
                 signals = candidate_signals(logits[-1], logq_all, token, self.transform)
+                if on_time:  # states[-1] produced q for this candidate: it is scored the moment it is drafted
+                    acceptance *= acceptance_step(head, states[-1], signals, self._embedding(head, token),
+                                                  len(candidates) + 1)
+                elif policy.reads_head and previous_signals is not None:  # states[-1] has read the previous candidate
+                    acceptance *= acceptance_step(head, states[-1], previous_signals,
+                                                  self._embedding(head, candidates[-1]), len(candidates))
                 candidates.append(token)
                 logq_rows.append(logq_all)
                 drafted = Drafted(index=len(candidates), prob=signals["prob"], entropy=signals["entropy"],

@@ -15,8 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.heads import STORED_SIGNALS
-from specheads.metrics import baseline_scores, bernoulli_auc, binary_kl, calibration_bins, classification_metrics, soft_auc, soft_pr_auc
+from specheads.heads import STORED_SIGNALS, PositionCalibration
+from specheads.heads.calibration import cumulative_products, round_windows
+from specheads.metrics import (
+    baseline_scores,
+    bernoulli_auc,
+    binary_kl,
+    brier,
+    calibration_bins,
+    classification_metrics,
+    expected_calibration_error,
+    soft_auc,
+    soft_pr_auc,
+)
 from specheads.train.checkpoint import TrainedHead
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.targets import draft_features, head_inputs
@@ -27,15 +38,19 @@ PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "beta_oracle", "label
 SPRINTER_TAUS = (1.0, 1.2, 1.5)
 POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta", "accept")
 """The per-position data columns a token table keeps beside the label and the head's prediction."""
-TOKEN_COLUMNS = ("label", "prediction", *POSITION_COLUMNS, "group")
+TOKEN_COLUMNS = ("label", "prediction", "logit", *POSITION_COLUMNS, "group", "row", "position")
+INTEGER_COLUMNS = ("group", "row", "position")
 
 
 @dataclass
 class TokenTable:
-    """Per-token arrays of the evaluated split, aligned; `group` is the token's prompt (for the bootstrap)."""
+    """Per-token arrays of the evaluated split, aligned and sorted by (row, position); `group` is the token's prompt
+    (for the bootstrap), `logit` the head's logit plus its class-weight correction (prediction = σ(logit), with no
+    position calibration)."""
 
     label: np.ndarray
     prediction: np.ndarray
+    logit: np.ndarray
     logp: np.ndarray
     logq: np.ndarray
     entropy: np.ndarray
@@ -43,6 +58,8 @@ class TokenTable:
     beta: np.ndarray
     accept: np.ndarray
     group: np.ndarray
+    row: np.ndarray
+    position: np.ndarray
     prompts: int
 
     def scores(self) -> dict[str, np.ndarray]:
@@ -73,15 +90,20 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         ids = rows[start : start + size]
         start += size
         features = batch["features"] if "features" in batch else draft_features(draft, batch, batch["valid"].shape[1])
-        hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, head.extra_features,
-                                                              trained.tau, trained.contexts, embeddings)
-        columns["prediction"].append(head.predict(hidden, signals, embedding).float().cpu().numpy())
+        hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, trained.purpose,
+                                                              head.extra_features, trained.tau, trained.contexts, embeddings)
+        logit = (head(hidden, signals, embedding) + head.logit_correction).double().cpu()
+        columns["logit"].append(logit.numpy())
+        columns["prediction"].append(torch.sigmoid(logit).numpy())
         columns["label"].append(label.numpy())
+        row, position = mask.nonzero(as_tuple=True)
+        columns["row"].append((row + start - size).numpy())
+        columns["position"].append(position.numpy())
         for name in POSITION_COLUMNS:
             columns[name].append(batch[name][mask].numpy())
         groups = torch.tensor([prompt_index.setdefault(i, len(prompt_index)) for i in ids]).unsqueeze(1)
         columns["group"].append(groups.expand_as(mask)[mask].numpy())
-    arrays = {name: np.concatenate(parts).astype(np.int64 if name == "group" else np.float64)
+    arrays = {name: np.concatenate(parts).astype(np.int64 if name in INTEGER_COLUMNS else np.float64)
               for name, parts in columns.items()}
     return TokenTable(**arrays, prompts=len(prompt_index))
 
@@ -162,3 +184,25 @@ def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[f
                        "tpr": float((passed & acceptable).sum() / positives)})
     return {"threshold": threshold, "tv_distance": sprinter_distance(table, threshold),
             "passed_share": float(passed.mean()) if len(passed) else float("nan"), "operating_points": points}
+
+
+def cumulative_calibration(table: TokenTable, calibration: PositionCalibration | None, max_positions: int,
+                           bins: int = 10) -> list[dict[str, Any]]:
+    """Per round position k = 1..max_positions: AUROC, ECE and Brier of the cumulative product Π_{j≤k} â_j against the
+    chance that all k candidates are accepted (Π min(1, p/q)), over every run of k consecutive drafted candidates of
+    the held-out tokens, before and (when the head carries one) after its per-position calibration, with the
+    reliability bins of each."""
+    windows = round_windows(table.row, table.position, max_positions)
+    rows = []
+    for stage, mapping in (("raw", None), ("calibrated", calibration)):
+        if stage == "calibrated" and mapping is None:
+            continue
+        for k, (product, label) in enumerate(cumulative_products(table.logit, table.accept, windows, mapping), start=1):
+            if not len(label):
+                continue
+            rows.append({"k": k, "stage": stage, "windows": len(label), "mean_label": float(label.mean()),
+                         "mean_prediction": float(product.mean()), "auroc": soft_auc(label, product),
+                         "ece": expected_calibration_error(label, product, bins), "brier": brier(label, product),
+                         "bins": {name: [float(v) for v in values]
+                                  for name, values in calibration_bins(label, product, bins).items()}})
+    return rows

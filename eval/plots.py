@@ -15,8 +15,8 @@ from sklearn.metrics import roc_curve  # noqa: E402
 from specheads.eval.offline import SIGNAL_ORDER, TokenTable  # noqa: E402
 from specheads.files import atomic_path  # noqa: E402
 
-PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "pareto": "pareto.png",
-         "acceptance_lengths": "acceptance_lengths.png"}
+PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "cumulative_reliability": "cumulative_reliability.png",
+         "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png"}
 LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1": "draft top-1 prob",
           "draft_prob": "draft q(ŷ)", "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
 
@@ -58,6 +58,26 @@ def reliability_plot(calibration: dict[str, list[float]], path: Path) -> None:
     axis.set(xlabel="mean predicted acceptance", ylabel="mean label", xlim=(0, 1), ylim=(0, 1),
              title="Reliability diagram (held-out tokens)")
     axis.legend(fontsize=8)
+    save(figure, path)
+
+
+def cumulative_reliability_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """One reliability panel per round position k: mean Π_{j≤k} accept against mean Π_{j≤k} â per bin, raw and
+    calibrated."""
+    positions = sorted({row["k"] for row in rows})
+    figure, axes = plt.subplots(1, len(positions), figsize=(2.6 * len(positions), 2.9), squeeze=False, sharey=True)
+    for axis, k in zip(axes[0], positions):
+        axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8)
+        for row in (r for r in rows if r["k"] == k):
+            predicted = np.array(row["bins"]["mean_prediction"], dtype=float)
+            observed = np.array(row["bins"]["mean_label"], dtype=float)
+            filled = np.isfinite(predicted) & np.isfinite(observed)
+            axis.plot(predicted[filled], observed[filled], marker="o", markersize=3,
+                      label=f"{row['stage']} (ECE {row['ece']:.3f})")
+        axis.set(title=f"k = {k}", xlim=(0, 1), ylim=(0, 1), xlabel="mean Π â")
+        axis.legend(fontsize=6, loc="upper left")
+    axes[0][0].set_ylabel("mean Π min(1, p/q)")
+    figure.suptitle("Cumulative acceptance per round position (held-out tokens)", fontsize=9)
     save(figure, path)
 
 

@@ -1,8 +1,10 @@
 """Stop policies of speculative decoding: when the draft stops proposing and the target verifies.
 
-After drafting candidate ŷ_k a policy sees the draft's signals for ŷ_k and, for the learned head, the
-product of the acceptance predictions it already has (docs/method.md "Decision timing at inference": the
-state that has read ŷ_j exists only once ŷ_{j+1} is drafted, so at step k the head knows â_1..â_{k-1}).
+After drafting candidate ŷ_k a policy sees the draft's signals for ŷ_k and, for a learned stop head, the
+product of the acceptance predictions it already has (docs/method.md "Decision timing at inference"): an
+`at_draft` head (specdecpp_ontime) has scored ŷ_k itself, so the product is Π_{j≤k} â_j; a
+`one_step_late` head (specdecpp_resnet) reads the state that has read ŷ_j, which exists only once
+ŷ_{j+1} is drafted, so at step k it knows â_1..â_{k-1}.
 Every policy caps a round at `max_draft` candidates.
 """
 
@@ -22,7 +24,7 @@ class Drafted:
     index: int
     prob: float  # the draft's probability of the candidate (untempered under greedy decoding)
     entropy: float  # H(q) at the step that drafted it (untempered under greedy decoding)
-    acceptance: float  # Π â_j over the earlier candidates of the round (1.0 before the head has one)
+    acceptance: float  # Π â_j over the round's candidates the head has scored (1.0 before it has one)
 
 
 @dataclass(frozen=True)

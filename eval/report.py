@@ -161,6 +161,8 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
               "AUC is the expectation over soft labels; intervals are bootstrap over prompts. "
               "`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1.", "",
               f"![ROC]({plot['roc']})", "", f"![Reliability diagram]({plot['reliability']})", ""]
+    if report.cumulative:
+        lines += cumulative_section(report.cumulative, section, plot["cumulative_reliability"])
     if report.sprinter:
         sprinter = report.sprinter
         lines += [f"{section} SPRINTER operating point", "",
@@ -181,6 +183,19 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
     return "\n".join(lines) + "\n"
+
+
+def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> list[str]:
+    """The cumulative acceptance per round position: a table before and after the calibration, and the plot."""
+    lines = [f"{section} Cumulative acceptance per round position (held-out tokens)", "",
+             "Π_{j≤k} â_j against Π_{j≤k} min(1, p/q), the chance that candidates 1..k are all accepted, over every run "
+             "of k consecutive drafted candidates (windows); `calibrated` applies the head's per-position map, fitted on "
+             "calibration prompts that are not among these.", "",
+             "| k | stage | windows | mean label | mean Π â | AUROC | ECE | Brier |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['k']} | {r['stage']} | {r['windows']:,} | {fmt(r['mean_label'])} | {fmt(r['mean_prediction'])} "
+              f"| {fmt(r['auroc'])} | {fmt(r['ece'])} | {fmt(r['brier'])} |"
+              for r in sorted(rows, key=lambda r: (r["k"], r["stage"] != "raw"))]
+    return [*lines, "", f"![Cumulative reliability]({plot})", ""]
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:

@@ -54,6 +54,7 @@ class Report:
     verdict: dict[str, Any] = field(default_factory=dict)
     decoding: dict[str, Any] | None = None
     sprinter: dict[str, Any] | None = None
+    cumulative: list[dict[str, Any]] | None = None  # a stop head's Π â per round position (eval.offline)
     plots: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -20,11 +20,19 @@ from specheads.eval.offline import (
     TokenTable,
     calibration_table,
     collect_tokens,
+    cumulative_calibration,
     offline_metrics,
     sprinter_distance,
     sprinter_operating_points,
 )
-from specheads.eval.plots import PLOTS, acceptance_length_plot, pareto_plot, reliability_plot, roc_plot
+from specheads.eval.plots import (
+    PLOTS,
+    acceptance_length_plot,
+    cumulative_reliability_plot,
+    pareto_plot,
+    reliability_plot,
+    roc_plot,
+)
 from specheads.eval.report import verdict, write_report
 from specheads.eval.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
@@ -113,9 +121,9 @@ def held_out_data(config: EvalConfig, trained: TrainedHead, manifest: dict[str, 
     fraction, which names its held-out prompts only on its own training data."""
     data = AcceptanceDataModule(config.data, val_fraction=trained.split["val_fraction"],
                                 split_seed=trained.split["split_seed"])
-    if trained.train_prompts is not None:
-        data.split_by_trained_prompts(trained.train_prompts)
-        return data, trained.train_prompts
+    if trained.used_prompts is not None:
+        data.split_by_trained_prompts(trained.used_prompts)
+        return data, trained.used_prompts
     if trained.data_fingerprint is not None and manifest["fingerprint"] != trained.data_fingerprint:
         raise UsageError(f"{trained.source} does not record the prompts it trained on (an older specheads made it), so "
                          f"the held-out prompts of other data such as {config.data} cannot be told; evaluate it on its "
@@ -170,7 +178,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
-        trained.reads, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
+        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
     decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
@@ -181,12 +189,12 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     if tuning:
         tuned = dict(tuning.thresholds)
     else:
-        if trained.reads == "context_state":  # a verifier trades quality for speed: tune within the TV budget
+        if trained.purpose == "verify":  # a verifier trades quality for speed: tune within the TV budget
             dev = within_tv_budget(dev, table, config.sprinter_max_tv)
         tuned = {policy: row["threshold"] for policy, row in tune(dev).items()}
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
-    learned = "head" if trained.reads == "candidate_state" else "sprinter"
+    learned = "head" if trained.purpose == "stop" else "sprinter"
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
@@ -203,8 +211,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
 def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalConfig) -> DecisionRule:
     """The rule export carries: the dev-tuned threshold, or the untuned default when no decoding ran."""
     if threshold is None:
-        return DecisionRule.untuned(trained.reads)
-    if trained.reads == "candidate_state":
+        return DecisionRule.untuned(trained.purpose)
+    if trained.purpose == "stop":
         return DecisionRule(STOP_RULE, threshold, tuned=True, max_draft=config.max_draft, cost_ratio=config.cost_ratio)
     return DecisionRule(VERIFY_RULE, threshold, tuned=True, cost_ratio=config.cost_ratio)
 
@@ -240,7 +248,7 @@ def evaluate(config: EvalConfig) -> Report:
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
-                    "label": "accept = min(1, p/q)" if trained.reads == "candidate_state" else f"1[q/p <= {trained.tau}]"}
+                    "label": "accept = min(1, p/q)" if trained.purpose == "stop" else f"1[q/p <= {trained.tau}]"}
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     decoding = None
     if config.num_decode_prompts:
@@ -251,15 +259,19 @@ def evaluate(config: EvalConfig) -> Report:
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])
         decoding.section["prompts_dropped_as_seen_in_training"] = dropped
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
-    report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"],
+    cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft)
+                  if trained.purpose == "stop" else None)
+    report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"], cumulative=cumulative,
                     offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
-                    sprinter=sprinter_operating_points(table, rule.threshold) if trained.reads == "context_state" else None)
+                    sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)
     report.verdict = verdict(report)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     roc_plot(table, report.offline, out / PLOTS["roc"], config.seed)
     reliability_plot(report.calibration, out / PLOTS["reliability"])
+    if cumulative:
+        cumulative_reliability_plot(cumulative, out / PLOTS["cumulative_reliability"])
     if decoding:
         pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
         acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])

@@ -79,16 +79,16 @@ def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
             "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares]}
 
 
-def default_settings(reads: str, signal_grid: dict[str, list[float]], max_draft: int,
+def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
                      head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
                      constant_ks: Iterable[int] | None = None) -> list[Setting]:
-    """The sweep for a head: constant K, SVIP, confidence, the head and the oracle (SpecDec++ heads), or
+    """The sweep for a head of `purpose`: constant K, SVIP, confidence, the head and the oracle (stop heads), or
     constant K beside the SPRINTER loop (verifiers)."""
     head_thresholds = HEAD_THRESHOLDS if head_thresholds is None else head_thresholds
     sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
     ks = sorted(set(constant_ks)) if constant_ks else sorted({k for k in CONSTANT_KS if k <= max_draft} | {max_draft})
     settings = [Setting("constant_k", float(k)) for k in ks]
-    if reads == "candidate_state":
+    if purpose == "stop":
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))

@@ -45,32 +45,51 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
     return rows
 
 
+def describe_head(config: dict[str, Any], state: str) -> str:
+    """What the head reads and predicts, and how a decoder acts on it, in a sentence or three."""
+    if config.get("purpose", "stop" if config["reads"] == "candidate_state" else "verify") == "verify":
+        return (f"It reads the draft's {state} **before** each drafted token and predicts whether the token is "
+                f"acceptable (q/p ≤ τ = {config.get('tau')}); a decoder calls the target only for tokens scored below "
+                "the threshold (SPRINTER). This is approximate decoding: its per-token distance from the target is "
+                "the mean of passed · (1 − min(1, p/q)) over drafted tokens.")
+    calibrated = (" Its acceptance is calibrated per position k of the round (`calibration` in config.json: "
+                  "â_k = σ(scale_k · z + bias_k)), so that Π â matches the chance that all k candidates are accepted."
+                  if config.get("calibration") else "")
+    if config["reads"] == "candidate_state":
+        return (f"It reads the draft's {state} **at** each drafted token (after the draft has read it) and predicts "
+                "the probability min(1, p/q) that the target accepts it; its score of ŷ_k exists after the next draft "
+                "forward (`decides: one_step_late`), and a decoder ends the round once 1 − Π â exceeds the threshold "
+                f"(SpecDec++).{calibrated}")
+    return (f"It reads the draft's {state} **before** each drafted token (the one that produced q for it), the token's "
+            "input embedding and the draft's signals of it, and predicts the probability min(1, p/q) that the target "
+            "accepts it the moment it is drafted (`decides: at_draft`); a decoder ends the round right after ŷ_k once "
+            f"1 − Π_(j≤k) â_j exceeds the threshold.{calibrated}")
+
+
 def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> ModelCard:
     """The model card: what the head does, how to load it, its metrics, plot, commands and limitations."""
-    reads = config["reads"]
     rule = config["decision_rule"]
     draft, target = config["draft"]["name"], config["target"]["name"]
     sampling = config.get("sampling") or {}
     layer = config.get("state_layer")
     state = "last hidden state" if layer is None else f"hidden state after decoder layer {layer} (`state_layer`)"
-    what = (f"It reads the draft's {state} **at** each drafted token (after the draft has read it) and predicts "
-            "the probability min(1, p/q) that the target accepts it; a decoder ends the drafting round once "
-            "1 − Π â exceeds the threshold (SpecDec++)." if reads == "candidate_state" else
-            f"It reads the draft's {state} **before** each drafted token and predicts whether the token is "
-            f"acceptable (q/p ≤ τ = {config.get('tau')}); a decoder calls the target only for tokens scored below the "
-            "threshold (SPRINTER). This is approximate decoding: its distance from the target is bounded by the "
-            "verifier's false-positive rate.")
+    what = describe_head(config, state)
     threshold = (f"{rule['threshold']:g} (tuned on dev prompts for t_draft/t_target = {rule.get('cost_ratio')})"
                  if rule["tuned"] else f"{rule['threshold']:g} (untuned default: run `specheads eval` and re-export)")
     body = [f"# {config['head_type']} acceptance head for `{draft}` → `{target}`", "",
             f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
-            "## Use", "", "```python", "from heads import load_head", "",
+            "## Use", "", "```python", "from specheads.heads import load_head", "",
             f"head, rule = load_head(\"REPO_OR_FOLDER\", expect_draft={draft!r})",
             ("# hidden: the draft's last-layer state after its final norm, [..., hidden_size]" if layer is None else
              f"# hidden: the draft's residual stream after decoder layer {layer} (no norm; e.g. output_hidden_states"
              f"[{layer}]), [..., hidden_size]"),
             f"# signals: the draft's {config.get('extra_features') or []} for the token, [..., n] (or None)",
-            "probability = head.predict(hidden, signals)", "```", "",
+            *(["# embedding: the draft's input embedding of the token, [..., candidate_embedding_size]",
+                "# position: the token's 1-based index in the drafting round (applies the calibration)",
+                "probability = head.predict(hidden, signals, embedding, position=k)"]
+              if config.get("candidate_embedding_size") else
+              ["probability = head.predict(hidden, signals, position=k)  # k: 1-based index in the round"]
+              if config.get("purpose") == "stop" else ["probability = head.predict(hidden, signals)"]), "```", "",
             f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",
             "## Metrics", "", *metrics_rows(config.get("metrics") or {}), ""]
     if has_roc:

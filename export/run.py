@@ -51,7 +51,7 @@ def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any
               "decision_rule": rule.as_dict(),
               "training_data": {"fingerprint": trained.data_fingerprint, "identity": identity, "split": trained.split},
               "metrics": metrics, "training": {k: trained.training.get(k) for k in TRAINING_KEYS if k in trained.training}}
-    if trained.reads == "context_state":
+    if trained.purpose == "verify":
         config["tau"] = trained.tau
         config["contexts"] = trained.contexts
     return config

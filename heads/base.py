@@ -20,6 +20,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
 from specheads.errors import UsageError
+from specheads.heads.calibration import PositionCalibration
 
 STORED_SIGNALS = ("logq", "entropy", "top1")
 """The draft signals `specheads gen` stores per position (and the training-free baselines are built from)."""
@@ -70,14 +71,17 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     dimensions of the standardised hidden state while training (a 576-wide state on tens of thousands of
     tokens overfits; the few signals are kept). `state_layer` says which draft state the head reads
     (`specheads.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
-    `head_type` and `reads`, implement `score`, and end in a linear layer `out` to one logit.
+    `head_type`, `reads` and `purpose`, implement `score`, and end in a linear layer `out` to one logit.
+    A stop head may carry a `calibration` (heads.calibration) of its acceptance per position of a round.
     """
 
     head_type: ClassVar[str]
     reads: ClassVar[str]  # "candidate_state" (the state that has read the candidate) or "context_state" (the one before)
+    purpose: ClassVar[str]  # "stop": predicts min(1, p/q) for a stop rule; "verify": SPRINTER's acceptable-or-not
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
-                 candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None) -> None:
+                 candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None,
+                 calibration: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.hidden_size = check_count("hidden_size", hidden_size, minimum=1)
         self.state_layer = None if state_layer is None else check_count("state_layer", state_layer, minimum=1)
@@ -95,9 +99,26 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         # a head trained with class weights w_acc, w_rej predicts â = w_acc·a / (w_acc·a + w_rej·(1 − a)); adding
         # log(w_rej / w_acc) to its logit recovers a (the prior correction); `predict` applies it
         self.register_buffer("logit_correction", torch.zeros(()))
+        self.calibration: PositionCalibration | None = None
         self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
                             state_dropout=self.state_dropout, state_layer=self.state_layer,
-                            head_type=self.head_type, reads=self.reads)
+                            head_type=self.head_type, reads=self.reads, decides=self.decides, purpose=self.purpose)
+        self.set_calibration(None if calibration is None else PositionCalibration.from_dict(calibration))
+
+    @property
+    def decides(self) -> str:
+        """When a decoder has the head's score of candidate ŷ_k: `at_draft` (from the state that produced q for it,
+        the moment it is drafted) or `one_step_late` (from the state that has read it, after the next draft forward)."""
+        return "one_step_late" if self.reads == "candidate_state" else "at_draft"
+
+    def set_calibration(self, calibration: PositionCalibration | None) -> None:
+        """Use (and record in the config) a per-position calibration of the acceptance; None removes it."""
+        if calibration is not None and self.purpose != "stop":
+            raise UsageError(f"a {self.head_type} head feeds no stop rule, so its cumulative acceptance has nothing to "
+                             "calibrate; calibrate a stop head (specdecpp_ontime, specdecpp_resnet)")
+        self.calibration = calibration
+        if self.purpose == "stop":
+            self._record_config(calibration=None if calibration is None else calibration.as_dict())
 
     def _record_config(self, **values: Any) -> None:
         """Store normalised constructor values in the config `save_pretrained` writes.
@@ -174,14 +195,19 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         return self.score(self.features(hidden, signals, candidate_embedding))
 
     @torch.no_grad()
-    def predict(self, hidden: Tensor, signals: Tensor | None = None,
-                candidate_embedding: Tensor | None = None) -> Tensor:
-        """Acceptance probabilities (sigmoid of the logits plus the class-weight correction), without gradients."""
-        return self.probabilities(self(hidden, signals, candidate_embedding))
+    def predict(self, hidden: Tensor, signals: Tensor | None = None, candidate_embedding: Tensor | None = None,
+                position: Tensor | int | None = None) -> Tensor:
+        """Acceptance probabilities without gradients: sigmoid of the logits plus the class-weight correction, and
+        through the head's per-position calibration when `position` (1-based within the round) is given."""
+        return self.probabilities(self(hidden, signals, candidate_embedding), position)
 
-    def probabilities(self, logits: Tensor) -> Tensor:
-        """Calibrated probabilities from `forward`'s logits: sigmoid(logits + log(w_rej / w_acc))."""
-        return torch.sigmoid(logits + self.logit_correction)
+    def probabilities(self, logits: Tensor, position: Tensor | int | None = None) -> Tensor:
+        """Probabilities from `forward`'s logits: sigmoid(logits + log(w_rej / w_acc)), calibrated for the candidates'
+        `position` in the round when the head carries a calibration and a position is given."""
+        corrected = logits + self.logit_correction
+        if position is not None and self.calibration is not None:
+            corrected = self.calibration.logits(corrected, torch.as_tensor(position).expand(corrected.shape))
+        return torch.sigmoid(corrected)
 
     def set_class_weights(self, w_acc: float, w_rej: float) -> None:
         """Record the training loss's class weights, so that `predict` undoes their shift of the probabilities."""

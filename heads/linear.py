@@ -17,6 +17,7 @@ class LinearVerifier(AcceptanceHead):
 
     head_type = "sprinter_linear"
     reads = "context_state"
+    purpose = "verify"
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
                  candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None) -> None:

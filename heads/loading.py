@@ -29,9 +29,10 @@ VERIFY_RULE = "call_target_when_acceptance_below"
 class DecisionRule:
     """How a decoder acts on the head's acceptance probabilities â.
 
-    `stop_drafting_when_rejection_risk_above` (SpecDec++, candidate_state): end the round once
-    1 − Π â_j over the round's scored candidates exceeds `threshold`, or at `max_draft` candidates.
-    `call_target_when_acceptance_below` (SPRINTER, context_state): send the drafted token to the target
+    `stop_drafting_when_rejection_risk_above` (SpecDec++ stop heads): end the round once 1 − Π â_j over the
+    round's scored candidates exceeds `threshold`, or at `max_draft` candidates (an `at_draft` head has scored
+    the candidate just drafted, a `one_step_late` head the ones before it; docs/decoding-core.md).
+    `call_target_when_acceptance_below` (SPRINTER verifiers): send the drafted token to the target
     when its â is below `threshold`; otherwise keep it unverified.
     """
 
@@ -42,9 +43,9 @@ class DecisionRule:
     cost_ratio: float | None = None  # the t_draft/t_target the threshold was tuned for
 
     @classmethod
-    def untuned(cls, reads: str) -> DecisionRule:
-        """The default rule for a head that reads `reads`, marked untuned."""
-        if reads == "candidate_state":
+    def untuned(cls, purpose: str) -> DecisionRule:
+        """The default rule for a head of `purpose` (`stop` or `verify`), marked untuned."""
+        if purpose == "stop":
             return cls(STOP_RULE, 0.5, tuned=False, max_draft=8)
         return cls(VERIFY_RULE, 0.5, tuned=False)
 
@@ -131,4 +132,4 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
                          "files do not belong together, re-export the head") from None
     head.eval()
     rule = config.get("decision_rule")
-    return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.reads))
+    return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.purpose))

@@ -8,9 +8,10 @@ from typing import Any
 from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.linear import LinearVerifier
-from specheads.heads.resnet import ResNetAcceptanceHead
+from specheads.heads.resnet import OnTimeAcceptanceHead, ResNetAcceptanceHead
 
-HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, LinearVerifier)}
+HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, OnTimeAcceptanceHead,
+                                                                                  LinearVerifier)}
 
 
 def head_class(name: str) -> type[AcceptanceHead]:

@@ -25,7 +25,7 @@ from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_co
 from specheads.eval.report_file import Report, read_report
 from specheads.eval.run import check_data
 from specheads.eval.sweep import RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup, paired_gain_interval
-from specheads.heads import LinearVerifier, ResNetAcceptanceHead
+from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
 from specheads.train.checkpoint import load_trained
@@ -286,6 +286,11 @@ def test_speculative_sampling_leaves_the_target_distribution_unchanged(tiny_pair
         policy = make_policy(name, threshold, max_draft=3)
         samples = [tuple(decoder.speculative_decode(PROMPT, policy, LENGTH, seed=s, head=head).tokens) for s in range(runs)]
         assert chi_square_p(samples, exact) > 1e-3, name
+    on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16)
+    torch.nn.init.normal_(on_time.out.weight, std=2.0)  # the head policy stopping at the candidate it scores
+    policy = make_policy("head", 0.5, max_draft=3)
+    samples = [tuple(decoder.speculative_decode(PROMPT, policy, LENGTH, seed=s, head=on_time).tokens) for s in range(runs)]
+    assert chi_square_p(samples, exact) > 1e-3, "on-time head"
     verifier = LinearVerifier(16)
     samples = [tuple(decoder.sprinter_decode(PROMPT, verifier, 1.01, LENGTH, seed=s).tokens) for s in range(runs)]
     assert chi_square_p(samples, exact) > 1e-3, "sprinter verifying every token"
@@ -306,6 +311,8 @@ def test_greedy_oracle_never_discards_and_every_policy_reproduces_greedy_target(
         assert result.tokens == greedy, name
         if name == "oracle":
             assert result.drafted == result.accepted and result.target_calls > 1
+    on_time = OnTimeAcceptanceHead(16, depth=0, candidate_embedding_size=16)
+    assert decoder.speculative_decode(prompt, make_policy("head", 0.5, 4), 12, seed=0, head=on_time).tokens == greedy
     constant = decoder.speculative_decode(prompt, make_policy("constant_k", 4), 12, seed=0)
     assert constant.drafted > constant.accepted  # the constant policy does discard on this pair
 
@@ -413,7 +420,7 @@ def test_other_data_is_held_out_by_the_prompts_the_head_trained_on(trained, tiny
     split = json.loads((root / "specdecpp" / "split.json").read_text())
     original = {json.loads(line)["id"]: json.loads(line) for line in prompts_file.read_text().splitlines()}
     trained_ids = split["train"]["prompt_ids"][:2]
-    assert load_trained(str(checkpoint)).train_prompts == set(split["train"]["prompt_digests"])
+    assert load_trained(str(checkpoint)).used_prompts == set(split["train"]["prompt_digests"])
     records = [{"id": f"new{i}", "prompt": text} for i, text in enumerate(UNSEEN)]
     records += [{**original[prompt_id], "id": f"renamed-{prompt_id}"} for prompt_id in trained_ids]
     other_prompts = tmp_path / "other.jsonl"

@@ -100,7 +100,8 @@ def test_save_and_load_round_trip(tmp_path):
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {"hidden_size": H, "depth": 2, "extra_features": ["entropy", "logq"], "state_dropout": 0.0,
-                      "state_layer": 5, "head_type": "specdecpp_resnet", "reads": "candidate_state"}
+                      "state_layer": 5, "head_type": "specdecpp_resnet", "reads": "candidate_state",
+                      "decides": "one_step_late", "purpose": "stop", "calibration": None, "candidate_embedding_size": 0}
     tensors = load_file(tmp_path / "model.safetensors")
     assert torch.equal(tensors["signal_mean"], mean) and torch.equal(tensors["signal_std"], std)
     assert (tmp_path / "README.md").exists()
@@ -199,14 +200,14 @@ def test_fp16_hidden_alone_is_cast():
 
 
 def test_registry_builds_every_head_type():
-    assert set(HEADS) == {"specdecpp_resnet", "sprinter_linear"}
+    assert set(HEADS) == {"specdecpp_resnet", "specdecpp_ontime", "sprinter_linear"}
     for name, cls in HEADS.items():
         head = build_head(name, hidden_size=H)
         assert type(head) is cls and head.head_type == name and head.reads in ("candidate_state", "context_state")
 
 
 def test_refusals_name_the_problem():
-    with pytest.raises(UsageError, match="unknown head type 'mlp'; known: specdecpp_resnet, sprinter_linear"):
+    with pytest.raises(UsageError, match="unknown head type 'mlp'; known: specdecpp_resnet, specdecpp_ontime, sprinter_linear"):
         build_head("mlp", hidden_size=H)
     with pytest.raises(UsageError, match="unexpected keyword argument 'depth'"):
         build_head("sprinter_linear", hidden_size=H, depth=2)

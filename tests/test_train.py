@@ -64,12 +64,12 @@ def test_targets_pick_the_right_positions():
     batch = {"valid": torch.tensor([[True, True, True, False]]), "is_draft": torch.tensor([[False, True, False, False]]),
              "accept": torch.tensor([[0.5, 0.25, 1.0, 0.0]]), "logp": torch.tensor([[-1.0, -2.0, -0.5, 0.0]]),
              "logq": torch.tensor([[-1.0, -1.0, -0.6, 0.0]])}
-    mask, label = token_targets(batch, "candidate_state")
+    mask, label = token_targets(batch, "stop")
     assert mask.tolist() == [[False, True, False, False]] and label[mask].tolist() == [0.25]
-    mask, label = token_targets(batch, "context_state", tau=1.0)
+    mask, label = token_targets(batch, "verify", tau=1.0)
     assert mask.tolist() == [[True, True, False, False]]  # after the draft token at 1, the prefix is mixed
     assert label[0, :3].tolist() == [1.0, 0.0, 1.0]
-    mask, label = token_targets(batch, "context_state", tau=math.e, contexts="all")
+    mask, label = token_targets(batch, "verify", tau=math.e, contexts="all")
     assert mask.tolist() == [[True, True, True, False]] and label[0, 1] == 1.0
 
 
@@ -244,7 +244,7 @@ def test_train_configs_are_valid(config, labelled, capsys):
 
     assert main(["train", "fit", "--config", str(config), "--data.path", str(labelled), "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["head"] in ("specdecpp_resnet", "sprinter_linear")
+    assert printed["model"]["head"] in ("specdecpp_resnet", "specdecpp_ontime", "sprinter_linear")
     AcceptanceModule(**{**yaml.safe_load(config.read_text())["model"], "hidden_size": 32})  # constructor accepts it
 
 

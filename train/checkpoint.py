@@ -44,16 +44,21 @@ class TrainedHead:
         return self.head.reads
 
     @property
-    def train_prompts(self) -> set[str] | None:
-        """The prompts the head trained on (`data_gen.prompts.prompt_digest` of their token ids); None for a head
-        trained before specheads recorded them."""
+    def purpose(self) -> str:
+        """`stop` (a SpecDec++ stop head) or `verify` (a SPRINTER verifier)."""
+        return self.head.purpose
+
+    @property
+    def used_prompts(self) -> set[str] | None:
+        """The prompts training used, to fit the head or its calibration (`data_gen.prompts.prompt_digest` of their
+        token ids): eval holds out every other prompt. None for a head trained before specheads recorded them."""
         recorded = self.split.get("train_prompts")
-        return None if recorded is None else set(recorded)
+        return None if recorded is None else set(recorded) | set(self.split.get("calibration_prompts") or [])
 
     @property
     def rule(self) -> DecisionRule:
         """An exported folder's tuned decision rule, else the untuned default."""
-        return self.decision or DecisionRule.untuned(self.reads)
+        return self.decision or DecisionRule.untuned(self.purpose)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

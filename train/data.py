@@ -31,10 +31,21 @@ PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
 
 
-def is_validation_prompt(prompt_id: str, seed: int, fraction: float) -> bool:
-    """Deterministic split by prompt: a hash of (seed, id) decides, whatever the row order or count."""
+def prompt_draw(prompt_id: str, seed: int) -> float:
+    """A uniform number in [0, 1) fixed by (seed, prompt id): the split by prompt, whatever the row order or count."""
     digest = hashlib.sha256(f"{seed}\x00{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < fraction
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+def is_validation_prompt(prompt_id: str, seed: int, fraction: float) -> bool:
+    """Whether the prompt falls in the validation share `fraction` of the split by prompt."""
+    return prompt_draw(prompt_id, seed) < fraction
+
+
+def prompt_split(prompt_id: str, seed: int, val_fraction: float, calibration_fraction: float = 0.0) -> str:
+    """"val" (the first `val_fraction` of the draws), "calibration" (the next `calibration_fraction`) or "train"."""
+    draw = prompt_draw(prompt_id, seed)
+    return "val" if draw < val_fraction else "calibration" if draw < val_fraction + calibration_fraction else "train"
 
 
 class RowDataset(Dataset):
@@ -145,23 +156,28 @@ class RankBatchSampler(Sampler[list[int]]):
 
 
 class AcceptanceDataModule(L.LightningDataModule):
-    """A `specheads gen` folder, split by prompt into train and validation.
+    """A `specheads gen` folder, split by prompt into train, validation and (when asked) calibration.
 
     Args:
         path: the folder `specheads gen --out` wrote.
         mode: `offline` reads stored features, `online` computes them with the frozen draft, `auto` picks
             offline when the dataset stores features.
         val_fraction: share of prompts held out for validation (never seen in training).
+        calibration_fraction: share of prompts held out to fit a stop head's per-position calibration
+            (`model.calibrate_positions`); neither trained nor validated on, and not reported by eval.
         split_seed: seed of the prompt split.
         batch_size: rows per batch and process (SpecDec++: 32).
         num_workers: DataLoader workers.
     """
 
     def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,
-                 split_seed: int = 0, batch_size: int = 32, num_workers: int = 0):
+                 split_seed: int = 0, batch_size: int = 32, num_workers: int = 0, calibration_fraction: float = 0.0):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise UsageError(f"data.val_fraction must lie in (0, 1), got {val_fraction}")
+        if not 0 <= calibration_fraction < 1 - val_fraction:
+            raise UsageError(f"data.calibration_fraction must lie in [0, 1 - data.val_fraction) = [0, {1 - val_fraction:g}), "
+                             f"got {calibration_fraction}; the rest of the prompts train the head")
         if batch_size < 1:
             raise UsageError(f"data.batch_size must be at least 1, got {batch_size}")
         manifest = read_manifest(Path(path))
@@ -177,6 +193,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         self.manifest = manifest
         self.mode = "offline" if mode == "auto" and stored else ("online" if mode == "auto" else mode)
         self.val_fraction = val_fraction
+        self.calibration_fraction = calibration_fraction
         self.split_seed = split_seed
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -206,24 +223,26 @@ class AcceptanceDataModule(L.LightningDataModule):
         if self.splits:
             return
         rows = load_labelled(self.path)
-        self.assign_splits(rows, [is_validation_prompt(p, self.split_seed, self.val_fraction) for p in rows["prompt_id"]])
-        if not len(self.splits["train"]) or not len(self.splits["val"]):
-            counts = (len(self.splits["train"]), len(self.splits["val"]))
+        self.assign_splits(rows, [prompt_split(p, self.split_seed, self.val_fraction, self.calibration_fraction)
+                                  for p in rows["prompt_id"]])
+        wanted = ("train", "val", "calibration") if self.calibration_fraction else ("train", "val")
+        if not all(len(self.splits[name]) for name in wanted):
+            counts = ", ".join(f"{len(self.splits[name])} {name}" for name in wanted)
             self.splits = {}
-            raise UsageError(f"the prompt split leaves {counts[0]} training and {counts[1]} validation rows; "
-                             "give more prompts or change data.val_fraction")
+            raise UsageError(f"the prompt split leaves {counts} rows; give more prompts or change data.val_fraction"
+                             + (" or data.calibration_fraction" if self.calibration_fraction else ""))
 
     def split_by_trained_prompts(self, trained: set[str]) -> None:
         """Eval's split, for any data of the head's models: rows whose prompt (by `prompt_digest` of its token ids)
         the head trained on form "train", every other row "val", the held-out rows."""
         rows = load_labelled(self.path)
         ids = rows.with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
-        self.assign_splits(rows, [prompt_digest(row) not in trained for row in ids])
+        self.assign_splits(rows, ["train" if prompt_digest(row) in trained else "val" for row in ids])
 
-    def assign_splits(self, rows: datasets.Dataset, held_out: list[bool]) -> None:
-        """"train" = the rows not held out, "val" = the held-out rows."""
-        self.splits = {"train": rows.select([i for i, out in enumerate(held_out) if not out]),
-                       "val": rows.select([i for i, out in enumerate(held_out) if out])}
+    def assign_splits(self, rows: datasets.Dataset, splits: list[str]) -> None:
+        """Each row to the split named for it ("train", "val", "calibration"); train and val always exist."""
+        names = dict.fromkeys(["train", "val", *splits])
+        self.splits = {name: rows.select([i for i, split in enumerate(splits) if split == name]) for name in names}
         self._digests: dict[str, list[str]] = {}
 
     def prompt_digests(self, split: str) -> list[str]:
@@ -236,7 +255,7 @@ class AcceptanceDataModule(L.LightningDataModule):
     def split_record(self) -> dict[str, Any]:
         """The split, for the run folder: which prompts went where, and the counts."""
         record: dict[str, Any] = {"data": self.path, "fingerprint": self.fingerprint, "val_fraction": self.val_fraction,
-                                  "split_seed": self.split_seed}
+                                  "calibration_fraction": self.calibration_fraction, "split_seed": self.split_seed}
         for name, rows in self.splits.items():
             accept = rows.with_format("numpy", columns=["accept"])["accept"]
             record[name] = {"rows": len(rows), "tokens": int(sum(len(a) for a in accept)),

@@ -22,6 +22,7 @@ from specheads.errors import UsageError
 from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
 from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.states import describe_state
+from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import weighted_bce
 from specheads.train.probe import signal_probe
 from specheads.train.targets import Contexts, draft_features, head_inputs, token_targets
@@ -47,6 +48,9 @@ class AcceptanceModule(L.LightningModule):
         embedding_size: filled in from the draft when `candidate_embedding` is on; leave it at 0.
         start_from_signals: start the output layer at the weighted logistic regression of the extra features
             on the training labels (`train.probe`), so that the untrained head already uses the draft's signals.
+        calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`train.calibration`),
+            fitted after every validation on the data's calibration prompts (`data.calibration_fraction`) and
+            stored with the weights; 0 fits none.
     """
 
     def __init__(self, head: str = "specdecpp_resnet", head_args: dict[str, Any] | None = None,
@@ -54,9 +58,13 @@ class AcceptanceModule(L.LightningModule):
                  hidden_size: int | None = None, draft: str | None = None, w_acc: float = 1.0, w_rej: float = 6.0,
                  tau: float = 1.0, contexts: Contexts = "consistent", optimizer: Literal["adamw", "adam"] = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.05, ece_bins: int = 10,
-                 embedding_size: int = 0, start_from_signals: bool = True):
+                 embedding_size: int = 0, start_from_signals: bool = True, calibrate_positions: int = 0):
         super().__init__()
-        head_class(head)
+        if calibrate_positions and head_class(head).purpose != "stop":
+            raise UsageError(f"model.calibrate_positions calibrates a stop head's cumulative acceptance; a {head} head "
+                             "has none: set it to 0")
+        if calibrate_positions < 0:
+            raise UsageError(f"model.calibrate_positions must be >= 0, got {calibrate_positions}")
         if tau <= 0 or w_acc <= 0 or w_rej <= 0:
             raise UsageError(f"model.tau, model.w_acc and model.w_rej must be positive, got {tau}, {w_acc}, {w_rej}")
         self.save_hyperparameters()
@@ -73,6 +81,11 @@ class AcceptanceModule(L.LightningModule):
     def reads(self) -> str:
         """Which hidden state the head reads."""
         return head_class(self.hparams.head).reads
+
+    @property
+    def purpose(self) -> str:
+        """What the head learns: `stop` (min(1, p/q) for a stop rule) or `verify` (SPRINTER's label)."""
+        return head_class(self.hparams.head).purpose
 
     def build(self, hidden_size: int, embedding_size: int) -> None:
         """Create the head (once the hidden size and embedding size are known)."""
@@ -105,6 +118,12 @@ class AcceptanceModule(L.LightningModule):
         # the prompts it trains on travel with the head: eval holds out every other prompt, whatever data it reads
         self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
                                    "train_prompts": data.prompt_digests("train")}
+        if self.hparams.calibrate_positions:
+            if "calibration" not in data.splits:
+                raise UsageError(f"model.calibrate_positions is {self.hparams.calibrate_positions} but the data holds no "
+                                 "calibration prompts; set data.calibration_fraction (e.g. 0.1)")
+            self.hparams.data_split.update(calibration_fraction=data.calibration_fraction,
+                                           calibration_prompts=data.prompt_digests("calibration"))
         if data.mode == "online" or self.hparams.candidate_embedding:
             from specheads.train.draft import load_draft
 
@@ -148,7 +167,7 @@ class AcceptanceModule(L.LightningModule):
         """Input standardisation and the constant predictor, from the training split's labelled tokens."""
         signals, labels = [], []
         for batch in data.ordered_batches("train", with_features=False, rows_per_batch=256):
-            mask, label = token_targets(batch, self.reads, self.hparams.tau, self.hparams.contexts)
+            mask, label = token_targets(batch, self.purpose, self.hparams.tau, self.hparams.contexts)
             signals.append(torch.stack([batch[name][mask] for name in SIGNALS], -1))
             labels.append(label[mask])
         signals_all, labels_all = torch.cat(signals), torch.cat(labels)
@@ -191,7 +210,7 @@ class AcceptanceModule(L.LightningModule):
     def batch_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """(hidden, signals, candidate embedding, label, mask) of the batch's labelled positions (`head_inputs`)."""
         features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
-        return head_inputs(batch, features, self.reads, self.head.extra_features, self.hparams.tau,
+        return head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
                            self.hparams.contexts, self.embeddings)
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
@@ -240,6 +259,29 @@ class AcceptanceModule(L.LightningModule):
         # every rank computed the same values from the gathered tokens; the sync only keeps Lightning content
         self.log_dict(metrics, prog_bar=False, sync_dist=True)
         self.log("val/auc", auc, prog_bar=True, sync_dist=True)
+        if self.hparams.calibrate_positions and not self.trainer.sanity_checking:
+            self.fit_calibration()
+
+    @torch.no_grad()
+    def fit_calibration(self) -> None:
+        """Fit the per-position calibration on the calibration prompts and keep it with the head and in the
+        hyperparameters, so that every checkpoint carries the map that fits its weights. Every rank fits the same
+        map from the same ordered rows."""
+        data = self.trainer.datamodule
+        logits, accept, rows, positions, offset = [], [], [], [], 0
+        for batch in data.ordered_batches("calibration", with_features=True):
+            batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            hidden, signals, embedding, label, mask = self.batch_inputs(batch)
+            logits.append((self.head(hidden, signals, embedding) + self.head.logit_correction).double().cpu())
+            accept.append(label.double().cpu())
+            row, position = mask.nonzero(as_tuple=True)
+            rows.append((row + offset).cpu())
+            positions.append(position.cpu())
+            offset += len(mask)
+        calibration = fit_position_calibration(*(torch.cat(part).numpy() for part in (logits, accept, rows, positions)),
+                                               self.hparams.calibrate_positions)
+        self.head.set_calibration(calibration)
+        self.hparams.head_args = {**(self.hparams.head_args or {}), "calibration": calibration.as_dict()}
 
     # ---- optimisation
 

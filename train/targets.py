@@ -1,12 +1,15 @@
 """Which response positions a head learns from, and its label there (docs/data.md "Which state a head reads").
 
 Per-position tensors are [B, n] (padded; `valid` marks real positions). Position j (0-based) is the
-candidate ŷ_{j+1}:
-- a `candidate_state` head (SpecDec++) reads features[j + 1] and learns the soft label `accept[j]`,
-  only where the candidate was mixed in (`is_draft[j]`): its state has read ŷ_{j+1};
-- a `context_state` verifier (SPRINTER) reads features[j] and learns 1[logq − logp ≤ log τ]. With
-  `contexts="consistent"` it keeps only positions whose whole prefix is target tokens (the label was
-  computed on that prefix); `"all"` keeps every position.
+candidate ŷ_{j+1}. Which state a head reads:
+- `candidate_state` (SpecDec++'s head) reads features[j + 1], the state that has read ŷ_{j+1};
+- `context_state` (the on-time head, SPRINTER's verifier) reads features[j], the state that produced q for it.
+What it learns (its `purpose`):
+- `stop` heads learn the soft label `accept[j]` = min(1, p/q), only where the candidate was mixed in
+  (`is_draft[j]`);
+- `verify` heads (SPRINTER) learn 1[logq − logp ≤ log τ]. With `contexts="consistent"` they keep only
+  positions whose whole prefix is target tokens (the label was computed on that prefix); `"all"` keeps
+  every position.
 """
 
 from __future__ import annotations
@@ -18,17 +21,18 @@ import torch
 
 CANDIDATE_STATE = "candidate_state"
 CONTEXT_STATE = "context_state"
+STOP, VERIFY = "stop", "verify"
 Contexts = Literal["consistent", "all"]
 
 
-def token_targets(batch: dict[str, torch.Tensor], reads: str, tau: float = 1.0,
+def token_targets(batch: dict[str, torch.Tensor], purpose: str, tau: float = 1.0,
                   contexts: Contexts = "consistent") -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [B, n] bool, label [B, n] float) for a head that reads `reads`."""
+    """(mask [B, n] bool, label [B, n] float) for a head of `purpose`."""
     valid = batch["valid"]
-    if reads == CANDIDATE_STATE:
+    if purpose == STOP:
         return valid & batch["is_draft"], batch["accept"].float()
-    if reads != CONTEXT_STATE:
-        raise ValueError(f"unknown hidden state {reads!r}")
+    if purpose != VERIFY:
+        raise ValueError(f"unknown head purpose {purpose!r}")
     label = ((batch["logq"] - batch["logp"]) <= math.log(tau)).float()
     if contexts == "all":
         return valid, label
@@ -36,15 +40,16 @@ def token_targets(batch: dict[str, torch.Tensor], reads: str, tau: float = 1.0,
     return valid & (drafted_before == 0), label
 
 
-def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: str, extra_features: list[str],
-                tau: float = 1.0, contexts: Contexts = "consistent", embeddings: torch.nn.Module | None = None
+def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: str, purpose: str,
+                extra_features: list[str], tau: float = 1.0, contexts: Contexts = "consistent",
+                embeddings: torch.nn.Module | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(hidden, signals, candidate embedding, label, mask) of a batch's labelled positions, ready for a head.
 
     `features` are the stored (or freshly computed) draft states [B, n + 1, h]; `extra_features` names
     the draft signals the head reads, in its column order.
     """
-    mask, label = token_targets(batch, reads, tau, contexts)
+    mask, label = token_targets(batch, purpose, tau, contexts)
     hidden = head_states(features, reads)[mask.to(features.device)]
     signals = torch.stack([batch[name] for name in extra_features], -1)[mask] if extra_features else None
     embedding = embeddings(batch["draft_ids"][mask].to(embeddings.weight.device)) if embeddings is not None else None
