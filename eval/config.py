@@ -38,6 +38,8 @@ class EvalConfig:
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
             Offline metrics read stored features on the CPU.
         progress: show progress bars.
+        decode_batch_size: prompts decoded together per setting (`eval.batched`; every row keeps its own seed, so
+            the runs equal the batch-1 loop's up to float rounding); 1 runs the batch-1 reference loop.
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
@@ -64,6 +66,7 @@ class EvalConfig:
     sprinter_max_tv: ClosedUnitInterval = 0.05
     device: str = "auto"
     progress: bool = True
+    decode_batch_size: PositiveInt = 32
     reuse_runs: str | None = None
     tuned_from: str | None = None
 

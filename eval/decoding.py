@@ -123,8 +123,31 @@ class Decoder:
             residual = logp_all.exp()
         return self._draw(residual.log(), generator)
 
+    def _verify(self, logits: torch.Tensor, candidates: list[int], logq_rows: list[torch.Tensor],
+                generator: torch.Generator) -> tuple[int, int]:
+        """Exact verification of a round from the target's logits at the candidates' positions (and one more):
+        (accepted candidates, the token that follows them: a residual draw at the first rejection, else a bonus)."""
+        for index, token in enumerate(candidates):
+            logp_all = self.transform.log_probs(logits[index])
+            if not self._accepts(float(logp_all[token]), float(logq_rows[index][token]), generator):
+                return index, self._residual_draw(logp_all, logq_rows[index], generator)
+        return len(candidates), self._draw(self.transform.log_probs(logits[len(candidates)]), generator)
+
+    @staticmethod
+    def _count_round(result: DecodeResult, policy: StopPolicy, drafted: int, accepted: int) -> None:
+        result.drafted += accepted if policy.hindsight else drafted
+        result.accepted += accepted
+        result.accepted_per_round.append(accepted)
+
     def _finish(self, result: DecodeResult, generated: list[int], max_new_tokens: int, start: float,
                 models: tuple[CachedModel, ...]) -> DecodeResult:
+        self._cut(result, generated, max_new_tokens)
+        result.seconds = time.perf_counter() - start
+        result.forward_seconds = sum(model.forward_seconds for model in models)
+        return result
+
+    def _cut(self, result: DecodeResult, generated: list[int], max_new_tokens: int) -> None:
+        """The output: the generated tokens up to `max_new_tokens` and the first stop token; `emitted` counts all."""
         result.emitted = len(generated)
         tokens = generated[:max_new_tokens]
         for position, token in enumerate(tokens):
@@ -132,9 +155,6 @@ class Decoder:
                 tokens = tokens[: position + 1]
                 break
         result.tokens = tokens
-        result.seconds = time.perf_counter() - start
-        result.forward_seconds = sum(model.forward_seconds for model in models)
-        return result
 
     def _done(self, generated: list[int], max_new_tokens: int) -> bool:
         return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
@@ -176,19 +196,8 @@ class Decoder:
                 pending, previous_signals = [token], signals
             logits, _ = target.feed(tokens[target.length:] + candidates, len(candidates) + 1)
             result.target_calls += 1
-            accepted, new_token = 0, None
-            for index, token in enumerate(candidates):
-                logp_all = self.transform.log_probs(logits[index])
-                if self._accepts(float(logp_all[token]), float(logq_rows[index][token]), generator):
-                    accepted += 1
-                    continue
-                new_token = self._residual_draw(logp_all, logq_rows[index], generator)
-                break
-            if new_token is None:
-                new_token = self._draw(self.transform.log_probs(logits[len(candidates)]), generator)
-            result.drafted += accepted if policy.hindsight else len(candidates)
-            result.accepted += accepted
-            result.accepted_per_round.append(accepted)
+            accepted, new_token = self._verify(logits, candidates, logq_rows, generator)
+            self._count_round(result, policy, len(candidates), accepted)
             emitted = candidates[:accepted] + [new_token]
             target.crop_to(len(tokens) + accepted)
             draft.crop_to(len(tokens) + accepted)
@@ -236,13 +245,23 @@ class Decoder:
 
 
 @torch.no_grad()
-def target_log_likelihood(target: Any, prompt: list[int], generated: list[int]) -> float:
-    """Mean log-probability the target's own (untransformed) distribution gives the generated tokens."""
-    if not generated:
-        return float("nan")
+def target_log_likelihoods(target: Any, prompts: list[list[int]], generated: list[list[int]]) -> list[float]:
+    """Per run, the mean log-probability the target's own (untransformed) distribution gives its generated tokens
+    (NaN for a run that generated none); the runs share one right-padded forward."""
     device = next(target.parameters()).device
-    ids = torch.tensor([list(prompt) + list(generated)], device=device)
-    states = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, len(prompt) - 1 : -1]
-    log_probs = output_logits(target, states).log_softmax(-1)
-    return float(log_probs.gather(-1, torch.tensor(generated, device=device).unsqueeze(-1)).mean())
-
+    rows = [list(prompt) + list(tokens) for prompt, tokens in zip(prompts, generated)]
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = torch.tensor(row)
+        mask[index, : len(row)] = 1
+    states = target.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
+    results = []
+    for index, (prompt, tokens) in enumerate(zip(prompts, generated)):
+        if not tokens:
+            results.append(float("nan"))
+            continue
+        log_probs = output_logits(target, states[index, len(prompt) - 1 : len(prompt) + len(tokens) - 1]).log_softmax(-1)
+        results.append(float(log_probs.gather(-1, torch.tensor(tokens, device=device).unsqueeze(-1)).mean()))
+    return results

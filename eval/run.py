@@ -14,8 +14,8 @@ from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_diges
 from specheads.data_gen.responses import stop_token_ids
 from specheads.data_gen.store import read_manifest
 from specheads.errors import UsageError
+from specheads.eval.batched import BatchDecoder
 from specheads.eval.config import EvalConfig
-from specheads.eval.decoding import Decoder
 from specheads.eval.offline import (
     TokenTable,
     calibration_table,
@@ -180,9 +180,9 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
-    decoder = Decoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
+    decoder = BatchDecoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
-                        config.seed, config.progress, reused)
+                        config.seed, config.progress, reused, config.decode_batch_size)
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])

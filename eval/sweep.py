@@ -18,7 +18,8 @@ import numpy as np
 from sklearn.linear_model import LinearRegression
 from tqdm.auto import tqdm
 
-from specheads.eval.decoding import Decoder, DecodeResult, target_log_likelihood
+from specheads.eval.batched import BatchDecoder
+from specheads.eval.decoding import DecodeResult, target_log_likelihoods
 from specheads.eval.offline import interval
 from specheads.eval.policies import make_policy
 from specheads.heads import AcceptanceHead
@@ -109,23 +110,30 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      list(result.accepted_per_round), logprob)
 
 
-def decode_run(decoder: Decoder, setting: Setting, prompt: DecodePrompt, head: AcceptanceHead, max_new_tokens: int,
-               max_draft: int, seed: int) -> RunRecord:
-    """Decode one prompt under one setting."""
+def decode_runs(decoder: BatchDecoder, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
+                head: AcceptanceHead, max_new_tokens: int, max_draft: int) -> list[RunRecord]:
+    """Decode prompts under one setting: together (`eval.batched`) when there are several, else with the batch-1
+    reference loop."""
+    ids = [list(prompt.ids) for prompt in prompts]
     if setting.policy == "sprinter":
-        result = decoder.sprinter_decode(list(prompt.ids), head, setting.threshold, max_new_tokens, seed)
+        results = (decoder.sprinter_decode_batch(ids, head, setting.threshold, max_new_tokens, seeds) if len(ids) > 1
+                   else [decoder.sprinter_decode(ids[0], head, setting.threshold, max_new_tokens, seeds[0])])
     else:
         policy = make_policy(setting.policy, setting.threshold, max_draft)
-        result = decoder.speculative_decode(list(prompt.ids), policy, max_new_tokens, seed,
-                                            head if policy.reads_head else None)
-    return record_of(setting, prompt, result, target_log_likelihood(decoder.target, list(prompt.ids), result.tokens))
+        reads = head if policy.reads_head else None
+        results = (decoder.speculative_decode_batch(ids, policy, max_new_tokens, seeds, reads) if len(ids) > 1
+                   else [decoder.speculative_decode(ids[0], policy, max_new_tokens, seeds[0], reads)])
+    likelihoods = target_log_likelihoods(decoder.target, ids, [result.tokens for result in results])
+    return [record_of(setting, prompt, result, likelihood)
+            for prompt, result, likelihood in zip(prompts, results, likelihoods)]
 
 
-def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
+def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
               max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True,
-              reused: dict[RunKey, RunRecord] | None = None) -> list[RunRecord]:
-    """Decode every prompt under every setting (the oracle is read off the constant K_max runs); a run found in
-    `reused` (keyed by policy, threshold and prompt id; eval.reuse) is taken from there instead."""
+              reused: dict[RunKey, RunRecord] | None = None, batch_size: int = 1) -> list[RunRecord]:
+    """Decode every prompt under every setting, `batch_size` prompts at a time (the oracle is read off the constant
+    K_max runs); a run found in `reused` (keyed by policy, threshold and prompt id; eval.reuse) is taken from there
+    instead. Prompt number i is decoded with seed `seed · 1 000 003 + i` whatever the batch it sits in."""
     reused = reused or {}
     records: list[RunRecord] = []
     real = [s for s in settings if s.policy != "oracle"]
@@ -134,15 +142,22 @@ def run_sweep(decoder: Decoder, prompts: list[DecodePrompt], settings: list[Sett
         real.append(Setting("constant_k", float(max_draft)))
     bar = tqdm(total=len(real) * len(prompts), desc="decoding runs", unit="run", disable=not progress)
     for setting in real:
+        earlier = {number: reused.get((setting.policy, setting.threshold, prompt.prompt_id))
+                   for number, prompt in enumerate(prompts)}
+        todo = [number for number in range(len(prompts)) if earlier[number] is None]
+        decoded: dict[int, RunRecord] = {}
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            runs = decode_runs(decoder, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
+                               head, max_new_tokens, max_draft)
+            decoded.update(zip(chunk, runs))
+            bar.update(len(chunk))
+        bar.update(len(prompts) - len(todo))
         for number, prompt in enumerate(prompts):
-            run_seed = seed * 1_000_003 + number
-            earlier = reused.get((setting.policy, setting.threshold, prompt.prompt_id))
-            record = (replace(earlier, split=prompt.split) if earlier is not None
-                      else decode_run(decoder, setting, prompt, head, max_new_tokens, max_draft, run_seed))
+            record = replace(earlier[number], split=prompt.split) if earlier[number] is not None else decoded[number]
             records.append(record)
             if oracle_wanted and setting == Setting("constant_k", float(max_draft)):
                 records.append(as_oracle(record))
-            bar.update()
     bar.close()
     return records
 

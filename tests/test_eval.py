@@ -61,8 +61,9 @@ def test_roc_of_a_perfect_and_a_random_scorer():
 
 def table_of(labels: np.ndarray, prediction: np.ndarray, groups: np.ndarray) -> TokenTable:
     n = len(labels)
-    return TokenTable(label=labels, prediction=prediction, logp=np.log(np.full(n, 0.5)), logq=np.log(np.full(n, 0.6)),
-                      entropy=np.ones(n), top1=np.full(n, 0.5), beta=np.full(n, 0.8), accept=np.full(n, 0.8), group=groups,
+    return TokenTable(label=labels, prediction=prediction, logit=np.log(prediction) - np.log1p(-prediction),
+                      logp=np.log(np.full(n, 0.5)), logq=np.log(np.full(n, 0.6)), entropy=np.ones(n), top1=np.full(n, 0.5),
+                      beta=np.full(n, 0.8), accept=np.full(n, 0.8), group=groups, row=np.arange(n), position=np.zeros(n, int),
                       prompts=int(groups.max()) + 1)
 
 

@@ -1,0 +1,107 @@
+"""The batched decoding loops against the batch-1 reference: identical rows in float64, exactness, per-row cropping."""
+
+import pytest
+import torch
+from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
+
+from specheads.eval.batched import BatchCache, BatchDecoder
+from specheads.eval.policies import make_policy
+from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
+from specheads.sampling import SamplingTransform
+
+VOCAB = 24
+STOPS = [5, 9, 13]
+PROMPTS = [[1, 2, 3], [4, 7], [9, 3, 3, 8, 2, 11], [6], [2, 2, 2, 2], [12, 1, 0, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def pair64():
+    """A tiny target/draft pair in float64 with a vocabulary large enough for varied rounds."""
+    return tiny_lm(seed=11, vocab=VOCAB, init=0.5).double(), tiny_lm(seed=12, vocab=VOCAB, init=0.5).double()
+
+
+def heads64():
+    torch.manual_seed(3)
+    lagged = ResNetAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"],
+                                  calibration={"scale": [0.9, 1.1], "bias": [0.1, -0.2]}).double().eval()
+    on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16).double().eval()
+    for head in (lagged, on_time):
+        torch.nn.init.normal_(head.out.weight, std=1.5)
+    return {"lagged": lagged, "on_time": on_time}
+
+
+SETTINGS = [("constant_k", 3, None), ("svip", 1.2, None), ("confidence", 0.3, None), ("oracle", 4, None),
+            ("head", 0.5, "lagged"), ("head", 0.4, "on_time")]
+
+
+@pytest.mark.parametrize("stop_ids", [[], STOPS], ids=["no-stop-token", "stop-tokens"])
+def test_every_row_equals_the_batch_1_loop_in_float64(pair64, stop_ids):
+    target, draft = pair64
+    heads = heads64()
+    for temperature in (1.0, 0.0):
+        decoder = BatchDecoder(target, draft, SamplingTransform(temperature), stop_ids=stop_ids)
+        seeds = [100 + i for i in range(len(PROMPTS))]
+        for name, threshold, head_name in SETTINGS:
+            policy = make_policy(name, threshold, max_draft=4)
+            head = heads.get(head_name)
+            batch = decoder.speculative_decode_batch(PROMPTS, policy, 14, seeds, head)
+            for prompt, seed, row in zip(PROMPTS, seeds, batch):
+                single = decoder.speculative_decode(prompt, policy, 14, seed, head)
+                assert row.tokens == single.tokens, (name, head_name, temperature)
+                assert (row.emitted, row.drafted, row.accepted, row.target_calls, row.draft_forwards,
+                        row.accepted_per_round) == (single.emitted, single.drafted, single.accepted,
+                                                    single.target_calls, single.draft_forwards,
+                                                    single.accepted_per_round), (name, head_name)
+            if stop_ids and temperature == 1.0:  # rows end at different times, some on a stop token
+                lengths = {len(row.tokens) for row in batch}
+                assert len(lengths) > 1 and any(row.tokens and row.tokens[-1] in STOPS for row in batch), name
+
+
+def test_sprinter_rows_equal_the_batch_1_loop_in_float64(pair64):
+    target, draft = pair64
+    decoder = BatchDecoder(target, draft, SamplingTransform(1.0), stop_ids=STOPS)
+    torch.manual_seed(5)
+    verifier = LinearVerifier(16, extra_features=["logq"], candidate_embedding_size=16).double().eval()
+    torch.nn.init.normal_(verifier.out.weight, std=1.0)
+    seeds = [7 * i for i in range(len(PROMPTS))]
+    for threshold in (0.3, 0.6):
+        batch = decoder.sprinter_decode_batch(PROMPTS, verifier, threshold, 12, seeds)
+        calls = 0
+        for prompt, seed, row in zip(PROMPTS, seeds, batch):
+            single = decoder.sprinter_decode(prompt, verifier, threshold, 12, seed)
+            assert (row.tokens, row.drafted, row.accepted, row.target_calls, row.accepted_per_round) == (
+                single.tokens, single.drafted, single.accepted, single.target_calls, single.accepted_per_round)
+            calls += row.target_calls
+        assert 0 < calls < sum(row.drafted for row in batch)  # some tokens passed unverified, some were verified
+
+
+def test_per_row_cropping_gives_the_logits_of_a_fresh_forward(pair64):
+    target, _ = pair64
+    cache = BatchCache(target, 3)
+    cache.feed({0: [1, 2, 3, 4], 1: [5, 6], 2: [7, 8, 9]})
+    cache.feed({0: [10, 11], 2: [12]})
+    cache.crop_row(0, 3)  # drops 4, 10, 11
+    cache.crop_row(2, 4)  # keeps 7, 8, 9, 12
+    cache.trim()
+    outputs = cache.feed({0: [13], 1: [14, 15], 2: [16]}, {1: 2})
+    for row, tokens in ((0, [1, 2, 3, 13]), (1, [5, 6, 14, 15]), (2, [7, 8, 9, 12, 16])):
+        fresh = target(torch.tensor([tokens])).logits[0].float()
+        wanted = 2 if row == 1 else 1
+        assert torch.allclose(outputs[row][0], fresh[-wanted:], atol=1e-10), row
+    assert cache.lengths == [4, 4, 5]
+
+
+def test_the_batched_loop_samples_the_target_distribution():
+    target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
+    transform = SamplingTransform(1.0)
+    exact = sequence_probabilities(target, transform)
+    decoder = BatchDecoder(target, draft, transform, stop_ids=[])
+    on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16).eval()
+    torch.nn.init.normal_(on_time.out.weight, std=2.0)
+    runs, batch = 500, 50
+    for name, threshold, head in (("constant_k", 2, None), ("confidence", 0.4, None), ("head", 0.5, on_time)):
+        policy = make_policy(name, threshold, max_draft=3)
+        samples = [tuple(result.tokens) for start in range(0, runs, batch)
+                   for result in decoder.speculative_decode_batch([PROMPT] * batch, policy, LENGTH,
+                                                                  list(range(start, start + batch)), head)]
+        assert chi_square_p(samples, exact) > 1e-3, name
