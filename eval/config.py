@@ -40,6 +40,10 @@ class EvalConfig:
         progress: show progress bars.
         decode_batch_size: prompts decoded together per setting (`eval.batched`; every row keeps its own seed, so
             the runs equal the batch-1 loop's up to float rounding); 1 runs the batch-1 reference loop.
+        serving_batch_sizes: also judge each policy at its tuned threshold when B requests are served together
+            (`eval.serving`): modelled throughput per B, from the test runs' rounds and each model's cost curve.
+        serving_costs: a JSON file `{draft: {tokens: [...], seconds: [...]}, target: {...}}` of forward time
+            against tokens in the forward (e.g. for a 7B/70B-like pair); default: measured on the decoding device.
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
@@ -67,6 +71,8 @@ class EvalConfig:
     device: str = "auto"
     progress: bool = True
     decode_batch_size: PositiveInt = 32
+    serving_batch_sizes: list[PositiveInt] | None = None
+    serving_costs: str | None = None
     reuse_runs: str | None = None
     tuned_from: str | None = None
 
@@ -76,6 +82,9 @@ class EvalConfig:
         if self.num_decode_prompts == 1:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
+        if self.serving_costs and not Path(self.serving_costs).is_file():
+            raise UsageError(f"--serving-costs {self.serving_costs} is not a file; give a JSON file "
+                             "{draft: {tokens: [...], seconds: [...]}, target: {...}} or leave it out to measure")
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
         if self.tuned_from:

@@ -75,6 +75,7 @@ class DecodeResult:
     target_calls: int = 0
     draft_forwards: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)  # candidates each round sent to the target
     seconds: float = 0.0
     forward_seconds: float = 0.0
 
@@ -135,9 +136,11 @@ class Decoder:
 
     @staticmethod
     def _count_round(result: DecodeResult, policy: StopPolicy, drafted: int, accepted: int) -> None:
-        result.drafted += accepted if policy.hindsight else drafted
+        counted = accepted if policy.hindsight else drafted
+        result.drafted += counted
         result.accepted += accepted
         result.accepted_per_round.append(accepted)
+        result.drafted_per_round.append(counted)
 
     def _finish(self, result: DecodeResult, generated: list[int], max_new_tokens: int, start: float,
                 models: tuple[CachedModel, ...]) -> DecodeResult:

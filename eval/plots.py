@@ -16,7 +16,7 @@ from specheads.eval.offline import SIGNAL_ORDER, TokenTable  # noqa: E402
 from specheads.files import atomic_path  # noqa: E402
 
 PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "cumulative_reliability": "cumulative_reliability.png",
-         "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png"}
+         "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png", "serving": "serving.png"}
 LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1": "draft top-1 prob",
           "draft_prob": "draft q(ŷ)", "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
 
@@ -105,5 +105,18 @@ def acceptance_length_plot(lengths: dict[str, list[int]], path: Path) -> None:
             axis.hist(values, bins=bins, alpha=0.5, density=True, label=name)
     axis.set(xlabel="accepted draft tokens per target call", ylabel="share of rounds",
              title="Accepted length per round (test prompts)")
+    axis.legend(fontsize=8)
+    save(figure, path)
+
+
+def serving_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Modelled throughput against the serving batch size, one curve per policy at its tuned threshold."""
+    figure, axis = plt.subplots(figsize=(6, 4.5))
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        points = sorted((row["batch_size"], row["tokens_per_s"]) for row in rows if row["policy"] == policy)
+        sizes, throughput = zip(*points)
+        axis.plot(sizes, throughput, marker="o", label=policy, linestyle=":" if policy == "oracle" else "-")
+    axis.set(xscale="log", yscale="log", xlabel="concurrent requests B", ylabel="modelled tokens/s",
+             title="Throughput at serving batch sizes (test prompts)")
     axis.legend(fontsize=8)
     save(figure, path)

@@ -182,6 +182,8 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
                   f"The loop spends {costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
+        if decoding.get("serving"):
+            lines += serving_lines(decoding["serving"], section, plot["serving"])
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +198,25 @@ def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> l
               f"| {fmt(r['auroc'])} | {fmt(r['ece'])} | {fmt(r['brier'])} |"
               for r in sorted(rows, key=lambda r: (r["k"], r["stage"] != "raw"))]
     return [*lines, "", f"![Cumulative reliability]({plot})", ""]
+
+
+def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]:
+    """The serving-batch section: throughput per policy and batch size, and which policy wins where."""
+    sizes = serving["batch_sizes"]
+    lines = [f"{section} At serving batch sizes (test prompts)", "",
+             f"Each policy at its tuned threshold serving B requests together (continuous batching, rounds in "
+             f"lockstep); forward costs {serving['cost_curves']['source']}. Modelled tokens/s, and the change against "
+             "constant K at the same B:", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+             "|---|" + "---|" * len(sizes)]
+    for policy in dict.fromkeys(row["policy"] for row in serving["rows"]):
+        cells = []
+        for size in sizes:
+            row = next(r for r in serving["rows"] if r["policy"] == policy and r["batch_size"] == size)
+            change = "" if row["vs_constant_k"] is None or policy == "constant_k" else f" ({row['vs_constant_k']:+.1%})"
+            cells.append(f"{row['tokens_per_s']:.1f}{change}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    best = ", ".join(f"B = {size}: {policy}" for size, policy in serving["best"].items())
+    return [*lines, "", f"Best policy (the oracle aside): {best}.", "", f"![Serving throughput]({plot})", ""]
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:

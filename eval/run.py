@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,12 @@ from specheads.eval.plots import (
     pareto_plot,
     reliability_plot,
     roc_plot,
+    serving_plot,
 )
 from specheads.eval.report import verdict, write_report
 from specheads.eval.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
+from specheads.eval.serving import CostCurve, best_per_batch_size, measure_cost_curve, serving_table
 from specheads.eval.sweep import (
     DecodePrompt,
     Setting,
@@ -198,6 +201,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
+    if config.serving_batch_sizes:
+        section_serving = serving_section(config, pair, device, records, tuned)
     section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
@@ -205,7 +210,35 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": {} if tuning else grid_edges(dev, tuned)}
+    if config.serving_batch_sizes:
+        section["serving"] = section_serving
     return Decoding(section, records, tuned.get(learned), context)
+
+
+def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, records: list[Any],
+                    tuned: dict[str, float]) -> dict[str, Any]:
+    """Each policy at its tuned threshold served `config.serving_batch_sizes` requests at a time (eval.serving), with
+    the models' cost curves given in `config.serving_costs` or measured here."""
+    if config.serving_costs:
+        try:
+            given = json.loads(Path(config.serving_costs).read_text())
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--serving-costs {config.serving_costs} is not readable JSON ({error})") from None
+        if not isinstance(given, dict) or not {"draft", "target"} <= set(given):
+            raise UsageError(f"--serving-costs {config.serving_costs} must hold {{draft: ..., target: ...}} cost curves")
+        draft, target = CostCurve.from_dict(given["draft"]), CostCurve.from_dict(given["target"])
+        source = config.serving_costs
+    else:
+        draft, target = measure_cost_curve(pair.draft), measure_cost_curve(pair.target)
+        source = f"measured on {device_name(device)}"
+    rows = serving_table(records, tuned, list(config.serving_batch_sizes), draft, target)
+    return {"batch_sizes": list(config.serving_batch_sizes), "cost_curves": {"draft": draft.as_dict(),
+            "target": target.as_dict(), "source": source}, "rows": rows, "best": best_per_batch_size(rows)}
+
+
+def device_name(device: torch.device) -> str:
+    """The device in words (a GPU's model name)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
 
 
 def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalConfig) -> DecisionRule:
@@ -274,6 +307,8 @@ def evaluate(config: EvalConfig) -> Report:
         cumulative_reliability_plot(cumulative, out / PLOTS["cumulative_reliability"])
     if decoding:
         pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
+        if decoding.section.get("serving"):
+            serving_plot(decoding.section["serving"]["rows"], out / PLOTS["serving"])
         acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])
         write_json_atomic(out / "runs.json", {"context": decoding.context, "runs": records_as_dicts(decoding.records)})
     report.plots = {name: file for name, file in PLOTS.items() if (out / file).exists()}

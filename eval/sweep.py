@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,7 @@ class RunRecord:
     accepted_per_round: list[int]
     target_logprob: float
     reused: bool = False  # taken from an earlier report (eval.reuse), not decoded in this run
+    drafted_per_round: list[int] = field(default_factory=list)  # empty in reports from before it was recorded
 
 
 def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
@@ -100,14 +101,14 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
 
 def as_oracle(record: RunRecord) -> RunRecord:
     """The hindsight oracle's accounting of a constant-K_max run (the same tokens: it keeps only accepted drafts)."""
-    return replace(record, policy="oracle", drafted=record.accepted)
+    return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round))
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
     """A run's counts as a record."""
     return RunRecord(setting.policy, setting.threshold, prompt.prompt_id, prompt.split, result.emitted, result.drafted,
                      result.accepted, result.target_calls, result.draft_forwards, result.seconds, result.forward_seconds,
-                     list(result.accepted_per_round), logprob)
+                     list(result.accepted_per_round), logprob, drafted_per_round=list(result.drafted_per_round))
 
 
 def decode_runs(decoder: BatchDecoder, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],

@@ -105,3 +105,47 @@ def test_the_batched_loop_samples_the_target_distribution():
                    for result in decoder.speculative_decode_batch([PROMPT] * batch, policy, LENGTH,
                                                                   list(range(start, start + batch)), head)]
         assert chi_square_p(samples, exact) > 1e-3, name
+
+
+# ---- serving batch sizes
+
+
+def test_serving_accounting_on_a_hand_computed_case():
+    from specheads.eval.serving import CostCurve, serve
+
+    draft = CostCurve((1, 2), (2.0, 3.0))  # 1 + n seconds for n tokens, extrapolated linearly
+    target = CostCurve((1, 2), (11.0, 12.0))  # 10 + n
+    requests = [[(2, 1), (1, 1)], [(3, 0)]]
+    # B = 1: (2 + 2 + 13) + (2 + 12) + (2 + 2 + 2 + 14) = 51 s for 2 + 2 + 1 tokens
+    alone = serve(requests, 1, draft, target)
+    assert (alone["seconds"], alone["tokens"]) == (51.0, 5.0)
+    # B = 2: round 1 drafts with 2, 2, 1 rows (3 + 3 + 2) and verifies 3 + 4 tokens (17); round 2 as alone (2 + 12)
+    together = serve(requests, 2, draft, target)
+    assert (together["seconds"], together["tokens"], together["batched_rounds"]) == (39.0, 5.0, 2)
+    assert target(30) == 40.0 and draft(0) == 0.0
+
+
+def test_eval_serving_report_and_batched_sweep_agree_with_batch_1(trained, tmp_path):
+    import json
+
+    from specheads.cli import main
+
+    data, root = trained
+    checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    common = ["eval", "--head", str(checkpoint), "--data", str(data), "--num-decode-prompts", "6", "--max-new-tokens", "6",
+              "--max-draft", "3", "--constant-ks", "[1,3]", "--head-thresholds", "[0.5]", "--stop-shares", "[0.5]",
+              "--bootstrap", "5", "--progress", "false"]
+    assert main([*common, "--out", str(tmp_path / "batched"), "--decode-batch-size", "4",
+                 "--serving-batch-sizes", "[1, 2, 8]"]) == 0
+    assert main([*common, "--out", str(tmp_path / "single"), "--decode-batch-size", "1"]) == 0
+    key = ("policy", "threshold", "prompt_id", "emitted", "drafted", "accepted", "target_calls", "accepted_per_round")
+    runs = {name: [tuple(str(r[k]) for k in key) for r in json.loads((tmp_path / name / "runs.json").read_text())["runs"]]
+            for name in ("batched", "single")}
+    same = sum(a == b for a, b in zip(runs["batched"], runs["single"]))
+    assert len(runs["batched"]) == len(runs["single"]) and same >= 0.9 * len(runs["single"])
+    serving = json.loads((tmp_path / "batched" / "metrics.json").read_text())["decoding"]["serving"]
+    assert {row["batch_size"] for row in serving["rows"]} == {1, 2, 8} and set(serving["best"]) == {"1", "2", "8"}
+    assert serving["cost_curves"]["source"] == "measured on the CPU"
+    assert all(row["tokens_per_s"] > 0 for row in serving["rows"])
+    assert (tmp_path / "batched" / "serving.png").stat().st_size > 1000
+    assert "At serving batch sizes" in (tmp_path / "batched" / "report.md").read_text()
