@@ -151,7 +151,7 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
     lines = [f"{title} Acceptance head report: {head.head_type}", "",
              f"Head `{head.source}` ({head.parameters:,} parameters, reads `{head.reads}`), draft "
              f"`{head.draft}`, target `{head.target}`. Data `{data['path']}` (fingerprint `{data['fingerprint']}`): "
-             f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts (prompts the head did not train "
+             f"{data['tokens']:,} labelled tokens from {data['prompts']} held-out prompts (prompts the head did not train or calibrate "
              f"on; {data.get('prompts_trained_on', 0)} of the data's prompts it trained on are left out), label {data['label']}, "
              f"mean {data['mean_label']:.3f}.", "", f"{section} Verdict", ""]
     lines += [f"- {line}" for line in report.verdict["text"]]

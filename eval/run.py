@@ -201,8 +201,6 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
-    if config.serving_batch_sizes:
-        section_serving = serving_section(config, pair, device, records, tuned)
     section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
@@ -211,7 +209,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": {} if tuning else grid_edges(dev, tuned)}
     if config.serving_batch_sizes:
-        section["serving"] = section_serving
+        section["serving"] = serving_section(config, pair, device, records, tuned)
     return Decoding(section, records, tuned.get(learned), context)
 
 
@@ -279,7 +277,7 @@ def evaluate(config: EvalConfig) -> Report:
     offline = offline_metrics(table, config.bootstrap, config.seed)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
-                    "held_out": "the prompts the head did not train on",
+                    "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": "accept = min(1, p/q)" if trained.purpose == "stop" else f"1[q/p <= {trained.tau}]"}
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
