@@ -14,7 +14,7 @@ stopped feed a masked pad and are not counted); the target runs once a round ove
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -111,8 +111,28 @@ def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: 
     return head.predict(torch.stack(states), signal_tensor, embedding, position).tolist()
 
 
+class Drawn(NamedTuple):
+    """A row's candidate of this draft step: the token, its draft signals, the draft's log q and the state that
+    produced q (the one an `at_draft` head reads, or the one that has read the previous candidate)."""
+
+    token: int
+    signals: dict[str, float]
+    logq_all: torch.Tensor
+    state: torch.Tensor
+
+
 class BatchDecoder(Decoder):
     """`Decoder` over B prompts at once; every row draws from its own generator exactly as the batch-1 loop does."""
+
+    def _draw_rows(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   generators: list[torch.Generator]) -> dict[int, Drawn]:
+        """Each fed row's candidate from its last draft logits, drawn with the row's own generator."""
+        drawn = {}
+        for row, (logits, states) in outputs.items():
+            logq_all = self.transform.log_probs(logits[-1])
+            token = self._draw(logq_all, generators[row])
+            drawn[row] = Drawn(token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
+        return drawn
 
     @torch.no_grad()
     def speculative_decode_batch(self, prompts: list[list[int]], policy: StopPolicy, max_new_tokens: int,
@@ -139,12 +159,7 @@ class BatchDecoder(Decoder):
             previous: dict[int, dict[str, float] | None] = dict.fromkeys(live)
             pending = {row: tokens[row][draft.length(row):] for row in live}
             while pending:
-                outputs = draft.feed(pending)
-                drawn = {}
-                for row, (logits, states) in outputs.items():
-                    logq_all = self.transform.log_probs(logits[-1])
-                    token = self._draw(logq_all, generators[row])
-                    drawn[row] = (token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
+                drawn = self._draw_rows(draft.feed(pending), generators)
                 scores = self._head_scores(head, policy, on_time, drawn, candidates, previous)
                 for row, (token, signals, logq_all, _) in drawn.items():
                     acceptance[row] *= scores.get(row, 1.0)
@@ -172,7 +187,7 @@ class BatchDecoder(Decoder):
             target.trim()
         return self._finish_batch(results, generated, max_new_tokens, start, draft, target)
 
-    def _head_scores(self, head: AcceptanceHead | None, policy: StopPolicy, on_time: bool, drawn: dict[int, tuple],
+    def _head_scores(self, head: AcceptanceHead | None, policy: StopPolicy, on_time: bool, drawn: dict[int, Drawn],
                      candidates: dict[int, list[int]], previous: dict[int, dict[str, float] | None]) -> dict[int, float]:
         """The head's score per drafting row at this step: of the candidate just drafted (an `at_draft` head), or of
         the previous one, whose state this forward gave (a `one_step_late` head); none for other policies."""
@@ -180,10 +195,10 @@ class BatchDecoder(Decoder):
             return {}
         if on_time:
             rows = list(drawn)
-            inputs = [(drawn[r][3], drawn[r][1], drawn[r][0], len(candidates[r]) + 1) for r in rows]
+            inputs = [(drawn[r].state, drawn[r].signals, drawn[r].token, len(candidates[r]) + 1) for r in rows]
         else:
             rows = [r for r in drawn if previous[r] is not None]
-            inputs = [(drawn[r][3], previous[r], candidates[r][-1], len(candidates[r])) for r in rows]
+            inputs = [(drawn[r].state, previous[r], candidates[r][-1], len(candidates[r])) for r in rows]
         if not rows:
             return {}
         states, signals, tokens, positions = zip(*inputs)
@@ -206,15 +221,11 @@ class BatchDecoder(Decoder):
         runs = [0] * len(prompts)
         active = [not self._done(generated[row], max_new_tokens) for row in rows]
         while any(active):
-            outputs = draft.feed({row: tokens[row][draft.length(row):] for row in rows if active[row]})
-            drawn = {}
-            for row, (logits, states) in outputs.items():
-                logq_all = self.transform.log_probs(logits[-1])
-                token = self._draw(logq_all, generators[row])
-                drawn[row] = (token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
+            drawn = self._draw_rows(draft.feed({row: tokens[row][draft.length(row):] for row in rows if active[row]}),
+                                    generators)
             order = list(drawn)
-            scores = acceptance_batch(verifier, [drawn[r][3] for r in order], [drawn[r][1] for r in order],
-                                      [self._embedding(verifier, drawn[r][0]) for r in order], [1] * len(order))
+            scores = acceptance_batch(verifier, [drawn[r].state for r in order], [drawn[r].signals for r in order],
+                                      [self._embedding(verifier, drawn[r].token) for r in order], [1] * len(order))
             flagged = [row for row, score in zip(order, scores) if score < threshold]
             verified = target.feed({row: tokens[row][target.length(row):] for row in flagged}) if flagged else {}
             for row in order:
@@ -243,9 +254,10 @@ class BatchDecoder(Decoder):
                       start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:
         """Cut each row as the batch-1 loop does; the batch's wall and forward time are shared equally by its rows."""
         share = 1.0 / len(results)
+        wall, forward = time.perf_counter() - start, draft.forward_seconds + target.forward_seconds
         for row, result in enumerate(results):
             self._cut(result, generated[row], max_new_tokens)
             result.draft_forwards = draft.forwards[row]
-            result.seconds = (time.perf_counter() - start) * share
-            result.forward_seconds = (draft.forward_seconds + target.forward_seconds) * share
+            result.seconds = wall * share
+            result.forward_seconds = forward * share
         return results
