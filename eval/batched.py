@@ -35,7 +35,8 @@ class BatchCache:
         self.cache: Any = None
         self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
         self.slots: list[list[int]] = [[] for _ in range(rows)]  # each row's cache slot per token it holds
-        self.forwards = [0] * rows
+        self.forwards = [0] * rows  # the forwards each row took part in
+        self.passes = 0  # forward passes of the whole batch
         self.forward_seconds = 0.0
 
     @property
@@ -80,6 +81,7 @@ class BatchCache:
         for row in tokens:
             result[row] = (logits[offset : offset + wanted[row]], picked[offset : offset + wanted[row]])
             offset += wanted[row]
+        self.passes += 1
         self.forward_seconds += time.perf_counter() - start
         return result
 
@@ -254,10 +256,10 @@ class BatchDecoder(Decoder):
                       start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:
         """Cut each row as the batch-1 loop does; the batch's wall and forward time are shared equally by its rows."""
         share = 1.0 / len(results)
-        wall, forward = time.perf_counter() - start, draft.forward_seconds + target.forward_seconds
+        wall = time.perf_counter() - start
         for row, result in enumerate(results):
             self._cut(result, generated[row], max_new_tokens)
             result.draft_forwards = draft.forwards[row]
             result.seconds = wall * share
-            result.forward_seconds = forward * share
+            result.time_forwards(draft, target, share)
         return results

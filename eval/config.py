@@ -21,7 +21,8 @@ class EvalConfig:
     Args:
         head: a `.ckpt` (or run folder) from `specheads train`, or a head folder / Hub repo id from `specheads export`.
         data: the labelled dataset (`specheads gen --out`); its held-out prompts give the offline tokens.
-        out: the report folder (metrics.json, PNG plots, report.md, report.html).
+        out: the report folder (metrics.json, PNG plots, report.md, report.html); while decoding, finished runs are
+            journalled to `runs.partial.jsonl` there, and the same command resumes from it (eval.journal).
         decode_prompts: JSONL of prompts to decode; default: the data's held-out prompts.
         num_decode_prompts: how many held-out prompts to decode (half tune thresholds, half are reported).
         max_new_tokens: tokens generated per decoding run.

@@ -53,6 +53,11 @@ class CachedModel:
         self.forward_seconds += time.perf_counter() - start
         return logits, states
 
+    @property
+    def passes(self) -> int:
+        """Forward passes so far (with one row, every forward is one pass)."""
+        return self.forwards
+
     def crop_to(self, length: int) -> None:
         """Forget cached tokens beyond `length`.
 
@@ -78,6 +83,16 @@ class DecodeResult:
     drafted_per_round: list[int] = field(default_factory=list)  # candidates each round sent to the target
     seconds: float = 0.0
     forward_seconds: float = 0.0
+    draft_seconds: float = 0.0  # time in the draft's forwards (a batched run's share of its batch's)
+    target_seconds: float = 0.0
+    draft_passes: float = 0.0  # the draft's forward passes (a batched run's share of its batch's)
+    target_passes: float = 0.0
+
+    def time_forwards(self, draft: Any, target: Any, share: float = 1.0) -> None:
+        """Record `share` of each model's timed forwards (`forward_seconds` and `passes` of a cached model)."""
+        self.draft_seconds, self.draft_passes = draft.forward_seconds * share, draft.passes * share
+        self.target_seconds, self.target_passes = target.forward_seconds * share, target.passes * share
+        self.forward_seconds = self.draft_seconds + self.target_seconds
 
 
 @torch.no_grad()
@@ -143,10 +158,10 @@ class Decoder:
         result.drafted_per_round.append(counted)
 
     def _finish(self, result: DecodeResult, generated: list[int], max_new_tokens: int, start: float,
-                models: tuple[CachedModel, ...]) -> DecodeResult:
+                draft: CachedModel, target: CachedModel) -> DecodeResult:
         self._cut(result, generated, max_new_tokens)
         result.seconds = time.perf_counter() - start
-        result.forward_seconds = sum(model.forward_seconds for model in models)
+        result.time_forwards(draft, target)
         return result
 
     def _cut(self, result: DecodeResult, generated: list[int], max_new_tokens: int) -> None:
@@ -207,7 +222,7 @@ class Decoder:
             tokens += emitted
             generated += emitted
         result.draft_forwards = draft.forwards
-        return self._finish(result, generated, max_new_tokens, start, (draft, target))
+        return self._finish(result, generated, max_new_tokens, start, draft, target)
 
     @torch.no_grad()
     def sprinter_decode(self, prompt: list[int], verifier: AcceptanceHead, threshold: float, max_new_tokens: int,
@@ -244,7 +259,7 @@ class Decoder:
             tokens.append(emitted)
             generated.append(emitted)
         result.draft_forwards = draft.forwards
-        return self._finish(result, generated, max_new_tokens, start, (draft, target))
+        return self._finish(result, generated, max_new_tokens, start, draft, target)
 
 
 @torch.no_grad()

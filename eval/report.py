@@ -12,6 +12,7 @@ from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
 from specheads.eval.report_file import Report, tuned_row
 from specheads.files import write_text_atomic
+from specheads.text import count
 
 MIN_TEST_PROMPTS = 8
 """Below this many test prompts a decoding comparison is called indicative, not a finding."""
@@ -23,7 +24,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     mine = tuned_row(decoding, learned)
     tested = decoding["prompts"]["test"]
     result: dict[str, Any] = {"policy": learned, "test_prompts": tested, "indicative": tested < MIN_TEST_PROMPTS}
-    lines = [f"Decoding figures rest on {tested} test prompt{'s' if tested != 1 else ''} × {decoding['max_new_tokens']} "
+    lines = [f"Decoding figures rest on {count(tested, 'test prompt')} × {decoding['max_new_tokens']} "
              "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
                              "with --num-decode-prompts)." if result["indicative"] else ".")]
     for baseline in ("constant_k", "svip", "confidence", "oracle"):
@@ -54,19 +55,44 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                              + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
                                 else "."))
         if "oracle_speedup" in result:
-            lines.append(f"The hindsight oracle bounds what any stop policy can reach: {result['oracle_speedup']:.3f}×.")
+            lines += oracle_lines(decoding, result)
     else:
         plain = tuned_row(decoding, "constant_k")
         result["tokens_per_target_call"] = mine["tokens_per_target_call"]
         lines.append(f"SPRINTER at threshold {mine['threshold']:g} generates {mine['tokens_per_target_call']:.2f} tokens per "
                      f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at t_draft/t_target = {c:g}).")
         if plain and mine.get("mean_target_logprob") is not None and plain.get("mean_target_logprob") is not None:
-            drop = plain["mean_target_logprob"] - mine["mean_target_logprob"]
-            result["target_logprob_drop_vs_sd"] = drop
+            difference = mine["mean_target_logprob"] - plain["mean_target_logprob"]
+            result["target_logprob_vs_sd"] = difference
             lines.append(f"Exact speculative decoding with K = {plain['threshold']:g} makes {plain['tokens_per_target_call']:.2f} "
-                         f"tokens per call; SPRINTER's text scores {drop:+.3f} nats/token lower under the target "
-                         "(the quality proxy; SPRINTER is approximate by design).")
+                         f"tokens per call. Under the target, SPRINTER's text has a mean log-likelihood of "
+                         f"{mine['mean_target_logprob']:.3f} nats/token against {plain['mean_target_logprob']:.3f} for exact "
+                         f"SD: {logprob_difference(difference)} (the quality proxy; SPRINTER is approximate by design).")
     return result, lines
+
+
+def logprob_difference(difference: float) -> str:
+    """SPRINTER's target log-likelihood minus exact SD's, signed and said in words (one wording for report and demo)."""
+    side = "lower" if difference < 0 else "higher" if difference > 0 else "the same"
+    return f"{difference:+.3f} nats/token ({side} than exact SD)"
+
+
+def oracle_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    """The hindsight oracle's speedup, worded as a bound in expectation, and the policies that beat it on these test
+    prompts (recorded in `result["beat_the_oracle"]`): a sign that the sample is too small to rank policies."""
+    oracle = result["oracle_speedup"]
+    beaten = {row["policy"]: row for row in decoding["policies"]
+              if row["policy"] != "oracle" and row["modelled_speedup"] > oracle
+              and row["modelled_speedup"] >= max(r["modelled_speedup"] for r in decoding["policies"]
+                                                 if r["policy"] == row["policy"])}
+    result["beat_the_oracle"] = sorted(beaten)
+    lines = [f"The hindsight oracle (K_max drafts, only the accepted ones counted) reaches {oracle:.3f}×: it bounds a stop "
+             "policy in expectation, not on every small sample."]
+    if beaten:
+        named = ", ".join(f"{policy} ({row['modelled_speedup']:.3f}× at {row['threshold']:g})" for policy, row in beaten.items())
+        lines.append(f"Warning: {named} beat{'s' if len(beaten) == 1 else ''} the oracle on these test prompts, which only "
+                     "chance allows: too few test tokens to rank the policies.")
+    return lines
 
 
 def grid_edge_lines(decoding: dict[str, Any]) -> list[str]:
@@ -158,8 +184,7 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
     lines += ["", f"Decision rule: `{rule.rule}` at threshold {rule.threshold:g} "
                   f"({'tuned on dev prompts' if rule.tuned else 'untuned default: no decoding runs'}).", "",
               f"{section} Offline metrics (held-out tokens)", "", *offline_table(report), "",
-              "AUC is the expectation over soft labels; intervals are bootstrap over prompts. "
-              "`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1.", "",
+              "AUC is the expectation over soft labels; intervals are bootstrap over prompts. " + ceiling_caption(report), "",
               f"![ROC]({plot['roc']})", "", f"![Reliability diagram]({plot['reliability']})", ""]
     if report.cumulative:
         lines += cumulative_section(report.cumulative, section, plot["cumulative_reliability"])
@@ -176,7 +201,7 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
         decoding = report.decoding
         costs = decoding["measured_costs"]
         lines += [f"{section} Decoding runs (test prompts)", "",
-                  f"{decoding['prompts']['test']} test prompts ({tuning_note(decoding)}), "
+                  f"{count(decoding['prompts']['test'], 'test prompt')} ({tuning_note(decoding)}), "
                   f"{decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
                   f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; {measured_costs_note(costs)} "
                   f"The loop spends {costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
@@ -185,6 +210,16 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
         if decoding.get("serving"):
             lines += serving_lines(decoding["serving"], section, plot["serving"])
     return "\n".join(lines) + "\n"
+
+
+def ceiling_caption(report: Report) -> str:
+    """What `label_ceiling` means for these labels: a bound below 1 for soft labels, trivially 1 for hard ones."""
+    ceiling = report.offline["label_ceiling"]["auc"]
+    if ceiling is not None and ceiling >= 0.9995:
+        return ("`label_ceiling` scores each token by its own label; these labels are 0/1 outcomes, so it reaches 1 and "
+                "bounds nothing.")
+    return ("`label_ceiling` scores each token by its own label: soft labels are noisy, so no predictor reaches 1 "
+            "and this is the best AUC any predictor could reach here.")
 
 
 def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> list[str]:
@@ -220,12 +255,18 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:
-    """The forward times measured on this machine, or what the runs left undetermined."""
-    if costs["ratio"] is not None:
-        return (f"on this machine the measured ratio is {costs['ratio']:.3f} (t_draft {costs['t_draft_s'] * 1e3:.1f} ms, "
-                f"t_target {costs['t_target_s'] * 1e3:.1f} ms per forward).")
-    return (f"the runs do not determine the ratio on this machine ({costs['undetermined']}), so no speedup at a "
-            "measured ratio is given.")
+    """The forward times measured on this machine with the ratio's interval, flagged where the runs cannot settle it."""
+    if costs["ratio"] is None:
+        return (f"the runs do not determine the ratio on this machine ({costs['undetermined']}), so no speedup at a "
+                "measured ratio is given.")
+    ci = costs.get("ratio_ci")
+    note = (f"on this machine the measured ratio is {costs['ratio']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + f" (t_draft {costs['t_draft_s'] * 1e3:.1f} ms over {costs.get('draft_passes', 0):.0f} passes, t_target "
+            f"{costs['t_target_s'] * 1e3:.1f} ms over {costs.get('target_passes', 0):.0f}; a verification pass reads "
+            "K + 1 tokens).")
+    if not costs.get("reliable", True):
+        note += f" That ratio is unreliable ({costs['caveat']}): do not use it to rank policies."
+    return note
 
 
 def tuning_note(decoding: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from specheads.data_gen.store import read_manifest
 from specheads.errors import UsageError
 from specheads.eval.batched import BatchDecoder
 from specheads.eval.config import EvalConfig
+from specheads.eval.journal import RunJournal, open_journal
 from specheads.eval.offline import (
     TokenTable,
     calibration_table,
@@ -41,8 +42,11 @@ from specheads.eval.reuse import decoding_context, load_reusable
 from specheads.eval.serving import CostCurve, best_per_batch_size, measure_cost_curve, serving_table
 from specheads.eval.sweep import (
     DecodePrompt,
+    RunKey,
+    RunRecord,
     Setting,
     aggregate,
+    decoded_settings,
     default_settings,
     grid_edges,
     measure_costs,
@@ -143,6 +147,7 @@ class Decoding:
     records: list[Any]
     tuned_threshold: float | None
     context: dict[str, Any]
+    journal: RunJournal
 
 
 def decoding_device(name: str) -> torch.device:
@@ -168,9 +173,9 @@ def within_tv_budget(dev: list[dict[str, Any]], table: TokenTable, max_tv: float
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
            table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any]) -> Decoding:
-    """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them), measure the costs, tune
-    on dev (or take the thresholds `config.tuned_from` tuned), and report on test. `identity` is the data
-    manifest's."""
+    """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them, and the runs an interrupted
+    eval into `config.out` finished: eval.journal), measure the costs, tune on dev (or take the thresholds
+    `config.tuned_from` tuned), and report on test. `identity` is the data manifest's."""
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
@@ -183,9 +188,11 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
+    journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
+    finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
     decoder = BatchDecoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
     records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
-                        config.seed, config.progress, reused, config.decode_batch_size)
+                        config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
@@ -210,7 +217,19 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "tuned_at_grid_edge": {} if tuning else grid_edges(dev, tuned)}
     if config.serving_batch_sizes:
         section["serving"] = serving_section(config, pair, device, records, tuned)
-    return Decoding(section, records, tuned.get(learned), context)
+    return Decoding(section, records, tuned.get(learned), context, journal)
+
+
+def resumable(journal: RunJournal, settings: list[Setting], prompts: list[DecodePrompt]) -> dict[RunKey, RunRecord]:
+    """The runs of this sweep (`settings` as decoded, on `prompts`) that an interrupted eval already finished, said in
+    one line (after the line saying why any others of the journal were dropped)."""
+    if journal.note:
+        print(journal.note, flush=True)
+    wanted = {(s.policy, s.threshold, p.prompt_id) for s in settings for p in prompts}
+    finished = {key: record for key, record in journal.finished.items() if key in wanted}
+    if finished:
+        print(f"resuming: {len(finished)} of {len(wanted)} decoding runs already finished in {journal.path}", flush=True)
+    return finished
 
 
 def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, records: list[Any],
@@ -312,6 +331,8 @@ def evaluate(config: EvalConfig) -> Report:
     report.plots = {name: file for name, file in PLOTS.items() if (out / file).exists()}
     report.write(out)
     write_report(report, out)
+    if decoding:
+        decoding.journal.remove()
     return report
 
 

@@ -3,19 +3,19 @@
 Each (policy, threshold) runs on every decode prompt; prompts are split into dev (thresholds are tuned
 there) and test (what the report quotes). The modelled time per token is SpecDec++ Eq. 5.1:
 c·(1 + discard_rate) + (1 − c)·verification_rate in units of t_target with c = t_draft/t_target, so the
-modelled speedup over target-only decoding is its inverse. t_draft and t_target are also measured by
-a least-squares fit of each run's wall time on its draft forwards and target calls (SpecDec++ D.2).
+modelled speedup over target-only decoding is its inverse. t_draft and t_target are also measured: each
+model's forward passes are timed, and the ratio comes with a bootstrap interval that says whether the runs
+determine it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from sklearn.linear_model import LinearRegression
 from tqdm.auto import tqdm
 
 from specheads.eval.batched import BatchDecoder
@@ -69,6 +69,10 @@ class RunRecord:
     target_logprob: float
     reused: bool = False  # taken from an earlier report (eval.reuse), not decoded in this run
     drafted_per_round: list[int] = field(default_factory=list)  # empty in reports from before it was recorded
+    draft_seconds: float = 0.0  # time in the draft's forward passes (a batched run's share); 0 in older reports
+    target_seconds: float = 0.0
+    draft_passes: float = 0.0  # forward passes of the draft (a batched run's share of its batch's)
+    target_passes: float = 0.0
 
 
 def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
@@ -108,7 +112,9 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
     """A run's counts as a record."""
     return RunRecord(setting.policy, setting.threshold, prompt.prompt_id, prompt.split, result.emitted, result.drafted,
                      result.accepted, result.target_calls, result.draft_forwards, result.seconds, result.forward_seconds,
-                     list(result.accepted_per_round), logprob, drafted_per_round=list(result.drafted_per_round))
+                     list(result.accepted_per_round), logprob, drafted_per_round=list(result.drafted_per_round),
+                     draft_seconds=result.draft_seconds, target_seconds=result.target_seconds,
+                     draft_passes=result.draft_passes, target_passes=result.target_passes)
 
 
 def decode_runs(decoder: BatchDecoder, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
@@ -129,21 +135,31 @@ def decode_runs(decoder: BatchDecoder, setting: Setting, prompts: list[DecodePro
             for prompt, result, likelihood in zip(prompts, results, likelihoods)]
 
 
+def decoded_settings(settings: list[Setting], max_draft: int) -> list[Setting]:
+    """The settings a sweep decodes: all but the oracle, which is read off the constant K_max runs (added if absent)."""
+    real = [s for s in settings if s.policy != "oracle"]
+    if any(s.policy == "oracle" for s in settings) and Setting("constant_k", float(max_draft)) not in real:
+        real.append(Setting("constant_k", float(max_draft)))
+    return real
+
+
 def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
               max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True,
-              reused: dict[RunKey, RunRecord] | None = None, batch_size: int = 1) -> list[RunRecord]:
+              reused: dict[RunKey, RunRecord] | None = None, batch_size: int = 1,
+              finished: dict[RunKey, RunRecord] | None = None,
+              on_batch: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
     """Decode every prompt under every setting, `batch_size` prompts at a time (the oracle is read off the constant
-    K_max runs); a run found in `reused` (keyed by policy, threshold and prompt id; eval.reuse) is taken from there
-    instead. Prompt number i is decoded with seed `seed · 1 000 003 + i` whatever the batch it sits in."""
-    reused = reused or {}
+    K_max runs); a run found in `reused` (keyed by policy, threshold and prompt id; eval.reuse) or in `finished` (runs
+    an interrupted sweep of this context decoded; eval.journal) is taken from there instead. `on_batch` receives
+    each batch of runs as it finishes. Prompt number i is decoded with seed `seed · 1 000 003 + i` whatever the
+    batch it sits in."""
+    taken = {**(finished or {}), **(reused or {})}
     records: list[RunRecord] = []
-    real = [s for s in settings if s.policy != "oracle"]
+    real = decoded_settings(settings, max_draft)
     oracle_wanted = any(s.policy == "oracle" for s in settings)
-    if oracle_wanted and Setting("constant_k", float(max_draft)) not in real:
-        real.append(Setting("constant_k", float(max_draft)))
     bar = tqdm(total=len(real) * len(prompts), desc="decoding runs", unit="run", disable=not progress)
     for setting in real:
-        earlier = {number: reused.get((setting.policy, setting.threshold, prompt.prompt_id))
+        earlier = {number: taken.get((setting.policy, setting.threshold, prompt.prompt_id))
                    for number, prompt in enumerate(prompts)}
         todo = [number for number in range(len(prompts)) if earlier[number] is None]
         decoded: dict[int, RunRecord] = {}
@@ -152,6 +168,8 @@ def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list
             runs = decode_runs(decoder, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
                                head, max_new_tokens, max_draft)
             decoded.update(zip(chunk, runs))
+            if on_batch is not None:
+                on_batch(runs)
             bar.update(len(chunk))
         bar.update(len(prompts) - len(todo))
         for number, prompt in enumerate(prompts):
@@ -163,37 +181,61 @@ def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list
     return records
 
 
-def measure_costs(records: list[RunRecord]) -> dict[str, Any]:
-    """t_draft and t_target (seconds per forward) from a least-squares fit of wall time on the forward counts of
-    the runs decoded here (not those reused from an earlier report).
+RATIO_SPREAD_LIMIT = 1.5
+"""A measured t_draft/t_target whose 95 % interval spans more than this factor (upper / lower) is marked unreliable."""
+MIN_TIMED_PASSES = 20
+"""Fewer forward passes of either model than this and the measured ratio is marked unreliable."""
 
-    Only what the runs determine is fitted: with no target call among them (every run a SPRINTER run that passed
-    every token, say) t_target and the ratio are None, and so is the ratio when the two counts are proportional
-    across runs or the fit puts either time at zero; `undetermined` says why."""
+
+def measure_costs(records: list[RunRecord], resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """t_draft and t_target (seconds per forward pass, timed around each model's forwards) in the runs decoded here
+    (not those reused from an earlier report), their ratio, and how well the runs determine it.
+
+    `ratio_ci` is a 95 % bootstrap interval that resamples settings (a setting's rows share their batches' passes);
+    `reliable` is false when that interval spans more than RATIO_SPREAD_LIMIT or either model made fewer than
+    MIN_TIMED_PASSES passes, with the reason in `caveat`. Where a model made no forward at all, its time and the ratio
+    are None and `undetermined` says why."""
     real = [r for r in records if r.policy != "oracle" and not r.reused]
-    design = np.array([[r.draft_forwards, r.target_calls] for r in real], dtype=np.float64).reshape(-1, 2)
-    seconds = np.array([r.seconds for r in real])
-    wall = max(float(seconds.sum()), 1e-9)
-    overhead = 1.0 - sum(r.forward_seconds for r in real) / wall
-    costs: dict[str, Any] = {"t_draft_s": None, "t_target_s": None, "ratio": None, "loop_overhead_share": overhead,
-                             "undetermined": None}
-    used = [column for column in range(2) if design[:, column].any()]
-    if not used:
-        costs["undetermined"] = "no run decoded here made a forward"
-        return costs
-    fit = LinearRegression(fit_intercept=False, positive=True).fit(design[:, used], seconds)
-    for column, value in zip(used, fit.coef_):
-        costs[("t_draft_s", "t_target_s")[column]] = float(value)
-    if len(used) < 2:
-        costs["undetermined"] = ("no run decoded here called the target" if used == [0]
+    wall = max(sum(r.seconds for r in real), 1e-9)
+    costs: dict[str, Any] = {"t_draft_s": None, "t_target_s": None, "ratio": None, "ratio_ci": None, "reliable": False,
+                             "caveat": None, "undetermined": None, "draft_passes": 0.0, "target_passes": 0.0,
+                             "loop_overhead_share": 1.0 - sum(r.draft_seconds + r.target_seconds for r in real) / wall}
+    times = np.array([[r.draft_seconds, r.draft_passes, r.target_seconds, r.target_passes] for r in real],
+                     dtype=np.float64).reshape(-1, 4)
+    totals = times.sum(axis=0)
+    costs["draft_passes"], costs["target_passes"] = float(totals[1]), float(totals[3])
+    if totals[1] > 0:
+        costs["t_draft_s"] = float(totals[0] / totals[1])
+    if totals[3] > 0:
+        costs["t_target_s"] = float(totals[2] / totals[3])
+    if costs["t_draft_s"] is None or costs["t_target_s"] is None:
+        costs["undetermined"] = ("no run decoded here made a forward" if costs["t_draft_s"] == costs["t_target_s"]
+                                 else "no run decoded here called the target" if costs["t_target_s"] is None
                                  else "no run decoded here made a draft forward")
-    elif np.linalg.matrix_rank(design) < 2:
-        costs["undetermined"] = "draft forwards and target calls are proportional across the runs decoded here"
-    elif min(fit.coef_) <= 0:
-        costs["undetermined"] = "the fit puts one of the forward times at zero (too few or too noisy runs)"
-    else:
-        costs["ratio"] = costs["t_draft_s"] / costs["t_target_s"]
+        return costs
+    costs["ratio"] = costs["t_draft_s"] / costs["t_target_s"]
+    costs["ratio_ci"] = interval = ratio_interval(real, times, resamples, seed)
+    if min(totals[1], totals[3]) < MIN_TIMED_PASSES:
+        costs["caveat"] = f"only {int(min(totals[1], totals[3]))} forward passes of one model were timed"
+    elif interval is None or interval[0] <= 0 or interval[1] / interval[0] > RATIO_SPREAD_LIMIT:
+        costs["caveat"] = "its 95 % interval over settings is wide: the forward times vary too much between settings"
+    costs["reliable"] = costs["caveat"] is None
     return costs
+
+
+def ratio_interval(records: list[RunRecord], times: np.ndarray, resamples: int, seed: int) -> list[float] | None:
+    """95 % bootstrap interval of t_draft/t_target, resampling settings with their runs (None when too few
+    resamples time both models)."""
+    settings = sorted({(r.policy, r.threshold) for r in records})
+    groups = np.array([settings.index((r.policy, r.threshold)) for r in records])
+    per_setting = np.stack([times[groups == g].sum(axis=0) for g in range(len(settings))])
+    rng = np.random.default_rng(seed)
+    picked = per_setting[rng.integers(0, len(settings), size=(resamples, len(settings)))].sum(axis=1)
+    usable = picked[(picked[:, 1] > 0) & (picked[:, 3] > 0) & (picked[:, 2] > 0)]
+    if len(usable) < resamples // 2:
+        return None
+    ratios = (usable[:, 0] / usable[:, 1]) / (usable[:, 2] / usable[:, 3])
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
 def modelled_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:

@@ -51,6 +51,23 @@ def numbers(text: str) -> set[str]:
     return set(re.findall(r"[-+]?\d+\.\d{3}", text))
 
 
+def test_the_summary_says_what_the_demo_is_too_small_to_settle():
+    from specheads.demo.summary import scale_lines
+
+    def figures(margin_ci: list[float], gain_ci: list[float], test_prompts: int) -> dict:
+        return {"title": "SpecDec++ head", "held_out_tokens": 538, "best_baseline": "draft_prob",
+                "auc_margin_ci": margin_ci, "decoding": {"gain_vs_constant_k_ci": gain_ci, "test_prompts": test_prompts,
+                                                         "indicative": test_prompts < 8}}
+
+    settled = scale_lines({"heads": {"specdecpp": figures([0.01, 0.04], [0.02, 0.09], 16)}})
+    assert settled == []
+    small = "\n".join(scale_lines({"heads": {"specdecpp": figures([-0.014, 0.018], [0.02, 0.09], 16)}}))
+    assert "538 held-out tokens and 16 test prompts do not settle whether it ranks tokens better than draft_prob" in small
+    assert "decodes faster" not in small and "docs/results.md" in small
+    few = "\n".join(scale_lines({"heads": {"specdecpp": figures([0.01, 0.04], [0.02, 0.09], 3)}}))
+    assert "3 test prompts do not settle whether it decodes faster than the best constant K" in few
+
+
 @pytest.mark.integration
 def test_quick_demo_end_to_end(tmp_path, capsys):
     from specheads.heads import load_head
@@ -89,6 +106,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
         assert module.reads == ("candidate_state" if head == "specdecpp" else "context_state")
         assert rule.as_dict() == metrics["decision_rule"]
     assert str(out / "report.html") in printed or "report.html" in printed
+    # the quick demo is too small to rank anything, and its summary says so and where the larger runs are
+    assert "do not settle" in printed and "docs/results.md" in printed
     stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
     # a second run resumes: no retraining, no re-evaluation
     assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0

@@ -20,6 +20,7 @@ from specheads.demo.summary import decoding_line
 from specheads.errors import UsageError
 from specheads.eval.decoding import CachedModel, Decoder
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
+from specheads.eval.plots import pareto_frontier
 from specheads.eval.policies import make_policy
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
 from specheads.eval.report_file import Report, read_report
@@ -140,38 +141,51 @@ def test_sprinter_operating_points_count_false_and_true_positives_per_tau():
     assert result["tv_distance"] == pytest.approx(0.75 / 4) and result["passed_share"] == 0.5
 
 
-def test_modelled_speedup_aggregation_and_cost_regression():
+def timed_run(policy: str, threshold: float, drafts: int, calls: int, t_draft: float = 0.01, t_target: float = 0.05,
+              prompt: str = "") -> RunRecord:
+    """A run whose draft made `drafts` passes of `t_draft` s and whose target made `calls` of `t_target` s."""
+    return RunRecord(policy, threshold, prompt or f"p{drafts}-{calls}", "test", emitted=20, drafted=drafts,
+                     accepted=drafts // 2, target_calls=calls, draft_forwards=drafts,
+                     seconds=t_draft * drafts + t_target * calls + 1e-3, forward_seconds=t_draft * drafts + t_target * calls,
+                     accepted_per_round=[1], target_logprob=-1.0, draft_seconds=t_draft * drafts,
+                     target_seconds=t_target * calls, draft_passes=drafts, target_passes=calls)
+
+
+def test_modelled_speedup_aggregation_and_measured_forward_times():
     assert modelled_speedup(0.0, 1.0, 0.2) == pytest.approx(1.0 / (0.2 + 0.8))
     assert modelled_speedup(0.5, 0.25, 0.2) == pytest.approx(1.0 / (0.2 * 1.5 + 0.8 * 0.25))
-    records = []
-    for drafts, calls in [(10, 5), (20, 4), (6, 6), (30, 3)]:
-        records.append(RunRecord("constant_k", 2.0, f"p{drafts}", "test", emitted=20, drafted=drafts, accepted=drafts // 2,
-                                 target_calls=calls, draft_forwards=drafts, seconds=0.01 * drafts + 0.05 * calls,
-                                 forward_seconds=0.01 * drafts + 0.05 * calls, accepted_per_round=[1], target_logprob=-1.0))
+    records = [timed_run("constant_k", float(k), drafts, calls)
+               for k, (drafts, calls) in enumerate([(10, 5), (20, 4), (6, 6), (30, 3)] * 2)]
     costs = measure_costs(records)
-    assert costs["t_draft_s"] == pytest.approx(0.01, rel=1e-6) and costs["ratio"] == pytest.approx(0.2, rel=1e-6)
-    row = aggregate(records, "test", 0.2, costs["ratio"])[0]
+    assert costs["t_draft_s"] == pytest.approx(0.01) and costs["ratio"] == pytest.approx(0.2)
+    assert costs["ratio_ci"] == pytest.approx([0.2, 0.2]) and costs["reliable"] and costs["caveat"] is None
+    assert "measured ratio is 0.200 [0.200, 0.200]" in measured_costs_note(costs)
+    one_setting = [timed_run("constant_k", 2.0, drafts, calls) for drafts, calls in [(10, 5), (20, 4), (6, 6), (30, 3)]]
+    row = aggregate(one_setting, "test", 0.2, costs["ratio"])[0]
     assert row["discard_rate"] == pytest.approx(sum(d - d // 2 for d in (10, 20, 6, 30)) / 80)
     assert row["verification_rate"] == pytest.approx(18 / 80)
 
 
-def test_cost_fit_leaves_undetermined_what_the_runs_do_not_determine():
-    def run(policy: str, threshold: float, drafts: int, calls: int) -> RunRecord:
-        return RunRecord(policy, threshold, f"p{drafts}-{calls}", "dev", emitted=20, drafted=drafts, accepted=drafts // 2,
-                         target_calls=calls, draft_forwards=drafts, seconds=0.01 * drafts + 0.05 * calls + 1e-4,
-                         forward_seconds=0.01 * drafts, accepted_per_round=[1], target_logprob=-1.0)
+def test_a_measured_ratio_that_varies_between_settings_or_rests_on_few_passes_is_marked_unreliable():
+    noisy = [timed_run("constant_k", float(k), 20, 10, t_draft=t) for k, t in enumerate([0.001, 0.02, 0.05, 0.004, 0.03])]
+    costs = measure_costs(noisy)
+    assert costs["ratio"] is not None and not costs["reliable"] and "interval" in costs["caveat"]
+    note = measured_costs_note(costs)
+    assert "unreliable" in note and "do not use it" in note
+    few = measure_costs([timed_run("constant_k", 1.0, 3, 2), timed_run("constant_k", 2.0, 4, 2)])
+    assert not few["reliable"] and "forward passes" in few["caveat"]
 
-    never_verified = [run("sprinter", 0.0, 20, 0), run("sprinter", 0.0, 24, 0)]  # every token passed unverified
+
+def test_cost_measurement_leaves_undetermined_what_the_runs_do_not_determine():
+    never_verified = [timed_run("sprinter", 0.0, 20, 0), timed_run("sprinter", 0.0, 24, 0)]  # every token passed
     costs = measure_costs(never_verified)
     assert costs["t_target_s"] is None and costs["ratio"] is None and "called the target" in costs["undetermined"]
-    assert costs["t_draft_s"] == pytest.approx(0.01, rel=0.05)
-    row = aggregate(never_verified, "dev", 0.2, costs["ratio"])[0]
+    assert costs["t_draft_s"] == pytest.approx(0.01)
+    row = aggregate(never_verified, "test", 0.2, costs["ratio"])[0]
     assert row["verification_rate"] == 0 and row["modelled_speedup_measured_ratio"] is None
     assert row["modelled_speedup"] == pytest.approx(1 / (0.2 * (1 + 22 / 40)))  # (10 + 12) discarded of 40 tokens
-    proportional = [run("constant_k", 2.0, 2 * n, n) for n in (3, 5, 8)]
-    assert "proportional" in measure_costs(proportional)["undetermined"]
     # a zero measured ratio with no target call models no time at all: no figure rather than a division by zero
-    assert aggregate(never_verified, "dev", 0.2, 0.0)[0]["modelled_speedup_measured_ratio"] is None
+    assert aggregate(never_verified, "test", 0.2, 0.0)[0]["modelled_speedup_measured_ratio"] is None
     assert "do not determine the ratio" in measured_costs_note(costs)
 
 
@@ -190,6 +204,41 @@ def test_a_decoding_verdict_on_few_test_prompts_is_called_indicative():
     summary = {"decoding": {**few, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}}
     assert "indicative only, not a finding: fewer than 8 test prompts" in decoding_line(summary)
     assert "indicative" not in decoding_line({"decoding": {**enough, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
+
+
+def test_the_oracle_is_worded_as_a_bound_in_expectation_and_a_policy_beating_it_is_flagged():
+    def decoding(svip_speedup: float) -> dict:
+        rows = [{"policy": "head", "threshold": 0.5, "tuned": True, "modelled_speedup": 1.5},
+                {"policy": "svip", "threshold": 1.2, "tuned": True, "modelled_speedup": svip_speedup},
+                {"policy": "svip", "threshold": 0.8, "tuned": False, "modelled_speedup": 1.3},
+                {"policy": "oracle", "threshold": 6.0, "tuned": True, "modelled_speedup": 1.757}]
+        return {"policies": rows, "prompts": {"dev": 1, "test": 1}, "max_new_tokens": 24,
+                "t_draft_over_t_target": 0.2, "gain_intervals": {}}
+
+    beaten, lines = decoding_verdict(decoding(1.857))
+    text = " ".join(lines)
+    assert "bounds what any stop policy can reach" not in text and "in expectation, not on every small sample" in text
+    assert beaten["beat_the_oracle"] == ["svip"] and "svip (1.857× at 1.2) beats the oracle" in text
+    below, lines = decoding_verdict(decoding(1.6))
+    assert below["beat_the_oracle"] == [] and "beat" not in " ".join(lines)
+
+
+@pytest.mark.parametrize("sprinter_logprob, words", [(-2.5, "-0.300 nats/token (lower than exact SD)"),
+                                                     (-1.9, "+0.300 nats/token (higher than exact SD)")])
+def test_sprinter_quality_proxy_has_one_sign_in_report_and_demo_summary(sprinter_logprob: float, words: str):
+    rows = [{"policy": "sprinter", "threshold": 0.7, "tuned": True, "modelled_speedup": 1.3, "tokens_per_target_call": 1.6,
+             "mean_target_logprob": sprinter_logprob},
+            {"policy": "constant_k", "threshold": 3.0, "tuned": True, "modelled_speedup": 1.4,
+             "tokens_per_target_call": 2.2, "mean_target_logprob": -2.2}]
+    result, lines = decoding_verdict({"policies": rows, "prompts": {"dev": 8, "test": 8}, "max_new_tokens": 24,
+                                      "t_draft_over_t_target": 0.2, "gain_intervals": {}})
+    assert words in " ".join(lines)
+    assert words in decoding_line({"decoding": {**result, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
+
+
+def test_the_pareto_plot_draws_the_frontier_not_the_threshold_order():
+    points = [(0.1, 0.6), (0.3, 0.45), (0.2, 0.65), (0.4, 0.5), (0.5, 0.3), (0.5, 0.35)]
+    assert pareto_frontier(points) == [(0.1, 0.6), (0.3, 0.45), (0.5, 0.3)]
 
 
 def test_paired_gain_interval_resamples_prompts_for_both_policies():
@@ -387,6 +436,8 @@ def test_eval_of_a_sprinter_verifier_reports_operating_points(trained, tmp_path)
         assert sprinter["threshold"] == tuned and sprinter["tv_distance"] <= 0.05
     assert {row["policy"] for row in metrics["decoding"]["policies"]} == {"constant_k", "sprinter"}
     assert set(metrics["offline"]["label_ceiling"]) and metrics["offline"]["label_ceiling"]["auc"] == pytest.approx(1.0)
+    caption = (out / "report.md").read_text()
+    assert "0/1 outcomes, so it reaches 1 and bounds nothing" in caption and "no predictor reaches 1" not in caption
 
 
 def test_eval_refuses_data_of_another_fingerprint(trained, tmp_path, capsys):
