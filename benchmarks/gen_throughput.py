@@ -6,10 +6,19 @@ Three comparisons, each side by side in one run on the same prompts and settings
      draft passes with full logits): labelled tokens/s and peak RSS;
   2. the labelling stage (responses fixed) against its bound: one batched target forward plus one
      batched draft forward over the same tokens, plus one more draft forward for the features;
-  3. peak RSS of `specheads gen` at 32 and at 256 prompts.
+  3. peak RSS of `specheads gen` at 32 and at 256 prompts;
+  4. (`bound`, for a GPU) `specheads gen` on a config, end to end, against the forward bound measured in the same
+     process on the same rows: one teacher-forced target forward plus the draft's passes (its forward for q and,
+     when features are stored, its forward for them) over the same tokens, logits only where labels need them.
+     It reports labelled tokens/s with and without model loading, the time spent generating responses, the
+     bound's tokens/s and the ratios. `--random-target 1b` swaps the target for a random-initialised 1B-class
+     Llama (bf16, the embedded tokenizer; its draft skips two of its layers).
 Each measurement runs in its own process so peak RSS is that measurement's alone.
 
     python benchmarks/gen_throughput.py --prompts 32 --max-new-tokens 64 --memory-prompts "[32, 256]"
+    python benchmarks/gen_throughput.py --parts "[bound]" --bound-config configs/gen/smollm2-demo-16x.yaml \
+        --bound-args "[--target.dtype, bfloat16, --generation.cache, static, --generation.compile, true,
+                       --generation.batch_size, auto, --batch-size, 128, --rows-per-shard, 1024]"
 """
 
 from __future__ import annotations
@@ -151,7 +160,7 @@ def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
     pair = load_pair(config.target, config.draft)
     transform = config.sampling.transform()
     device = torch.device("cpu")
-    items, _ = select_items(config, pair.tokenizer, load_prompts(config.prompts), None, 8192)
+    items = select_items(config, pair.tokenizer, load_prompts(config.prompts), None, 8192).items
     batches = [b for shard in build_plan(items, config.batch_size, config.rows_per_shard) for b in shard.batches]
     pad = pair.tokenizer.pad_token_id
     with torch.inference_mode():
@@ -190,14 +199,135 @@ def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
             "ratio": min(our_times) / min(bound_times)}
 
 
-def child(mode: str, prompts: int, max_new_tokens: int) -> None:
-    result = {"ours": measure_ours, "reference": measure_reference, "labelling": measure_labelling}[mode](
-        prompts, max_new_tokens)
+def random_target(folder: Path, size: str) -> Path:
+    """A random-initialised Llama of `size` (bf16) with the embedded model's tokenizer, saved to `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specheads.data_gen.models import ModelSpec, load_tokenizer
+
+    shapes = {"1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8}}
+    tokenizer = load_tokenizer(ModelSpec(path="embedded:smollm2"))
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         **shapes[size])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def bound_argv(args: GenBenchmark, folder: str) -> list[str]:
+    """`specheads gen` flags of the bound measurement: the config, the random target if asked, the user's flags."""
+    argv = ["--config", str(ROOT / args.bound_config)]
+    if args.random_target:
+        layers = 16  # the random target's depth; its draft skips two middle layers
+        argv += ["--target.path", str(random_target(Path(folder) / "random-target", args.random_target)),
+                 "--target.dtype", "bfloat16", "--draft.skip_layers", f"[{layers // 2 - 1}, {layers // 2}]",
+                 "--state_layer", "null"]
+    return argv + list(args.bound_args) + ["--out", str(Path(folder) / "gen"), "--overwrite", "--progress", "false"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bound_pass(pair, batches: list[list[tuple[list[int], list[int]]]], pad: int, store_features: bool,
+               device: torch.device) -> float:
+    """Seconds for the forward bound over `batches` of (prompt ids, response ids): the target's states and its
+    logits at the response positions, the draft's likewise, and one more draft pass for the features."""
+    synchronize(device)
+    start = time.perf_counter()
+    for batch in batches:
+        sequences = [prompt + response for prompt, response in batch]
+        width = max(map(len, sequences))
+        ids = torch.full((len(sequences), width), pad)
+        mask = torch.zeros_like(ids)
+        labelled = torch.zeros_like(ids, dtype=torch.bool)
+        for row, (prompt, response) in enumerate(batch):
+            ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+            mask[row, : len(prompt) + len(response)] = 1
+            labelled[row, len(prompt) - 1 : len(prompt) + len(response) - 1] = True
+        ids, mask, labelled = ids.to(device), mask.to(device), labelled.to(device)
+        for model in (pair.target, pair.draft):
+            states = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            model.get_output_embeddings()(states[labelled]).float().sum()
+        if store_features:
+            pair.draft.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state.sum()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_bound(args: GenBenchmark) -> dict:
+    """`specheads gen` end to end on a config, then the forward bound on the rows it wrote, in one process."""
+    from specheads.data_gen import run as run_module
+    from specheads.data_gen import vllm_engine
+    from specheads.data_gen.cli import parse_config
+    from specheads.data_gen.engines import BuiltinEngine
+    from specheads.data_gen.store import load_labelled
+
+    folder = tempfile.mkdtemp()
+    config = parse_config(bound_argv(args, folder))
+    timed: dict[str, float] = {"load": 0.0, "generate": 0.0}
+    held = {}
+
+    def timing(name: str, function):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            result = function(*a, **k)
+            timed[name] += time.perf_counter() - start
+            if name == "load":
+                held["pair"] = result
+            return result
+        return wrapper
+
+    run_module.load_pair = timing("load", run_module.load_pair)
+    BuiltinEngine.responses = timing("generate", BuiltinEngine.responses)
+    vllm_engine.vllm_responses = timing("generate", vllm_engine.vllm_responses)
+    start = time.perf_counter()
+    summary = run_module.run(config)
+    total = time.perf_counter() - start
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pair = held["pair"]
+    pair.target.to(device)
+    pair.draft.to(device)  # Lightning's teardown moved the pair back to the CPU
+    rows = load_labelled(config.out)
+    pairs = sorted(zip(rows["prompt_ids"], rows["target_ids"]), key=lambda row: -len(row[0]))  # the plan's order
+    batches = [pairs[i : i + config.batch_size] for i in range(0, len(pairs), config.batch_size)]
+    pad = pair.tokenizer.pad_token_id
+    with torch.inference_mode():
+        bound_pass(pair, batches[:1], pad, config.store_features, device)  # warm-up
+        bound = min(bound_pass(pair, batches, pad, config.store_features, device) for _ in range(args.bound_repeats))
+    tokens = summary.labelled_tokens
+    after_load = tokens / (total - timed["load"])
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_threads": torch.get_num_threads(), "gen_flags": bound_argv(args, "OUT"),
+        "rows": summary.rows, "labelled_tokens": tokens, "mean_accept": summary.mean_accept,
+        "seconds": {"total": total, "load": timed["load"], "generate": timed["generate"],
+                    "label_and_write": total - timed["load"] - timed["generate"], "bound": bound},
+        "tokens_per_s": {"end_to_end": tokens / total, "after_load": after_load, "generate": tokens / timed["generate"],
+                         "bound": tokens / bound},
+        "ratio_to_bound": {"end_to_end": tokens / total / (tokens / bound), "after_load": after_load / (tokens / bound)},
+    }
+
+
+def child(mode: str, prompts: int, max_new_tokens: int, args: GenBenchmark | None = None) -> None:
+    if mode == "bound":
+        result = measure_bound(args)
+    else:
+        result = {"ours": measure_ours, "reference": measure_reference, "labelling": measure_labelling}[mode](
+            prompts, max_new_tokens)
     print("RESULT " + json.dumps(result))
 
 
 def in_child(mode: str, prompts: int, max_new_tokens: int) -> dict:
-    process = subprocess.run([sys.executable, __file__, "--child", mode, "--prompts", str(prompts),
+    extra = sys.argv[1:] if mode == "bound" else []  # the bound's own flags travel with it
+    process = subprocess.run([sys.executable, __file__, *extra, "--child", mode, "--prompts", str(prompts),
                               "--max-new-tokens", str(max_new_tokens)], capture_output=True, text=True)
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode or not lines:
@@ -215,16 +345,24 @@ class GenBenchmark:
         memory_prompts: prompt counts of the memory runs, whose peak memory after loading is compared.
         memory_max_new_tokens: tokens per response in the memory runs.
         child: internal: run one measurement in this process.
-        parts: which measurements to run.
+        parts: which measurements to run (`bound` is for a GPU: see the module's docstring).
+        bound_config: the `specheads gen` config the bound part runs.
+        bound_args: more `specheads gen` flags for the bound part (generation options, dtype, sizes).
+        random_target: run the bound part with a random-initialised target of this size instead of the config's.
+        bound_repeats: passes of the forward bound; the fastest counts.
     """
 
     prompts: PositiveInt = 32
     max_new_tokens: PositiveInt = 64
     memory_prompts: list[PositiveInt] = field(default_factory=lambda: [32, 256])
     memory_max_new_tokens: PositiveInt = 32
-    child: Literal["ours", "reference", "labelling"] | None = None
-    parts: list[Literal["end_to_end", "labelling", "memory"]] = field(
+    child: Literal["ours", "reference", "labelling", "bound"] | None = None
+    parts: list[Literal["end_to_end", "labelling", "memory", "bound"]] = field(
         default_factory=lambda: ["end_to_end", "labelling", "memory"])
+    bound_config: str = "configs/gen/smollm2-demo-16x.yaml"
+    bound_args: list[str] = field(default_factory=list)
+    random_target: Literal["1b"] | None = None
+    bound_repeats: PositiveInt = 2
 
 
 def main() -> None:
@@ -232,7 +370,7 @@ def main() -> None:
 
     args = parse_script(GenBenchmark, "benchmarks/gen_throughput.py", __doc__)
     if args.child:
-        child(args.child, args.prompts, args.max_new_tokens)
+        child(args.child, args.prompts, args.max_new_tokens, args)
         return
     report = {"torch_threads": torch.get_num_threads(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
     if "end_to_end" in args.parts:
@@ -248,6 +386,8 @@ def main() -> None:
         report["memory"] = {str(n): in_child("ours", n, args.memory_max_new_tokens) for n in args.memory_prompts}
         runs = list(report["memory"].values())
         report["memory"]["ratio_after_load"] = runs[-1]["peak_rss_after_load_mib"] / runs[0]["peak_rss_after_load_mib"]
+    if "bound" in args.parts:
+        report["bound"] = in_child("bound", args.prompts, args.max_new_tokens)
     print(json.dumps(report, indent=2))
 
 

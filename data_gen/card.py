@@ -16,8 +16,21 @@ LABELS_TABLE = """\
 | `accept` | min(1, p/q) of the candidate: SpecDec++'s soft label |
 | `beta` | Σ_v min(p(v), q(v)): expected acceptance at i whatever is drafted |
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
-| `features` | draft last-layer hidden states (after the final norm), fp16, on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i |
+| `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.data_gen.storage.kept_rows`) |
 """
+
+
+def storage_line(manifest: dict) -> str:
+    """Bytes per labelled token measured on the shard files, and which states were kept in which dtype."""
+    storage, identity = manifest.get("storage"), manifest["identity"]
+    if not storage:
+        return "not measured (made before specheads recorded it)"
+    line = f"{storage['bytes_per_labelled_token']:,.0f} bytes per labelled token ({storage['shard_bytes']:,} bytes of shards)"
+    if not identity["store_features"]:
+        return line
+    return (f"{line}, of which {storage['state_bytes_per_labelled_token']:,.0f} hidden states: "
+            f"{storage['states_kept']:,} of {storage['states_of_all_positions']:,} positions kept "
+            f"(`features_at: {identity.get('features_at', 'all')}`), {identity.get('features_dtype', 'float16')}")
 
 
 def dataset_card(manifest: dict) -> str:
@@ -41,10 +54,12 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 - sampling transform: temperature {sampling['temperature']}, top-k {sampling['top_k']}, top-p {sampling['top_p']}, at most {sampling['max_new_tokens']} new tokens
 - token mixing: per-row target ratios {identity['mixing']['ratios']}
 - hidden-state features: {features}
+- on disk: {storage_line(manifest)}
 
 | count | value |
 |---|---|
-| prompts | {counts['prompts']} (skipped as too long: {counts['skipped_prompts']}) |
+| prompts labelled | {counts['prompts']} (left out as too long: {counts['skipped_prompts']}; without an imported response: {counts.get('unanswered_prompts', 0)}) |
+| imported responses cut at max_new_tokens | {counts.get('truncated_responses', 0)} |
 | rows (prompt × sample) | {counts['rows']} |
 | labelled tokens | {counts['labelled_tokens']} |
 | draft tokens (`is_draft`) | {counts['draft_tokens']} |
@@ -53,7 +68,7 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
-{LABELS_TABLE}
+{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}
 Load it with `specheads.data_gen.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

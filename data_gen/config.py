@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from jsonargparse.typing import ClosedUnitInterval, PositiveInt
+from jsonargparse.typing import ClosedUnitInterval, OpenUnitInterval, PositiveInt
 
 from specheads.data_gen.models import ModelSpec
+from specheads.data_gen.placement import check_placement
+from specheads.data_gen.storage import FeaturesAt, FeaturesDtype
 from specheads.errors import UsageError
 from specheads.sampling import SamplingTransform
 
@@ -17,9 +19,13 @@ class SamplingConfig:
     """The decoding's sampling transform and response length (T = 0 means greedy)."""
 
     temperature: float = 1.0  # the three transform values are checked by SamplingTransform itself
+    """the softmax temperature of p and q; 0 is greedy (shorthand --temperature)."""
     top_k: int = 0
+    """keep only the k most likely tokens; 0 keeps all (shorthand --top-k)."""
     top_p: float = 1.0
+    """keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all (shorthand --top-p)."""
     max_new_tokens: PositiveInt = 128
+    """response tokens per row, generated or kept from an imported response (shorthand --max-new-tokens)."""
 
     def transform(self) -> SamplingTransform:
         """The transform p and q are labelled under (validates the values)."""
@@ -35,7 +41,9 @@ class MixingConfig:
     """
 
     target_ratio: ClosedUnitInterval = 0.15
+    """the probability r that a position keeps the target's token."""
     schedule: list[ClosedUnitInterval] | None = None
+    """per-row ratios used in turn instead of target_ratio, e.g. [0.0, 1.0, 0.15]."""
 
     def ratios(self) -> list[float]:
         """The per-row ratios, cycled over rows."""
@@ -43,33 +51,95 @@ class MixingConfig:
 
 
 @dataclass
+class GenerationOptions:
+    """How the responses are generated. The built-in engine's settings leave each row's response to its seed
+    (data_gen.engines); `vllm_args` only configures vLLM.
+
+    Args:
+        cache: the built-in engine's KV cache: `dynamic` (grows per step) or `static` (preallocated per batch, its
+            length rounded up to a bucket of 64 tokens; what compiled decoding needs).
+        compile: compile the decoding step with torch.compile (needs `cache: static`); on a GPU transformers then
+            replays it as a CUDA graph. The first batch of each new shape pays the compilation.
+        batch_size: rows per `generate` call: unset = the labelling `batch_size`; a number; or `auto` = as many
+            as fit in `memory_fraction` of the free GPU memory (KV cache plus per-row workspace), at most a shard's
+            rows (`rows_per_shard`). On a CPU `auto` falls back to the labelling `batch_size`.
+        memory_fraction: the share of the free GPU memory `batch_size: auto` plans for.
+        vllm_args: keyword arguments for `vllm.LLM` under `responses_engine: vllm` (e.g. tensor_parallel_size,
+            gpu_memory_utilization, max_num_seqs, dtype); the model, tokenizer, revision and dtype are `target`'s
+            unless given here.
+    """
+
+    cache: Literal["dynamic", "static"] = "dynamic"
+    compile: bool = False
+    batch_size: PositiveInt | Literal["auto"] | None = None
+    memory_fraction: OpenUnitInterval = 0.9
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class GenConfig:
     """Everything `specheads gen` needs. Flags override the YAML (`--num-prompts 8`, `--sampling.temperature 0`)."""
 
     target: ModelSpec = field(default_factory=lambda: ModelSpec(path="embedded:smollm2"))
+    """The target model, whose acceptance of the draft is labelled."""
     draft: ModelSpec = field(default_factory=lambda: ModelSpec(skip_layers=[20, 21]))
+    """The draft model; by default the target minus layers 20-21 (self-speculative)."""
     prompts: str = "builtin"
+    """the prompt source: `builtin` (200 mixed prompts), a JSONL file, or a Hugging Face dataset name or folder."""
     prompts_split: str = "train"
+    """the split to read when --prompts names a Hugging Face dataset."""
     prompts_column: str | None = None
+    """the field holding each prompt; default: the first of messages, prompt, instruction, question, text."""
     num_prompts: PositiveInt | None = None
+    """label only the first N prompts; default: all."""
     samples_per_prompt: PositiveInt = 1
+    """responses sampled per prompt, each a row with its own seed."""
     responses: str | None = None
+    """a JSONL of finished responses to label instead of generating them (`{"id": ..., "response": "text"}` or
+    `"response_ids"`, e.g. from vLLM or SGLang)."""
+    responses_engine: Literal["transformers", "vllm"] = "transformers"
+    """what generates the responses: `transformers`, or `vllm` (CUDA only; data_gen.vllm_engine)."""
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    """How the responses are generated."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """The sampling transform p and q are labelled under, and the response length."""
     mixing: MixingConfig = field(default_factory=MixingConfig)
+    """Token mixing: which positions keep the target's token instead of the draft's."""
     store_features: bool = True
+    """store the draft's hidden states for training; false stores none, and training then runs the draft (much slower)."""
+    features_at: FeaturesAt = "all"
+    """which draft states to store: `all`, `drafted`, `drafted_candidate` or `drafted_context` (data_gen.storage,
+    docs/data.md "Storage at scale")."""
+    features_dtype: FeaturesDtype = "float16"
+    """the stored states' dtype: float16, or bfloat16 where they exceed float16's 65 504."""
     state_layer: PositiveInt | None = None
+    """store the draft's residual stream after its first L decoder layers; default: its last layer after the final norm."""
     long_prompts: Literal["skip", "fail"] = "skip"
+    """a prompt too long for the context: `skip` it (counted, its id kept in the manifest) or `fail`."""
     max_prompt_tokens: PositiveInt | None = None
+    """prompts longer than this count as too long; default: the context minus max_new_tokens."""
     batch_size: PositiveInt = 8
+    """rows labelled together in one forward pass."""
     rows_per_shard: PositiveInt = 32
+    """rows per Arrow shard, a multiple of batch_size; a killed run redoes only its unfinished shards."""
     label_chunk_tokens: PositiveInt = 256
+    """positions whose vocabulary-sized p and q are computed at once (bounds peak memory)."""
     out: str = "runs/gen"
+    """the dataset folder (shards/, manifest.json, README.md card); the same command resumes it."""
     overwrite: bool = False
+    """replace an `out` folder that holds other data (another fingerprint, or files of its own)."""
     seed: int = 0
+    """seed of sampling and mixing; each row's draws follow from it and the row alone."""
     devices: PositiveInt = 1
+    """data-parallel ranks (processes) per node."""
+    gpus_per_rank: PositiveInt = 1
+    """GPUs each rank spreads its models over (target.device_map; data_gen.placement)."""
     accelerator: str = "auto"
+    """Lightning's accelerator: auto, cpu, gpu (cuda) or mps."""
     num_nodes: PositiveInt = 1
+    """machines taking part (each started by torchrun or a cluster launcher)."""
     progress: bool = True
+    """show a progress bar."""
 
     def validate(self) -> None:
         """Refuse combinations that cannot work, before anything is loaded or written (each field's own range is in
@@ -79,7 +149,25 @@ class GenConfig:
         if self.sampling.temperature == 0 and self.samples_per_prompt > 1 and self.responses is None:
             raise UsageError(f"at temperature 0 every sample of a prompt is the same greedy response; set "
                              f"samples_per_prompt to 1 (got {self.samples_per_prompt}) or sample with temperature > 0")
+        if not self.store_features and (self.features_at != "all" or self.features_dtype != "float16"):
+            raise UsageError(f"features_at ({self.features_at}) and features_dtype ({self.features_dtype}) choose how "
+                             "stored states are kept, but store_features is false; drop them or set store_features true")
+        self.check_generation()
+        check_placement(self)
         self.sampling.transform()
+
+    def check_generation(self) -> None:
+        """Refuse generation settings that cannot work together."""
+        if self.generation.compile and self.generation.cache != "static":
+            raise UsageError("generation.compile needs generation.cache: static (transformers compiles the decoding "
+                             "step only over a static KV cache); set --generation.cache static or drop the compile")
+        if self.responses_engine == "vllm" and self.responses is not None:
+            raise UsageError("--responses imports finished responses and --responses-engine vllm generates them; "
+                             "pass one of the two")
+        if self.responses_engine == "vllm" and self.devices * self.num_nodes > 1:
+            raise UsageError(f"--responses-engine vllm generates in one process ({self.devices * self.num_nodes} asked "
+                             "for); set --devices 1 --num-nodes 1 (vLLM spreads the target itself: generation.vllm_args "
+                             "tensor_parallel_size), or write the responses with vLLM first and pass them with --responses")
 
     def as_dict(self) -> dict:
         """Plain dict (for the manifest)."""

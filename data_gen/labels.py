@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.states import decoder_forward
 
@@ -31,8 +32,8 @@ class PositionLabels:
 
 def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
                    state_layer: int | None = None) -> torch.Tensor:
-    """The decoder's states for right-padded `sequences`: [B, L, h]; the last layer's (after the final norm) unless
-    `state_layer` names an inner one (`specheads.states`)."""
+    """The decoder's states for right-padded `sequences`: [B, L, h] on `device` (wherever a split model's last layer
+    ran); the last layer's (after the final norm) unless `state_layer` names an inner one (`specheads.states`)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -40,12 +41,12 @@ def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: 
         input_ids[row, : len(sequence)] = torch.tensor(sequence)
         attention_mask[row, : len(sequence)] = 1
     return decoder_forward(model, state_layer, input_ids=input_ids.to(device),
-                           attention_mask=attention_mask.to(device), use_cache=False)[1]
+                           attention_mask=attention_mask.to(device), use_cache=False)[1].to(device)
 
 
 def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:
-    """The LM head on `states`, with the final soft-capping some families use; float32."""
-    logits = model.get_output_embeddings()(states).float()
+    """The LM head on `states`, with the final soft-capping some families use; float32, on the device of `states`."""
+    logits = model.get_output_embeddings()(states).float().to(states.device)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -106,9 +107,10 @@ def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: 
 def label_batch(
     target: Any, draft: Any, items: list[WorkItem], responses: list[list[int]], transform: SamplingTransform,
     global_seed: int, pad_id: int, chunk: int, store_features: bool, device: torch.device,
-    state_layer: int | None = None,
+    state_layer: int | None = None, storage: FeatureStorage = DEFAULT_STORAGE,
 ) -> dict[str, list]:
-    """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`)."""
+    """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`, the rows and
+    dtype `storage` names)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
     target_states = decoder_states(target, sequences, pad_id, device)
     draft_states = decoder_states(draft, sequences, pad_id, device)
@@ -132,7 +134,8 @@ def label_batch(
             columns[name].append(getattr(labels, name).numpy())
     del target_states, draft_states
     if store_features:
-        columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device, state_layer)
+        columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device, state_layer,
+                                             storage, columns["is_draft"])
     return columns
 
 
@@ -146,7 +149,11 @@ def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], p
 
 
 def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device,
-                   state_layer: int | None = None) -> list:
-    """`mixed_states` as fp16 numpy arrays for the Arrow writer."""
+                   state_layer: int | None = None, storage: FeatureStorage = DEFAULT_STORAGE,
+                   is_draft: list[list[bool]] | None = None) -> list:
+    """`mixed_states` as numpy arrays for the Arrow writer: the rows `storage` keeps (given each row's `is_draft`),
+    in its dtype."""
     states = mixed_states(draft, [list(i.prompt_ids) for i in items], mixed, pad_id, device, state_layer)
-    return [row.to(torch.float16).cpu().numpy() for row in states]
+    if storage.at != "all":
+        states = [row[torch.from_numpy(storage.rows(flags)).to(row.device)] for row, flags in zip(states, is_draft)]
+    return [storage.encode(row) for row in states]

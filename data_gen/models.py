@@ -13,13 +13,22 @@ import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from specheads.data_gen.digests import cached_sha256
 from specheads.data_gen.embedded import EMBEDDED_NAME, embedded_folder
+from specheads.data_gen.placement import (
+    PLACEMENT_FIELDS,
+    RankDevices,
+    check_no_spill,
+    load_kwargs,
+    offloaded_weights,
+    visible_devices,
+)
 from specheads.errors import UsageError
+from specheads.hub import hub_unreachable, reach_fix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +43,10 @@ class ModelSpec:
         gguf_file: GGUF file name inside `path` when `path` is a folder or Hub id.
         skip_layers: decoder layers to skip (0-based); with an empty `path` the draft is the target minus these.
         dtype: weights dtype: float32, bfloat16 or float16.
+        device_map: spread the model over the rank's GPUs with accelerate (`auto`, `balanced`, `balanced_low_0`,
+            `sequential`, or `{module: device}`); unset = the whole model on the rank's device (data_gen.placement).
+        max_memory: memory per device for `device_map`, e.g. `{0: 70GiB, 1: 70GiB}`; GPUs count from the rank's
+            first (0 .. gpus_per_rank − 1); `cpu` and `disk` allow offloading there (slow).
     """
 
     path: str | None = None
@@ -41,6 +54,8 @@ class ModelSpec:
     gguf_file: str | None = None
     skip_layers: list[int] = field(default_factory=list)
     dtype: str = "float32"
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, int | str] | None = None
+    max_memory: dict[str, int | str] | None = None
 
     def describe(self) -> str:
         """A short human name for messages and summaries."""
@@ -86,12 +101,28 @@ def resolve_source(spec: ModelSpec) -> ResolvedSource:
     return ResolvedSource(str(local) if local.is_dir() else path, spec.revision, spec.gguf_file, local.is_dir())
 
 
-def _load_error(spec: ModelSpec, error: Exception) -> UsageError:
-    reason = " ".join(str(error).split())[:200]
+def hub_offline(source: ResolvedSource) -> str | None:
+    """Why a Hub source must come from the local cache (`specheads.hub`: offline mode, or no connection); None for a
+    local source or a reachable Hub."""
+    return None if source.is_local else hub_unreachable()
+
+
+def _load_error(spec: ModelSpec, error: Exception, offline: str | None = None) -> UsageError:
+    """One whole line: why `spec` could not be loaded and the fix (the Hub's own error text is kept entire)."""
+    if offline:
+        return UsageError(f"cannot load model {spec.path!r}: it is not a local folder or file, nor in the Hugging Face "
+                          f"cache, and the Hub cannot be used ({offline}); {reach_fix()}, or pass a local folder or .gguf file")
+    reason = " ".join(str(error).split())
     return UsageError(
         f"cannot load model {spec.path!r}: it is not a local folder or file and could not be fetched from the Hub "
         f"({type(error).__name__}: {reason}); check the id, pass a local folder, or connect to the network"
     )
+
+
+def _placement_error(spec: ModelSpec, error: Exception) -> UsageError:
+    reason = " ".join(str(error).split())[:300]
+    return UsageError(f"cannot place model {spec.describe()!r} with device_map {spec.device_map} and max_memory "
+                      f"{spec.max_memory} ({type(error).__name__}: {reason}); fix the map, or raise gpus_per_rank or max_memory")
 
 
 def load_tokenizer(spec: ModelSpec) -> Any:
@@ -99,10 +130,12 @@ def load_tokenizer(spec: ModelSpec) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_source(spec)
+    offline = hub_offline(source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location, revision=source.revision, gguf_file=source.gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(source.location, revision=source.revision, gguf_file=source.gguf_file,
+                                                  local_files_only=offline is not None)
     except (OSError, ValueError) as error:
-        raise _load_error(spec, error) from error
+        raise _load_error(spec, error, offline) from error
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -136,19 +169,36 @@ def check_same_tokenizer(target_name: str, target_tok: Any, draft_name: str, dra
         )
 
 
-def load_model(spec: ModelSpec) -> torch.nn.Module:
-    """Load a causal LM in eval mode with frozen weights (skipping `spec.skip_layers` if any)."""
+def load_model(spec: ModelSpec, devices: RankDevices | None = None) -> torch.nn.Module:
+    """Load a causal LM in eval mode with frozen weights (skipping `spec.skip_layers` if any).
+
+    With `devices` (a gen rank's) the model lands there: spread over its GPUs by `spec.device_map`, else whole on its
+    root device. Without, it stays on the CPU unless `spec.device_map` spreads it over the visible GPUs."""
     from transformers import AutoModelForCausalLM
 
     if spec.dtype not in DTYPES:
         raise UsageError(f"unknown dtype {spec.dtype!r}; use one of {', '.join(DTYPES)}")
     source = resolve_source(spec)
+    where = devices or visible_devices()
+    placement = load_kwargs(spec, where)
+    offline = hub_offline(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.location, revision=source.revision, gguf_file=source.gguf_file, dtype=DTYPES[spec.dtype]
+            source.location, revision=source.revision, gguf_file=source.gguf_file, dtype=DTYPES[spec.dtype],
+            local_files_only=offline is not None, **placement
         )
-    except (OSError, ValueError) as error:
-        raise _load_error(spec, error) from error
+    except OSError as error:
+        raise _load_error(spec, error, offline) from error
+    except ValueError as error:
+        raise (_placement_error(spec, error) if placement else _load_error(spec, error, offline)) from error
+    except RuntimeError as error:  # with a placement: accelerate's refusals (a GGUF spilling to disk, …)
+        if not placement or isinstance(error, torch.OutOfMemoryError):
+            raise
+        raise _placement_error(spec, error) from error
+    if placement:
+        check_no_spill(spec, model, where)
+    elif devices is not None:
+        model.to(devices.root)
     model.eval().requires_grad_(False)
     return without_layers(model, spec.skip_layers) if spec.skip_layers else model
 
@@ -164,6 +214,7 @@ def without_layers(model: torch.nn.Module, skip: list[int]) -> torch.nn.Module:
     if bad or len(set(skip)) >= count:
         raise UsageError(f"skip_layers {skip} is invalid for a model with {count} layers (0..{count - 1}, keep at least one)")
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    shared.update(offloaded_weights(model))  # a split target's offloaded weights: shared too, never copied
     draft = copy.deepcopy(model, memo=shared)
     draft_decoder = draft.get_decoder()
     kept = [layer for index, layer in enumerate(draft_decoder.layers) if index not in set(skip)]
@@ -197,13 +248,25 @@ WEIGHT_SUFFIXES = {".safetensors", ".bin", ".gguf", ".json"}
 """The files of a local model folder that its fingerprint hashes."""
 
 
+def hub_commit(source: ResolvedSource) -> str | None:
+    """The commit of the cached Hub snapshot `from_pretrained` read (transformers 5 no longer puts it on the config)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source.location, source.gguf_file or "config.json", revision=source.revision)
+    if not isinstance(cached, str):
+        return None
+    parts = Path(cached).parts
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
+
+
 def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
     """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole
-    (`data_gen.digests`: computed once per file version, then cached)."""
-    identity: dict[str, Any] = {"spec": asdict(spec), "class": type(model).__name__}
-    commit = getattr(model.config, "_commit_hash", None)
+    (`data_gen.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
+    spec_fields = {name: value for name, value in asdict(spec).items() if name not in PLACEMENT_FIELDS}
+    identity: dict[str, Any] = {"spec": spec_fields, "class": type(model).__name__}
     source = resolve_source(spec)
-    if commit and not source.is_local:
+    commit = None if source.is_local else hub_commit(source)
+    if commit:
         identity["revision"] = commit
         return identity
     folder = Path(source.location)
@@ -248,13 +311,15 @@ def load_tokenizers(target_spec: ModelSpec, draft_spec: ModelSpec) -> Any:
     return target_tok
 
 
-def load_pair(target_spec: ModelSpec, draft_spec: ModelSpec, tokenizer: Any | None = None) -> ModelPair:
-    """Load draft and target, refusing a tokenizer or vocabulary mismatch before any compute."""
+def load_pair(target_spec: ModelSpec, draft_spec: ModelSpec, tokenizer: Any | None = None,
+              devices: RankDevices | None = None) -> ModelPair:
+    """Load draft and target (onto a gen rank's `devices` when given, `load_model`), refusing a tokenizer or
+    vocabulary mismatch before any compute."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizers(target_spec, draft_spec)
-    target = load_model(target_spec)
+    target = load_model(target_spec, devices)
     if derived_draft(draft_spec):
         draft = without_layers(target, draft_spec.skip_layers)
     else:
-        draft = load_model(draft_spec)
+        draft = load_model(draft_spec, devices)
     check_same_vocab(target_spec.describe(), target, draft_spec.describe(), draft)
     return ModelPair(target, draft, tokenizer, target_spec.describe(), draft_spec.describe())

@@ -18,10 +18,11 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
 
+from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
-from specheads.data_gen.plan import Shard, row_seed
-from specheads.data_gen.responses import generate_responses
+from specheads.data_gen.plan import Shard
 from specheads.data_gen.shards import shard_problem
+from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.data_gen.store import row_features, write_shard
 from specheads.sampling import SamplingTransform
 
@@ -31,10 +32,12 @@ class LabellingModule(L.LightningModule):
 
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
                  transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
-                 state_layer: int | None, run: str):
+                 state_layer: int | None, run: str, storage: FeatureStorage = DEFAULT_STORAGE,
+                 engine: BuiltinEngine | None = None):
         super().__init__()
-        self.target = target
-        self.draft = draft
+        # Out of the module tree: Lightning would move (and under DDP broadcast) registered models whole, undoing a
+        # target spread over the rank's GPUs. load_pair has put both on this rank's devices (data_gen.placement).
+        self._models = {"target": target, "draft": draft}
         self.tokenizer = tokenizer
         self.shards = shards
         self.out = out
@@ -45,6 +48,18 @@ class LabellingModule(L.LightningModule):
         self.store_features = store_features
         self.state_layer = state_layer
         self.run = run  # the data fingerprint: a shard another run wrote is labelled again
+        self.storage = storage
+        self.engine = engine or BuiltinEngine(tokenizer, transform, max_new_tokens, seed)  # responses not imported
+
+    @property
+    def target(self) -> Any:
+        """The target model, where load_pair placed it."""
+        return self._models["target"]
+
+    @property
+    def draft(self) -> Any:
+        """The draft model, where load_pair placed it."""
+        return self._models["draft"]
 
     def predict_dataloader(self) -> DataLoader:
         """This rank's shards: every world_size-th one, starting at its global rank. A rank left without a shard
@@ -59,14 +74,12 @@ class LabellingModule(L.LightningModule):
         if shard is None or shard_problem(self.out, shard.index, self.run, None, deep=True) is None:
             return shard, None  # nothing to do here, or done and verified (sha256 included)
         columns: dict[str, list] = {}
+        rows = [item for items in shard.batches for item in items]
+        responses = iter(self.engine.responses(self.target, rows, self.device, len(shard.batches[0])))
         for items in shard.batches:
-            responses = [list(i.response_ids) for i in items] if items[0].response_ids is not None else (
-                generate_responses(self.target, self.tokenizer, items, self.transform, self.max_new_tokens,
-                                   [row_seed(self.seed, i.prompt_id, i.sample_index, "response") for i in items],
-                                   self.device))
-            batch = label_batch(self.target, self.draft, items, responses, self.transform, self.seed,
+            batch = label_batch(self.target, self.draft, items, [next(responses) for _ in items], self.transform, self.seed,
                                 self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
-                                self.state_layer)
+                                self.state_layer, self.storage)
             for name, values in batch.items():
                 columns.setdefault(name, []).extend(values)
         return shard, columns
@@ -79,11 +92,12 @@ def _identity(item: Any) -> Any:
 class ShardWriter(BasePredictionWriter):
     """Writes each finished shard atomically; when every rank is done, rank 0 runs `on_complete`."""
 
-    def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None], run: str):
+    def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None], run: str,
+                 features_dtype: str = "float16"):
         super().__init__(write_interval="batch")
         self.out = out
         self.run = run
-        self.schema = row_features(hidden_size)
+        self.schema = row_features(hidden_size, features_dtype)
         self.on_complete = on_complete
         self.tokens_written = 0
         self.started = time.perf_counter()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specheads.errors import UsageError
+from specheads.hub import hub_unreachable, offline_mode, reach_fix
 
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).with_name("builtin_prompts.jsonl")
@@ -111,6 +112,16 @@ def _builtin() -> list[Prompt]:
     return [p for p in mixed if p is not None]
 
 
+def refuse_unreachable_dataset(source: str) -> None:
+    """Refuse a Hub dataset id at once when the Hub cannot be reached (`specheads.hub`), instead of letting datasets
+    retry for a minute; with HF_HUB_OFFLINE set, datasets reads its cache itself."""
+    reason = hub_unreachable()
+    if reason and not offline_mode():
+        raise UsageError(f"cannot load prompts dataset {source!r}: it is not a local folder or file and the Hub cannot "
+                         f"be reached ({reason}); {reach_fix()}, give a local folder or file, or, if it was downloaded "
+                         "before, set HF_HUB_OFFLINE=1 to read the cached copy")
+
+
 def _from_hf_dataset(source: str, split: str, column: str | None) -> list[Prompt]:
     import datasets
 
@@ -125,11 +136,12 @@ def _from_hf_dataset(source: str, split: str, column: str | None) -> list[Prompt
                 raise UsageError(f"prompts file {path} has an unknown type; use .jsonl, .json, .csv or .parquet")
             data = datasets.load_dataset(builder, data_files=str(path), split=split)
         else:
+            refuse_unreachable_dataset(source)
             data = datasets.load_dataset(source, split=split)
     except UsageError:
         raise
     except Exception as error:  # datasets raises many kinds (FileNotFound, ConnectionError, DatasetNotFound...)
-        reason = " ".join(str(error).split())[:200]
+        reason = " ".join(str(error).split())
         raise UsageError(
             f"cannot load prompts dataset {source!r} split {split!r} ({type(error).__name__}: {reason}); "
             "give a local folder or file, or check the name, split and network"

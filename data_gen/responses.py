@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.prompts import read_jsonl
@@ -20,16 +21,21 @@ class RowSeededSampler(LogitsProcessor):
     """Samples each row's next token from the transformed distribution with that row's own generator.
 
     It returns scores that are -inf everywhere but the drawn token, so greedy `generate` emits exactly
-    the draw: each row's response depends on its seed alone, not on its neighbours in the batch.
+    the draw: each row's response depends on its seed alone, not on its neighbours in the batch. Each row's
+    uniforms for all `steps` are drawn up front (the same values, in the same order, as one draw per step) and
+    moved to the device once, so a decoding step costs no host work per row.
     """
 
-    def __init__(self, transform: SamplingTransform, seeds: list[int]):
+    def __init__(self, transform: SamplingTransform, seeds: list[int], steps: int):
         self.transform = transform
-        self.generators = [row_generator(seed) for seed in seeds]
+        self.draws = torch.stack([uniforms(row_generator(seed), steps) for seed in seeds])
+        self.step = 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        draws = torch.cat([uniforms(g, 1) for g in self.generators])
-        tokens = draw_from_log_probs(self.transform.log_probs(scores), draws)
+        if self.draws.device != scores.device:
+            self.draws = self.draws.to(scores.device)
+        tokens = draw_from_log_probs(self.transform.log_probs(scores), self.draws[:, self.step])
+        self.step += 1
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter_(-1, tokens.unsqueeze(-1), 0.0)
 
@@ -50,11 +56,36 @@ def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
     return tokens
 
 
+CACHE_BUCKET = 64
+"""A static KV cache's length is rounded up to a multiple of this, so that batches of nearby lengths share one
+compiled decoding step while a batch of short prompts does not attend over the longest prompt's cache."""
+
+
+def static_cache_length(prompt_width: int, max_new_tokens: int) -> int:
+    """The static cache length for a batch: prompt plus response, rounded up to the bucket."""
+    return -(-(prompt_width + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+
+
+def decoding_config(stop_ids: list[int], pad_id: int, max_new_tokens: int, compile: bool, device: torch.device) -> GenerationConfig:
+    """Greedy `generate` over the sampler's one-hot scores; the decoding step compiled only when asked. The
+    logit processors a model's own generation config may ask for (a repetition penalty, n-gram blocking, a minimum
+    length) are switched off: `generate` fills every unset field from it, and they would reshape p."""
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                              disable_compile=not compile, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                              min_length=0, min_new_tokens=0)
+    if compile:
+        config.compile_config = CompileConfig()
+        # transformers compiles on accelerators only unless told otherwise (its own switch for CPU runs)
+        config.compile_config._compile_all_devices = device.type == "cpu"
+    return config
+
+
 def generate_responses(
     model: Any, tokenizer: Any, items: list[WorkItem], transform: SamplingTransform,
-    max_new_tokens: int, response_seeds: list[int], device: torch.device,
+    max_new_tokens: int, response_seeds: list[int], device: torch.device, cache: str = "dynamic", compile: bool = False,
 ) -> list[list[int]]:
-    """One sampled response per item, generated as one left-padded batch."""
+    """One sampled response per item, generated as one left-padded batch, with a `dynamic` or `static` KV cache
+    (`compile`: the decoding step compiled, static cache only)."""
     pad_id = tokenizer.pad_token_id
     width = max(len(item.prompt_ids) for item in items)
     input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
@@ -63,21 +94,31 @@ def generate_responses(
         input_ids[row, width - len(item.prompt_ids):] = torch.tensor(item.prompt_ids)
         attention_mask[row, width - len(item.prompt_ids):] = 1
     stop_ids = stop_token_ids(model, tokenizer)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+    config = decoding_config(stop_ids, pad_id, max_new_tokens, compile, device)
+    extra = {"past_key_values": StaticCache(model.config, static_cache_length(width, max_new_tokens))} if cache == "static" else {}
     output = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
-        logits_processor=LogitsProcessorList([RowSeededSampler(transform, response_seeds)]),
+        logits_processor=LogitsProcessorList([RowSeededSampler(transform, response_seeds, max_new_tokens)]), **extra,
     )
     return [cut_at_stop(row.tolist(), stop_ids) for row in output[:, width:].cpu()]
 
 
-def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max_new_tokens: int) -> dict[str, list[list[int]]]:
+@dataclass
+class ImportedResponses:
+    """Imported responses grouped by prompt id, and how many were longer than `max_new_tokens` and cut there."""
+
+    by_prompt: dict[str, list[list[int]]]
+    truncated: int = 0
+
+
+def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max_new_tokens: int) -> ImportedResponses:
     """Responses from a JSONL of `{"id", "response" | "response_ids", "finish_reason"?}`, grouped by prompt id.
 
     Text is tokenized without special tokens, and the EOS token is appended when the engine stopped
-    on it (`finish_reason` "stop", the default). Responses are cut to `max_new_tokens`.
+    on it (`finish_reason` "stop", the default). Responses are cut to `max_new_tokens` (and counted).
     """
     grouped: dict[str, list[list[int]]] = defaultdict(list)
+    truncated = 0
     unknown: list[str] = []
     for number, record in read_jsonl(path):
         where = f"{path}:{number}"
@@ -100,10 +141,11 @@ def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max
             raise UsageError(f"{where}: no `response` text or `response_ids`; add one")
         if not ids:
             raise UsageError(f"{where}: the response is empty; drop the line or give the response")
+        truncated += len(ids) > max_new_tokens
         grouped[prompt_id].append(ids[:max_new_tokens])
     if unknown:
         raise UsageError(
             f"{path} names {len(unknown)} prompt id(s) not in the prompt set (first: {unknown[0]!r}); "
             "pass the prompts the responses were made from (--prompts) or fix the ids"
         )
-    return dict(grouped)
+    return ImportedResponses(dict(grouped), truncated)

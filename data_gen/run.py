@@ -19,6 +19,7 @@ from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.embedded import file_sha256
+from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.lock import LOCK_FILE, output_lock
 from specheads.data_gen.models import (
     ModelPair,
@@ -31,14 +32,18 @@ from specheads.data_gen.models import (
     weights_identity,
 )
 from specheads.data_gen.module import LabellingModule, ShardWriter
+from specheads.data_gen.placement import check_visible_gpus, rank_devices, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
 from specheads.data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
 from specheads.data_gen.responses import load_imported_responses
 from specheads.data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
+from specheads.data_gen.storage import FeatureStorage
 from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
+from specheads.data_gen.vllm_engine import require_vllm, shards_with_vllm_responses
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic, write_text_atomic
 from specheads.states import check_state_layer
+from specheads.text import count, rate
 
 
 @dataclass
@@ -52,28 +57,52 @@ class Summary:
     tokens_per_s: float | None
     resumed_complete: bool = False
     skipped_prompts: int = 0
+    unanswered_prompts: int = 0
+    truncated_responses: int = 0
 
     def text(self) -> str:
         """The end-of-run lines printed to the terminal."""
-        speed = "nothing new to label" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f} labelled tokens/s"
+        speed = "nothing new to label" if self.tokens_per_s is None else f"{rate(self.tokens_per_s)} labelled tokens/s"
         lines = [f"specheads gen: {self.rows} rows, {self.labelled_tokens:,} labelled tokens, "
                  f"mean acceptance {self.mean_accept:.3f}, {speed}"]
         if self.skipped_prompts:
-            lines.append(f"  skipped {self.skipped_prompts} prompt{'s' if self.skipped_prompts != 1 else ''} too long for "
+            lines.append(f"  skipped {count(self.skipped_prompts, 'prompt')} too long for "
                          f"the context (long_prompts: skip; their ids are in {self.out / MANIFEST} under "
                          "skipped_prompt_ids); raise max_prompt_tokens or shorten them to keep them")
+        if self.unanswered_prompts:
+            lines.append(f"  left out {count(self.unanswered_prompts, 'prompt')} with no imported response (their ids "
+                         f"are in {self.out / MANIFEST} under unanswered_prompt_ids)")
+        if self.truncated_responses:
+            lines.append(f"  cut {count(self.truncated_responses, 'imported response')} longer than max_new_tokens at "
+                         "max_new_tokens; raise --max-new-tokens to keep them whole")
         return "\n".join(lines + [f"  wrote {self.out}"])
 
 
+@dataclass
+class Selection:
+    """The rows to label, and the prompts left out: too long for the context, or with no imported response."""
+
+    items: list[WorkItem]
+    skipped: list[str]
+    unanswered: list[str]
+
+    def counts(self, prompts: int, truncated: int) -> dict[str, int]:
+        """The manifest's prompt counts out of `prompts` given, with the imported responses cut at max_new_tokens."""
+        return {"prompts": prompts - len(self.skipped) - len(self.unanswered), "skipped_prompts": len(self.skipped),
+                "unanswered_prompts": len(self.unanswered), "truncated_responses": truncated}
+
+
 def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], imported: dict[str, list[list[int]]] | None,
-                 max_context: int) -> tuple[list[WorkItem], list[str]]:
-    """Encode prompts, drop (or refuse) those too long for the context, and make one work item per row."""
+                 max_context: int) -> Selection:
+    """Encode prompts, drop (or refuse) those too long for the context, and make one work item per row (none for a
+    prompt without an imported response)."""
     limit = max_context - config.sampling.max_new_tokens
     if config.max_prompt_tokens:
         limit = min(limit, config.max_prompt_tokens)
     ratios = config.mixing.ratios()
     items: list[WorkItem] = []
     skipped: list[str] = []
+    unanswered: list[str] = []
     for position, prompt in enumerate(prompts):
         ids = tuple(encode_prompt(tokenizer, prompt))
         if len(ids) > limit:
@@ -84,13 +113,15 @@ def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], impor
             skipped.append(prompt.id)
             continue
         responses = imported.get(prompt.id, []) if imported is not None else [None] * config.samples_per_prompt
+        if not responses:
+            unanswered.append(prompt.id)
         for sample, response in enumerate(responses):
             ratio = ratios[(position * len(responses) + sample) % len(ratios)]
             items.append(WorkItem(prompt.id, sample, ids, ratio, None if response is None else tuple(response)))
     if not items:
         raise UsageError("no prompt is left to label (all too long, or no imported response matches); "
                          "raise max_prompt_tokens, give shorter prompts, or check the responses file")
-    return items, skipped
+    return Selection(items, skipped, unanswered)
 
 
 def fingerprint_of(identity: dict) -> str:
@@ -114,16 +145,23 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
                     "count": len(prompts)},
         "samples_per_prompt": config.samples_per_prompt,
         "responses": {"source": "imported", "sha256": file_sha256(Path(config.responses))}
-        if config.responses else {"source": "target-generate"},
+        if config.responses else {"source": "target-generate",
+                                  **({"engine": "vllm"} if config.responses_engine == "vllm" else {})},
         "store_features": config.store_features,
         "draft_hidden_size": int(pair.draft.config.hidden_size),
         # only when set, so that data made before the option keeps its fingerprint
         **({"state_layer": config.state_layer} if config.state_layer is not None else {}),
+        **feature_storage(config).identity(),  # likewise only the options that differ from the default
         "long_prompts": config.long_prompts,
         "max_prompt_tokens": config.max_prompt_tokens,
         "batch_size": config.batch_size,
         "rows_per_shard": config.rows_per_shard,
     }
+
+
+def feature_storage(config: GenConfig) -> FeatureStorage:
+    """Which draft states the run stores, and in which dtype."""
+    return FeatureStorage(config.features_at, config.features_dtype)
 
 
 def holds_files(out: Path) -> bool:
@@ -168,15 +206,22 @@ def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool)
 def run(config: GenConfig) -> Summary:
     """Run `specheads gen` with a validated config; every check happens before anything is written."""
     config.validate()
+    if config.responses_engine == "vllm":
+        require_vllm()
     out = Path(config.out)
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column)
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
     tokenizer = load_tokenizers(config.target, config.draft)
     imported = (load_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts},
                                         config.sampling.max_new_tokens) if config.responses else None)
-    pair = load_pair(config.target, config.draft, tokenizer)
+    truncated = imported.truncated if imported else 0
+    trainer = make_trainer(config)  # before the models: Lightning names this rank's devices, where they are loaded
+    pair = load_pair(config.target, config.draft, tokenizer,
+                     rank_devices(trainer.strategy.root_device, config.gpus_per_rank))
     check_state_layer(pair.draft, config.state_layer)
-    items, skipped = select_items(config, tokenizer, prompts, imported, context_length(pair.target))
+    selection = select_items(config, tokenizer, prompts, imported.by_prompt if imported else None,
+                             context_length(pair.target))
+    items = selection.items
     shards = build_plan(items, config.batch_size, config.rows_per_shard)
     identity = data_identity(config, pair, prompts)
     fingerprint = fingerprint_of(identity)
@@ -195,15 +240,19 @@ def run(config: GenConfig) -> Summary:
             if finished is not None:
                 counts = finished["counts"]
                 return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
-                               counts.get("skipped_prompts", 0))
+                               counts.get("skipped_prompts", 0), counts.get("unanswered_prompts", 0),
+                               counts.get("truncated_responses", 0))
             write_json_atomic(out / MANIFEST, started)
-        return label(config, pair, tokenizer, shards, out, started, len(prompts), skipped)
+            if config.responses_engine == "vllm":  # one process (GenConfig.validate): rank 0 is the run
+                shards = shards_with_vllm_responses(config, pair.target, tokenizer, shards, out, fingerprint)
+        return label(config, pair, tokenizer, shards, out, started, selection.counts(len(prompts), truncated),
+                     selection, trainer)
 
 
-def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard], out: Path, started: dict, prompts: int,
-          skipped: list[str]) -> Summary | None:
-    """Label every shard not yet done with Lightning; rank 0 writes the finished manifest. Returns the summary on
-    rank 0, None elsewhere."""
+def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard], out: Path, started: dict,
+          prompt_counts: dict[str, int], selection: Selection, trainer: L.Trainer) -> Summary | None:
+    """Label every shard not yet done with `trainer`; rank 0 writes the finished manifest with `prompt_counts`
+    (Selection.counts). Returns the summary on rank 0, None elsewhere."""
     transform = config.sampling.transform()
     fingerprint = started["fingerprint"]
     summary: dict[str, Summary] = {}
@@ -213,33 +262,39 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
         records = [read_record(out, index) for index in range(len(shards))]
         manifest = {**started, "complete": True, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "shards": records,
-                    "counts": {"prompts": prompts - len(skipped), "skipped_prompts": len(skipped),
-                               "rows": stats["rows"], "labelled_tokens": stats["labelled_tokens"],
+                    "counts": {**prompt_counts, "rows": stats["rows"], "labelled_tokens": stats["labelled_tokens"],
                                "draft_tokens": stats["draft_tokens"]},
-                    "skipped_prompt_ids": skipped, "mean_accept": stats["mean_accept"], "mean_beta": stats["mean_beta"]}
+                    "skipped_prompt_ids": selection.skipped, "unanswered_prompt_ids": selection.unanswered,
+                    "mean_accept": stats["mean_accept"], "mean_beta": stats["mean_beta"],
+                    "storage": stats["storage"]}
         write_text_atomic(out / "README.md", dataset_card(manifest))
         write_json_atomic(out / MANIFEST, manifest)
         speed = tokens_written / seconds if tokens_written else None
         summary["done"] = Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_accept"], speed,
-                                  skipped_prompts=len(skipped))
+                                  skipped_prompts=len(selection.skipped), unanswered_prompts=len(selection.unanswered),
+                                  truncated_responses=prompt_counts["truncated_responses"])
 
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
-                             config.store_features, config.state_layer, fingerprint)
+                             config.store_features, config.state_layer, fingerprint, feature_storage(config),
+                             engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
+                                                  config.generation))
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
-                         fingerprint)
-    trainer = make_trainer(config, writer)
+                         fingerprint, config.features_dtype)
+    trainer.callbacks.append(writer)
     trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0
 
 
-def make_trainer(config: GenConfig, writer: ShardWriter) -> L.Trainer:
-    """A predict-only Trainer: DDP when more than one process, Lightning's own cluster detection."""
+def make_trainer(config: GenConfig) -> L.Trainer:
+    """A predict-only Trainer: DDP when more than one process, Lightning's own cluster detection. With
+    `gpus_per_rank` G its devices are each rank's first GPU, `[0, G, 2G, …]` (data_gen.placement)."""
+    check_visible_gpus(config)
     processes = config.devices * config.num_nodes
     return L.Trainer(
-        accelerator=config.accelerator, devices=config.devices, num_nodes=config.num_nodes,
-        strategy="ddp" if processes > 1 else "auto", logger=False, enable_checkpointing=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[writer],
+        accelerator=config.accelerator, devices=trainer_devices(config.devices, config.gpus_per_rank),
+        num_nodes=config.num_nodes, strategy="ddp" if processes > 1 else "auto", logger=False,
+        enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
         enable_progress_bar=config.progress,
     )
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from specheads.data_gen.digests import cached_fact
 from specheads.data_gen.embedded import file_sha256
+from specheads.data_gen.storage import float_values
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
 
@@ -107,7 +108,7 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "logq": (lambda v: np.isfinite(v) & (v <= 0), "not a finite log-probability"),
     "logp": (lambda v: v <= 0, "not a log-probability (−inf is allowed where the transform gives p = 0)"),
     "entropy": (lambda v: np.isfinite(v) & (v >= 0), "not a finite entropy"),
-    "features": (np.isfinite, "not finite"),
+    "features": (lambda v: np.isfinite(float_values(v)), "not finite"),
 }
 """Each stored column's valid values (NaN fails every test), and what a bad value is."""
 
@@ -128,7 +129,7 @@ def first_bad_value(column: pa.ChunkedArray, valid: Callable[[np.ndarray], np.nd
     position = int(bad[0])
     for offsets in reversed(levels):
         position = int(np.searchsorted(offsets, position, side="right") - 1)
-    return position, float(values[bad[0]])
+    return position, float(float_values(values[bad[:1]])[0])
 
 
 def check_values(path: Path) -> bool:

@@ -15,9 +15,18 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 
-from specheads.data_gen.shards import arrow_fingerprint, check_shard_values, shard_path, shard_problem, write_record
+from specheads.data_gen.shards import (
+    arrow_fingerprint,
+    check_shard_values,
+    read_table,
+    shard_path,
+    shard_problem,
+    write_record,
+)
+from specheads.data_gen.storage import ARROW_DTYPES
 from specheads.errors import UsageError
 from specheads.files import atomic_path
 
@@ -28,8 +37,8 @@ PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1")
 PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
 
-def row_features(hidden_size: int | None) -> datasets.Features:
-    """The Arrow schema of one row; `features` only when hidden states are stored."""
+def row_features(hidden_size: int | None, features_dtype: str = "float16") -> datasets.Features:
+    """The Arrow schema of one row; `features` only when hidden states are stored (bfloat16 as its uint16 bits)."""
     ints = datasets.List(datasets.Value("int32"))
     floats = datasets.List(datasets.Value("float32"))
     schema: dict[str, Any] = {
@@ -42,7 +51,7 @@ def row_features(hidden_size: int | None) -> datasets.Features:
         **{name: floats for name in PER_POSITION_FLOATS},
     }
     if hidden_size:
-        schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype="float16")
+        schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype=ARROW_DTYPES[features_dtype])
     return datasets.Features(schema)
 
 
@@ -105,8 +114,8 @@ def load_labelled(out: str | os.PathLike, require_complete: bool = True) -> data
     return datasets.concatenate_datasets(parts)
 
 
-def shard_statistics(out: Path, num_shards: int) -> dict[str, float]:
-    """Counts and means over all shards, reading only the small columns."""
+def shard_statistics(out: Path, num_shards: int) -> dict[str, Any]:
+    """Counts and means over all shards, reading only the small columns, and what the shards take on disk."""
     rows = tokens = drafted = 0
     accept_sum = beta_sum = 0.0
     for index in range(num_shards):
@@ -123,4 +132,25 @@ def shard_statistics(out: Path, num_shards: int) -> dict[str, float]:
         "draft_tokens": drafted,
         "mean_accept": accept_sum / max(tokens, 1),
         "mean_beta": beta_sum / max(tokens, 1),
+        "storage": storage_statistics(out, num_shards, rows, tokens),
     }
+
+
+def storage_statistics(out: Path, num_shards: int, rows: int, tokens: int) -> dict[str, Any]:
+    """Bytes on disk per labelled token, measured on the shard files: in all, and in the `features` column's Arrow
+    buffers; and how many of the rows' n + 1 draft states were kept."""
+    shard_bytes = state_bytes = states_kept = 0
+    stored = False
+    for index in range(num_shards):
+        path = shard_path(out, index)
+        shard_bytes += path.stat().st_size
+        table = read_table(path)
+        if "features" in table.column_names:
+            stored = True
+            for chunk in table.column("features").chunks:
+                state_bytes += chunk.nbytes
+                states_kept += len((chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk).flatten())
+    per_token = max(tokens, 1)
+    return {"shard_bytes": shard_bytes, "bytes_per_labelled_token": shard_bytes / per_token,
+            "state_bytes_per_labelled_token": state_bytes / per_token,
+            "states_kept": states_kept, "states_of_all_positions": tokens + rows if stored else 0}

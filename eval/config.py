@@ -31,7 +31,9 @@ class EvalConfig:
         bootstrap: resamples of the prompts for the confidence intervals.
         seed: seed of the Bernoulli draws, the bootstrap and the decoding runs.
         allow_other_data: evaluate data made with the head's models and sampling but other prompts or seeds.
-        constant_ks, head_thresholds, sprinter_thresholds: override the sweep's grids.
+        constant_ks: the constant-K baselines' draft lengths (default 1, 2, 3, 4, 6, 8 up to max_draft, and max_draft).
+        head_thresholds: the stop head's thresholds to sweep (default 0.3, 0.5, 0.65, 0.8, 0.9).
+        sprinter_thresholds: the SPRINTER verifier's thresholds to sweep (default 0.3, 0.5, 0.7, 0.85).
         stop_shares: SVIP's and confidence's thresholds are the quantiles at which each stops after these
             shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per

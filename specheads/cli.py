@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
 import sys
+import textwrap
 
 from specheads import __version__
 from specheads.config_files import with_configs_resolved
 from specheads.errors import UsageError
+from specheads.noise import third_party_quiet
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gen": ("specheads.data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
@@ -23,6 +26,7 @@ USAGE = "usage: specheads {" + ",".join(SUBCOMMANDS) + "} [options]   (specheads
 
 
 DEBUG_FLAG, DEBUG_ENV = "--debug", "SPECHEADS_DEBUG"
+MESSAGE_WIDTH = 300  # an unexpected error's own text is shortened to this, at a word boundary
 
 
 def failure_line(error: BaseException) -> str:
@@ -36,7 +40,7 @@ def failure_line(error: BaseException) -> str:
     if isinstance(error, (MemoryError, torch_out_of_memory())):
         return ("out of memory; lower the batch size (--batch-size, --data.batch_size) or the sequence lengths, "
                 "or use a device with more memory")
-    message = " ".join(str(error).split())[:300] or "no message"
+    message = textwrap.shorten(str(error), MESSAGE_WIDTH, placeholder=" …") or "no message"  # never cut mid-word or URL
     return (f"unexpected {type(error).__name__}: {message}; run again with {DEBUG_ENV}=1 (or {DEBUG_FLAG}) for the "
             "traceback, and report it if the input looks right")
 
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run `specheads SUBCOMMAND ...`; returns the process exit code.
 
     A failure prints one line and exits non-zero: 2 for bad input (UsageError), 1 for anything else, 130 when
-    interrupted. `--debug` (anywhere) or SPECHEADS_DEBUG=1 lets the traceback through instead."""
+    interrupted. `--debug` (anywhere) or SPECHEADS_DEBUG=1 lets the traceback through instead, and with it the
+    third-party output (framework tips, warnings, loading bars) that is otherwise kept quiet."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
@@ -68,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specheads: error: unknown subcommand {name!r}; known: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     try:
-        module = importlib.import_module(SUBCOMMANDS[name][0])
-        return int(module.main(with_configs_resolved(argv[1:], name)) or 0)
+        with contextlib.nullcontext() if debug else third_party_quiet():
+            module = importlib.import_module(SUBCOMMANDS[name][0])
+            return int(module.main(with_configs_resolved(argv[1:], name)) or 0)
     except UsageError as error:
         if debug:
             raise

@@ -1,28 +1,74 @@
 """Parse a config dataclass from a YAML file plus flags with jsonargparse (`gen`, `eval` and `export` use it).
 
-Flags accept dashes or underscores (`--num-prompts` = `--num_prompts`), a bare boolean switch means
-true (`--overwrite`), and a parse error becomes one UsageError line naming the problem.
+Flags accept dashes or underscores (`--num-prompts` = `--num_prompts`) and `--help` shows the dashes, a bare
+boolean switch means true (`--overwrite`), and a parse error becomes one UsageError line naming the problem.
+An option's help is its field's docstring: a string right below the field, or its line under `Args:` in the
+class docstring (jsonargparse reads both through docstring-parser).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import textwrap
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_parsing_settings
 
 from specheads.errors import UsageError
 
 Config = TypeVar("Config")
 
 
-def build_parser(cls: type, prog: str, description: str) -> ArgumentParser:
+FLAG_NAME = re.compile(r"(?<![\w-])--\w[\w.]*")
+
+
+def dashed(text: str) -> str:
+    """Every flag name in `text` in its dash spelling: `--sampling.max_new_tokens` -> `--sampling.max-new-tokens`."""
+    return FLAG_NAME.sub(lambda flag: flag.group(0).replace("_", "-"), text)
+
+
+class DashedHelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help with the flags of the usage line and option list in their dash spelling (`--num-prompts`),
+    the one the README uses."""
+
+    def _format_usage(self, *args: Any, **kwargs: Any) -> str:
+        return dashed(super()._format_usage(*args, **kwargs))
+
+    def _format_action_invocation(self, action: Any) -> str:
+        return dashed(super()._format_action_invocation(action))
+
+    def _split_lines(self, text: str, width: int) -> list[str]:  # never wrap inside `--max-new-tokens`
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
+def spelling_note(cls: type, shorthands: dict[str, str] | None) -> str:
+    """The help's closing note: both spellings (shown on one of `cls`'s fields), bare switches, and any shorthands."""
+    example = next((f"--{f.name}" for f in fields(cls) if "_" in f.name), None)
+    spellings = f" ({dashed(example)} = {example})" if example else ""
+    note = f"Flags take dashes or underscores{spellings}; a boolean flag alone means true."
+    if shorthands:
+        note += " Shorthands: " + ", ".join(f"{dashed(short)} = {dashed(full)}" for short, full in shorthands.items())
+    return note
+
+
+def build_parser(cls: type, prog: str, description: str, shorthands: dict[str, str] | None = None) -> ArgumentParser:
     """`--config FILE` then every field of the dataclass `cls` (nested ones dotted: `--sampling.temperature`)."""
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML config")
-    parser.add_class_arguments(cls, None, as_group=False)
+    parser = ArgumentParser(prog=prog, description=description, epilog=spelling_note(cls, shorthands), exit_on_error=False,
+                            default_env=False, formatter_class=DashedHelpFormatter)
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="a YAML file of these options; flags after it override its values")
+    # fields' own docstrings are read for our dataclasses only: left on, they cost LightningCLI's parser a second
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        parser.add_class_arguments(cls, None, as_group=False)
+    finally:
+        set_parsing_settings(docstring_parse_attribute_docstrings=False)  # jsonargparse's default
     return parser
 
 
@@ -65,7 +111,7 @@ def parse_script(cls: type[Config], prog: str, description: str, argv: list[str]
 def parse_dataclass(cls: type[Config], argv: list[str], prog: str, description: str,
                     shorthands: dict[str, str] | None = None) -> Config:
     """The dataclass `cls` from flags (and the YAML they name); bad values become a one-line UsageError."""
-    parser = build_parser(cls, prog, description)
+    parser = build_parser(cls, prog, description, shorthands)
     switches = {f"--{f.name}" for f in fields(cls) if f.type in ("bool", bool)}
     try:
         namespace = parser.parse_args(normalise_flags(argv, switches, shorthands))

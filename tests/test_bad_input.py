@@ -1,6 +1,7 @@
 """Every bad input gets one clear error line, a non-zero exit, and nothing written."""
 
 import json
+import time
 
 import pytest
 from conftest import tiny_args
@@ -51,9 +52,24 @@ def test_malformed_jsonl_line_is_named(capsys, tiny_model, tmp_path):
 
 def test_unknown_model_id_without_network(capsys, prompts_file, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    fails(capsys, tiny_args("no-such-org/no-such-model", prompts_file, tmp_path / "out"),
-          "cannot load model 'no-such-org/no-such-model'")
+    line = fails(capsys, tiny_args("no-such-org/no-such-model", prompts_file, tmp_path / "out"),
+                 "cannot load model 'no-such-org/no-such-model'", "(HF_HUB_OFFLINE is set)")
+    assert line.endswith("unset HF_HUB_OFFLINE where there is a network, or pass a local folder or .gguf file"), line
     fails(capsys, tiny_args(tmp_path / "missing-folder", prompts_file, tmp_path / "out"), "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_dataset_without_network_is_refused_at_once(capsys, tiny_model, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # a Hub nothing answers for: no network
+    started = time.monotonic()
+    line = fails(capsys, tiny_args(tiny_model, "no-such-org/no-such-dataset", tmp_path / "out"),
+                 "cannot load prompts dataset 'no-such-org/no-such-dataset'", "no connection to 127.0.0.1")
+    assert line.endswith("set HF_HUB_OFFLINE=1 to read the cached copy"), line
+    assert time.monotonic() - started < 10
     assert not (tmp_path / "out").exists()
 
 
@@ -104,12 +120,23 @@ def test_imported_responses(capsys, tiny_model, prompts_file, tmp_path):
         json.dumps({"id": "p0", "response": "The quick brown fox."}),
         json.dumps({"id": "p0", "response": "A large model", "finish_reason": "length"}),
         json.dumps({"id": "p1", "response_ids": ids}),
+        json.dumps({"id": "p1", "response_ids": (ids * 20)[:50]}),  # longer than --max-new-tokens 40: cut and counted
     ]) + "\n")
     out = tmp_path / "out"
     assert main(tiny_args(tiny_model, prompts_file, out, "--responses", str(responses), "--num-prompts", "3",
                      "--max-new-tokens", "40")) == 0
     rows = {(r["prompt_id"], r["sample_index"]): r for r in load_labelled(out)}
-    assert sorted(rows) == [("p0", 0), ("p0", 1), ("p1", 0)]
+    assert sorted(rows) == [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1)]
+    assert rows[("p1", 1)]["target_ids"] == (ids * 20)[:40]
+    # p2 has no response and one response was cut: both are counted in the manifest, the card and the summary
+    manifest = read_manifest(out)
+    assert manifest["counts"]["prompts"] == 2 and manifest["counts"]["unanswered_prompts"] == 1
+    assert manifest["unanswered_prompt_ids"] == ["p2"] and manifest["counts"]["truncated_responses"] == 1
+    card = (out / "README.md").read_text()
+    assert "| prompts labelled | 2 (left out as too long: 0; without an imported response: 1) |" in card
+    assert "| imported responses cut at max_new_tokens | 1 |" in card
+    printed = capsys.readouterr().out
+    assert "left out 1 prompt with no imported response" in printed and "cut 1 imported response longer" in printed
     expected = tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert rows[("p0", 0)]["target_ids"] == expected
     assert rows[("p0", 1)]["target_ids"] == tokenizer("A large model", add_special_tokens=False)["input_ids"]

@@ -24,6 +24,15 @@ def test_cluster_config_names_a_real_pair():
     assert config.devices * config.num_nodes == 8 and config.accelerator == "gpu"
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_a_config_naming_its_own_draft_model_skips_none_of_its_layers(path):
+    # the draft's default skip_layers (20, 21) derives the embedded pair's self-speculative draft; a separate draft
+    # model that inherited it would silently be that model minus two layers
+    config = parse_config(["--config", str(path)])
+    if config.draft.path is not None:
+        assert config.draft.skip_layers == []
+
+
 def test_flags_override_the_yaml():
     config = parse_config(["--config", str(CONFIGS[0]), "--num-prompts", "3", "--temperature", "0"])
     assert config.num_prompts == 3 and config.sampling.temperature == 0

@@ -1,12 +1,14 @@
 """The declared dependencies match what the package imports."""
 
 import ast
+import re
 import sys
 from importlib.metadata import packages_distributions, requires
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 NOT_IMPORTED = {"gguf", "accelerate", "tensorboard"}  # transformers loads GGUF with them; Lightning logs to tensorboard
+EXTRAS = {"vllm": "vllm"}  # imported only when asked for (module -> the extra of pyproject.toml that declares it)
 
 
 def test_every_third_party_import_is_declared_and_every_declared_package_is_used():
@@ -19,6 +21,9 @@ def test_every_third_party_import_is_declared_and_every_declared_package_is_used
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     imported.add(node.module.split(".")[0])
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name not in ("specheads",)}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert all(re.search(rf'^{extra} = \[.*"{name}', pyproject, re.M) for name, extra in EXTRAS.items())
+    third_party -= set(EXTRAS)
     distributions = packages_distributions()
     needed = {distributions[name][0].lower().replace("_", "-") for name in third_party}
     declared = {req.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip().lower().replace("_", "-")

@@ -28,7 +28,8 @@ def test_two_ranks_give_the_same_rows_as_one(tiny_model, prompts_file, tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     second = subprocess.run([sys.executable, "-m", "specheads",
                              *tiny_args(tiny_model, prompts_file, two, "--num-prompts", "6", "--devices", "2")],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "SPECHEADS_DEBUG": "1"})  # Lightning's rank lines, quiet otherwise
     assert second.returncode == 0, second.stderr[-2000:]
     assert "world_size=2" in second.stderr or "distributed_backend=gloo" in second.stderr
     a, b = rows_by_key(one), rows_by_key(two)

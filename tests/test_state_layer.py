@@ -52,7 +52,9 @@ def test_gen_stores_the_inner_state_and_records_it(inner, tiny_model, prompts_fi
     data, _ = inner
     manifest = read_manifest(data)
     assert manifest["identity"]["state_layer"] == LAYER
-    assert f"after draft layer {LAYER}" in (data / "README.md").read_text()
+    card = (data / "README.md").read_text()
+    fields_row = next(line for line in card.splitlines() if line.startswith("| `features` |"))
+    assert f"after draft layer {LAYER}" in fields_row and "last-layer" not in card and "last layer" not in card
     draft = load_draft(manifest)
     row = load_labelled(data).with_format("numpy")[0]
     with torch.no_grad():

@@ -251,7 +251,7 @@ def test_train_configs_are_valid(config, labelled, capsys):
 def test_two_process_ddp_on_cpu(labelled, tmp_path):
     root = tmp_path / "ddp"
     result = run_cli(fit_args("specdecpp.yaml", labelled, root, "--trainer.max_epochs", "1", "--trainer.devices", "2",
-                              "--trainer.strategy", "ddp"))
+                              "--trainer.strategy", "ddp"), env={"SPECHEADS_DEBUG": "1"})  # Lightning's rank lines
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world_size=2" in result.stderr or "distributed_backend=gloo" in result.stderr
     single = tmp_path / "single"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,11 +84,18 @@ class TrainCLI(LightningCLI):
         return trainer
 
 
+PARSER_KWARGS = {"prog": "specheads train", "description": "Fit an acceptance head on a labelled dataset (`specheads train fit "
+                 "--help` lists the options)."}
+
+
 def build_cli(argv: list[str], callbacks: Sequence[Callback] = ()) -> TrainCLI:
     """Parse `argv` as `specheads train` does and run its subcommand; `callbacks` are added to the trainer's."""
     defaults = {**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS
-    return TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=defaults,
-                    save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+    with warnings.catch_warnings():
+        # Lightning warns whenever the process has argv beside `args`: `specheads train` hands it its own on purpose
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        return TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=defaults, parser_kwargs=PARSER_KWARGS,
+                        save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
 
 
 SIGTERM_EXIT = 128 + signal.SIGTERM

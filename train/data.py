@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from specheads.data_gen.prompts import prompt_digest
+from specheads.data_gen.storage import as_tensor, kept_rows, require_states, storage_of
 from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
@@ -49,14 +50,17 @@ def prompt_split(prompt_id: str, seed: int, val_fraction: float, calibration_fra
 
 
 class RowDataset(Dataset):
-    """Rows of a labelled dataset as numpy dicts; `features` (float16, [positions, hidden]) only in offline mode.
+    """Rows of a labelled dataset as numpy dicts; `features` ([kept positions, hidden], float16 or bfloat16's uint16
+    bits) only in offline mode, with `state_rows` (which of the n + 1 positions they are) when the data keeps only
+    some (`features_at`, `data_gen.storage`).
 
     A batch is read in one go (`__getitems__`, which torch's DataLoader calls with a batch's indices): one
-    Arrow take per batch instead of one per row, and the states stay float16 views of the taken table."""
+    Arrow take per batch instead of one per row, and the states stay views of the taken table."""
 
-    def __init__(self, rows: datasets.Dataset, with_features: bool):
+    def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all"):
         self.rows = rows.with_format("numpy", columns=list(SMALL_COLUMNS))
         self.features = rows.with_format("arrow", columns=["features"]) if with_features else None
+        self.features_at = features_at
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,18 +75,18 @@ class RowDataset(Dataset):
         if self.features is not None:
             for row, states in zip(rows, feature_rows(self.features[indices])):
                 row["features"] = states
+                if self.features_at != "all":
+                    row["state_rows"] = kept_rows(row["is_draft"], self.features_at)
         return rows
 
 
 def feature_rows(table: pa.Table) -> list[np.ndarray]:
-    """Each row's [positions, hidden] states from an Arrow table holding the `features` column (Array2D)."""
-    storage = table.column("features").combine_chunks().storage  # list<list<halffloat>>: rows, positions, hidden
-    positions = storage.flatten()
+    """Each row's [positions, hidden] states from an Arrow table holding the `features` column (Array2D); a row
+    that kept no state gets [0, hidden]."""
+    column = table.column("features")
+    storage = column.combine_chunks().storage  # list<list<halffloat or uint16>>: rows, positions, hidden
     lengths = np.diff(storage.offsets.to_numpy())
-    if not len(positions):
-        return [np.zeros((0, 0), dtype=np.float16) for _ in lengths]
-    hidden = len(positions[0])
-    values = positions.flatten().to_numpy(zero_copy_only=False).reshape(-1, hidden)
+    values = storage.flatten().flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.shape[-1])
     return np.split(values, np.cumsum(lengths)[:-1])
 
 
@@ -98,15 +102,30 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for name in ("is_draft", "draft_ids", *PER_POSITION_FLOATS):
             padded[name][index, :n] = row[name]
     if "features" in rows[0]:
-        hidden = rows[0]["features"].shape[-1]
-        padded["features"] = np.zeros((len(rows), width + 1, hidden), dtype=np.float16)
-        for index, row in enumerate(rows):
-            padded["features"][index, : len(row["features"])] = row["features"]
+        padded.update(padded_states(rows, width))
     batch: dict[str, Any] = {name: torch.from_numpy(values) for name, values in padded.items()}
+    if "features" in batch:
+        batch["features"] = as_tensor(padded["features"])  # bfloat16 travels as its uint16 bits until here
     if "features" not in rows[0]:
         batch["prompt_ids"] = [row["prompt_ids"].tolist() for row in rows]
         batch["mixed_ids"] = [row["mixed_ids"].tolist() for row in rows]
     return with_derived_signals(batch)
+
+
+def padded_states(rows: list[dict[str, Any]], width: int) -> dict[str, np.ndarray]:
+    """`features` [B, width + 1, hidden], each row's states at their positions (zero elsewhere), and, when the rows
+    keep only some positions (`state_rows`), `state_kept` [B, width + 1] marking them."""
+    hidden = rows[0]["features"].shape[-1]
+    features = np.zeros((len(rows), width + 1, hidden), dtype=rows[0]["features"].dtype)
+    if "state_rows" not in rows[0]:
+        for index, row in enumerate(rows):
+            features[index, : len(row["features"])] = row["features"]
+        return {"features": features}
+    kept = np.zeros((len(rows), width + 1), dtype=bool)
+    for index, row in enumerate(rows):
+        features[index, row["state_rows"]] = row["features"]
+        kept[index, row["state_rows"]] = True
+    return {"features": features, "state_kept": kept}
 
 
 class RankBatchSampler(Sampler[list[int]]):
@@ -210,6 +229,16 @@ class AcceptanceDataModule(L.LightningDataModule):
         return self.manifest["identity"].get("state_layer")
 
     @property
+    def features_at(self) -> str:
+        """Which draft states the data keeps (`data_gen.storage`; `all` for data made before the option)."""
+        return storage_of(self.manifest["identity"]).at
+
+    def require_states(self, head: str, reads: str, purpose: str) -> None:
+        """Refuse a head that reads states the data did not keep (offline mode; online mode computes them all)."""
+        if self.mode == "offline":
+            require_states(self.features_at, head, reads, purpose, self.path)
+
+    @property
     def draft_name(self) -> str:
         """The draft the data was labelled with, as the manifest names it."""
         return str(self.manifest["draft_name"])
@@ -226,8 +255,8 @@ class AcceptanceDataModule(L.LightningDataModule):
         self.assign_splits(rows, [prompt_split(p, self.split_seed, self.val_fraction, self.calibration_fraction)
                                   for p in rows["prompt_id"]])
         wanted = ("train", "val", "calibration") if self.calibration_fraction else ("train", "val")
-        if not all(len(self.splits[name]) for name in wanted):
-            counts = ", ".join(f"{len(self.splits[name])} {name}" for name in wanted)
+        if not all(len(self.splits.get(name, [])) for name in wanted):
+            counts = ", ".join(f"{len(self.splits.get(name, []))} {name}" for name in wanted)
             self.splits = {}
             raise UsageError(f"the prompt split leaves {counts} rows; give more prompts or change data.val_fraction"
                              + (" or data.calibration_fraction" if self.calibration_fraction else ""))
@@ -272,8 +301,8 @@ class AcceptanceDataModule(L.LightningDataModule):
         trainer = self.trainer
         sampler = RankBatchSampler(lengths, self.batch_size, shuffle, self.split_seed,
                                    trainer.global_rank if trainer else 0, trainer.world_size if trainer else 1)
-        return DataLoader(RowDataset(rows, self.mode == "offline"), batch_sampler=sampler, collate_fn=collate_rows,
-                          num_workers=self.num_workers)
+        return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at), batch_sampler=sampler,
+                          collate_fn=collate_rows, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
@@ -284,6 +313,6 @@ class AcceptanceDataModule(L.LightningDataModule):
     def ordered_batches(self, split: str, with_features: bool, rows_per_batch: int | None = None) -> DataLoader:
         """The whole split in a fixed order (every rank sees the same), for statistics; per-position columns only
         unless `with_features` (stored features in offline mode, token ids for the draft in online mode)."""
-        return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline"),
+        return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline", self.features_at),
                           batch_size=rows_per_batch or self.batch_size, collate_fn=collate_rows,
                           num_workers=self.num_workers)

@@ -109,6 +109,7 @@ class AcceptanceModule(L.LightningModule):
             raise UsageError(f"the config names draft {self.hparams.draft!r} but {data.path} was labelled with draft "
                              f"{data.draft_name!r}; fix model.draft or use data from that draft")
         self.match_state_layer(data)
+        data.require_states(self.hparams.head, self.reads, self.purpose)
         self.hparams.hidden_size = found
         self.hparams.draft = data.draft_name
         self.hparams.data_fingerprint = data.fingerprint

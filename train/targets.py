@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from specheads.errors import UsageError
+
 CANDIDATE_STATE = "candidate_state"
 CONTEXT_STATE = "context_state"
 STOP, VERIFY = "stop", "verify"
@@ -50,6 +52,9 @@ def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: s
     the draft signals the head reads, in its column order.
     """
     mask, label = token_targets(batch, purpose, tau, contexts)
+    if "state_kept" in batch and not head_states(batch["state_kept"], reads)[mask].all():
+        raise UsageError(f"the head reads {reads} at positions whose draft state the data did not keep (features_at); "
+                         "train online (--data.mode online) or label the data again with --features_at all")
     hidden = head_states(features, reads)[mask.to(features.device)]
     signals = torch.stack([batch[name] for name in extra_features], -1)[mask] if extra_features else None
     embedding = embeddings(batch["draft_ids"][mask].to(embeddings.weight.device)) if embeddings is not None else None
