@@ -78,6 +78,15 @@ class Summary:
         return "\n".join(lines + [f"  wrote {self.out}"])
 
 
+LEFT_OUT = ("skipped_prompts", "unanswered_prompts", "truncated_responses")
+
+
+def left_out(counts: dict[str, int]) -> dict[str, int]:
+    """The Summary's counts of prompts left out and responses cut, from the manifest's `counts` (0 where data made
+    before they were counted lacks them)."""
+    return {name: counts.get(name, 0) for name in LEFT_OUT}
+
+
 @dataclass
 class Selection:
     """The rows to label, and the prompts left out: too long for the context, or with no imported response."""
@@ -240,8 +249,7 @@ def run(config: GenConfig) -> Summary:
             if finished is not None:
                 counts = finished["counts"]
                 return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
-                               counts.get("skipped_prompts", 0), counts.get("unanswered_prompts", 0),
-                               counts.get("truncated_responses", 0))
+                               **left_out(counts))
             write_json_atomic(out / MANIFEST, started)
             if config.responses_engine == "vllm":  # one process (GenConfig.validate): rank 0 is the run
                 shards = shards_with_vllm_responses(config, pair.target, tokenizer, shards, out, fingerprint)
@@ -271,8 +279,7 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
         write_json_atomic(out / MANIFEST, manifest)
         speed = tokens_written / seconds if tokens_written else None
         summary["done"] = Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_accept"], speed,
-                                  skipped_prompts=len(selection.skipped), unanswered_prompts=len(selection.unanswered),
-                                  truncated_responses=prompt_counts["truncated_responses"])
+                                  **left_out(prompt_counts))
 
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.eval.reuse import HEAD_FREE_POLICIES, run_key
+from specheads.eval.reuse import HEAD_FREE_POLICIES, context_differences, run_key, same_position_prompts
 from specheads.eval.sweep import RunKey, RunRecord
 from specheads.eval.tuned import head_differences
 from specheads.files import write_text_atomic
@@ -94,10 +94,10 @@ def still_valid(header: dict[str, Any], batches: list[list[dict[str, Any]]], con
     """The journalled runs that this context and head would decode alike (prompt at the same position; a head run
     only for the same head), and a line saying what was dropped, if anything was for a reason the user chose."""
     earlier = header.get("context") or {}
-    differs = [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
+    differs = context_differences(earlier, context)
     if differs:
         return [], f"{path} holds runs decoded with another {', '.join(differs)}: starting afresh"
-    same_position = {now[0] for now, then in zip(context["prompts"], earlier.get("prompts") or []) if now == then}
+    same_position = same_position_prompts(earlier, context)
     other_head = head_differences(header.get("head") or {}, head)
     kept = [[row for row in batch if row["prompt_id"] in same_position
              and (not other_head or row["policy"] in HEAD_FREE_POLICIES)] for batch in batches]

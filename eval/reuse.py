@@ -29,6 +29,16 @@ def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: 
             "seed": seed, "device": device, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
 
 
+def context_differences(earlier: dict[str, Any], context: dict[str, Any]) -> list[str]:
+    """What besides the prompts differs between an earlier decoding context and this one."""
+    return [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
+
+
+def same_position_prompts(earlier: dict[str, Any], context: dict[str, Any]) -> set[str]:
+    """The prompts at the same position with the same tokens in both contexts: their runs' seeds are the same."""
+    return {now[0] for now, then in zip(context["prompts"], earlier.get("prompts") or []) if now == then}
+
+
 def run_key(record: RunRecord) -> RunKey:
     """What identifies a run within one decoding context."""
     return record.policy, float(record.threshold), record.prompt_id
@@ -50,11 +60,11 @@ def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecor
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
     earlier, runs = saved_runs(folder, "its runs", "drop --reuse-runs to decode them again")
-    differs = [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
+    differs = context_differences(earlier, context)
     if differs:
         raise UsageError(f"{Path(folder) / 'runs.json'} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")
-    same_position = {now[0] for now, then in zip(context["prompts"], earlier["prompts"]) if now == then}
+    same_position = same_position_prompts(earlier, context)
     return {run_key(record): replace(record, reused=True)
             for record in (RunRecord(**row) for row in runs)
             if record.policy in HEAD_FREE_POLICIES and record.prompt_id in same_position}
