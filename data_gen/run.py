@@ -20,7 +20,7 @@ from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.embedded import file_sha256
 from specheads.data_gen.engines import BuiltinEngine
-from specheads.data_gen.lock import LOCK_FILE, output_lock
+from specheads.lock import folder_lock, lock_files
 from specheads.data_gen.models import (
     ModelPair,
     chat_template_hash,
@@ -175,7 +175,7 @@ def feature_storage(config: GenConfig) -> FeatureStorage:
 
 def holds_files(out: Path) -> bool:
     """True when `out` exists and holds anything beside the gen lock."""
-    return out.exists() and any(path.name != LOCK_FILE for path in out.iterdir())
+    return out.exists() and any(path.name not in lock_files("gen") for path in out.iterdir())
 
 
 def refuse_foreign_folder(out: Path, overwrite: bool) -> None:
@@ -244,7 +244,7 @@ def run(config: GenConfig) -> Summary:
     with ExitStack() as held:
         if rank_zero_only.rank == 0:
             refuse_foreign_folder(out, config.overwrite)
-            held.enter_context(output_lock(out))  # held until the run ends: a second run into `out` is refused
+            held.enter_context(folder_lock(out, "gen"))  # held until the run ends: a second run into `out` is refused
             finished = prepare_output(out, fingerprint, identity, config.overwrite)
             if finished is not None:
                 counts = finished["counts"]

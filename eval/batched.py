@@ -177,17 +177,18 @@ class BatchDecoder(Decoder):
                                    {row: len(candidates[row]) + 1 for row in live})
             for row in live:
                 accepted, new_token = self._verify(verified[row][0], candidates[row], logq_rows[row], generators[row])
+                accepted, emitted = self._standing(candidates[row], accepted, new_token,
+                                                   max_new_tokens - len(generated[row]))
                 results[row].target_calls += 1
                 self._count_round(results[row], policy, len(candidates[row]), accepted)
                 target.crop_row(row, len(tokens[row]) + accepted)
                 draft.crop_row(row, len(tokens[row]) + accepted)
-                emitted = candidates[row][:accepted] + [new_token]
                 tokens[row] += emitted
                 generated[row] += emitted
                 active[row] = not self._done(generated[row], max_new_tokens)
             draft.trim()
             target.trim()
-        return self._finish_batch(results, generated, max_new_tokens, start, draft, target)
+        return self._finish_batch(results, generated, start, draft, target)
 
     def _head_scores(self, head: AcceptanceHead | None, policy: StopPolicy, on_time: bool, drawn: dict[int, Drawn],
                      candidates: dict[int, list[int]], previous: dict[int, dict[str, float] | None]) -> dict[int, float]:
@@ -250,15 +251,15 @@ class BatchDecoder(Decoder):
                 tokens[row].append(emitted)
                 generated[row].append(emitted)
                 active[row] = not self._done(generated[row], max_new_tokens)
-        return self._finish_batch(results, generated, max_new_tokens, start, draft, target)
+        return self._finish_batch(results, generated, start, draft, target)
 
-    def _finish_batch(self, results: list[DecodeResult], generated: list[list[int]], max_new_tokens: int,
-                      start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:
-        """Cut each row as the batch-1 loop does; the batch's wall and forward time are shared equally by its rows."""
+    def _finish_batch(self, results: list[DecodeResult], generated: list[list[int]], start: float, draft: BatchCache,
+                      target: BatchCache) -> list[DecodeResult]:
+        """Each row's output and counts; the batch's wall and forward time are shared equally by its rows."""
         share = 1.0 / len(results)
         wall = time.perf_counter() - start
         for row, result in enumerate(results):
-            self._cut(result, generated[row], max_new_tokens)
+            result.emitted, result.tokens = len(generated[row]), list(generated[row])
             result.draft_forwards = draft.forwards[row]
             result.seconds = wall * share
             result.time_forwards(draft, target, share)

@@ -74,7 +74,7 @@ class DecodeResult:
     """One decoding run: the generated tokens and the counts the metrics are made of."""
 
     tokens: list[int]
-    emitted: int = 0  # tokens produced before the cut at max_new_tokens / stop token (the rates' denominator)
+    emitted: int = 0  # tokens in the output, ended at max_new_tokens or the first stop token (the rates' numerator)
     drafted: int = 0  # candidates proposed (the oracle counts only those it keeps)
     accepted: int = 0  # candidates that stand in the output
     target_calls: int = 0
@@ -157,22 +157,22 @@ class Decoder:
         result.accepted_per_round.append(accepted)
         result.drafted_per_round.append(counted)
 
-    def _finish(self, result: DecodeResult, generated: list[int], max_new_tokens: int, start: float,
-                draft: CachedModel, target: CachedModel) -> DecodeResult:
-        self._cut(result, generated, max_new_tokens)
+    def _standing(self, candidates: list[int], accepted: int, new_token: int, room: int) -> tuple[int, list[int]]:
+        """What a verified round adds to the output: its accepted candidates and the target's token, ended at the first
+        stop token (the run ends there) and at `room` tokens (max_new_tokens); and how many accepted candidates stand."""
+        emitted = (candidates[:accepted] + [new_token])[:room]
+        for position, token in enumerate(emitted):
+            if token in self.stop_ids:
+                emitted = emitted[: position + 1]
+                break
+        return min(accepted, len(emitted)), emitted
+
+    def _finish(self, result: DecodeResult, generated: list[int], start: float, draft: CachedModel,
+                target: CachedModel) -> DecodeResult:
+        result.emitted, result.tokens = len(generated), list(generated)
         result.seconds = time.perf_counter() - start
         result.time_forwards(draft, target)
         return result
-
-    def _cut(self, result: DecodeResult, generated: list[int], max_new_tokens: int) -> None:
-        """The output: the generated tokens up to `max_new_tokens` and the first stop token; `emitted` counts all."""
-        result.emitted = len(generated)
-        tokens = generated[:max_new_tokens]
-        for position, token in enumerate(tokens):
-            if token in self.stop_ids:
-                tokens = tokens[: position + 1]
-                break
-        result.tokens = tokens
 
     def _done(self, generated: list[int], max_new_tokens: int) -> bool:
         return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
@@ -215,14 +215,14 @@ class Decoder:
             logits, _ = target.feed(tokens[target.length:] + candidates, len(candidates) + 1)
             result.target_calls += 1
             accepted, new_token = self._verify(logits, candidates, logq_rows, generator)
+            accepted, emitted = self._standing(candidates, accepted, new_token, max_new_tokens - len(generated))
             self._count_round(result, policy, len(candidates), accepted)
-            emitted = candidates[:accepted] + [new_token]
             target.crop_to(len(tokens) + accepted)
             draft.crop_to(len(tokens) + accepted)
             tokens += emitted
             generated += emitted
         result.draft_forwards = draft.forwards
-        return self._finish(result, generated, max_new_tokens, start, draft, target)
+        return self._finish(result, generated, start, draft, target)
 
     @torch.no_grad()
     def sprinter_decode(self, prompt: list[int], verifier: AcceptanceHead, threshold: float, max_new_tokens: int,
@@ -259,7 +259,7 @@ class Decoder:
             tokens.append(emitted)
             generated.append(emitted)
         result.draft_forwards = draft.forwards
-        return self._finish(result, generated, max_new_tokens, start, draft, target)
+        return self._finish(result, generated, start, draft, target)
 
 
 @torch.no_grad()

@@ -28,9 +28,19 @@ def save(figure: plt.Figure, path: Path) -> None:
     plt.close(figure)
 
 
+def roc_legend(name: str, metrics: dict[str, Any], hard_labels: bool) -> str:
+    """A signal's legend entry: the AUC of the curve drawn (against the Bernoulli draws), and for soft labels the
+    soft-label AUC the report's tables quote, each named."""
+    if hard_labels:
+        return f"{LABELS[name]} (AUC {metrics['auc']:.3f})"
+    return f"{LABELS[name]} (AUC {metrics['auc_bernoulli']:.3f} on draws, {metrics['auc']:.3f} soft)"
+
+
 def roc_plot(table: TokenTable, offline: dict[str, Any], path: Path, seed: int = 0) -> None:
-    """ROC curves against seeded Bernoulli(label) draws, one per signal, AUC in the legend."""
+    """ROC curves against seeded Bernoulli(label) draws (the labels themselves where they are hard), one per signal;
+    the legend names which AUC each figure is."""
     draws = np.random.default_rng(seed).random(len(table.label)) < table.label
+    hard = bool(np.isin(table.label, (0.0, 1.0)).all())
     figure, axis = plt.subplots(figsize=(5.5, 5))
     scores = table.scores()
     for name in SIGNAL_ORDER:
@@ -38,9 +48,12 @@ def roc_plot(table: TokenTable, offline: dict[str, Any], path: Path, seed: int =
             continue
         fpr, tpr, _ = roc_curve(draws, scores[name])
         style = {"linewidth": 2.5} if name == "head" else {"linestyle": "--" if name in ("beta_oracle", "label_ceiling") else "-"}
-        axis.plot(fpr, tpr, label=f"{LABELS[name]} (AUC {offline[name]['auc']:.3f})", **style)
+        axis.plot(fpr, tpr, label=roc_legend(name, offline[name], hard), **style)
     axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8)
-    axis.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC on held-out tokens")
+    title = ("ROC on held-out tokens" if hard else
+             f"ROC on held-out tokens against Bernoulli(accept) draws (seed {seed});\n"
+             "soft: the AUC weighting each token by a and 1 − a")
+    axis.set(xlabel="false positive rate", ylabel="true positive rate", title=title)
     axis.legend(fontsize=8, loc="lower right")
     save(figure, path)
 
@@ -82,28 +95,35 @@ def cumulative_reliability_plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def pareto_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no other point beats on both rates (lower discard and lower verification), by discard rate: a
-    curve whose verification rate falls as the discard rate grows."""
+    """The points no other point beats on both costs (fewer draft forwards and fewer target calls per token), by
+    the first: a curve whose target calls fall as the draft forwards grow."""
     frontier: list[tuple[float, float]] = []
-    for discard, verification in sorted(points, key=lambda point: (point[0], point[1])):
-        if not frontier or verification < frontier[-1][1]:
-            frontier.append((discard, verification))
+    for drafts, calls in sorted(points, key=lambda point: (point[0], point[1])):
+        if not frontier or calls < frontier[-1][1]:
+            frontier.append((drafts, calls))
     return frontier
 
 
-def pareto_plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Verification rate against discard rate per policy (SpecDec++ Figure 3): every setting as a point, each
-    policy's Pareto frontier as a line."""
+def pareto_plot(rows: list[dict[str, Any]], path: Path, cost_ratio: float) -> None:
+    """Target calls per token against draft forwards per token, as counted, per policy (SpecDec++ Figure 3 plots the
+    discard rate, which counts SPRINTER's forwards short): every setting as a point, each policy's Pareto frontier
+    as a line, and dotted lines of equal modelled speedup at t_draft/t_target = `cost_ratio`."""
     figure, axis = plt.subplots(figsize=(6, 4.5))
     for policy in dict.fromkeys(row["policy"] for row in rows):
-        points = [(row["discard_rate"], row["verification_rate"]) for row in rows if row["policy"] == policy]
+        points = [(row["draft_forwards_per_token"], row["verification_rate"]) for row in rows if row["policy"] == policy]
         marker = "*" if policy == "oracle" else "o"
         line = axis.plot(*zip(*pareto_frontier(points)), marker=marker, label=policy,
                          linewidth=2.5 if policy in ("head", "sprinter") else 1.2)[0]
         axis.scatter(*zip(*points), marker=marker, color=line.get_color(), alpha=0.35, s=18)
-    axis.set(xlabel="discard rate (discarded draft tokens per generated token)",
-             ylabel="verification rate (target calls per token)",
-             title="Pareto frontier (test prompts; faint points: dominated settings)")
+    left, right = axis.get_xlim()
+    bottom, top = axis.get_ylim()
+    xs = np.linspace(max(left, 0.0), right, 50)
+    for speedup in np.unique(np.round([row["modelled_speedup"] for row in rows], 1)):
+        # tokens / (c · drafts + calls) = s  ⇔  calls per token = 1/s − c · drafts per token
+        axis.plot(xs, 1.0 / speedup - cost_ratio * xs, color="grey", linestyle=":", linewidth=0.7)
+    axis.set(xlim=(left, right), ylim=(bottom, top), xlabel="draft forwards per generated token",
+             ylabel="target calls per generated token",
+             title=f"Pareto frontier (test prompts; dotted: equal speedup at c = {cost_ratio:g})")
     axis.legend(fontsize=8)
     save(figure, path)
 

@@ -157,12 +157,13 @@ def offline_table(report: Report) -> list[str]:
 
 def decoding_table(rows: list[dict[str, Any]]) -> list[str]:
     """The decoding runs (test prompts) as a markdown table; tuned thresholds in bold."""
-    lines = ["| policy | threshold | discard rate | verification rate | mean accepted length | tokens/target call "
-             "| tokens/s | modelled speedup | target log-lik |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | threshold | discard rate | verification rate | draft forwards/token | mean accepted length "
+             "| tokens/target call | tokens/s | modelled speedup | target log-lik |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         mark = "**" if row.get("tuned") else ""
         lines.append(f"| {mark}{row['policy']}{mark} | {mark}{row['threshold']:g}{mark} | {fmt(row['discard_rate'])} "
-                     f"| {fmt(row['verification_rate'])} | {fmt(row['mean_accepted_length'], 2)} "
+                     f"| {fmt(row['verification_rate'])} | {fmt(row.get('draft_forwards_per_token'))} "
+                     f"| {fmt(row['mean_accepted_length'], 2)} "
                      f"| {fmt(row['tokens_per_target_call'], 2)} | {fmt(row['tokens_per_s'], 1)} "
                      f"| {fmt(row['modelled_speedup'])} | {fmt(row['mean_target_logprob'])} |")
     return lines
@@ -203,13 +204,23 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
         lines += [f"{section} Decoding runs (test prompts)", "",
                   f"{count(decoding['prompts']['test'], 'test prompt')} ({tuning_note(decoding)}), "
                   f"{decoding['max_new_tokens']} new tokens each, K_max {decoding['max_draft']}. Modelled "
-                  f"speedup at t_draft/t_target = {decoding['t_draft_over_t_target']:g}; {measured_costs_note(costs)} "
+                  f"speedup from counted forwards, {speedup_basis(decoding)}; {measured_costs_note(costs)} "
                   f"The loop spends {costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
         if decoding.get("serving"):
             lines += serving_lines(decoding["serving"], section, plot["serving"])
     return "\n".join(lines) + "\n"
+
+
+def speedup_basis(decoding: dict[str, Any]) -> str:
+    """How the report's modelled speedups were computed, with the cost ratio; a report written before they were
+    counted says that it used Eq. 5.1."""
+    c = decoding["t_draft_over_t_target"]
+    if decoding.get("speedup_from"):
+        return f"{decoding['speedup_from']} at c = t_draft/t_target = {c:g} (in target-forward units)"
+    return (f"SpecDec++ Eq. 5.1 at t_draft/t_target = {c:g} (this report predates counted speedups: Eq. 5.1 "
+            "overstates SPRINTER; evaluate again)")
 
 
 def ceiling_caption(report: Report) -> str:
@@ -251,7 +262,10 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
             cells.append(f"{row['tokens_per_s']:.1f}{change}")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     best = ", ".join(f"B = {size}: {policy}" for size, policy in serving["best"].items())
-    return [*lines, "", f"Best policy (the oracle aside): {best}.", "", f"![Serving throughput]({plot})", ""]
+    left_out = [f"{policy} is not in this table: {why}." for policy, why in serving.get("left_out", {}).items()]
+    if not serving["rows"]:
+        return [f"{section} At serving batch sizes (test prompts)", "", *left_out, ""]
+    return [*lines, "", f"Best policy (the oracle aside): {best}.", *left_out, "", f"![Serving throughput]({plot})", ""]
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:

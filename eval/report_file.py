@@ -93,6 +93,8 @@ class Report:
             "tokens": self.data["tokens"]}
         if self.decoding:
             result["t_draft_over_t_target"] = self.decoding["t_draft_over_t_target"]
+            result["speedup_from"] = self.decoding.get("speedup_from", "SpecDec++ Eq. 5.1 (a report from before counted "
+                                                                       "speedups; it overstates SPRINTER)")
             learned = self.tuned_row("head") or self.tuned_row("sprinter")
             if learned:
                 result["modelled_speedup"] = learned["modelled_speedup"]

@@ -19,6 +19,9 @@ from specheads.errors import UsageError
 from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
+ACCOUNTING = "counted forwards; a run ends at its first stop token"
+"""How runs count what they emitted (a context field): runs of another accounting are not mixed with these. Runs
+decoded before this field existed counted tokens after a stop token and a bonus token beyond max_new_tokens."""
 
 
 def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: list[DecodePrompt],
@@ -26,7 +29,7 @@ def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: 
     """Everything a head-free run's tokens depend on, as runs.json records it. `prompts` is ordered: a run's
     seed is derived from its prompt's position."""
     return {"models": models, "sampling": sampling, "max_new_tokens": max_new_tokens, "max_draft": max_draft,
-            "seed": seed, "device": device, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
+            "seed": seed, "device": device, "accounting": ACCOUNTING, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
 
 
 def context_differences(earlier: dict[str, Any], context: dict[str, Any]) -> list[str]:
@@ -49,7 +52,12 @@ def saved_runs(folder: str, what: str, remedy: str) -> tuple[dict[str, Any], lis
     checks it before models load); refuses a runs.json written before it recorded its context, saying that
     `what` cannot be checked and the `remedy`."""
     path = Path(folder) / "runs.json"
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path} is not readable JSON ({error}); run that eval again, or {remedy}") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("runs", []), list):
+        raise UsageError(f"{path} is not a `specheads eval` runs file (no list of runs); run that eval again, or {remedy}")
     if saved.get("context") is None:
         raise UsageError(f"{path} does not record its decoding context (an older specheads wrote it), so {what} "
                          f"cannot be checked; {remedy}")
@@ -66,5 +74,18 @@ def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecor
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")
     same_position = same_position_prompts(earlier, context)
     return {run_key(record): replace(record, reused=True)
-            for record in (RunRecord(**row) for row in runs)
+            for record in read_records(runs, Path(folder) / "runs.json", "drop --reuse-runs to decode them again")
             if record.policy in HEAD_FREE_POLICIES and record.prompt_id in same_position}
+
+
+def read_records(runs: list[Any], path: Path, remedy: str) -> list[RunRecord]:
+    """The runs of a runs file as records; a run that is not one (a damaged or hand-edited file) is refused in one
+    line naming its position."""
+    records = []
+    for number, row in enumerate(runs):
+        try:
+            records.append(RunRecord(**row))
+        except TypeError as error:
+            raise UsageError(f"{path}: run {number} is not a decoding run record ({error}); run that eval again, "
+                             f"or {remedy}") from None
+    return records

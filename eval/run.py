@@ -39,8 +39,9 @@ from specheads.eval.plots import (
 from specheads.eval.report import verdict, write_report
 from specheads.eval.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
-from specheads.eval.serving import CostCurve, best_per_batch_size, measure_cost_curve, serving_table
+from specheads.eval.serving import NOT_SERVED, CostCurve, best_per_batch_size, measure_cost_curve, serving_table
 from specheads.eval.sweep import (
+    COUNTED,
     DecodePrompt,
     RunKey,
     RunRecord,
@@ -59,6 +60,7 @@ from specheads.eval.sweep import (
 from specheads.eval.tuned import load_tuning
 from specheads.files import write_json_atomic
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
+from specheads.lock import folder_lock
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
 from specheads.train.checkpoint import TrainedHead, load_trained
@@ -163,12 +165,30 @@ def decoding_device(name: str) -> torch.device:
     return device
 
 
+def place(model: torch.nn.Module, device: torch.device) -> None:
+    """Move an unsplit model to the decoding device; a model accelerate spread over devices (`device_map`: its
+    `hf_device_map`) stays where it was loaded, its hooks moving activations between the parts."""
+    if not getattr(model, "hf_device_map", None):
+        model.to(device)
+
+
 def within_tv_budget(dev: list[dict[str, Any]], table: TokenTable, max_tv: float) -> list[dict[str, Any]]:
     """The dev rows without the SPRINTER thresholds whose distance from the target (`sprinter_distance`, on the
-    held-out tokens) exceeds `max_tv`."""
-    allowed = {t for t in {row["threshold"] for row in dev if row["policy"] == "sprinter"}
-               if sprinter_distance(table, t) <= max_tv}
-    return [row for row in dev if row["policy"] != "sprinter" or row["threshold"] in allowed]
+    held-out tokens) exceeds `max_tv`; each SPRINTER row is marked `within_tv_budget` for the report."""
+    for row in dev:
+        if row["policy"] == "sprinter":
+            row["within_tv_budget"] = bool(sprinter_distance(table, row["threshold"]) <= max_tv)
+    return [row for row in dev if row.get("within_tv_budget", True)]
+
+
+def tune_on_dev(dev: list[dict[str, Any]], table: TokenTable, purpose: str,
+                max_tv: float) -> tuple[dict[str, float], dict[str, str]]:
+    """Per policy, the dev-tuned threshold (a verifier's within the TV budget: it trades quality for speed), and the
+    policies tuned at an end of their grid, judged on the whole grid: the end of what the budget allowed is not an
+    end of the grid (the budget, not the grid, stops the search there)."""
+    allowed = within_tv_budget(dev, table, max_tv) if purpose == "verify" else dev
+    tuned = {policy: row["threshold"] for policy, row in tune(allowed).items()}
+    return tuned, grid_edges(dev, tuned)
 
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
@@ -181,8 +201,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio)
               if config.tuned_from else None)
-    pair.target.to(device)
-    pair.draft.to(device)
+    place(pair.target, device)
+    place(pair.draft, device)
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
@@ -196,25 +216,21 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
-    if tuning:
-        tuned = dict(tuning.thresholds)
-    else:
-        if trained.purpose == "verify":  # a verifier trades quality for speed: tune within the TV budget
-            dev = within_tv_budget(dev, table, config.sprinter_max_tv)
-        tuned = {policy: row["threshold"] for policy, row in tune(dev).items()}
+    tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
+                                                                             config.sprinter_max_tv)
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     learned = "head" if trained.purpose == "stop" else "sprinter"
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
-    section = {"t_draft_over_t_target": config.cost_ratio, "measured_costs": costs,
+    section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
                "gain_intervals": intervals, "policies": test, "dev_policies": dev,
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
-               "tuned_at_grid_edge": {} if tuning else grid_edges(dev, tuned)}
+               "tuned_at_grid_edge": edges}
     if config.serving_batch_sizes:
         section["serving"] = serving_section(config, pair, device, records, tuned)
     return Decoding(section, records, tuned.get(learned), context, journal)
@@ -250,7 +266,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         source = f"measured on {device_name(device)}"
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), draft, target)
     return {"batch_sizes": list(config.serving_batch_sizes), "cost_curves": {"draft": draft.as_dict(),
-            "target": target.as_dict(), "source": source}, "rows": rows, "best": best_per_batch_size(rows)}
+            "target": target.as_dict(), "source": source}, "rows": rows, "best": best_per_batch_size(rows),
+            "left_out": {policy: why for policy, why in NOT_SERVED.items() if policy in tuned}}
 
 
 def device_name(device: torch.device) -> str:
@@ -276,7 +293,7 @@ def head_identity(trained: TrainedHead) -> EvaluatedHead:
 
 def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
-    checkpoint); returns the report."""
+    checkpoint); returns the report. One eval at a time writes a folder (`specheads.lock`)."""
     config.validate()
     device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
@@ -285,6 +302,12 @@ def evaluate(config: EvalConfig) -> Report:
                          f"run `specheads gen --out {config.data}` first")
     trained = load_trained(config.head)
     check_data(trained, manifest, config.data, config.allow_other_data)
+    with folder_lock(Path(config.out), "eval"):
+        return evaluate_locked(config, device, manifest, trained)
+
+
+def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str, Any], trained: TrainedHead) -> Report:
+    """`evaluate` once the report folder is held."""
     data, trained_on = held_out_data(config, trained, manifest)
     need_models = config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
     source = manifest["config"]
@@ -317,23 +340,38 @@ def evaluate(config: EvalConfig) -> Report:
                     sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)
     report.verdict = verdict(report)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    roc_plot(table, report.offline, out / PLOTS["roc"], config.seed)
-    reliability_plot(report.calibration, out / PLOTS["reliability"])
-    if cumulative:
-        cumulative_reliability_plot(cumulative, out / PLOTS["cumulative_reliability"])
+    report.plots = write_plots(report, table, decoding, cumulative, out, config)
     if decoding:
-        pareto_plot(decoding.section["policies"], out / PLOTS["pareto"])
-        if decoding.section.get("serving"):
-            serving_plot(decoding.section["serving"]["rows"], out / PLOTS["serving"])
-        acceptance_length_plot(accepted_lengths(decoding), out / PLOTS["acceptance_lengths"])
         write_json_atomic(out / "runs.json", {"context": decoding.context, "runs": records_as_dicts(decoding.records)})
-    report.plots = {name: file for name, file in PLOTS.items() if (out / file).exists()}
+    else:  # an earlier eval's runs are not this report's: --reuse-runs and --tuned-from must not find them
+        (out / "runs.json").unlink(missing_ok=True)
     report.write(out)
     write_report(report, out)
     if decoding:
         decoding.journal.remove()
     return report
+
+
+def write_plots(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,
+                out: Path, config: EvalConfig) -> dict[str, str]:
+    """Draw this run's plots into `out` and remove the plot files an earlier run left there that this one does not
+    draw (a report lists only its own); the plots drawn, by name."""
+    drawings = {"roc": lambda path: roc_plot(table, report.offline, path, config.seed),
+                "reliability": lambda path: reliability_plot(report.calibration, path)}
+    if cumulative:
+        drawings["cumulative_reliability"] = lambda path: cumulative_reliability_plot(cumulative, path)
+    if decoding:
+        drawings["pareto"] = lambda path: pareto_plot(decoding.section["policies"], path, config.cost_ratio)
+        if decoding.section.get("serving"):
+            drawings["serving"] = lambda path: serving_plot(decoding.section["serving"]["rows"], path)
+        drawings["acceptance_lengths"] = lambda path: acceptance_length_plot(accepted_lengths(decoding), path)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, file in PLOTS.items():
+        if name in drawings:
+            drawings[name](out / file)
+        else:
+            (out / file).unlink(missing_ok=True)
+    return {name: file for name, file in PLOTS.items() if name in drawings}
 
 
 def accepted_lengths(decoding: Decoding) -> dict[str, list[int]]:

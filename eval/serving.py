@@ -9,7 +9,12 @@ the queue), rounds in lockstep, and each round costs
     Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (k + 1))
 
 seconds, with c(n) the forward time against the tokens in the forward (a `CostCurve`, measured on the decoding
-device or given). A round yields Σ_rows (a + 1) tokens; throughput = tokens / modelled seconds.
+device or given). A round yields Σ_rows (a + 1) tokens, but for a request's last round, which yields what its run
+emitted after the earlier rounds (a run ends at its first stop token and at max_new_tokens); throughput = tokens /
+modelled seconds.
+
+SPRINTER is not served here: its rows call the target at different draft steps, for one flagged token each, so its
+run is no sequence of lockstep verify rounds; the table says so rather than leave it out without a word.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 from specheads.errors import UsageError
 
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+NOT_SERVED = {"sprinter": "SPRINTER calls the target at different draft steps per row, for one flagged token each, so "
+                          "its runs are no lockstep verify rounds for this model of a serving batch"}
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def request_rounds(record: Any) -> list[tuple[int, int]]:
+    """A run's rounds as (candidates k, tokens yielded): a + 1 each, the last one what the run emitted after the
+    others (less where it ended at a stop token or at max_new_tokens)."""
+    yielded = [a + 1 for a in record.accepted_per_round]
+    if yielded:
+        yielded[-1] = record.emitted - sum(yielded[:-1])
+    return list(zip(record.drafted_per_round, yielded))
+
+
 def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCurve, target: CostCurve) -> dict[str, float]:
-    """Serve `requests` (each a list of rounds (candidates k, accepted a)) `batch_size` at a time with continuous
-    batching; the modelled seconds, tokens and throughput (module docstring)."""
+    """Serve `requests` (each a list of rounds (candidates k, tokens yielded), `request_rounds`) `batch_size` at a time
+    with continuous batching; the modelled seconds, tokens and throughput (module docstring)."""
     queue = deque(deque(rounds) for rounds in requests if rounds)
     slots: list[deque] = []
     seconds = tokens = rounds_run = 0.0
@@ -104,7 +120,7 @@ def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCur
         drafted = [k for k, _ in step]
         seconds += sum(draft(sum(k >= s for k in drafted)) for s in range(1, max(drafted) + 1))
         seconds += target(sum(k + 1 for k in drafted))
-        tokens += sum(a + 1 for _, a in step)
+        tokens += sum(yielded for _, yielded in step)
         rounds_run += 1
         slots = [slot for slot in slots if slot]
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds if seconds else float("nan"),
@@ -118,9 +134,9 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
     rows = []
     for policy, threshold in tuned.items():
         runs = [r for r in records if r.split == split and r.policy == policy and r.threshold == threshold]
-        if not runs or policy == "sprinter" or any(len(r.drafted_per_round) != len(r.accepted_per_round) for r in runs):
+        if not runs or policy in NOT_SERVED or any(len(r.drafted_per_round) != len(r.accepted_per_round) for r in runs):
             continue
-        requests = [list(zip(r.drafted_per_round, r.accepted_per_round)) for r in runs]
+        requests = [request_rounds(r) for r in runs]
         for size in batch_sizes:
             rows.append({"policy": policy, "threshold": threshold, "batch_size": size, "requests": len(runs),
                          **serve(requests, size, draft, target)})

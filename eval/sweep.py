@@ -1,11 +1,14 @@
 """Decoding runs over held-out prompts: every policy at every threshold, costs, tuning on the dev split.
 
 Each (policy, threshold) runs on every decode prompt; prompts are split into dev (thresholds are tuned
-there) and test (what the report quotes). The modelled time per token is SpecDec++ Eq. 5.1:
-c·(1 + discard_rate) + (1 − c)·verification_rate in units of t_target with c = t_draft/t_target, so the
-modelled speedup over target-only decoding is its inverse. t_draft and t_target are also measured: each
-model's forward passes are timed, and the ratio comes with a bootstrap interval that says whether the runs
-determine it.
+there) and test (what the report quotes). The modelled speedup over target-only decoding is counted, not assumed:
+tokens emitted ÷ (c · draft forwards + target calls), in units of one target forward, with c = t_draft/t_target
+(`modelled_speedup`). For the SpecDec++ loop, where every emitted token is an accepted draft token or the one token a
+target call yields and the draft makes one forward per drafted token, this equals SpecDec++ Eq. 5.1,
+1 / (c·(1 + discard_rate) + (1 − c)·verification_rate) (`eq_5_1_speedup`, quoted only beside the paper); SPRINTER's
+loop breaks that assumption (its draft runs for every emitted token and the target is called besides), so Eq. 5.1
+would overstate it. t_draft and t_target are also measured: each model's forward passes are timed, and the ratio
+comes with a bootstrap interval that says whether the runs determine it.
 """
 
 from __future__ import annotations
@@ -104,8 +107,10 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
 
 
 def as_oracle(record: RunRecord) -> RunRecord:
-    """The hindsight oracle's accounting of a constant-K_max run (the same tokens: it keeps only accepted drafts)."""
-    return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round))
+    """The hindsight oracle's accounting of a constant-K_max run (the same tokens): it drafts only the candidates the
+    target accepts, one draft forward each, and calls the target as often."""
+    return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round),
+                   draft_forwards=record.accepted)
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
@@ -238,17 +243,30 @@ def ratio_interval(records: list[RunRecord], times: np.ndarray, resamples: int, 
     return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
-def modelled_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:
-    """Speedup over target-only decoding by SpecDec++ Eq. 5.1 at t_draft/t_target = `cost_ratio` (floats or arrays)."""
-    return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
+COUNTED = "tokens emitted / (c · draft forwards + target calls)"
+"""How a report's modelled speedups were computed (its decoding section's `speedup_from`); reports without it used
+SpecDec++ Eq. 5.1, which overstates SPRINTER."""
 
 
-def measured_speedup(discard_rate: float, verification_rate: float, measured_ratio: float | None) -> float | None:
-    """The modelled speedup at the ratio measured on this machine; None where the runs did not determine the ratio,
+def modelled_speedup(emitted: Any, draft_forwards: Any, target_calls: Any, cost_ratio: float) -> Any:
+    """Speedup over target-only decoding from what a run counted: tokens emitted ÷ (c · draft forwards + target
+    calls), in target-forward units with c = t_draft/t_target = `cost_ratio` (floats or arrays)."""
+    return emitted / (cost_ratio * draft_forwards + target_calls)
+
+
+def measured_speedup(emitted: float, draft_forwards: float, target_calls: float,
+                     measured_ratio: float | None) -> float | None:
+    """The counted speedup at the ratio measured on this machine; None where the runs did not determine the ratio,
     or where it models no time at all (a zero ratio and no target call)."""
-    if measured_ratio is None or measured_ratio * (1.0 + discard_rate) + (1.0 - measured_ratio) * verification_rate <= 0:
+    if measured_ratio is None or measured_ratio * draft_forwards + target_calls <= 0:
         return None
-    return modelled_speedup(discard_rate, verification_rate, measured_ratio)
+    return modelled_speedup(emitted, draft_forwards, target_calls, measured_ratio)
+
+
+def eq_5_1_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:
+    """SpecDec++ Eq. 5.1, 1 / (c·(1 + discard_rate) + (1 − c)·verification_rate): equal to `modelled_speedup` for the
+    SpecDec++ loop (module docstring), quoted only beside the paper's figures."""
+    return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
 
 
 def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
@@ -260,17 +278,18 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
         runs = [r for r in chosen if (r.policy, r.threshold) == (setting.policy, setting.threshold)]
         emitted = sum(r.emitted for r in runs)
         calls = sum(r.target_calls for r in runs)
+        forwards = sum(r.draft_forwards for r in runs)
         discard = sum(r.drafted - r.accepted for r in runs) / emitted
         verification = calls / emitted
         logprobs = [r.target_logprob for r in runs if math.isfinite(r.target_logprob)]
         rows.append({
             "policy": setting.policy, "threshold": setting.threshold, "prompts": len(runs), "tokens": emitted,
-            "discard_rate": discard, "verification_rate": verification,
+            "discard_rate": discard, "verification_rate": verification, "draft_forwards_per_token": forwards / emitted,
             "mean_accepted_length": sum(r.accepted for r in runs) / max(sum(len(r.accepted_per_round) for r in runs), 1),
             "tokens_per_target_call": emitted / max(calls, 1),
             "tokens_per_s": emitted / sum(r.seconds for r in runs), "wall_s": sum(r.seconds for r in runs),
-            "modelled_speedup": modelled_speedup(discard, verification, cost_ratio),
-            "modelled_speedup_measured_ratio": measured_speedup(discard, verification, measured_ratio),
+            "modelled_speedup": modelled_speedup(emitted, forwards, calls, cost_ratio),
+            "modelled_speedup_measured_ratio": measured_speedup(emitted, forwards, calls, measured_ratio),
             "mean_target_logprob": float(np.mean(logprobs)) if logprobs else None,
         })
     return rows
@@ -279,8 +298,8 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
 def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting, cost_ratio: float,
                          resamples: int = 1000, seed: int = 0, split: str = "test") -> list[float] | None:
     """95 % interval of `mine`'s modelled speedup over `other`'s, minus 1, resampling the split's prompts with
-    replacement (paired: each resample draws the same prompts for both; rates are ratios of totals, as in
-    `aggregate`). None when fewer than two prompts ran under both."""
+    replacement (paired: each resample draws the same prompts for both; counts are summed over the drawn prompts,
+    as in `aggregate`). None when fewer than two prompts ran under both."""
     def per_prompt(setting: Setting) -> dict[str, RunRecord]:
         return {r.prompt_id: r for r in records
                 if r.split == split and (r.policy, r.threshold) == (setting.policy, setting.threshold)}
@@ -289,13 +308,13 @@ def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting
     prompts = sorted(set(runs_a) & set(runs_b))
     if len(prompts) < 2 or resamples < 1:
         return None
-    counts = {name: np.array([[r.emitted, r.drafted - r.accepted, r.target_calls] for r in (runs[p] for p in prompts)],
+    counts = {name: np.array([[r.emitted, r.draft_forwards, r.target_calls] for r in (runs[p] for p in prompts)],
                              dtype=np.float64) for name, runs in (("a", runs_a), ("b", runs_b))}
     draws = np.random.default_rng(seed).integers(0, len(prompts), (resamples, len(prompts)))
     speedups = {}
     for name, table in counts.items():
-        emitted, discarded, calls = (table[:, column][draws].sum(1) for column in range(3))
-        speedups[name] = modelled_speedup(discarded / emitted, calls / emitted, cost_ratio)
+        emitted, forwards, calls = (table[:, column][draws].sum(1) for column in range(3))
+        speedups[name] = modelled_speedup(emitted, forwards, calls, cost_ratio)
     return interval(list(speedups["a"] / speedups["b"] - 1.0))
 
 

@@ -18,7 +18,7 @@ from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
 
 POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")
-MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft")
+MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")
 
 
 @dataclass(frozen=True)

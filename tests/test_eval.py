@@ -25,7 +25,16 @@ from specheads.eval.policies import make_policy
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
 from specheads.eval.report_file import Report, read_report
 from specheads.eval.run import check_data
-from specheads.eval.sweep import RunRecord, Setting, aggregate, grid_edges, measure_costs, modelled_speedup, paired_gain_interval
+from specheads.eval.sweep import (
+    RunRecord,
+    Setting,
+    aggregate,
+    eq_5_1_speedup,
+    grid_edges,
+    measure_costs,
+    modelled_speedup,
+    paired_gain_interval,
+)
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
@@ -152,8 +161,11 @@ def timed_run(policy: str, threshold: float, drafts: int, calls: int, t_draft: f
 
 
 def test_modelled_speedup_aggregation_and_measured_forward_times():
-    assert modelled_speedup(0.0, 1.0, 0.2) == pytest.approx(1.0 / (0.2 + 0.8))
-    assert modelled_speedup(0.5, 0.25, 0.2) == pytest.approx(1.0 / (0.2 * 1.5 + 0.8 * 0.25))
+    # target-only decoding: one target call per token and no draft forward
+    assert modelled_speedup(10, 0, 10, 0.2) == pytest.approx(1.0)
+    # 40 tokens from 30 draft forwards and 10 target calls: 40 / (0.2·30 + 10)
+    assert modelled_speedup(40, 30, 10, 0.2) == pytest.approx(2.5)
+    assert eq_5_1_speedup(0.5, 0.25, 0.2) == pytest.approx(1.0 / (0.2 * 1.5 + 0.8 * 0.25))
     records = [timed_run("constant_k", float(k), drafts, calls)
                for k, (drafts, calls) in enumerate([(10, 5), (20, 4), (6, 6), (30, 3)] * 2)]
     costs = measure_costs(records)
@@ -164,6 +176,7 @@ def test_modelled_speedup_aggregation_and_measured_forward_times():
     row = aggregate(one_setting, "test", 0.2, costs["ratio"])[0]
     assert row["discard_rate"] == pytest.approx(sum(d - d // 2 for d in (10, 20, 6, 30)) / 80)
     assert row["verification_rate"] == pytest.approx(18 / 80)
+    assert row["modelled_speedup"] == pytest.approx(80 / (0.2 * 66 + 18))  # 66 draft forwards, 18 target calls
 
 
 def test_a_measured_ratio_that_varies_between_settings_or_rests_on_few_passes_is_marked_unreliable():
@@ -183,7 +196,8 @@ def test_cost_measurement_leaves_undetermined_what_the_runs_do_not_determine():
     assert costs["t_draft_s"] == pytest.approx(0.01)
     row = aggregate(never_verified, "test", 0.2, costs["ratio"])[0]
     assert row["verification_rate"] == 0 and row["modelled_speedup_measured_ratio"] is None
-    assert row["modelled_speedup"] == pytest.approx(1 / (0.2 * (1 + 22 / 40)))  # (10 + 12) discarded of 40 tokens
+    # counted: 40 tokens from 44 draft forwards and no target call (Eq. 5.1 would count 22 discarded tokens instead)
+    assert row["modelled_speedup"] == pytest.approx(40 / (0.2 * 44))
     # a zero measured ratio with no target call models no time at all: no figure rather than a division by zero
     assert aggregate(never_verified, "test", 0.2, 0.0)[0]["modelled_speedup_measured_ratio"] is None
     assert "do not determine the ratio" in measured_costs_note(costs)
@@ -394,8 +408,10 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
         for name in ("threshold", "discard_rate", "verification_rate", "mean_accepted_length", "tokens_per_s",
                      "modelled_speedup"):
             assert isinstance(row[name], float), name
-        expected = modelled_speedup(row["discard_rate"], row["verification_rate"], 0.2)
-        assert row["modelled_speedup"] == pytest.approx(expected)
+        runs = [r for r in json.loads((out / "runs.json").read_text())["runs"]
+                if (r["policy"], r["threshold"], r["split"]) == (row["policy"], row["threshold"], "test")]
+        emitted, forwards, calls = (sum(r[key] for r in runs) for key in ("emitted", "draft_forwards", "target_calls"))
+        assert row["modelled_speedup"] == pytest.approx(emitted / (0.2 * forwards + calls))
     assert all(row["discard_rate"] == 0 for row in decoding["policies"] if row["policy"] == "oracle")
     for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
         assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()

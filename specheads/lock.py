@@ -1,0 +1,63 @@
+"""One writer at a time per output folder (`specheads gen`, `specheads eval`): an exclusive lock a second run respects.
+
+`filelock.FileLock` holds an OS lock on `FOLDER/.specheads-<command>.lock` (flock on POSIX, msvcrt on Windows), so
+the lock goes when its holder ends, however it ends, and a killed run is resumed by the next one. Where the OS lock
+is not available (some network file systems), it falls back to `SoftFileLock`, whose file a killed run leaves behind
+(the refusal then says to delete it). A second file beside the lock names the holder, for the refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from filelock import FileLock, SoftFileLock, Timeout
+
+from specheads.errors import UsageError
+
+
+def lock_files(command: str) -> tuple[str, str]:
+    """The names of `command`'s lock file and of the file naming its holder."""
+    return f".specheads-{command}.lock", f".specheads-{command}.holder"
+
+
+@contextmanager
+def folder_lock(folder: Path, command: str) -> Iterator[None]:
+    """Hold `folder`'s lock for `command` for the block; refuse at once, naming the holder, when another run holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_name, holder_name = lock_files(command)
+    try:
+        lock: FileLock | SoftFileLock = FileLock(folder / lock_name, timeout=0)
+        lock.acquire()
+    except NotImplementedError:  # no OS lock on this file system
+        lock = SoftFileLock(folder / lock_name, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            _refuse(folder, command, holder_name, soft=True)
+    except Timeout:
+        _refuse(folder, command, holder_name, soft=False)
+    try:
+        (folder / holder_name).write_text(json.dumps({
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+        yield
+    finally:
+        lock.release()
+
+
+def _refuse(folder: Path, command: str, holder_name: str, soft: bool) -> None:
+    try:
+        holder = json.loads((folder / holder_name).read_text() or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    stale = (f"; if no such run is alive, delete {folder / lock_files(command)[0]} (this file system has no OS lock, "
+             "so a killed run leaves it behind)") if soft else ""
+    raise UsageError(f"{folder} is being written by another `specheads {command}` (pid {holder.get('pid', '?')} on "
+                     f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to finish, or stop it, "
+                     f"or choose another output folder{stale}")
