@@ -29,6 +29,7 @@ def lock_files(command: str) -> tuple[str, str]:
 @contextmanager
 def folder_lock(folder: Path, command: str) -> Iterator[None]:
     """Hold `folder`'s lock for `command` for the block; refuse at once, naming the holder, when another run holds it."""
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     lock_name, holder_name = lock_files(command)
     try:
@@ -49,6 +50,20 @@ def folder_lock(folder: Path, command: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+        if created:
+            forget_if_unused(folder, (lock_name, holder_name))
+
+
+def forget_if_unused(folder: Path, lock_names: tuple[str, str]) -> None:
+    """Remove a folder the lock created when the run left nothing in it but the lock's files (it failed before
+    writing anything): a refused run leaves nothing behind."""
+    try:
+        if all(path.name in lock_names for path in folder.iterdir()):
+            for name in lock_names:
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
+    except OSError:  # another run took the folder meanwhile; leave it
+        pass
 
 
 def _refuse(folder: Path, command: str, holder_name: str, soft: bool) -> None:

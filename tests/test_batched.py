@@ -115,7 +115,7 @@ def test_serving_accounting_on_a_hand_computed_case():
 
     draft = CostCurve((1, 2), (2.0, 3.0))  # 1 + n seconds for n tokens, extrapolated linearly
     target = CostCurve((1, 2), (11.0, 12.0))  # 10 + n
-    requests = [[(2, 1), (1, 1)], [(3, 0)]]
+    requests = [[(2, 2), (1, 2)], [(3, 1)]]  # rounds of (candidates, tokens yielded = accepted + 1)
     # B = 1: (2 + 2 + 13) + (2 + 12) + (2 + 2 + 2 + 14) = 51 s for 2 + 2 + 1 tokens
     alone = serve(requests, 1, draft, target)
     assert (alone["seconds"], alone["tokens"]) == (51.0, 5.0)
