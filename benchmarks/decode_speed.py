@@ -1,8 +1,8 @@
-"""Benchmark of eval's decoding runs: the batched loop against the batch-1 reference loop (issue: batched decoding).
+"""Benchmark of eval's decoding runs: the round engine over B rows against B = 1 (issue: batched decoding).
 
 Side by side in one process, on the same held-out prompts, settings and per-prompt seeds: every setting's
-runs decoded one prompt at a time (`Decoder.speculative_decode`) and `--batch-size` prompts at a time
-(`BatchDecoder.speculative_decode_batch`). It prints wall time of each, their ratio, and the share of runs
+runs decoded one prompt at a time (`RoundEngine.decode_one`) and `--batch-size` prompts at a time
+(`RoundEngine.decode`). It prints wall time of each, their ratio, and the share of runs
 whose tokens are identical (float32: a padded forward can move a logit in its last bits, which flips a draw
 only when a uniform lands that close to a threshold).
 
@@ -64,8 +64,7 @@ def main() -> None:
     from specheads.data_gen.prompts import encode_prompt, load_prompts
     from specheads.data_gen.responses import stop_token_ids
     from specheads.dataclass_cli import parse_script
-    from specheads.eval.batched import BatchDecoder
-    from specheads.eval.policies import make_policy
+    from specheads.decoding import RoundEngine, make_policy
     from specheads.sampling import SamplingTransform
     from specheads.train.checkpoint import load_trained
 
@@ -82,17 +81,16 @@ def main() -> None:
                 + [make_policy("confidence", t, config.max_draft) for t in config.confidence]
                 + [make_policy("svip", t, config.max_draft) for t in config.svip]
                 + ([make_policy("head", t, config.max_draft) for t in config.head_thresholds] if head is not None else []))
-    decoder = BatchDecoder(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    decoder = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
     seeds = list(range(len(prompts)))
 
     start = time.perf_counter()
     batched = [result for policy in policies for first in range(0, len(prompts), config.batch_size)
-               for result in decoder.speculative_decode_batch(prompts[first : first + config.batch_size], policy,
-                                                              config.max_new_tokens, seeds[first : first + config.batch_size],
-                                                              head if policy.reads_head else None)]
+               for result in decoder.decode(prompts[first : first + config.batch_size], policy, config.max_new_tokens,
+                                            seeds[first : first + config.batch_size], head if policy.reads_head else None)]
     batched_s = time.perf_counter() - start
     start = time.perf_counter()
-    single = [decoder.speculative_decode(prompt, policy, config.max_new_tokens, seed, head if policy.reads_head else None)
+    single = [decoder.decode_one(prompt, policy, config.max_new_tokens, seed, head if policy.reads_head else None)
               for policy in policies for prompt, seed in zip(prompts, seeds)]
     single_s = time.perf_counter() - start
     identical = sum(a.tokens == b.tokens for a, b in zip(batched, single))

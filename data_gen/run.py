@@ -20,7 +20,6 @@ from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.embedded import file_sha256
 from specheads.data_gen.engines import BuiltinEngine
-from specheads.lock import folder_lock, lock_files
 from specheads.data_gen.models import (
     ModelPair,
     chat_template_hash,
@@ -42,6 +41,7 @@ from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_mani
 from specheads.data_gen.vllm_engine import require_vllm, shards_with_vllm_responses
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic, write_text_atomic
+from specheads.lock import folder_lock, lock_files
 from specheads.states import check_state_layer
 from specheads.text import count, rate
 

@@ -41,8 +41,8 @@ class EvalConfig:
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
             Offline metrics read stored features on the CPU.
         progress: show progress bars.
-        decode_batch_size: prompts decoded together per setting (`eval.batched`; every row keeps its own seed, so
-            the runs equal the batch-1 loop's up to float rounding); 1 runs the batch-1 reference loop.
+        decode_batch_size: prompts decoded together per setting by the round engine (`specheads.decoding`; every
+            row keeps its own seed, so the runs equal those decoded one at a time up to float rounding).
         serving_batch_sizes: also judge each policy at its tuned threshold when B requests are served together
             (`eval.serving`): modelled throughput per B, from the test runs' rounds and each model's cost curve.
         serving_costs: a JSON file `{draft: {tokens: [...], seconds: [...]}, target: {...}}` of forward time

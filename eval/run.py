@@ -14,8 +14,8 @@ from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
 from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.data_gen.responses import stop_token_ids
 from specheads.data_gen.store import read_manifest
+from specheads.decoding import RoundEngine
 from specheads.errors import UsageError
-from specheads.eval.batched import BatchDecoder
 from specheads.eval.config import EvalConfig
 from specheads.eval.journal import RunJournal, open_journal
 from specheads.eval.offline import (
@@ -210,8 +210,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
     journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
-    decoder = BatchDecoder(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
-    records = run_sweep(decoder, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
+    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
+    records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
     costs = measure_costs(records)
     dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specheads.decoding import BatchCache
 from specheads.errors import UsageError
 
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -74,8 +75,6 @@ class CostCurve:
 def measure_cost_curve(model: Any, context: int = 32, tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> CostCurve:
     """The forward time of `model` on its device against the tokens in the forward: n rows of one new token each,
     every row with `context` cached tokens (the median of `repeats` timings per n)."""
-    from specheads.eval.batched import BatchCache
-
     seconds = []
     vocab = model.get_input_embeddings().weight.shape[0]
     for n in tokens:

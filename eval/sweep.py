@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from specheads.eval.batched import BatchDecoder
-from specheads.eval.decoding import DecodeResult, target_log_likelihoods
+from specheads.decoding import DecodeResult, RoundEngine, make_policy
+from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
-from specheads.eval.policies import make_policy
 from specheads.heads import AcceptanceHead
 
 HEAD_THRESHOLDS = (0.3, 0.5, 0.65, 0.8, 0.9)
@@ -122,20 +121,13 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      draft_passes=result.draft_passes, target_passes=result.target_passes)
 
 
-def decode_runs(decoder: BatchDecoder, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
+def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
                 head: AcceptanceHead, max_new_tokens: int, max_draft: int) -> list[RunRecord]:
-    """Decode prompts under one setting: together (`eval.batched`) when there are several, else with the batch-1
-    reference loop."""
+    """Decode prompts together under one setting (`specheads.decoding`: one round engine for every rule and B)."""
     ids = [list(prompt.ids) for prompt in prompts]
-    if setting.policy == "sprinter":
-        results = (decoder.sprinter_decode_batch(ids, head, setting.threshold, max_new_tokens, seeds) if len(ids) > 1
-                   else [decoder.sprinter_decode(ids[0], head, setting.threshold, max_new_tokens, seeds[0])])
-    else:
-        policy = make_policy(setting.policy, setting.threshold, max_draft)
-        reads = head if policy.reads_head else None
-        results = (decoder.speculative_decode_batch(ids, policy, max_new_tokens, seeds, reads) if len(ids) > 1
-                   else [decoder.speculative_decode(ids[0], policy, max_new_tokens, seeds[0], reads)])
-    likelihoods = target_log_likelihoods(decoder.target, ids, [result.tokens for result in results])
+    rule = make_policy(setting.policy, setting.threshold, max_draft)
+    results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None)
+    likelihoods = target_log_likelihoods(engine.target, ids, [result.tokens for result in results])
     return [record_of(setting, prompt, result, likelihood)
             for prompt, result, likelihood in zip(prompts, results, likelihoods)]
 
@@ -148,7 +140,7 @@ def decoded_settings(settings: list[Setting], max_draft: int) -> list[Setting]:
     return real
 
 
-def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
+def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[Setting], head: AcceptanceHead,
               max_new_tokens: int, max_draft: int, seed: int = 0, progress: bool = True,
               reused: dict[RunKey, RunRecord] | None = None, batch_size: int = 1,
               finished: dict[RunKey, RunRecord] | None = None,
@@ -170,7 +162,7 @@ def run_sweep(decoder: BatchDecoder, prompts: list[DecodePrompt], settings: list
         decoded: dict[int, RunRecord] = {}
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            runs = decode_runs(decoder, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
+            runs = decode_runs(engine, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
                                head, max_new_tokens, max_draft)
             decoded.update(zip(chunk, runs))
             if on_batch is not None:

@@ -1,11 +1,10 @@
-"""The batched decoding loops against the batch-1 reference: identical rows in float64, exactness, per-row cropping."""
+"""The round engine over B rows against the same rows decoded alone: identical in float64, exactness, per-row cropping."""
 
 import pytest
 import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
-from specheads.eval.batched import BatchCache, BatchDecoder
-from specheads.eval.policies import make_policy
+from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.sampling import SamplingTransform
 
@@ -35,18 +34,18 @@ SETTINGS = [("constant_k", 3, None), ("svip", 1.2, None), ("confidence", 0.3, No
 
 
 @pytest.mark.parametrize("stop_ids", [[], STOPS], ids=["no-stop-token", "stop-tokens"])
-def test_every_row_equals_the_batch_1_loop_in_float64(pair64, stop_ids):
+def test_every_row_of_a_batch_equals_the_row_decoded_alone_in_float64(pair64, stop_ids):
     target, draft = pair64
     heads = heads64()
     for temperature in (1.0, 0.0):
-        decoder = BatchDecoder(target, draft, SamplingTransform(temperature), stop_ids=stop_ids)
+        decoder = RoundEngine(target, draft, SamplingTransform(temperature), stop_ids=stop_ids)
         seeds = [100 + i for i in range(len(PROMPTS))]
         for name, threshold, head_name in SETTINGS:
             policy = make_policy(name, threshold, max_draft=4)
             head = heads.get(head_name)
-            batch = decoder.speculative_decode_batch(PROMPTS, policy, 14, seeds, head)
+            batch = decoder.decode(PROMPTS, policy, 14, seeds, head)
             for prompt, seed, row in zip(PROMPTS, seeds, batch):
-                single = decoder.speculative_decode(prompt, policy, 14, seed, head)
+                single = decoder.decode_one(prompt, policy, 14, seed, head)
                 assert row.tokens == single.tokens, (name, head_name, temperature)
                 assert (row.emitted, row.drafted, row.accepted, row.target_calls, row.draft_forwards,
                         row.accepted_per_round) == (single.emitted, single.drafted, single.accepted,
@@ -57,18 +56,19 @@ def test_every_row_equals_the_batch_1_loop_in_float64(pair64, stop_ids):
                 assert len(lengths) > 1 and any(row.tokens and row.tokens[-1] in STOPS for row in batch), name
 
 
-def test_sprinter_rows_equal_the_batch_1_loop_in_float64(pair64):
+def test_sprinter_rows_of_a_batch_equal_the_rows_decoded_alone_in_float64(pair64):
     target, draft = pair64
-    decoder = BatchDecoder(target, draft, SamplingTransform(1.0), stop_ids=STOPS)
+    decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=STOPS)
     torch.manual_seed(5)
     verifier = LinearVerifier(16, extra_features=["logq"], candidate_embedding_size=16).double().eval()
     torch.nn.init.normal_(verifier.out.weight, std=1.0)
     seeds = [7 * i for i in range(len(PROMPTS))]
     for threshold in (0.3, 0.6):
-        batch = decoder.sprinter_decode_batch(PROMPTS, verifier, threshold, 12, seeds)
+        rule = make_policy("sprinter", threshold)
+        batch = decoder.decode(PROMPTS, rule, 12, seeds, verifier)
         calls = 0
         for prompt, seed, row in zip(PROMPTS, seeds, batch):
-            single = decoder.sprinter_decode(prompt, verifier, threshold, 12, seed)
+            single = decoder.decode_one(prompt, rule, 12, seed, verifier)
             assert (row.tokens, row.drafted, row.accepted, row.target_calls, row.accepted_per_round) == (
                 single.tokens, single.drafted, single.accepted, single.target_calls, single.accepted_per_round)
             calls += row.target_calls
@@ -95,15 +95,14 @@ def test_the_batched_loop_samples_the_target_distribution():
     target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
-    decoder = BatchDecoder(target, draft, transform, stop_ids=[])
+    decoder = RoundEngine(target, draft, transform, stop_ids=[])
     on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16).eval()
     torch.nn.init.normal_(on_time.out.weight, std=2.0)
     runs, batch = 500, 50
     for name, threshold, head in (("constant_k", 2, None), ("confidence", 0.4, None), ("head", 0.5, on_time)):
         policy = make_policy(name, threshold, max_draft=3)
         samples = [tuple(result.tokens) for start in range(0, runs, batch)
-                   for result in decoder.speculative_decode_batch([PROMPT] * batch, policy, LENGTH,
-                                                                  list(range(start, start + batch)), head)]
+                   for result in decoder.decode([PROMPT] * batch, policy, LENGTH, list(range(start, start + batch)), head)]
         assert chi_square_p(samples, exact) > 1e-3, name
 
 

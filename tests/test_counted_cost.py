@@ -5,8 +5,7 @@ import pytest
 import torch
 from test_eval import tiny_lm
 
-from specheads.eval.decoding import Decoder, DecodeResult
-from specheads.eval.policies import make_policy
+from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, aggregate, as_oracle, eq_5_1_speedup, record_of
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.sampling import SamplingTransform
@@ -58,13 +57,13 @@ STOP_SETTINGS = [("constant_k", 3, None), ("svip", 1.2, None), ("confidence", 0.
 @pytest.mark.parametrize("name,threshold,head_name", STOP_SETTINGS)
 def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_1(pair, name, threshold, head_name):
     target, draft = pair
-    decoder = Decoder(target, draft, SamplingTransform(1.0), stop_ids=[])
+    decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     head = heads().get(head_name)
     policy = make_policy(name, threshold, max_draft=4)
     records, whole_rounds = [], 0
     for number, prompt in enumerate(PROMPTS):
         with ForwardCounter(draft) as drafts, ForwardCounter(target) as targets:
-            result = decoder.speculative_decode(prompt, policy, 20, seed=number, head=head)
+            result = decoder.decode_one(prompt, policy, 20, seed=number, head=head)
         assert (result.draft_forwards, result.target_calls) == (drafts.count, targets.count)
         assert result.draft_forwards == result.drafted  # one draft forward per drafted token
         assert result.emitted == len(result.tokens) == 20
@@ -85,8 +84,8 @@ def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_
 
 def test_the_oracle_counts_one_draft_forward_per_accepted_candidate(pair):
     target, draft = pair
-    decoder = Decoder(target, draft, SamplingTransform(1.0), stop_ids=[])
-    runs = [decoder.speculative_decode(prompt, make_policy("constant_k", 4), 20, seed=n) for n, prompt in enumerate(PROMPTS)]
+    decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    runs = [decoder.decode_one(prompt, make_policy("constant_k", 4), 20, seed=n) for n, prompt in enumerate(PROMPTS)]
     oracle = [as_oracle(record(Setting("constant_k", 4.0), f"p{n}", run)) for n, run in enumerate(runs)]
     assert all(r.draft_forwards == r.accepted == sum(r.accepted_per_round) for r in oracle)
     assert sum(r.draft_forwards for r in oracle) < sum(run.draft_forwards for run in runs)  # K = 4 does discard here
@@ -98,14 +97,14 @@ def test_the_oracle_counts_one_draft_forward_per_accepted_candidate(pair):
 
 def test_sprinter_is_counted_one_draft_forward_per_token_and_eq_5_1_would_overstate_it(pair):
     target, draft = pair
-    decoder = Decoder(target, draft, SamplingTransform(1.0), stop_ids=[])
+    decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     torch.manual_seed(6)
     verifier = LinearVerifier(16, extra_features=["logq"]).eval()
     torch.nn.init.normal_(verifier.out.weight, std=1.0)
     records = []
     for number, prompt in enumerate(PROMPTS):
         with ForwardCounter(draft) as drafts, ForwardCounter(target) as targets:
-            result = decoder.sprinter_decode(prompt, verifier, 0.5, 20, seed=number)
+            result = decoder.decode_one(prompt, make_policy("sprinter", 0.5), 20, seed=number, head=verifier)
         assert (result.draft_forwards, result.target_calls) == (drafts.count, targets.count)
         assert result.draft_forwards == result.emitted == result.drafted == 20  # the draft proposes every token
         records.append(record(Setting("sprinter", 0.5), f"p{number}", result))
@@ -123,8 +122,8 @@ STOPS = [3, 7]
 def test_a_run_ends_at_the_first_stop_token_inside_a_round_and_counts_nothing_after_it(pair):
     target, draft = pair
     transform = SamplingTransform(1.0)
-    decoder = Decoder(target, draft, transform, stop_ids=STOPS)
-    free = Decoder(target, draft, transform, stop_ids=[])
+    decoder = RoundEngine(target, draft, transform, stop_ids=STOPS)
+    free = RoundEngine(target, draft, transform, stop_ids=[])
     torch.manual_seed(6)
     verifier = LinearVerifier(16).eval()
     ended_inside_a_round = 0
@@ -133,13 +132,13 @@ def test_a_run_ends_at_the_first_stop_token_inside_a_round_and_counts_nothing_af
         for seed in range(8):
             prompt = PROMPTS[seed % len(PROMPTS)]
             if name == "sprinter":
-                def decode(loop: Decoder, prompt=prompt, seed=seed):
-                    return loop.sprinter_decode(prompt, verifier, 0.5, 24, seed)
+                def decode(loop: RoundEngine, prompt=prompt, seed=seed):
+                    return loop.decode_one(prompt, make_policy("sprinter", 0.5), 24, seed, verifier)
             else:
                 policy = make_policy(name, threshold, 4)
 
-                def decode(loop: Decoder, prompt=prompt, seed=seed, policy=policy, head=head):
-                    return loop.speculative_decode(prompt, policy, 24, seed, head)
+                def decode(loop: RoundEngine, prompt=prompt, seed=seed, policy=policy, head=head):
+                    return loop.decode_one(prompt, policy, 24, seed, head)
             with ForwardCounter(draft) as counter:
                 run = decode(decoder)
             forwards, unstopped = counter.count, decode(free)

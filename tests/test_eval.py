@@ -16,12 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specheads.cli import main
 from specheads.data_gen.prompts import prompt_digest
 from specheads.data_gen.store import load_labelled
+from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.demo.summary import decoding_line
 from specheads.errors import UsageError
-from specheads.eval.decoding import CachedModel, Decoder
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.plots import pareto_frontier
-from specheads.eval.policies import make_policy
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
 from specheads.eval.report_file import Report, read_report
 from specheads.eval.run import check_data
@@ -325,12 +324,13 @@ def chi_square_p(samples: list[tuple[int, ...]], expected: dict[tuple[int, ...],
 
 def test_cache_cropping_gives_the_logits_of_a_fresh_forward(tiny_pair):
     target, _ = tiny_pair
-    runner = CachedModel(target)
-    runner.feed([0, 1, 2, 0, 1, 1, 2], 1)
-    runner.crop_to(4)
-    cached, _ = runner.feed([2], 1)
+    runner = BatchCache(target, 1)
+    runner.feed({0: [0, 1, 2, 0, 1, 1, 2]})
+    runner.crop_row(0, 4)
+    runner.trim()
+    cached, _ = runner.feed({0: [2]})[0]
     fresh = target(torch.tensor([[0, 1, 2, 0, 2]])).logits[0, -1].float()
-    assert runner.length == 5 and torch.allclose(cached[-1], fresh, atol=1e-5)
+    assert runner.length(0) == 5 and torch.allclose(cached[-1], fresh, atol=1e-5)
 
 
 POLICIES = [("constant_k", 2), ("svip", 1.0), ("confidence", 0.4), ("head", 0.5), ("oracle", 3)]
@@ -342,42 +342,43 @@ def test_speculative_sampling_leaves_the_target_distribution_unchanged(tiny_pair
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
     assert 0.15 < sum(abs(exact[k] - v) for k, v in sequence_probabilities(draft, transform).items()) / 2
-    decoder = Decoder(target, draft, transform, stop_ids=[])
+    decoder = RoundEngine(target, draft, transform, stop_ids=[])
     head = ResNetAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"])
     torch.nn.init.normal_(head.out.weight, std=2.0)  # a head whose stop decisions vary with the state
     runs = 500
     for name, threshold in POLICIES:
         policy = make_policy(name, threshold, max_draft=3)
-        samples = [tuple(decoder.speculative_decode(PROMPT, policy, LENGTH, seed=s, head=head).tokens) for s in range(runs)]
+        samples = [tuple(decoder.decode_one(PROMPT, policy, LENGTH, seed=s, head=head).tokens) for s in range(runs)]
         assert chi_square_p(samples, exact) > 1e-3, name
     on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16)
     torch.nn.init.normal_(on_time.out.weight, std=2.0)  # the head policy stopping at the candidate it scores
     policy = make_policy("head", 0.5, max_draft=3)
-    samples = [tuple(decoder.speculative_decode(PROMPT, policy, LENGTH, seed=s, head=on_time).tokens) for s in range(runs)]
+    samples = [tuple(decoder.decode_one(PROMPT, policy, LENGTH, seed=s, head=on_time).tokens) for s in range(runs)]
     assert chi_square_p(samples, exact) > 1e-3, "on-time head"
     verifier = LinearVerifier(16)
-    samples = [tuple(decoder.sprinter_decode(PROMPT, verifier, 1.01, LENGTH, seed=s).tokens) for s in range(runs)]
+    samples = [tuple(decoder.decode_one(PROMPT, make_policy("sprinter", 1.01), LENGTH, seed=s, head=verifier).tokens) for s in range(runs)]
     assert chi_square_p(samples, exact) > 1e-3, "sprinter verifying every token"
     # the test has power: sampling the draft alone is detected
-    draft_only = [tuple(decoder.sprinter_decode(PROMPT, verifier, 0.0, LENGTH, seed=s).tokens) for s in range(runs)]
+    passing = make_policy("sprinter", 0.0)
+    draft_only = [tuple(decoder.decode_one(PROMPT, passing, LENGTH, seed=s, head=verifier).tokens) for s in range(runs)]
     assert chi_square_p(draft_only, exact) < 1e-6
 
 
 def test_greedy_oracle_never_discards_and_every_policy_reproduces_greedy_target(tiny_pair):
     target, draft = tiny_lm(seed=3, vocab=11), tiny_lm(seed=4, vocab=11)
     transform = SamplingTransform(0.0)
-    decoder = Decoder(target, draft, transform, stop_ids=[])
+    decoder = RoundEngine(target, draft, transform, stop_ids=[])
     prompt = [1, 2, 3]
     greedy = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 3:].tolist()
     head = ResNetAcceptanceHead(16, depth=0)
     for name, threshold in POLICIES:
-        result = decoder.speculative_decode(prompt, make_policy(name, threshold, max_draft=4), 12, seed=0, head=head)
+        result = decoder.decode_one(prompt, make_policy(name, threshold, max_draft=4), 12, seed=0, head=head)
         assert result.tokens == greedy, name
         if name == "oracle":
             assert result.drafted == result.accepted and result.target_calls > 1
     on_time = OnTimeAcceptanceHead(16, depth=0, candidate_embedding_size=16)
-    assert decoder.speculative_decode(prompt, make_policy("head", 0.5, 4), 12, seed=0, head=on_time).tokens == greedy
-    constant = decoder.speculative_decode(prompt, make_policy("constant_k", 4), 12, seed=0)
+    assert decoder.decode_one(prompt, make_policy("head", 0.5, 4), 12, seed=0, head=on_time).tokens == greedy
+    constant = decoder.decode_one(prompt, make_policy("constant_k", 4), 12, seed=0)
     assert constant.drafted > constant.accepted  # the constant policy does discard on this pair
 
 

@@ -9,9 +9,8 @@ import torch
 from test_eval import PROMPT, tiny_pair  # noqa: F401  (a fixture)
 
 from specheads.cli import main
+from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
-from specheads.eval.decoding import Decoder
-from specheads.eval.policies import make_policy
 from specheads.heads import OnTimeAcceptanceHead, PositionCalibration, ResNetAcceptanceHead, load_head
 from specheads.heads.calibration import cumulative_products, round_windows, window_starts
 from specheads.metrics import expected_calibration_error, soft_auc
@@ -96,16 +95,16 @@ def certain_rejection(head):
 
 def test_the_on_time_head_stops_at_the_candidate_it_scores_without_an_extra_draft_forward(tiny_pair):  # noqa: F811
     target, draft = tiny_pair
-    decoder = Decoder(target, draft, SamplingTransform(1.0), stop_ids=[])
+    decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     policy = make_policy("head", 0.5, max_draft=4)
     on_time = certain_rejection(Counted(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16))
     lagged = certain_rejection(ResNetAcceptanceHead(16, depth=1, extra_features=["logq", "q"]))
     Counted.calls = 0
-    result = decoder.speculative_decode(PROMPT, policy, 10, seed=0, head=on_time)
+    result = decoder.decode_one(PROMPT, policy, 10, seed=0, head=on_time)
     assert result.drafted == result.target_calls  # it saw â_1 ≈ 0 the moment ŷ_1 was drafted: one candidate a round
     assert result.draft_forwards == result.drafted  # one draft forward per candidate, none to score it
     assert Counted.calls == result.drafted  # each candidate scored once, at its own step
-    late = decoder.speculative_decode(PROMPT, policy, 10, seed=0, head=lagged)
+    late = decoder.decode_one(PROMPT, policy, 10, seed=0, head=lagged)
     assert late.drafted == 2 * late.target_calls  # the lagged head learns â_1 only after drafting ŷ_2
     assert late.draft_forwards == late.drafted
 

@@ -12,10 +12,9 @@ from test_split_target import CPU, SPLIT_MAP
 
 from specheads.cli import main
 from specheads.data_gen.models import ModelSpec, load_pair
+from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
 from specheads.eval import plots
-from specheads.eval.decoding import Decoder
-from specheads.eval.policies import make_policy
 from specheads.eval.report import serving_lines
 from specheads.eval.reuse import ACCOUNTING, load_reusable
 from specheads.eval.run import place, tune_on_dev
@@ -34,7 +33,7 @@ def test_decoding_keeps_a_split_targets_placement_and_its_tokens(tiny_model):
     assert split.target.hf_device_map == SPLIT_MAP
     assert split.target.model.layers[3].self_attn.q_proj.weight is offloaded and offloaded.device.type == "meta"
     policy = make_policy("constant_k", 3)
-    runs = [Decoder(pair.target, pair.draft, SamplingTransform(1.0), stop_ids=[]).speculative_decode([5, 9, 11], policy,
+    runs = [RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_ids=[]).decode_one([5, 9, 11], policy,
                                                                                                       10, seed=3)
             for pair in (whole, split)]
     assert runs[0].tokens == runs[1].tokens and runs[0].target_calls == runs[1].target_calls

@@ -11,8 +11,8 @@ from test_train import fit_args
 from specheads.cli import main
 from specheads.data_gen.models import ModelSpec, load_model
 from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.decoding import BatchCache
 from specheads.errors import UsageError
-from specheads.eval.decoding import CachedModel
 from specheads.eval.run import check_data
 from specheads.states import check_state_layer, decoder_forward
 from specheads.train.checkpoint import load_trained
@@ -90,10 +90,10 @@ def test_training_online_and_eval_follow_the_state_layer(inner, tmp_path, capsys
     valid = torch.cat([torch.ones_like(online_batch["valid"][:, :1]), online_batch["valid"]], 1)
     assert torch.allclose(features[valid], offline_batch["features"][valid].float(), atol=2e-2, rtol=1e-2)
     # the decoding loop hands the head the same inner state, from the cached forward
-    runner = CachedModel(draft, trained.head.state_layer)
+    runner = BatchCache(draft, 1, trained.head.state_layer)
     tokens = [1, 5, 9, 12, 3, 7]
-    runner.feed(tokens[:4], 1)
-    _, states = runner.feed(tokens[4:], 2)
+    runner.feed({0: tokens[:4]})
+    _, states = runner.feed({0: tokens[4:]}, {0: 2})[0]
     with torch.no_grad():
         fresh = draft.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[LAYER][0, -2:]
     assert torch.allclose(states, fresh, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,14 @@
+"""The decoding core: one round engine over B rows, the rules it runs, the caches and the exact sampler.
+
+`RoundEngine(target, draft, transform, stop_ids).decode(prompts, rule, max_new_tokens, seeds, head)` runs any rule
+of `specheads.decoding.rules` (`make_policy(name, threshold, max_draft)`); eval's sweep, its serving table and the
+integrations use it, and a new rule is one class in `rules.py`.
+"""
+
+from specheads.decoding.cache import BatchCache
+from specheads.decoding.engine import RoundEngine, acceptance_batch, candidate_signals
+from specheads.decoding.result import DecodeResult
+from specheads.decoding.rules import RULES, STOP_POLICIES, Drafted, SprinterRule, StopPolicy, make_policy
+
+__all__ = ["RULES", "STOP_POLICIES", "BatchCache", "DecodeResult", "Drafted", "RoundEngine", "SprinterRule", "StopPolicy",
+           "acceptance_batch", "candidate_signals", "make_policy"]

@@ -1,0 +1,93 @@
+"""One KV cache per model for B rows of different lengths (the round engine's caches; B = 1 is a case).
+
+Both models keep one KV cache for the batch and a mask of the slots each row may attend to. A step feeds each row
+its own tokens, right-padded with masked slots, at the row's own positions; a row that rejects candidates masks
+their slots instead of cropping (the common tail no row needs is cropped). A row that finishes is masked out of
+later forwards. Every forward is timed and counted, per row and per batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from specheads.signals import output_logits
+from specheads.states import decoder_forward
+
+
+class BatchCache:
+    """A causal LM with one KV cache for B rows of different lengths: per-row slots, positions and a slot mask."""
+
+    def __init__(self, model: Any, rows: int, state_layer: int | None = None):
+        self.model = model
+        self.state_layer = state_layer
+        self.device = next(model.parameters()).device
+        self.cache: Any = None
+        self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
+        self.slots: list[list[int]] = [[] for _ in range(rows)]  # each row's cache slot per token it holds
+        self.forwards = [0] * rows  # the forwards each row took part in
+        self.passes = 0  # forward passes of the whole batch
+        self.forward_seconds = 0.0
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row holds (the position of its next token)."""
+        return [len(slots) for slots in self.slots]
+
+    def length(self, row: int) -> int:
+        """Tokens `row` holds."""
+        return len(self.slots[row])
+
+    @torch.no_grad()
+    def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
+             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Extend the rows in `tokens` by their tokens (other rows feed a masked pad); per fed row, the float32 logits
+        and `state_layer` states of its last `logits_rows[row]` (default 1) tokens."""
+        start = time.perf_counter()
+        rows, width = len(self.slots), max(len(t) for t in tokens.values())
+        used = self.mask.shape[1]
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        new_mask = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        for row, fed in tokens.items():
+            length = self.length(row)
+            input_ids[row, : len(fed)] = torch.tensor(fed)
+            new_mask[row, : len(fed)] = 1
+            positions[row] = torch.arange(length, length + width).clamp_max(length + len(fed) - 1)
+            self.slots[row].extend(range(used, used + len(fed)))
+            self.forwards[row] += 1
+        self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
+        output, states = decoder_forward(self.model, self.state_layer, input_ids=input_ids.to(self.device),
+                                         attention_mask=self.mask, position_ids=positions.to(self.device),
+                                         past_key_values=self.cache, use_cache=True)
+        self.cache = output.past_key_values
+        wanted = {row: (logits_rows or {}).get(row, 1) for row in tokens}
+        index = [(row, position) for row, fed in tokens.items() for position in range(len(fed) - wanted[row], len(fed))]
+        row_index = torch.tensor([r for r, _ in index], device=self.device)
+        column_index = torch.tensor([c for _, c in index], device=self.device)
+        logits = output_logits(self.model, output.last_hidden_state[row_index, column_index])
+        picked = states[row_index, column_index]
+        result, offset = {}, 0
+        for row in tokens:
+            result[row] = (logits[offset : offset + wanted[row]], picked[offset : offset + wanted[row]])
+            offset += wanted[row]
+        self.passes += 1
+        self.forward_seconds += time.perf_counter() - start
+        return result
+
+    def crop_row(self, row: int, length: int) -> None:
+        """Forget `row`'s tokens beyond `length`: their slots are masked for every later query."""
+        dropped = self.slots[row][length:]
+        if dropped:
+            self.mask[row, dropped] = 0
+            del self.slots[row][length:]
+
+    def trim(self) -> None:
+        """Crop the cache's tail of slots no row attends to any more."""
+        needed = max((slots[-1] + 1 for slots in self.slots if slots), default=0)
+        extra = self.mask.shape[1] - needed
+        if extra > 0 and self.cache is not None:
+            self.cache.crop(-extra)
+            self.mask = self.mask[:, :needed]

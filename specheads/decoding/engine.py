@@ -1,0 +1,233 @@
+"""The round engine: one loop of speculative decoding over B rows (B = 1 is a case, not a second loop).
+
+A round, for every row still generating:
+1. **draft**: the draft proposes candidates one forward at a time, each drawn from q with the row's own generator;
+   the rule (`specheads.decoding.rules`) sees each candidate as it is drafted — its signals, the head's score where
+   the rule reads a head — and ends the row's drafting (or the cap, `rule.cap`, does); rows that stopped feed a
+   masked pad and are not counted;
+2. **verify**: one target forward over every row's tokens it has not seen and the candidates the rule sends
+   (`rule.verify_from`), then the p/q test of each checked candidate (`specheads.decoding.sampler`);
+3. **emit**: the standing candidates and the target's token, ended at the first stop token and at max_new_tokens;
+   both caches are cropped to what stands; counts of forwards, calls and tokens per row.
+
+Every row draws from its own generator in the same order whatever the batch, so a row's tokens do not depend on
+the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specheads.decoding.cache import BatchCache
+from specheads.decoding.result import DecodeResult
+from specheads.decoding.rules import Drafted, StopPolicy
+from specheads.decoding.sampler import draw, verify
+from specheads.heads import AcceptanceHead, with_derived_signals
+from specheads.sampling import SamplingTransform
+from specheads.signals import signal_log_probs, signal_statistics
+
+
+def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
+                      transform: SamplingTransform) -> dict[str, float]:
+    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q), and
+    `prob`, the candidate's probability under the signal transform, for the confidence rule."""
+    logq_signal = signal_log_probs(draft_logits, logq_all, transform)
+    entropy, top1 = signal_statistics(logq_signal)
+    return with_derived_signals({"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
+                                 "prob": math.exp(float(logq_signal[token]))})
+
+
+@torch.no_grad()
+def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: list[dict[str, float]],
+                     embeddings: list[torch.Tensor | None], positions: list[int]) -> list[float]:
+    """The head's acceptance probabilities for several rows' candidates in one call; `positions` (1-based in the
+    round) apply a stop head's per-position calibration."""
+    columns = [[row[name] for name in head.extra_features] for row in signals]
+    signal_tensor = (torch.tensor(columns, dtype=torch.float32, device=states[0].device)
+                     if head.extra_features else None)
+    embedding = torch.cat(embeddings) if embeddings and embeddings[0] is not None else None
+    position = torch.tensor(positions, device=states[0].device)
+    return head.predict(torch.stack(states), signal_tensor, embedding, position).tolist()
+
+
+@dataclass
+class Drawn:
+    """A row's candidate of this draft step: the token, its draft signals, the draft's log q and the state that
+    produced q (the one an `at_draft` head reads, or the one that has read the previous candidate)."""
+
+    token: int
+    signals: dict[str, float]
+    logq_all: torch.Tensor
+    state: torch.Tensor
+
+
+@dataclass
+class RowRound:
+    """One row's round in progress."""
+
+    cap: int
+    candidates: list[int] = field(default_factory=list)
+    logq_rows: list[torch.Tensor] = field(default_factory=list)
+    seen: list[Drafted] = field(default_factory=list)
+    acceptance: float = 1.0
+    previous: dict[str, float] | None = None  # the signals of the previous candidate (a one-step-late head's input)
+
+
+class RoundEngine:
+    """A draft/target pair and the sampling transform, ready to decode prompts under any rule."""
+
+    def __init__(self, target: Any, draft: Any, transform: SamplingTransform, stop_ids: list[int]):
+        self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
+               head: AcceptanceHead | None = None) -> list[DecodeResult]:
+        """Up to `max_new_tokens` tokens after each prompt under `rule` (row i seeded with `seeds[i]`); `head` is the
+        acceptance head or verifier the rule reads."""
+        if rule.reads_head and head is None:
+            raise ValueError(f"the {rule.name} rule needs an acceptance head")
+        start = time.perf_counter()
+        rows = range(len(prompts))
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        draft = BatchCache(self.draft, len(prompts), head.state_layer if rule.reads_head else None)
+        target = BatchCache(self.target, len(prompts))
+        tokens = [list(prompt) for prompt in prompts]
+        generated: list[list[int]] = [[] for _ in rows]
+        results = [DecodeResult(tokens=[]) for _ in rows]
+        active = [max_new_tokens > 0 for _ in rows]
+        while any(active):
+            live = [row for row in rows if active[row]]
+            rounds = {row: RowRound(cap=rule.cap(max_new_tokens - len(generated[row]))) for row in live}
+            self._draft(rounds, tokens, draft, rule, head if rule.reads_head else None, generators)
+            checks = {row: rule.verify_from(rounds[row].seen) for row in live}
+            called = [row for row in live if checks[row] is not None]
+            logits = target.feed({row: tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
+                                  for row in called},
+                                 {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
+            for row in live:
+                this = rounds[row]
+                if row in logits:
+                    accepted, new_token = verify(logits[row][0], this.candidates, this.logq_rows, checks[row], rule.bonus,
+                                                 self.transform, generators[row])
+                else:  # every candidate passed unverified
+                    accepted, new_token = len(this.candidates), None
+                accepted, emitted = self._standing(this.candidates, accepted, new_token, max_new_tokens - len(generated[row]))
+                self._count(results[row], rule, len(this.candidates), accepted, row in logits)
+                target.crop_row(row, len(tokens[row]) + accepted)
+                draft.crop_row(row, len(tokens[row]) + accepted)
+                tokens[row] += emitted
+                generated[row] += emitted
+                active[row] = not self._done(generated[row], max_new_tokens)
+            draft.trim()
+            target.trim()
+        return self._finish(results, generated, start, draft, target)
+
+    def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
+                   head: AcceptanceHead | None = None) -> DecodeResult:
+        """`decode` of a single prompt (B = 1)."""
+        return self.decode([prompt], rule, max_new_tokens, [seed], head)[0]
+
+    @staticmethod
+    def _fed(rule: StopPolicy, this: RowRound) -> int:
+        """How many of the round's candidates the target reads: all with a bonus (its logits follow the last), else
+        all but the last checked one (the target's logits before it are what checks it)."""
+        return len(this.candidates) if rule.bonus else len(this.candidates) - 1
+
+    def _draft(self, rounds: dict[int, RowRound], tokens: list[list[int]], draft: BatchCache, rule: StopPolicy,
+               head: AcceptanceHead | None, generators: list[torch.Generator]) -> None:
+        """Draft every row's candidates until the rule or the cap ends its round."""
+        pending = {row: tokens[row][draft.length(row):] for row in rounds}
+        while pending:
+            drawn = self._draw_rows(draft.feed(pending), generators)
+            scores = self._head_scores(head, drawn, rounds)
+            for row, candidate in drawn.items():
+                this = rounds[row]
+                score = scores.get(row, 1.0)
+                this.acceptance *= score
+                this.candidates.append(candidate.token)
+                this.logq_rows.append(candidate.logq_all)
+                seen = Drafted(index=len(this.candidates), prob=candidate.signals["prob"],
+                               entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
+                               ends_output=candidate.token in self.stop_ids)
+                this.seen.append(seen)
+                if len(this.candidates) >= this.cap or rule.stop(seen):
+                    del pending[row]
+                else:
+                    pending[row], this.previous = [candidate.token], candidate.signals
+
+    def _draw_rows(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   generators: list[torch.Generator]) -> dict[int, Drawn]:
+        """Each fed row's candidate from its last draft logits, drawn with the row's own generator."""
+        drawn = {}
+        for row, (logits, states) in outputs.items():
+            logq_all = self.transform.log_probs(logits[-1])
+            token = draw(logq_all, generators[row])
+            drawn[row] = Drawn(token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
+        return drawn
+
+    def _head_scores(self, head: AcceptanceHead | None, drawn: dict[int, Drawn],
+                     rounds: dict[int, RowRound]) -> dict[int, float]:
+        """The head's score per drafting row at this step: of the candidate just drafted (an `at_draft` head), or of
+        the previous one, whose state this forward gave (a `one_step_late` head); none without a head."""
+        if head is None:
+            return {}
+        if head.decides == "at_draft":
+            rows = list(drawn)
+            inputs = [(drawn[r].state, drawn[r].signals, drawn[r].token, len(rounds[r].candidates) + 1) for r in rows]
+        else:
+            rows = [r for r in drawn if rounds[r].previous is not None]
+            inputs = [(drawn[r].state, rounds[r].previous, rounds[r].candidates[-1], len(rounds[r].candidates))
+                      for r in rows]
+        if not rows:
+            return {}
+        states, signals, candidates, positions = zip(*inputs)
+        scores = acceptance_batch(head, list(states), list(signals), [self._embedding(head, t) for t in candidates],
+                                  list(positions))
+        return dict(zip(rows, scores))
+
+    def _embedding(self, head: AcceptanceHead, token: int) -> torch.Tensor | None:
+        if not head.candidate_embedding_size:
+            return None
+        table = self.draft.get_input_embeddings()
+        return table(torch.tensor([token], device=table.weight.device)).float()
+
+    def _standing(self, candidates: list[int], accepted: int, new_token: int | None, room: int) -> tuple[int, list[int]]:
+        """What a round adds to the output: its standing candidates and the target's token, ended at the first stop
+        token (the run ends there) and at `room` tokens (max_new_tokens); and how many candidates stand."""
+        emitted = (candidates[:accepted] + ([] if new_token is None else [new_token]))[:room]
+        for position, token in enumerate(emitted):
+            if token in self.stop_ids:
+                emitted = emitted[: position + 1]
+                break
+        return min(accepted, len(emitted)), emitted
+
+    @staticmethod
+    def _count(result: DecodeResult, rule: StopPolicy, drafted: int, accepted: int, called: bool) -> None:
+        counted = accepted if rule.hindsight else drafted
+        result.drafted += counted
+        result.accepted += accepted
+        if called:
+            result.target_calls += 1
+            result.accepted_per_round.append(accepted)
+            result.drafted_per_round.append(counted)
+
+    def _done(self, generated: list[int], max_new_tokens: int) -> bool:
+        return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
+
+    @staticmethod
+    def _finish(results: list[DecodeResult], generated: list[list[int]], start: float, draft: BatchCache,
+                target: BatchCache) -> list[DecodeResult]:
+        """Each row's output and counts; the batch's wall and forward time are shared equally by its rows."""
+        share = 1.0 / len(results)
+        wall = time.perf_counter() - start
+        for row, result in enumerate(results):
+            result.emitted, result.tokens = len(generated[row]), list(generated[row])
+            result.draft_forwards = draft.forwards[row]
+            result.seconds = wall * share
+            result.time_forwards(draft, target, share)
+        return results

@@ -1,0 +1,32 @@
+"""One decoding run's output and the counts every figure is made of."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DecodeResult:
+    """One decoding run: the generated tokens and the counts the metrics are made of."""
+
+    tokens: list[int]
+    emitted: int = 0  # tokens in the output, ended at max_new_tokens or the first stop token (the rates' numerator)
+    drafted: int = 0  # candidates proposed (the oracle counts only those it keeps)
+    accepted: int = 0  # candidates that stand in the output
+    target_calls: int = 0
+    draft_forwards: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)  # per round that called the target
+    drafted_per_round: list[int] = field(default_factory=list)  # candidates each such round drafted
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+    draft_seconds: float = 0.0  # time in the draft's forwards (a batched run's share of its batch's)
+    target_seconds: float = 0.0
+    draft_passes: float = 0.0  # the draft's forward passes (a batched run's share of its batch's)
+    target_passes: float = 0.0
+
+    def time_forwards(self, draft: Any, target: Any, share: float = 1.0) -> None:
+        """Record `share` of each model's timed forwards (`forward_seconds` and `passes` of a cache)."""
+        self.draft_seconds, self.draft_passes = draft.forward_seconds * share, draft.passes * share
+        self.target_seconds, self.target_passes = target.forward_seconds * share, target.passes * share
+        self.forward_seconds = self.draft_seconds + self.target_seconds

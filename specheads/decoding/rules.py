@@ -1,0 +1,163 @@
+"""Decoding rules: when a row stops drafting in a round, and which of its candidates the target checks.
+
+A rule sees each candidate the moment it is drafted (`Drafted`) and says whether the round ends after it
+(`stop`); once the round's drafting ends it says from which candidate on the target checks (`verify_from`), or
+that no target call is needed. Stop policies (SpecDec++ and its baselines) check every candidate and earn a bonus
+token when all are accepted: exact speculative sampling. SPRINTER's rule stops at the first candidate its verifier
+flags and checks only that one, the earlier ones standing unverified: approximate by design (SPRINTER Theorem 1).
+
+Decision timing (docs/method.md): after drafting candidate ŷ_k the rule sees the draft's signals for ŷ_k and, for a
+learned head, the product of the acceptance predictions it has: an `at_draft` head (specdecpp_ontime, the SPRINTER
+verifier) has scored ŷ_k itself, so the product is Π_{j≤k} â_j; a `one_step_late` head (specdecpp_resnet) reads the
+state that has read ŷ_j, which exists only once ŷ_{j+1} is drafted, so at step k it knows â_1..â_{k-1}.
+
+A new rule is one class here, registered in `RULES`; the round engine (`specheads.decoding.engine`) runs any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from specheads.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """What a rule sees after the draft proposed candidate number `index` (1-based) of a round."""
+
+    index: int
+    prob: float  # the draft's probability of the candidate (untempered under greedy decoding)
+    entropy: float  # H(q) at the step that drafted it (untempered under greedy decoding)
+    acceptance: float  # Π â_j over the round's candidates the head has scored (1.0 before it has one)
+    score: float = 1.0  # the head's score of this candidate (an `at_draft` head; 1.0 otherwise)
+    ends_output: bool = False  # the candidate is a stop token
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """Base of the exact rules: stop at the cap, verify every candidate. `threshold` is the rule's knob (K for
+    constant K)."""
+
+    threshold: float
+    max_draft: int | None = 8
+
+    name: ClassVar[str] = ""
+    reads_head: ClassVar[bool] = False
+    hindsight: ClassVar[bool] = False  # the oracle counts only the candidates it would have kept
+    bonus: ClassVar[bool] = True  # a fully accepted round earns a token from p
+
+    def __post_init__(self) -> None:
+        if self.max_draft is not None and self.max_draft < 1:
+            raise UsageError(f"max_draft must be at least 1, got {self.max_draft}")
+
+    def cap(self, room: int) -> int:
+        """The most candidates a round may draft with `room` tokens left to generate."""
+        return room if self.max_draft is None else min(self.max_draft, room)
+
+    def stop(self, drafted: Drafted) -> bool:
+        """True when the round ends after this candidate."""
+        return (self.max_draft is not None and drafted.index >= self.max_draft) or self.signal_says_stop(drafted)
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return False
+
+    def verify_from(self, round_: list[Drafted]) -> int | None:
+        """The first of the round's candidates (0-based) the target checks; None: no target call this round."""
+        return 0
+
+
+@dataclass(frozen=True)
+class ConstantK(StopPolicy):
+    """Always K candidates per round (the usual default of speculative decoding)."""
+
+    name: ClassVar[str] = "constant_k"
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1 or self.threshold != int(self.threshold):
+            raise UsageError(f"constant K must be a whole number >= 1, got {self.threshold}")
+
+    def stop(self, drafted: Drafted) -> bool:
+        return drafted.index >= int(self.threshold)
+
+
+@dataclass(frozen=True)
+class Svip(StopPolicy):
+    """SVIP: stop when sqrt(H(q)) > h at the step that drafted the candidate."""
+
+    name: ClassVar[str] = "svip"
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return math.sqrt(max(drafted.entropy, 0.0)) > self.threshold
+
+
+@dataclass(frozen=True)
+class Confidence(StopPolicy):
+    """Draft confidence (transformers' assisted generation): stop when q(ŷ) < h."""
+
+    name: ClassVar[str] = "confidence"
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.prob < self.threshold
+
+
+@dataclass(frozen=True)
+class HeadStop(StopPolicy):
+    """SpecDec++: stop when the predicted chance of at least one rejection, 1 − Π â, exceeds h."""
+
+    name: ClassVar[str] = "head"
+    reads_head: ClassVar[bool] = True
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return 1.0 - drafted.acceptance > self.threshold
+
+
+@dataclass(frozen=True)
+class Oracle(StopPolicy):
+    """The hindsight oracle of SpecDec++ Theorem 4.1: stop just before the first candidate the target rejects.
+
+    It drafts up to the cap and counts only the accepted candidates as drafted, so it never discards a
+    token; the target's call then yields the token at the first rejection (exact, as in a normal round).
+    """
+
+    name: ClassVar[str] = "oracle"
+    hindsight: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SprinterRule(StopPolicy):
+    """SPRINTER: draft until the verifier scores a candidate below `threshold` (or the output ends); the target
+    checks only that candidate (accept, or resample from norm(max(0, p − q))), the earlier ones stand unverified,
+    and a round whose candidates all passed calls no target. No bonus token: the next round drafts as usual."""
+
+    max_draft: int | None = None
+    name: ClassVar[str] = "sprinter"
+    reads_head: ClassVar[bool] = True
+    bonus: ClassVar[bool] = False
+
+    def stop(self, drafted: Drafted) -> bool:
+        return self.flags(drafted) or drafted.ends_output
+
+    def flags(self, drafted: Drafted) -> bool:
+        """True when the verifier sends this candidate to the target."""
+        return drafted.score < self.threshold
+
+    def verify_from(self, round_: list[Drafted]) -> int | None:
+        return len(round_) - 1 if self.flags(round_[-1]) else None
+
+
+RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule)}
+STOP_POLICIES = tuple(name for name in RULES if name != "sprinter")
+
+
+def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
+    """The rule `name` at `threshold` (K for constant_k); an unknown name lists the known ones. SPRINTER's rule has
+    no cap: it drafts until its verifier flags a candidate."""
+    if name not in RULES:
+        raise UsageError(f"unknown decoding rule {name!r}; known: {', '.join(RULES)}")
+    if name == "constant_k":
+        return ConstantK(threshold=threshold, max_draft=int(threshold))
+    if name == "sprinter":
+        return SprinterRule(threshold=threshold)
+    return RULES[name](threshold=threshold, max_draft=max_draft)
