@@ -14,6 +14,7 @@ import torch
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.signals import output_logits, signal_log_probs, signal_statistics
 from specheads.states import decoder_forward
 
 
@@ -44,13 +45,6 @@ def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: 
                            attention_mask=attention_mask.to(device), use_cache=False)[1].to(device)
 
 
-def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:
-    """The LM head on `states`, with the final soft-capping some families use; float32, on the device of `states`."""
-    logits = model.get_output_embeddings()(states).float().to(states.device)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
 def label_positions(
     target_logits: torch.Tensor, draft_logits: torch.Tensor, transform: SamplingTransform, draws: torch.Tensor
 ) -> PositionLabels:
@@ -67,18 +61,6 @@ def label_positions(
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
         entropy=entropy.cpu(), top1=top1.cpu(),
     )
-
-
-def signal_log_probs(draft_logits: torch.Tensor, logq_all: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
-    """The draft distribution the training-free signals read: q after the transform, or, since greedy q is
-    one-hot, the untempered draft distribution under T = 0 (decoding computes them the same way)."""
-    return draft_logits.float().log_softmax(-1) if transform.greedy else logq_all
-
-
-def signal_statistics(logq_signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy, top-1 probability) per row of `signal_log_probs`' output."""
-    q_signal = logq_signal.exp()
-    return torch.special.entr(q_signal).sum(-1), q_signal.amax(-1)
 
 
 def label_row(
