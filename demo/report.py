@@ -7,7 +7,7 @@ from typing import Any
 from specheads.demo.stages import HEADS, Layout
 from specheads.demo.summary import decoding_line, duration
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
-from specheads.eval.report_file import Report
+from specheads.report_file import Report
 
 
 def summary_table(summary: dict[str, Any]) -> list[str]:

@@ -6,15 +6,15 @@ import shutil
 import time
 from typing import Any
 
+from specheads.checkpoint import load_trained
 from specheads.data_gen.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
-from specheads.eval.report_file import REPORT_FILE, read_report
+from specheads.report_file import REPORT_FILE, read_report
 from specheads.files import write_json_atomic
-from specheads.train.checkpoint import load_trained
 
 
 def evaluated(layout: Layout, head: str) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 from specheads.demo.stages import HEADS, Layout, relative
 from specheads.eval.report import MIN_TEST_PROMPTS, interval_cell, logprob_difference
-from specheads.eval.report_file import REPORT_FILE, Report
+from specheads.report_file import REPORT_FILE, Report
 from specheads.text import count
 
 

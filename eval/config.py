@@ -8,7 +8,7 @@ from pathlib import Path
 from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInterval, PositiveInt
 
 from specheads.errors import UsageError
-from specheads.eval.report_file import REPORT_FILE
+from specheads.report_file import REPORT_FILE
 
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
                "head": "head_thresholds", "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid

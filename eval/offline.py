@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specheads.checkpoint import TrainedHead
 from specheads.heads import STORED_SIGNALS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
 from specheads.metrics import (
@@ -28,7 +29,6 @@ from specheads.metrics import (
     soft_auc,
     soft_pr_auc,
 )
-from specheads.train.checkpoint import TrainedHead
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.targets import draft_features, head_inputs
 

@@ -10,7 +10,7 @@ import markdown
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
-from specheads.eval.report_file import Report, tuned_row
+from specheads.report_file import Report, tuned_row
 from specheads.files import write_text_atomic
 from specheads.text import count
 

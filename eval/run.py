@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
 from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.data_gen.responses import stop_token_ids
@@ -37,7 +38,7 @@ from specheads.eval.plots import (
     serving_plot,
 )
 from specheads.eval.report import verdict, write_report
-from specheads.eval.report_file import EvaluatedHead, Report
+from specheads.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
 from specheads.eval.serving import NOT_SERVED, CostCurve, best_per_batch_size, measure_cost_curve, serving_table
 from specheads.eval.sweep import (
@@ -63,7 +64,6 @@ from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
-from specheads.train.checkpoint import TrainedHead, load_trained
 from specheads.train.data import AcceptanceDataModule
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specheads.errors import UsageError
-from specheads.eval.report_file import EvaluatedHead, read_report
+from specheads.report_file import EvaluatedHead, read_report
 from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
 

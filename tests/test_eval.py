@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specheads.checkpoint import load_trained
 from specheads.cli import main
 from specheads.data_gen.prompts import prompt_digest
 from specheads.data_gen.store import load_labelled
@@ -22,7 +23,7 @@ from specheads.errors import UsageError
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.plots import pareto_frontier
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
-from specheads.eval.report_file import Report, read_report
+from specheads.report_file import Report, read_report
 from specheads.eval.run import check_data
 from specheads.eval.sweep import (
     RunRecord,
@@ -37,7 +38,6 @@ from specheads.eval.sweep import (
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
-from specheads.train.checkpoint import load_trained
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_eval import PROMPT, tiny_pair  # noqa: F401  (a fixture)
 
+from specheads.checkpoint import load_trained
 from specheads.cli import main
 from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
@@ -16,7 +17,6 @@ from specheads.heads.calibration import cumulative_products, round_windows, wind
 from specheads.metrics import expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
 from specheads.train.calibration import fit_position_calibration
-from specheads.train.checkpoint import load_trained
 from specheads.train.loss import weighted_bce
 from specheads.train.targets import head_inputs
 

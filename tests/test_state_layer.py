@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_args
 from test_train import fit_args
 
+from specheads.checkpoint import load_trained
 from specheads.cli import main
 from specheads.data_gen.models import ModelSpec, load_model
 from specheads.data_gen.store import load_labelled, read_manifest
@@ -15,7 +16,6 @@ from specheads.decoding import BatchCache
 from specheads.errors import UsageError
 from specheads.eval.run import check_data
 from specheads.states import check_state_layer, decoder_forward
-from specheads.train.checkpoint import load_trained
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.draft import load_draft
 

@@ -18,8 +18,9 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
+from specheads.checkpoint import head_from_hyperparameters
 from specheads.errors import UsageError
-from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, build_head, head_class
+from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, head_class
 from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.states import describe_state
 from specheads.train.calibration import fit_position_calibration
@@ -89,11 +90,7 @@ class AcceptanceModule(L.LightningModule):
 
     def build(self, hidden_size: int, embedding_size: int) -> None:
         """Create the head (once the hidden size and embedding size are known)."""
-        kwargs: dict[str, Any] = {"hidden_size": hidden_size, "extra_features": list(self.hparams.extra_features or []),
-                                  **(self.hparams.head_args or {})}
-        if embedding_size:
-            kwargs["candidate_embedding_size"] = embedding_size
-        self.head = build_head(self.hparams.head, **kwargs)
+        self.head = head_from_hyperparameters({**self.hparams, "hidden_size": hidden_size, "embedding_size": embedding_size})
         self.hparams.embedding_size = embedding_size
 
     # ---- setup: match the data, load what online training and embeddings need, signal statistics

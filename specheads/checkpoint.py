@@ -1,13 +1,12 @@
 """A trained head with what it was trained on, from a Lightning checkpoint or an exported head folder.
 
-Eval and export both start here. The checkpoint carries the head's weights and the run's
+Eval and export both start here (a core module: neither imports train). The checkpoint carries the head's weights and the run's
 hyperparameters (data fingerprint and identity, split with its training prompts, τ). Nothing is ever
 written back into it: the tuned decision rule lives in eval's report, which export reads.
 """
 
 from __future__ import annotations
 
-import inspect
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from specheads.errors import UsageError
-from specheads.heads import AcceptanceHead
+from specheads.heads import AcceptanceHead, build_head
 from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
 
 
@@ -81,16 +80,28 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def module_from_checkpoint(checkpoint: dict[str, Any]) -> Any:
-    """The `AcceptanceModule` a checkpoint describes, built from its constructor arguments (no instantiator or
-    class path stored in the file is followed) with the head's weights loaded."""
-    from specheads.train.module import AcceptanceModule
+def head_from_hyperparameters(hparams: dict[str, Any]) -> AcceptanceHead:
+    """The head a training run's hyperparameters describe (`train.module.AcceptanceModule`'s `head`, `head_args`,
+    `extra_features`, `hidden_size`, `embedding_size`), untrained."""
+    kwargs: dict[str, Any] = {"hidden_size": hparams["hidden_size"], "extra_features": list(hparams.get("extra_features") or []),
+                              **(hparams.get("head_args") or {})}
+    if hparams.get("embedding_size"):
+        kwargs["candidate_embedding_size"] = hparams["embedding_size"]
+    return build_head(hparams.get("head", "specdecpp_resnet"), **kwargs)
 
-    accepted = set(inspect.signature(AcceptanceModule.__init__).parameters) - {"self"}
-    hparams = checkpoint.get("hyper_parameters") or {}
-    module = AcceptanceModule(**{name: value for name, value in hparams.items() if name in accepted})
-    module.load_state_dict(checkpoint.get("state_dict") or {})
-    return module
+
+def head_from_checkpoint(checkpoint: dict[str, Any], path: Path) -> AcceptanceHead:
+    """The head a checkpoint describes, built from its hyperparameters (no instantiator or class path stored in the
+    file is followed) with its weights loaded strictly."""
+    head = head_from_hyperparameters(checkpoint.get("hyper_parameters") or {})
+    weights = {key[len("head."):]: value for key, value in (checkpoint.get("state_dict") or {}).items()
+               if key.startswith("head.")}
+    result = head.load_state_dict(weights, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise UsageError(f"{path} does not fit the head its hyperparameters describe (missing "
+                         f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}); give the checkpoint as "
+                         "`specheads train` wrote it")
+    return head
 
 
 def from_checkpoint(path: Path) -> TrainedHead:
@@ -100,10 +111,10 @@ def from_checkpoint(path: Path) -> TrainedHead:
     if "head" not in hparams or hparams.get("hidden_size") is None:
         raise UsageError(f"{path} is not a `specheads train` checkpoint (its hyperparameters name no head); "
                          "give a checkpoint from a specheads run folder")
-    module = module_from_checkpoint(checkpoint)
+    head = head_from_checkpoint(checkpoint, path)
     split = hparams.get("data_split") or {"val_fraction": 0.1, "split_seed": 0}
     return TrainedHead(
-        head=module.head.eval(), source=str(path), draft=hparams.get("draft"), target=hparams.get("target"),
+        head=head.eval(), source=str(path), draft=hparams.get("draft"), target=hparams.get("target"),
         data_fingerprint=hparams.get("data_fingerprint"), data_identity=hparams.get("data_identity"),
         sampling=hparams.get("data_sampling"), tau=float(hparams.get("tau", 1.0)),
         contexts=hparams.get("contexts", "consistent"), split=dict(split),
