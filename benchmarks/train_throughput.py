@@ -53,7 +53,7 @@ class BatchTimer(Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        from specheads.train.targets import token_targets
+        from specheads.targets import token_targets
 
         synchronize(module.device)
         now = time.perf_counter()

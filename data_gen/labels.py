@@ -15,7 +15,7 @@ from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.signals import output_logits, signal_log_probs, signal_statistics
-from specheads.states import decoder_forward
+from specheads.states import decoder_states, mixed_states
 
 
 @dataclass
@@ -29,20 +29,6 @@ class PositionLabels:
     beta: torch.Tensor
     entropy: torch.Tensor
     top1: torch.Tensor
-
-
-def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
-                   state_layer: int | None = None) -> torch.Tensor:
-    """The decoder's states for right-padded `sequences`: [B, L, h] on `device` (wherever a split model's last layer
-    ran); the last layer's (after the final norm) unless `state_layer` names an inner one (`specheads.states`)."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, : len(sequence)] = torch.tensor(sequence)
-        attention_mask[row, : len(sequence)] = 1
-    return decoder_forward(model, state_layer, input_ids=input_ids.to(device),
-                           attention_mask=attention_mask.to(device), use_cache=False)[1].to(device)
 
 
 def label_positions(
@@ -119,15 +105,6 @@ def label_batch(
         columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device, state_layer,
                                              storage, columns["is_draft"])
     return columns
-
-
-def mixed_states(draft: Any, prompts: list[list[int]], mixed: list[list[int]], pad_id: int,
-                 device: torch.device, state_layer: int | None = None) -> list[torch.Tensor]:
-    """Draft states (at `state_layer`) on prompt + mixed tokens, at the prompt's last position and every response
-    position: one [len(mixed) + 1, h] tensor per row, on `device` (what `features` stores, and what online
-    training computes)."""
-    states = decoder_states(draft, [list(p) + list(m) for p, m in zip(prompts, mixed)], pad_id, device, state_layer)
-    return [states[row, len(p) - 1 : len(p) + len(m)] for row, (p, m) in enumerate(zip(prompts, mixed))]
 
 
 def mixed_features(draft: Any, items: list[WorkItem], mixed: list[list[int]], pad_id: int, device: torch.device,

@@ -13,8 +13,8 @@ from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
-from specheads.report_file import REPORT_FILE, read_report
 from specheads.files import write_json_atomic
+from specheads.report_file import REPORT_FILE, read_report
 
 
 def evaluated(layout: Layout, head: str) -> bool:

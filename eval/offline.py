@@ -29,8 +29,8 @@ from specheads.metrics import (
     soft_auc,
     soft_pr_auc,
 )
+from specheads.targets import draft_features, head_inputs
 from specheads.train.data import AcceptanceDataModule
-from specheads.train.targets import draft_features, head_inputs
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")

@@ -10,8 +10,8 @@ import markdown
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
-from specheads.report_file import Report, tuned_row
 from specheads.files import write_text_atomic
+from specheads.report_file import Report, tuned_row
 from specheads.text import count
 
 MIN_TEST_PROMPTS = 8

@@ -38,7 +38,6 @@ from specheads.eval.plots import (
     serving_plot,
 )
 from specheads.eval.report import verdict, write_report
-from specheads.report_file import EvaluatedHead, Report
 from specheads.eval.reuse import decoding_context, load_reusable
 from specheads.eval.serving import NOT_SERVED, CostCurve, best_per_batch_size, measure_cost_curve, serving_table
 from specheads.eval.sweep import (
@@ -62,6 +61,7 @@ from specheads.eval.tuned import load_tuning
 from specheads.files import write_json_atomic
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
+from specheads.report_file import EvaluatedHead, Report
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
 from specheads.train.data import AcceptanceDataModule

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specheads.errors import UsageError
-from specheads.report_file import EvaluatedHead, read_report
 from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
+from specheads.report_file import EvaluatedHead, read_report
 
 POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")

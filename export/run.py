@@ -11,11 +11,11 @@ from typing import Any
 from specheads import __version__
 from specheads.checkpoint import TrainedHead, load_trained
 from specheads.errors import UsageError
-from specheads.report_file import Report, read_report
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.files import usual_permissions
 from specheads.heads.loading import DecisionRule
+from specheads.report_file import Report, read_report
 
 FORMAT_VERSION = 1
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",

@@ -23,7 +23,6 @@ from specheads.errors import UsageError
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.plots import pareto_frontier
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
-from specheads.report_file import Report, read_report
 from specheads.eval.run import check_data
 from specheads.eval.sweep import (
     RunRecord,
@@ -37,6 +36,7 @@ from specheads.eval.sweep import (
 )
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.report_file import Report, read_report
 from specheads.sampling import SamplingTransform
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]

@@ -3,8 +3,9 @@
 specheads' core (`specheads/`, its decoding package included: models and their placement, prompts, the labelled
 dataset's format, checkpoints and reports, the sampling transform, signals, decoding) and the heads (the product's
 model code, which the core reads checkpoints into and decodes with) import no stage; each stage (data_gen, train,
-eval, export) imports the core, heads and its own modules, never another stage's; demo runs the stages and may import them all. The entry point (specheads.cli) dispatches to every stage by
-name and is not a layer. docs/packages.md draws the same map.
+eval, export) imports the core, heads and its own modules, never another stage's; demo runs the stages and may
+import them all. The entry point (specheads.cli) dispatches to every stage by name and is not a layer.
+docs/packages.md draws the same map.
 """
 
 import ast

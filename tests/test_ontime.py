@@ -16,9 +16,9 @@ from specheads.heads import OnTimeAcceptanceHead, PositionCalibration, ResNetAcc
 from specheads.heads.calibration import cumulative_products, round_windows, window_starts
 from specheads.metrics import expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
+from specheads.targets import head_inputs
 from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import weighted_bce
-from specheads.train.targets import head_inputs
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 

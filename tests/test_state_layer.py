@@ -82,7 +82,7 @@ def test_training_online_and_eval_follow_the_state_layer(inner, tmp_path, capsys
     online = AcceptanceDataModule(str(data), mode="online", val_fraction=0.3, batch_size=4)
     stored = AcceptanceDataModule(str(data), mode="offline", val_fraction=0.3, batch_size=4)
     online.setup("fit"), stored.setup("fit")
-    from specheads.train.targets import draft_features
+    from specheads.targets import draft_features
 
     draft = load_draft(online.manifest)
     online_batch, offline_batch = next(iter(online.val_dataloader())), next(iter(stored.val_dataloader()))

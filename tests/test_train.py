@@ -12,10 +12,10 @@ from conftest import run_cli, tiny_args
 from specheads.cli import main
 from specheads.heads import SIGNALS
 from specheads.metrics import binary_kl, soft_auc
+from specheads.targets import token_targets
 from specheads.train.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
 from specheads.train.loss import weighted_bce
 from specheads.train.module import AcceptanceModule
-from specheads.train.targets import token_targets
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 

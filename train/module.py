@@ -23,10 +23,10 @@ from specheads.errors import UsageError
 from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, head_class
 from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.states import describe_state
+from specheads.targets import Contexts, draft_features, head_inputs, token_targets
 from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import weighted_bce
 from specheads.train.probe import signal_probe
-from specheads.train.targets import Contexts, draft_features, head_inputs, token_targets
 
 VALIDATION_COLUMNS = ("prediction", "label", *STORED_SIGNALS)
 

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from specheads.errors import UsageError
+from specheads.states import mixed_states
 
 CANDIDATE_STATE = "candidate_state"
 CONTEXT_STATE = "context_state"
@@ -70,8 +71,6 @@ def head_states(features: torch.Tensor, reads: str) -> torch.Tensor:
 def draft_features(draft: torch.nn.Module, batch: dict, width: int, state_layer: int | None = None) -> torch.Tensor:
     """The draft's states (at `state_layer`) on a batch's prompt + mixed tokens, padded like stored features:
     [B, width + 1, h]."""
-    from specheads.data_gen.labels import mixed_states
-
     device = next(draft.parameters()).device
     states = mixed_states(draft, batch["prompt_ids"], batch["mixed_ids"], 0, device, state_layer)
     features = torch.zeros(len(states), width + 1, states[0].shape[-1], device=device)
