@@ -10,7 +10,6 @@ prints the resolved config, and `--ckpt_path last` resumes. The run folder is
 
 from __future__ import annotations
 
-import csv
 import signal
 import sys
 import warnings
@@ -24,6 +23,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from specheads.private_apis import HistoryWriter
 from specheads.train.data import AcceptanceDataModule
 from specheads.train.module import AcceptanceModule
 
@@ -33,15 +33,6 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 5,
     "default_root_dir": "runs/train",
 }
-
-
-class HistoryWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that it keeps the metrics.csv it finds and appends to it (a resumed run)."""
-
-    def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                self.metrics_keys = sorted(next(csv.reader(file), []))
 
 
 class HistoryCSVLogger(CSVLogger):
