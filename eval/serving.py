@@ -13,8 +13,9 @@ device or given). A round yields Σ_rows (a + 1) tokens, but for a request's las
 emitted after the earlier rounds (a run ends at its first stop token and at max_new_tokens); throughput = tokens /
 modelled seconds.
 
-SPRINTER is not served here: its rows call the target at different draft steps, for one flagged token each, so its
-run is no sequence of lockstep verify rounds; the table says so rather than leave it out without a word.
+SPRINTER is not served here: its target call checks one flagged token and lets the row's other drafted tokens pass
+unverified, with no bonus token, and a row's last round may call no target at all, so its rounds are not the verify
+rounds of k + 1 tokens this model prices; the table says so rather than leave it out without a word.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from specheads.decoding import BatchCache
 from specheads.errors import UsageError
 
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-NOT_SERVED = {"sprinter": "SPRINTER calls the target at different draft steps per row, for one flagged token each, so "
-                          "its runs are no lockstep verify rounds for this model of a serving batch"}
+NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and lets the other drafted tokens pass "
+                          "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices"}
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def test_a_damaged_or_older_runs_file_is_refused_in_one_line(tmp_path):
 def test_the_serving_table_says_why_sprinter_is_not_in_it_and_counts_what_runs_emitted():
     lines = serving_lines({"batch_sizes": [1, 8], "cost_curves": {"source": "given"}, "rows": [], "best": {},
                            "left_out": {"sprinter": NOT_SERVED["sprinter"]}}, "##", "serving.png")
-    assert any(line.startswith("sprinter is not in this table: SPRINTER calls the target") for line in lines)
+    assert any(line.startswith("sprinter is not in this table: SPRINTER's target call checks one") for line in lines)
     # a run that ended at a stop token inside its last round: 3 rounds of 2 accepted would be 9 tokens, it emitted 7
     run = RunRecord("constant_k", 3.0, "p", "test", emitted=7, drafted=9, accepted=6, target_calls=3, draft_forwards=9,
                     seconds=1.0, forward_seconds=1.0, accepted_per_round=[2, 2, 2], target_logprob=-1.0,
