@@ -29,6 +29,11 @@ def base_model(config: dict[str, Any]) -> str | None:
     return hub_id(target_spec) if draft.get("derived_from_target") else hub_id(draft.get("spec"))
 
 
+def speedup_basis(metrics: dict[str, Any]) -> str:
+    """How the head's modelled speedup was computed, as its report recorded it (`Report.headline`)."""
+    return metrics.get("speedup_from") or "SpecDec++ Eq. 5.1"
+
+
 def metrics_rows(metrics: dict[str, Any]) -> list[str]:
     """The headline metrics as a markdown table."""
     names = {"auc": "AUC (held-out tokens)", "binary_kl": "binary KL", "binary_kl_constant": "binary KL of the constant predictor",
@@ -100,7 +105,8 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
              f"top-k {sampling.get('top_k')}, top-p {sampling.get('top_p')}. Other settings change p and q, so the labels.",
              f"- Valid only for draft `{draft}` and target `{target}` (data fingerprint "
              f"`{(config.get('training_data') or {}).get('fingerprint')}`).",
-             "- The modelled speedup is SpecDec++ Eq. 5.1 at the stated cost ratio, not a measured wall-clock gain.", ""]
+             f"- The modelled speedup is {speedup_basis(config.get('metrics') or {})}, in target-forward units at the "
+             "stated t_draft/t_target: not a measured wall-clock gain.", ""]
     data = ModelCardData(library_name="specheads", tags=["speculative-decoding", "acceptance-prediction", config["head_type"]],
                          base_model=base_model(config), pipeline_tag=None)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
