@@ -60,6 +60,7 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 |---|---|
 | prompts labelled | {counts['prompts']} (left out as too long: {counts['skipped_prompts']}; without an imported response: {counts.get('unanswered_prompts', 0)}) |
 | imported responses cut at max_new_tokens | {counts.get('truncated_responses', 0)} |
+| imported responses cut at their first stop token | {counts.get('cut_at_stop_responses', 0)} |
 | rows (prompt × sample) | {counts['rows']} |
 | labelled tokens | {counts['labelled_tokens']} |
 | draft tokens (`is_draft`) | {counts['draft_tokens']} |

@@ -103,22 +103,29 @@ def generate_responses(
     return [cut_at_stop(row.tolist(), stop_ids) for row in output[:, width:].cpu()]
 
 
+@dataclass(frozen=True)
+class ImportedResponse:
+    """One imported response as the engine gave it: its tokens, and whether the engine stopped on a stop token that
+    its text leaves out (`finish_reason` "stop" on a text response)."""
+
+    ids: list[int]
+    stopped: bool = False
+
+
 @dataclass
 class ImportedResponses:
-    """Imported responses grouped by prompt id, and how many were longer than `max_new_tokens` and cut there."""
+    """Imported responses grouped by prompt id, each ending at its first stop token and at most `max_new_tokens`
+    long; how many ran on past a stop token (`cut_at_stop`) or past `max_new_tokens` (`truncated`) and were cut."""
 
     by_prompt: dict[str, list[list[int]]]
     truncated: int = 0
+    cut_at_stop: int = 0
 
 
-def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max_new_tokens: int) -> ImportedResponses:
-    """Responses from a JSONL of `{"id", "response" | "response_ids", "finish_reason"?}`, grouped by prompt id.
-
-    Text is tokenized without special tokens, and the EOS token is appended when the engine stopped
-    on it (`finish_reason` "stop", the default). Responses are cut to `max_new_tokens` (and counted).
-    """
-    grouped: dict[str, list[list[int]]] = defaultdict(list)
-    truncated = 0
+def read_imported_responses(path: Path, tokenizer: Any, known_ids: set[str]) -> dict[str, list[ImportedResponse]]:
+    """Responses from a JSONL of `{"id", "response" | "response_ids", "finish_reason"?}`, grouped by prompt id and
+    checked line by line (text tokenized without special tokens); `finish_imported` makes them rows."""
+    grouped: dict[str, list[ImportedResponse]] = defaultdict(list)
     unknown: list[str] = []
     for number, record in read_jsonl(path):
         where = f"{path}:{number}"
@@ -133,19 +140,37 @@ def load_imported_responses(path: Path, tokenizer: Any, known_ids: set[str], max
             if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < len(tokenizer) for t in ids):
                 raise UsageError(f"{where}: `response_ids` must be a list of integer token ids below {len(tokenizer)} "
                                  "(no booleans, floats or strings); fix that line")
+            response = ImportedResponse(list(ids))
         elif isinstance(record.get("response"), str):
-            ids = list(tokenizer(record["response"], add_special_tokens=False)["input_ids"])
-            if record.get("finish_reason", "stop") == "stop":
-                ids.append(tokenizer.eos_token_id)
+            response = ImportedResponse(list(tokenizer(record["response"], add_special_tokens=False)["input_ids"]),
+                                        stopped=record.get("finish_reason", "stop") == "stop")
         else:
             raise UsageError(f"{where}: no `response` text or `response_ids`; add one")
-        if not ids:
+        if not response.ids and not response.stopped:
             raise UsageError(f"{where}: the response is empty; drop the line or give the response")
-        truncated += len(ids) > max_new_tokens
-        grouped[prompt_id].append(ids[:max_new_tokens])
+        grouped[prompt_id].append(response)
     if unknown:
         raise UsageError(
             f"{path} names {len(unknown)} prompt id(s) not in the prompt set (first: {unknown[0]!r}); "
             "pass the prompts the responses were made from (--prompts) or fix the ids"
         )
-    return ImportedResponses(dict(grouped), truncated)
+    return dict(grouped)
+
+
+def finish_imported(responses: dict[str, list[ImportedResponse]], stop_ids: list[int], eos_id: int,
+                    max_new_tokens: int) -> ImportedResponses:
+    """The imported responses as rows, ended the way generated ones are (`cut_at_stop`): at their first stop token,
+    kept; a text response the engine stopped on EOS gets that EOS back. Then cut to `max_new_tokens`. Both cuts are
+    counted."""
+    by_prompt: dict[str, list[list[int]]] = {}
+    truncated = stopped_early = 0
+    for prompt_id, group in responses.items():
+        rows = by_prompt[prompt_id] = []
+        for response in group:
+            ids = cut_at_stop(response.ids, stop_ids)
+            stopped_early += len(ids) < len(response.ids)
+            if response.stopped and not (ids and ids[-1] in stop_ids):
+                ids = [*ids, eos_id]
+            truncated += len(ids) > max_new_tokens
+            rows.append(ids[:max_new_tokens])
+    return ImportedResponses(by_prompt, truncated, stopped_early)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from specheads import __version__
@@ -34,7 +37,7 @@ from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.placement import check_visible_gpus, rank_devices, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
 from specheads.data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
-from specheads.data_gen.responses import load_imported_responses
+from specheads.data_gen.responses import ImportedResponses, finish_imported, read_imported_responses, stop_token_ids
 from specheads.data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
 from specheads.data_gen.storage import FeatureStorage
 from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
@@ -59,6 +62,7 @@ class Summary:
     skipped_prompts: int = 0
     unanswered_prompts: int = 0
     truncated_responses: int = 0
+    cut_at_stop_responses: int = 0
 
     def text(self) -> str:
         """The end-of-run lines printed to the terminal."""
@@ -75,10 +79,13 @@ class Summary:
         if self.truncated_responses:
             lines.append(f"  cut {count(self.truncated_responses, 'imported response')} longer than max_new_tokens at "
                          "max_new_tokens; raise --max-new-tokens to keep them whole")
+        if self.cut_at_stop_responses:
+            lines.append(f"  cut {count(self.cut_at_stop_responses, 'imported response')} at the first stop token, "
+                         "where generated responses end (what followed it is not labelled)")
         return "\n".join(lines + [f"  wrote {self.out}"])
 
 
-LEFT_OUT = ("skipped_prompts", "unanswered_prompts", "truncated_responses")
+LEFT_OUT = ("skipped_prompts", "unanswered_prompts", "truncated_responses", "cut_at_stop_responses")
 
 
 def left_out(counts: dict[str, int]) -> dict[str, int]:
@@ -95,10 +102,13 @@ class Selection:
     skipped: list[str]
     unanswered: list[str]
 
-    def counts(self, prompts: int, truncated: int) -> dict[str, int]:
-        """The manifest's prompt counts out of `prompts` given, with the imported responses cut at max_new_tokens."""
+    def counts(self, prompts: int, imported: ImportedResponses | None) -> dict[str, int]:
+        """The manifest's prompt counts out of `prompts` given, with the imported responses cut at max_new_tokens
+        and at their first stop token."""
         return {"prompts": prompts - len(self.skipped) - len(self.unanswered), "skipped_prompts": len(self.skipped),
-                "unanswered_prompts": len(self.unanswered), "truncated_responses": truncated}
+                "unanswered_prompts": len(self.unanswered),
+                "truncated_responses": imported.truncated if imported else 0,
+                "cut_at_stop_responses": imported.cut_at_stop if imported else 0}
 
 
 def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], imported: dict[str, list[list[int]]] | None,
@@ -152,7 +162,9 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         "seed": config.seed,
         "prompts": {"source": config.prompts, "split": config.prompts_split, "hash": prompts_hash(prompts),
                     "count": len(prompts)},
-        "samples_per_prompt": config.samples_per_prompt,
+        # ignored with imported responses (their file decides the rows): kept at its default, so that imported data
+        # made before keeps its fingerprint
+        "samples_per_prompt": 1 if config.responses else config.samples_per_prompt,
         "responses": {"source": "imported", "sha256": file_sha256(Path(config.responses))}
         if config.responses else {"source": "target-generate",
                                   **({"engine": "vllm"} if config.responses_engine == "vllm" else {})},
@@ -212,8 +224,9 @@ def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool)
     return None
 
 
-def run(config: GenConfig) -> Summary:
-    """Run `specheads gen` with a validated config; every check happens before anything is written."""
+def run(config: GenConfig) -> Summary | None:
+    """Run `specheads gen` with a validated config; every check happens before anything is written. Returns the
+    summary on rank 0, None on the other ranks."""
     config.validate()
     if config.responses_engine == "vllm":
         require_vllm()
@@ -221,13 +234,17 @@ def run(config: GenConfig) -> Summary:
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column)
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
     tokenizer = load_tokenizers(config.target, config.draft)
-    imported = (load_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts},
-                                        config.sampling.max_new_tokens) if config.responses else None)
-    truncated = imported.truncated if imported else 0
+    read = (read_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts})
+            if config.responses else None)
+    note = ignored_settings(config)
+    if note and rank_zero_only.rank == 0:
+        print(f"specheads gen: {note}", file=sys.stderr)
     trainer = make_trainer(config)  # before the models: Lightning names this rank's devices, where they are loaded
     pair = load_pair(config.target, config.draft, tokenizer,
                      rank_devices(trainer.strategy.root_device, config.gpus_per_rank))
     check_state_layer(pair.draft, config.state_layer)
+    imported = (finish_imported(read, stop_token_ids(pair.target, tokenizer), tokenizer.eos_token_id,
+                                config.sampling.max_new_tokens) if read is not None else None)
     selection = select_items(config, tokenizer, prompts, imported.by_prompt if imported else None,
                              context_length(pair.target))
     items = selection.items
@@ -242,19 +259,97 @@ def run(config: GenConfig) -> Summary:
         "config": config.as_dict(), "tool_version": __version__,
     }
     with ExitStack() as held:
-        if rank_zero_only.rank == 0:
+        finished: dict[str, dict] = {}
+
+        def prepare() -> bool:
+            """Rank 0: lock the folder (held until the run ends: a second run into `out` is refused); True when it
+            holds this very dataset finished, else start the run's manifest."""
             refuse_foreign_folder(out, config.overwrite)
-            held.enter_context(folder_lock(out, "gen"))  # held until the run ends: a second run into `out` is refused
-            finished = prepare_output(out, fingerprint, identity, config.overwrite)
-            if finished is not None:
-                counts = finished["counts"]
-                return Summary(out, counts["rows"], counts["labelled_tokens"], finished["mean_accept"], None, True,
-                               **left_out(counts))
+            held.enter_context(folder_lock(out, "gen"))
+            manifest = prepare_output(out, fingerprint, identity, config.overwrite)
+            if manifest is not None:
+                finished["manifest"] = manifest
+                return True
             write_json_atomic(out / MANIFEST, started)
-            if config.responses_engine == "vllm":  # one process (GenConfig.validate): rank 0 is the run
-                shards = shards_with_vllm_responses(config, pair.target, tokenizer, shards, out, fingerprint)
-        return label(config, pair, tokenizer, shards, out, started, selection.counts(len(prompts), truncated),
+            return False
+
+        if decided_by_rank_zero(trainer, prepare, held):  # nothing new to label: every rank ends here
+            if "manifest" not in finished:
+                return None  # not rank 0
+            counts = finished["manifest"]["counts"]
+            return Summary(out, counts["rows"], counts["labelled_tokens"], finished["manifest"]["mean_accept"], None,
+                           True, **left_out(counts))
+        if config.responses_engine == "vllm" and rank_zero_only.rank == 0:  # one process (GenConfig.validate)
+            shards = shards_with_vllm_responses(config, pair.target, tokenizer, shards, out, fingerprint)
+        return label(config, pair, tokenizer, shards, out, started, selection.counts(len(prompts), imported),
                      selection, trainer)
+
+
+def ignored_settings(config: GenConfig) -> str | None:
+    """One line naming a setting given that this run ignores, or None."""
+    if config.responses and config.samples_per_prompt != 1:
+        return (f"samples_per_prompt ({config.samples_per_prompt}) is ignored with --responses: each imported "
+                "response is one row; drop it, or import more responses per prompt")
+    return None
+
+
+DECIDED = "SPECHEADS_GEN_DECIDED"
+"""Set by a rank 0 that starts the other ranks itself (Lightning's launcher): it decided to label before starting
+them, so they have no decision to wait for."""
+
+
+def shares_decision(trainer: L.Trainer) -> bool:
+    """True when this rank takes part in sharing rank 0's decision: several ranks started together by a launcher
+    (torchrun, srun), each running `run` from the start. When Lightning starts the ranks from rank 0 instead, rank 0
+    decides before starting them, and starts none when there is nothing to label."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    return (trainer.world_size > 1 and environment is not None and environment.creates_processes_externally
+            and DECIDED not in os.environ)
+
+
+def decided_by_rank_zero(trainer: L.Trainer, decide: Callable[[], bool], held: ExitStack) -> bool:
+    """`decide()` on rank 0: True when there is nothing to label. Every rank gets the same answer, so that all of
+    them label or all of them end, and rank 0's failure fails them all. Under torchrun or srun the process group is
+    set up here for it (Trainer.predict would set it up later)."""
+    shared = shares_decision(trainer)
+    if shared:
+        trainer.strategy.setup_environment()
+    finished, failure = False, None
+    if rank_zero_only.rank == 0:
+        try:
+            finished = decide()
+        except Exception as error:  # passed on to the other ranks, then raised here
+            failure = error
+    outcome: tuple[str, str] = (("refused" if isinstance(failure, UsageError) else "failed", str(failure))
+                                if failure is not None else ("finished" if finished else "label", ""))
+    if shared:
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        if outcome[0] != "label":
+            torch.distributed.destroy_process_group()  # no collective follows
+    elif trainer.world_size > 1 and rank_zero_only.rank == 0:
+        held.enter_context(environment_set(DECIDED, "1"))  # the ranks Trainer.predict starts inherit it
+    if failure is not None:
+        raise failure
+    kind, message = outcome
+    if kind == "refused":
+        raise UsageError(message)
+    if kind == "failed":
+        raise RuntimeError(f"rank 0 failed: {message}")
+    return kind == "finished"
+
+
+@contextmanager
+def environment_set(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` set to `value` for the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard], out: Path, started: dict,

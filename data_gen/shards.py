@@ -4,7 +4,8 @@ Beside `shards/shard-NNNNN.arrow` the writer keeps `shard-NNNNN.json`: the run (
 it, its rows, bytes and sha256. The Arrow file carries the run in its own metadata too. `specheads gen`
 copies the records into the manifest when it finishes; readers compare each shard with its record (cheap:
 size, rows, run) and range-check its values once per file version; gen re-verifies the sha256 of every shard
-before it trusts one, and relabels exactly the shards that fail.
+before it trusts one, and relabels exactly the shards that fail. Only a shard proven bad fails: a file that cannot
+be read at all (an I/O error, a permission) stops the check with an error and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def write_record(out: Path, index: int, run: str, rows: int, written: Path) -> d
 
 
 def read_record(out: Path, index: int) -> dict[str, Any] | None:
-    """Shard `index`'s record, or None where there is none (or it is unreadable)."""
+    """Shard `index`'s record, or None where there is none or it is not a JSON object (written atomically, so damaged).
+    Any other OSError reading it propagates: a record that cannot be read is not a missing one."""
     try:
         record = json.loads(record_path(out, index).read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -75,7 +77,27 @@ def shard_run(table: pa.Table) -> str | None:
 
 def shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | None, deep: bool) -> str | None:
     """Why shard `index` cannot be trusted as a shard of `run` with `record` (the shard's own record file when
-    None), or None when it can. `deep` also compares the whole file's sha256 with the record's."""
+    None), or None when it can. `deep` also compares the whole file's sha256 with the record's. Raises UsageError,
+    naming the shard, when its files cannot be read to tell (a passing I/O error must not get a good shard deleted)."""
+    path = shard_path(out, index)
+    try:
+        return _shard_problem(out, index, run, record, deep)
+    except FileNotFoundError:  # gone while it was being checked
+        return "is missing"
+    except OSError as error:
+        raise UsageError(unchecked(path, error)) from None
+
+
+def unchecked(path: Path, error: Exception) -> str:
+    """The one line for a shard whose files could not be read to check it."""
+    reason = " ".join(str(getattr(error, "strerror", None) or error).split())[:100]
+    where = getattr(error, "filename", None)
+    reason += f" reading {where}" if where and str(where) != str(path) else ""
+    return (f"{path} could not be checked ({reason}); nothing was deleted: make the folder readable again (storage, "
+            "permissions) and run the same command again")
+
+
+def _shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | None, deep: bool) -> str | None:
     path = shard_path(out, index)
     record = record if record is not None else read_record(out, index)
     if not path.is_file():
@@ -89,7 +111,9 @@ def shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | None
         return f"holds {size} bytes but {record.get('bytes')} were written (truncated or changed on disk)"
     try:
         table = read_table(path)
-    except (pa.ArrowException, OSError) as error:
+    except (pa.ArrowException, OSError) as error:  # pyarrow raises OSError for damaged content as well
+        if file_sha256(path) == record.get("sha256"):  # the very bytes written: not the shard's fault
+            raise UsageError(unchecked(path, error)) from None
         return f"is not a readable Arrow file ({' '.join(str(error).split())[:100]})"
     if table.num_rows != record.get("rows"):
         return f"holds {table.num_rows} rows but {record.get('rows')} were written"

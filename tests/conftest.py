@@ -13,6 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach the Hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+USER_CACHE = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
+"""The user's own cache: the tests read its converted embedded model and write nothing else there."""
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens with a small model.",
     "A large target model verifies the drafted tokens in one forward pass.", "def add(a, b): return a + b",
@@ -55,6 +58,20 @@ def build_tiny_model(folder: Path, vocab_size: int = 320, layers: int = 4, seed:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Path:
+    """$SPECHEADS_CACHE for the whole session (this process and every one it starts): a temporary folder for the
+    facts the tests cache, whose `models/` links to the user's, so the embedded model is converted (~30 s) only once
+    and then reused."""
+    root = tmp_path_factory.mktemp("specheads-cache")
+    models = USER_CACHE / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (root / "models").symlink_to(models, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECHEADS_CACHE", str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")
