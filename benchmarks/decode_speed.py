@@ -61,11 +61,10 @@ class Config:
 
 def main() -> None:
     from specheads.checkpoint import load_trained
-    from specheads.data_gen.models import ModelSpec, load_pair
-    from specheads.data_gen.prompts import encode_prompt, load_prompts
-    from specheads.data_gen.responses import stop_token_ids
     from specheads.dataclass_cli import parse_script
     from specheads.decoding import RoundEngine, make_policy
+    from specheads.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.prompts import encode_prompt, load_prompts
     from specheads.sampling import SamplingTransform
 
     config = parse_script(Config, "decode_speed.py", __doc__.splitlines()[0])

@@ -98,9 +98,9 @@ def fit(root: Path, config: str, data: str, flags: list[str], epochs: int | None
 def split_metrics(root: Path, data_path: str) -> dict[str, float]:
     """Binary KL and AUC of the run's last checkpoint on its training and on its validation prompts."""
     from specheads.checkpoint import load_trained
+    from specheads.data import AcceptanceDataModule
     from specheads.eval.offline import collect_tokens
     from specheads.metrics import binary_kl, soft_auc
-    from specheads.train.data import AcceptanceDataModule
 
     trained = load_trained(str(root / "checkpoints" / "last.ckpt"))
     data = AcceptanceDataModule(data_path, val_fraction=trained.split["val_fraction"], split_seed=trained.split["split_seed"])

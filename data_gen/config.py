@@ -7,11 +7,11 @@ from typing import Any, Literal
 
 from jsonargparse.typing import ClosedUnitInterval, OpenUnitInterval, PositiveInt
 
-from specheads.data_gen.models import ModelSpec
 from specheads.data_gen.placement import check_placement
-from specheads.data_gen.storage import FeaturesAt, FeaturesDtype
 from specheads.errors import UsageError
+from specheads.models import ModelSpec
 from specheads.sampling import SamplingTransform
+from specheads.storage import FeaturesAt, FeaturesDtype
 
 
 @dataclass

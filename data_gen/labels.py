@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
-from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.signals import output_logits, signal_log_probs, signal_statistics
 from specheads.states import decoder_states, mixed_states
+from specheads.storage import DEFAULT_STORAGE, FeatureStorage
 
 
 @dataclass

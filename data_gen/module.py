@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
 from specheads.data_gen.plan import Shard
-from specheads.data_gen.shards import shard_problem
-from specheads.data_gen.storage import DEFAULT_STORAGE, FeatureStorage
-from specheads.data_gen.store import row_features, write_shard
 from specheads.sampling import SamplingTransform
+from specheads.shards import shard_problem
+from specheads.storage import DEFAULT_STORAGE, FeatureStorage
+from specheads.store import row_features, write_shard
 
 
 class LabellingModule(L.LightningModule):

@@ -12,8 +12,10 @@ import torch
 from transformers import CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from specheads.data_gen.plan import WorkItem
-from specheads.data_gen.prompts import read_jsonl
 from specheads.errors import UsageError
+from specheads.models import stop_token_ids
+from specheads.private_apis import compile_on_every_device
+from specheads.prompts import read_jsonl
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
@@ -38,14 +40,6 @@ class RowSeededSampler(LogitsProcessor):
         self.step += 1
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter_(-1, tokens.unsqueeze(-1), 0.0)
-
-
-def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """The ids that end a response (the model's generation config, else the tokenizer's EOS)."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids = configured if isinstance(configured, list) else [configured]
-    ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
-    return ids
 
 
 def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
@@ -74,9 +68,8 @@ def decoding_config(stop_ids: list[int], pad_id: int, max_new_tokens: int, compi
                               disable_compile=not compile, repetition_penalty=1.0, no_repeat_ngram_size=0,
                               min_length=0, min_new_tokens=0)
     if compile:
-        config.compile_config = CompileConfig()
         # transformers compiles on accelerators only unless told otherwise (its own switch for CPU runs)
-        config.compile_config._compile_all_devices = device.type == "cpu"
+        config.compile_config = compile_on_every_device(CompileConfig(), device.type == "cpu")
     return config
 
 

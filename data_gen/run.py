@@ -21,31 +21,33 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
-from specheads.data_gen.embedded import file_sha256
 from specheads.data_gen.engines import BuiltinEngine
-from specheads.data_gen.models import (
-    ModelPair,
-    chat_template_hash,
-    context_length,
-    derived_draft,
-    load_pair,
-    load_tokenizers,
-    tokenizer_hash,
-    weights_identity,
-)
 from specheads.data_gen.module import LabellingModule, ShardWriter
-from specheads.data_gen.placement import check_visible_gpus, rank_devices, trainer_devices
+from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
-from specheads.data_gen.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
-from specheads.data_gen.responses import ImportedResponses, finish_imported, read_imported_responses, stop_token_ids
-from specheads.data_gen.shards import SHARDS, read_record, record_path, shard_path, shard_problem
-from specheads.data_gen.storage import FeatureStorage
-from specheads.data_gen.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
+from specheads.data_gen.responses import ImportedResponses, finish_imported, read_imported_responses
 from specheads.data_gen.vllm_engine import require_vllm, shards_with_vllm_responses
+from specheads.embedded import file_sha256
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic, write_text_atomic
 from specheads.lock import folder_lock, lock_files
+from specheads.models import (
+    ModelPair,
+    chat_template_hash,
+    context_length,
+    draft_weights_identity,
+    load_pair,
+    load_tokenizers,
+    stop_token_ids,
+    tokenizer_hash,
+    weights_identity,
+)
+from specheads.placement import rank_devices
+from specheads.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
+from specheads.shards import SHARDS, read_record, record_path, shard_path, shard_problem
 from specheads.states import check_state_layer
+from specheads.storage import FeatureStorage
+from specheads.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
 from specheads.text import count, rate
 
 
@@ -150,11 +152,9 @@ def fingerprint_of(identity: dict) -> str:
 
 def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> dict:
     """What defines the dataset (docs/data.md "Manifest"); counts and times are left out on purpose."""
-    draft = ({"derived_from_target": True, "skip_layers": sorted(config.draft.skip_layers)}
-             if derived_draft(config.draft) else weights_identity(config.draft, pair.draft))
     return {
         "target": weights_identity(config.target, pair.target),
-        "draft": draft,
+        "draft": draft_weights_identity(config.draft, pair.draft),
         "tokenizer_hash": tokenizer_hash(pair.tokenizer),
         "chat_template_hash": chat_template_hash(pair.tokenizer),
         "sampling": {**config.sampling.transform().as_dict(), "max_new_tokens": config.sampling.max_new_tokens},

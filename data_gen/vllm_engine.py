@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from specheads.data_gen.config import GenConfig
-from specheads.data_gen.models import ModelSpec, resolve_source
 from specheads.data_gen.plan import Shard, WorkItem, row_seed
-from specheads.data_gen.responses import cut_at_stop, stop_token_ids
-from specheads.data_gen.shards import shard_problem
+from specheads.data_gen.responses import cut_at_stop
 from specheads.errors import UsageError
+from specheads.models import ModelSpec, resolve_source, stop_token_ids
 from specheads.sampling import SamplingTransform
+from specheads.shards import shard_problem
 
 INSTALL = "pip install 'specheads[vllm]'"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from specheads.checkpoint import load_trained
-from specheads.data_gen.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
@@ -15,6 +15,22 @@ from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
 from specheads.report_file import REPORT_FILE, read_report
+from specheads.store import read_manifest
+
+MARKER = ".specheads-demo"
+"""The file that marks a folder `specheads demo` made: the only kind --overwrite deletes."""
+
+
+def prepare_folder(root: Path, overwrite: bool) -> None:
+    """Create the demo folder and mark it; with `overwrite`, first delete it, but only if the demo made it (or it is
+    empty): --overwrite never deletes a folder of the user's such as `.` or a home folder."""
+    if overwrite and root.exists():
+        if not root.is_dir() or (any(root.iterdir()) and not (root / MARKER).is_file()):
+            raise UsageError(f"--overwrite deletes only a folder `specheads demo` made, and {root} is not one (no {MARKER} "
+                             "in it); give a new --out, or delete that folder yourself if it is an older demo's")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text("made by `specheads demo`: `specheads demo --overwrite` may delete this folder\n")
 
 
 def evaluated(layout: Layout, head: str) -> bool:
@@ -44,9 +60,7 @@ def run_stage(stage: Stage, number: int, total: int) -> float:
 def demo(config: DemoConfig) -> dict[str, Any]:
     """Run (or resume) the demo into `config.folder`; returns summary.json's content."""
     layout = Layout(config.folder.resolve())
-    if config.overwrite and layout.root.exists():
-        shutil.rmtree(layout.root)
-    layout.root.mkdir(parents=True, exist_ok=True)
+    prepare_folder(layout.root, config.overwrite)
     started = time.perf_counter()
     stages = [gen_stage(layout, config.size, config.progress)]
     stages += [train_stage(layout, config.size, head, config.progress) for head in HEADS]

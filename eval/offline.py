@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specheads.checkpoint import TrainedHead
+from specheads.data import AcceptanceDataModule
 from specheads.heads import STORED_SIGNALS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
 from specheads.metrics import (
@@ -30,7 +31,6 @@ from specheads.metrics import (
     soft_pr_auc,
 )
 from specheads.targets import draft_features, head_inputs
-from specheads.train.data import AcceptanceDataModule
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")

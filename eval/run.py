@@ -11,10 +11,7 @@ import numpy as np
 import torch
 
 from specheads.checkpoint import TrainedHead, load_trained
-from specheads.data_gen.models import ModelPair, ModelSpec, load_pair
-from specheads.data_gen.prompts import encode_prompt, load_prompts, prompt_digest
-from specheads.data_gen.responses import stop_token_ids
-from specheads.data_gen.store import read_manifest
+from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine
 from specheads.errors import UsageError
 from specheads.eval.config import EvalConfig
@@ -61,10 +58,12 @@ from specheads.eval.tuned import load_tuning
 from specheads.files import write_json_atomic
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
+from specheads.models import ModelPair, ModelSpec, load_pair, stop_token_ids
+from specheads.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.report_file import EvaluatedHead, Report
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
-from specheads.train.data import AcceptanceDataModule
+from specheads.store import read_manifest
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")

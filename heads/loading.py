@@ -17,6 +17,7 @@ from safetensors import safe_open
 from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.registry import head_class
+from specheads.hub import hub_unreachable, reach_fix
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -65,10 +66,15 @@ def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    offline = hub_unreachable()  # decided at once: without a network the Hub client retries for minutes
     try:
-        local = snapshot_download(repo_id=path_or_repo_id, revision=revision,
+        local = snapshot_download(repo_id=path_or_repo_id, revision=revision, local_files_only=offline is not None,
                                   allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, "README.md"])
     except (HfHubHTTPError, OSError, ValueError) as error:
+        if offline:
+            raise UsageError(f"cannot load head {path_or_repo_id!r}: it is not a local folder nor in the Hugging Face "
+                             f"cache, and the Hub cannot be used ({offline}); {reach_fix()}, or give the head's "
+                             "folder") from None
         raise UsageError(f"cannot download head {path_or_repo_id!r} (revision {revision or 'main'}): "
                          f"{str(error).splitlines()[0]}; check the repo id, the revision and your token") from error
     return Path(local)
@@ -109,20 +115,43 @@ def check_weights_shape(folder: Path, config: dict[str, Any]) -> None:
                          f"made for hidden size {found}; the files do not belong together, re-export the head")
 
 
+def flattened(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as dotted keys (`weights.spec.skip_layers`)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    items: dict[str, Any] = {}
+    for key, inner in value.items():
+        items.update(flattened(inner, f"{prefix}.{key}" if prefix else str(key)))
+    return items
+
+
+def draft_differences(trained_for: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The parts of the `expected` draft identity (`specheads.models.draft_identity`: name, weights, state layer) that
+    the head's config.json records otherwise, each said with both values."""
+    recorded = flattened(trained_for)
+    return [f"{key} ({recorded.get(key)!r} here, {value!r} expected)"
+            for key, value in flattened(expected).items() if recorded.get(key) != value]
+
+
 def load_head(path_or_repo_id: str, revision: str | None = None,
-              expect_draft: str | None = None) -> tuple[AcceptanceHead, DecisionRule]:
+              expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
     """A ready head (eval mode) and its decision rule from a head folder or a Hub repo id.
 
-    `expect_draft` names the draft the caller will feed the head; a head trained for another draft is
-    refused with both names.
+    `expect_draft` is the draft the caller will feed the head: its identity as export records it
+    (`specheads.models.draft_identity(spec, model, state_layer)`: name, weights, state layer), or its name alone. A
+    head trained for another draft is refused naming the part that differs: two self-speculative drafts of different
+    targets share a name but not their weights.
     """
     folder = resolve_folder(path_or_repo_id, revision)
     config = read_head_config(folder)
     cls = head_class(config["head_type"])
     check_weights_shape(folder, config)
-    trained_for = (config.get("draft") or {}).get("name")
-    if expect_draft is not None and trained_for != expect_draft:
-        raise UsageError(f"head {path_or_repo_id} was trained for draft {trained_for!r}, not {expect_draft!r}; "
+    trained_for = {**(config.get("draft") or {}), "state_layer": config.get("state_layer"),
+                   "target_weights": (config.get("target") or {}).get("weights")}
+    expected = {"name": expect_draft} if isinstance(expect_draft, str) else expect_draft
+    differs = draft_differences(trained_for, expected) if expected is not None else []
+    if differs:
+        raise UsageError(f"head {path_or_repo_id} was trained for another draft: it differs in {'; '.join(differs)}; "
                          "use a head trained for your draft, or train one")
     try:
         head = cls.from_pretrained(str(folder))

@@ -4,6 +4,11 @@ Flags accept dashes or underscores (`--num-prompts` = `--num_prompts`) and `--he
 boolean switch means true (`--overwrite`), and a parse error becomes one UsageError line naming the problem.
 An option's help is its field's docstring: a string right below the field, or its line under `Args:` in the
 class docstring (jsonargparse reads both through docstring-parser).
+
+jsonargparse does the parsing (`ArgumentParser.add_class_arguments`, types, ranges, YAML, nesting); what is written
+here is what neither it nor its `auto_cli` does: accept `--num-prompts` for a field `num_prompts` (it registers the
+field's own name only; vLLM's `FlexibleArgumentParser` does the same by hand), bare boolean switches, and one-line
+errors.
 """
 
 from __future__ import annotations
@@ -89,15 +94,16 @@ def normalise_flags(argv: list[str], switches: set[str], shorthands: dict[str, s
 
 
 def parse_error_line(message: str) -> str:
-    """jsonargparse's error in one short line: a value outside a constrained type's range is said plainly."""
+    """jsonargparse's error in one short line, its flags in their dash spelling: a value outside a constrained type's
+    range is said plainly."""
     text = " ".join(message.split())
     key = re.search(r'Parser key "([^"]+)"', text)
     restriction = re.search(r"Not of type (\w+): (.*?) ?does not conform to restriction (.+?)(?: - |$)", text)
     if key and restriction:
         given = re.search(r"Given value: (.+)$", text)
         value = restriction.group(2) or (given.group(1) if given else "the value")
-        return f"--{key.group(1)}: {value} is not a {restriction.group(1)} ({restriction.group(3).strip()})"
-    return text[:400]
+        return dashed(f"--{key.group(1)}: {value} is not a {restriction.group(1)} ({restriction.group(3).strip()})")
+    return dashed(re.sub(r'Parser key "([^"]+)"', r"--\1", text))[:400]
 
 
 def parse_script(cls: type[Config], prog: str, description: str, argv: list[str] | None = None) -> Config:

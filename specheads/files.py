@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,3 +56,35 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write text via a temporary file and a rename."""
     with atomic_path(path) as temporary:
         Path(temporary).write_text(text, encoding="utf-8")
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_folders(first: Path, second: Path) -> bool:
+    """Swap two folders in one step (Linux renameat2 RENAME_EXCHANGE, which Python does not wrap): a reader sees
+    one or the other, never neither. False where the system cannot, and nothing moved."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_cwd = -100  # AT_FDCWD
+    done = renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), RENAME_EXCHANGE)
+    return done == 0
+
+
+def replace_folder(new: Path, out: Path) -> None:
+    """Put the finished folder `new` where `out` is (same file system): swapped in one step where the system allows,
+    else by two renames with the old folder kept beside until the new one is in place."""
+    if not out.exists():
+        new.rename(out)
+        return
+    if exchange_folders(new, out):
+        shutil.rmtree(new)  # now the old folder
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    out.rename(aside / out.name)
+    new.rename(out)
+    shutil.rmtree(aside)

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_args
 
 from specheads.cli import main
-from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.store import load_labelled, read_manifest
 
 
 def fails(capsys, args, *expected):
@@ -151,12 +151,12 @@ def test_imported_responses(capsys, tiny_model, prompts_file, tmp_path):
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--samples-per-prompt", "0"], "--samples_per_prompt: 0 is not a PositiveInt (v>0)"),
+    (["--samples-per-prompt", "0"], "--samples-per-prompt: 0 is not a PositiveInt (v>0)"),
     (["--rows-per-shard", "6"], "multiple of batch_size"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--temperature", "0"], "every sample of a prompt is the same greedy response"),
     (["--mixing.schedule", "[0.5, 2.0]"], "--mixing.schedule: 2.0 is not a ClosedUnitInterval (v>=0 and v<=1)"),
-    (["--no-such-flag", "1"], "no_such_flag"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
 ])
 def test_bad_settings(capsys, tiny_model, prompts_file, tmp_path, flags, fragment):
     fails(capsys, tiny_args(tiny_model, prompts_file, tmp_path / "out", *flags), fragment)
@@ -228,7 +228,7 @@ def test_response_ids_must_be_integers_not_booleans(capsys, tiny_model, prompts_
 
 
 def test_chat_messages_accept_content_parts_and_refuse_unknown_roles_and_nulls(capsys, tiny_model, tmp_path):
-    from specheads.data_gen.prompts import load_prompts
+    from specheads.prompts import load_prompts
 
     good = tmp_path / "parts.jsonl"
     good.write_text(json.dumps({"id": "a", "messages": [

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from specheads.data_gen.cli import parse_config
-from specheads.data_gen.prompts import load_prompts
+from specheads.prompts import load_prompts
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "gen").glob("*.yaml"))
 

@@ -68,16 +68,52 @@ def test_the_summary_says_what_the_demo_is_too_small_to_settle():
     assert "3 test prompts do not settle whether it decodes faster than the best constant K" in few
 
 
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict]:
+    """`pip install .` (not editable) into a folder of its own, and the environment that imports it from there."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("installed")
+    source = root / "source"
+    shutil.copytree(Path(__file__).parents[1], source,
+                    ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info", "__pycache__"))
+    site = root / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-2000:]
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["specheads"]
+    return site, {**__import__("os").environ, "PYTHONPATH": str(site)}
+
+
 @pytest.mark.integration
-def test_quick_demo_end_to_end(tmp_path, capsys):
+def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_and_eval(installed, tmp_path):
+    """An installed copy (only `specheads` in site-packages, no configs/ beside it) runs the quick demo from a folder
+    with the user's own train.py and eval.py; `import train` there finds the user's file. The demo's outputs agree
+    with each other, a second run resumes, and the full-size demo into its folder is refused."""
+    import subprocess
+    import sys
+
     from specheads.heads import load_head
 
-    out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0
-    printed = capsys.readouterr().out
+    site, env = installed
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("train.py", "eval.py"):
+        (user / name).write_text("raise SystemExit('the user\\'s own module was imported instead of specheads')\n")
+
+    def demo(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specheads", "demo", "--out", "demo", "--progress", "false", *extra],
+                              cwd=user, capture_output=True, text=True, timeout=900, env=env)
+
+    first = demo("--quick")
+    assert first.returncode == 0, first.stderr[-3000:]
+    printed, out = first.stdout, user / "demo"
     summary = json.loads((out / "summary.json").read_text())
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     assert manifest["complete"] and summary["data"]["labelled_tokens"] == manifest["counts"]["labelled_tokens"] > 500
+    assert set(summary["heads"]) == set(HEADS)
     report = (out / "report.html").read_text()
     for head in HEADS:
         assert (out / "train" / head / "checkpoints" / "last.ckpt").is_file()
@@ -101,51 +137,22 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
             assert f'src="eval/{head}/{plot}"' in report and (out / "eval" / head / plot).is_file()
         stop_head_plots = {"cumulative_reliability"} if head == "specdecpp" else set()  # Π â per round position
         assert set(metrics["plots"]) == {"roc", "reliability", "pareto", "acceptance_lengths", *stop_head_plots}
-        # the exported head loads and carries the rule eval tuned
+        # the exported head loads (here, from the editable install) and carries the rule eval tuned
         module, rule = load_head(str(out / "heads" / head))
         assert module.reads == ("candidate_state" if head == "specdecpp" else "context_state")
         assert rule.as_dict() == metrics["decision_rule"]
-    assert str(out / "report.html") in printed or "report.html" in printed
+    assert "report.html" in printed
     # the quick demo is too small to rank anything, and its summary says so and where the larger runs are
     assert "do not settle" in printed and "docs/results.md" in printed
     stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
     # a second run resumes: no retraining, no re-evaluation
-    assert main(["demo", "--quick", "--out", str(out), "--progress", "false"]) == 0
-    assert capsys.readouterr().out.count("already evaluated") == 2
+    again = demo("--quick")
+    assert again.returncode == 0 and again.stdout.count("already evaluated") == 2, again.stderr[-3000:]
     assert stamps == {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
     # the full-size demo into the quick demo's folder is refused, naming what differs
-    assert main(["demo", "--out", str(out), "--progress", "false"]) == 2
-    error = capsys.readouterr().err
-    assert "num_prompts" in error or "prompts" in error
-    assert "--overwrite" in error and "demo stopped at `gen`" in error
-
-
-@pytest.mark.integration
-def test_an_installed_copy_runs_the_quick_demo_beside_a_users_train_and_eval(tmp_path):
-    """`pip install .` (not editable) puts only `specheads` into site-packages: a folder with its own train.py and
-    eval.py, and no configs/, runs the quick demo, and `import train` finds the user's file, not ours."""
-    import shutil
-    import subprocess
-    import sys
-
-    source = tmp_path / "source"
-    shutil.copytree(Path(__file__).parents[1], source,
-                    ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info", "__pycache__"))
-    site = tmp_path / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                              "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
-    assert install.returncode == 0, install.stderr[-2000:]
-    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["specheads"]
-    user = tmp_path / "user"
-    user.mkdir()
-    for name in ("train.py", "eval.py"):
-        (user / name).write_text("raise SystemExit('the user\\'s own module was imported instead of specheads')\n")
-    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
-    demo = subprocess.run([sys.executable, "-m", "specheads", "demo", "--quick", "--out", "demo", "--progress", "false"],
-                          cwd=user, capture_output=True, text=True, timeout=900, env=env)
-    assert demo.returncode == 0, demo.stderr[-3000:]
-    summary = json.loads((user / "demo" / "summary.json").read_text())
-    assert set(summary["heads"]) == set(HEADS) and all((user / "demo" / "heads" / h / "model.safetensors").is_file() for h in HEADS)
+    full = demo()
+    assert full.returncode == 2
+    assert "prompts" in full.stderr and "--overwrite" in full.stderr and "demo stopped at `gen`" in full.stderr
     where = subprocess.run([sys.executable, "-c", "import specheads.train, train"], cwd=user, capture_output=True,
                            text=True, env=env)
     assert "the user's own module was imported" in where.stderr  # `train` is the user's; specheads.train imported first

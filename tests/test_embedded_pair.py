@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specheads.cli import main
-from specheads.data_gen.embedded import embedded_folder
-from specheads.data_gen.models import ModelSpec, load_pair, load_tokenizers
-from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.embedded import embedded_folder
+from specheads.models import ModelSpec, load_pair, load_tokenizers
+from specheads.store import load_labelled, read_manifest
 
 pytestmark = pytest.mark.integration
 

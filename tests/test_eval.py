@@ -15,8 +15,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specheads.checkpoint import load_trained
 from specheads.cli import main
-from specheads.data_gen.prompts import prompt_digest
-from specheads.data_gen.store import load_labelled
 from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.demo.summary import decoding_line
 from specheads.errors import UsageError
@@ -36,8 +34,10 @@ from specheads.eval.sweep import (
 )
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.prompts import prompt_digest
 from specheads.report_file import Report, read_report
 from specheads.sampling import SamplingTransform
+from specheads.store import load_labelled
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 
@@ -337,31 +337,32 @@ POLICIES = [("constant_k", 2), ("svip", 1.0), ("confidence", 0.4), ("head", 0.5)
 
 
 def test_speculative_sampling_leaves_the_target_distribution_unchanged(tiny_pair):
-    """Every stop policy, and SPRINTER when it verifies every token, samples exactly the target's distribution."""
+    """Every stop policy, and SPRINTER when it verifies every token, samples exactly the target's distribution.
+
+    The 500 runs of a policy are decoded 100 rows at a time: each row draws from its own generator, so a row's
+    tokens are the ones it gets decoded alone (tests/test_batched.py checks that in float64) and the rows are
+    independent samples."""
     target, draft = tiny_pair
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
     assert 0.15 < sum(abs(exact[k] - v) for k, v in sequence_probabilities(draft, transform).items()) / 2
     decoder = RoundEngine(target, draft, transform, stop_ids=[])
+
+    def samples(policy, head, runs: int = 500, batch: int = 100) -> list[tuple[int, ...]]:
+        return [tuple(result.tokens) for first in range(0, runs, batch)
+                for result in decoder.decode([PROMPT] * batch, policy, LENGTH, list(range(first, first + batch)), head)]
+
     head = ResNetAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"])
     torch.nn.init.normal_(head.out.weight, std=2.0)  # a head whose stop decisions vary with the state
-    runs = 500
     for name, threshold in POLICIES:
-        policy = make_policy(name, threshold, max_draft=3)
-        samples = [tuple(decoder.decode_one(PROMPT, policy, LENGTH, seed=s, head=head).tokens) for s in range(runs)]
-        assert chi_square_p(samples, exact) > 1e-3, name
+        assert chi_square_p(samples(make_policy(name, threshold, max_draft=3), head), exact) > 1e-3, name
     on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16)
     torch.nn.init.normal_(on_time.out.weight, std=2.0)  # the head policy stopping at the candidate it scores
-    policy = make_policy("head", 0.5, max_draft=3)
-    samples = [tuple(decoder.decode_one(PROMPT, policy, LENGTH, seed=s, head=on_time).tokens) for s in range(runs)]
-    assert chi_square_p(samples, exact) > 1e-3, "on-time head"
+    assert chi_square_p(samples(make_policy("head", 0.5, max_draft=3), on_time), exact) > 1e-3, "on-time head"
     verifier = LinearVerifier(16)
-    samples = [tuple(decoder.decode_one(PROMPT, make_policy("sprinter", 1.01), LENGTH, seed=s, head=verifier).tokens) for s in range(runs)]
-    assert chi_square_p(samples, exact) > 1e-3, "sprinter verifying every token"
+    assert chi_square_p(samples(make_policy("sprinter", 1.01), verifier), exact) > 1e-3, "sprinter verifying every token"
     # the test has power: sampling the draft alone is detected
-    passing = make_policy("sprinter", 0.0)
-    draft_only = [tuple(decoder.decode_one(PROMPT, passing, LENGTH, seed=s, head=verifier).tokens) for s in range(runs)]
-    assert chi_square_p(draft_only, exact) < 1e-6
+    assert chi_square_p(samples(make_policy("sprinter", 0.0), verifier), exact) < 1e-6
 
 
 def test_greedy_oracle_never_discards_and_every_policy_reproduces_greedy_target(tiny_pair):
@@ -635,10 +636,10 @@ def test_an_earlier_tuning_is_matched_to_its_head_by_weights_then_source_and_con
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--cost-ratio", "1"], "--cost_ratio: 1 is not a OpenUnitInterval (v>0 and v<1)"),
-    (["--constant-ks", "[0,2]"], "--constant_ks: 0 is not a PositiveInt"),
-    (["--head-thresholds", "[0.5,1.5]"], "--head_thresholds: 1.5 is not a ClosedUnitInterval"),
-    (["--stop-shares", "[0.0]"], "--stop_shares: 0.0 is not a OpenUnitInterval"),
+    (["--cost-ratio", "1"], "--cost-ratio: 1 is not a OpenUnitInterval (v>0 and v<1)"),
+    (["--constant-ks", "[0,2]"], "--constant-ks: 0 is not a PositiveInt"),
+    (["--head-thresholds", "[0.5,1.5]"], "--head-thresholds: 1.5 is not a ClosedUnitInterval"),
+    (["--stop-shares", "[0.0]"], "--stop-shares: 0.0 is not a OpenUnitInterval"),
     (["--num-decode-prompts", "1"], "num_decode_prompts must be 0 (no decoding runs) or at least 2"),
 ])
 def test_eval_refuses_values_outside_their_typed_range_in_one_line(flags, fragment, tmp_path, capsys):

@@ -5,8 +5,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-import specheads.data_gen.digests as digests
-from specheads.data_gen.models import ModelSpec, weights_identity
+import specheads.digests as digests
+from specheads.models import ModelSpec, weights_identity
 
 
 class Weighted(torch.nn.Module):

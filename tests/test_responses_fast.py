@@ -17,12 +17,11 @@ from specheads.data_gen import vllm_engine
 from specheads.data_gen.cli import parse_config
 from specheads.data_gen.config import GenerationOptions
 from specheads.data_gen.engines import BuiltinEngine, kv_bytes_per_token, rows_that_fit
-from specheads.data_gen.models import ModelSpec, load_model, load_tokenizer
 from specheads.data_gen.plan import WorkItem, row_seed
-from specheads.data_gen.responses import stop_token_ids
-from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.errors import UsageError
+from specheads.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.store import load_labelled, read_manifest
 
 TRANSFORMS = {"plain": SamplingTransform(1.0, 0, 1.0), "warped": SamplingTransform(0.8, 20, 0.9),
               "greedy": SamplingTransform(0.0, 0, 1.0)}

@@ -11,7 +11,6 @@ from test_eval import eval_args, table_of
 from test_split_target import CPU, SPLIT_MAP
 
 from specheads.cli import main
-from specheads.data_gen.models import ModelSpec, load_pair
 from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
 from specheads.eval import plots
@@ -21,6 +20,7 @@ from specheads.eval.run import place, tune_on_dev
 from specheads.eval.serving import NOT_SERVED, CostCurve, request_rounds, serve
 from specheads.eval.sweep import RunRecord
 from specheads.lock import folder_lock
+from specheads.models import ModelSpec, load_pair
 from specheads.sampling import SamplingTransform
 
 

@@ -10,13 +10,13 @@ from test_train import fit_args
 
 from specheads.checkpoint import load_trained
 from specheads.cli import main
-from specheads.data_gen.models import ModelSpec, load_model
-from specheads.data_gen.store import load_labelled, read_manifest
+from specheads.data import AcceptanceDataModule
 from specheads.decoding import BatchCache
 from specheads.errors import UsageError
 from specheads.eval.run import check_data
+from specheads.models import ModelSpec, load_model
 from specheads.states import check_state_layer, decoder_forward
-from specheads.train.data import AcceptanceDataModule
+from specheads.store import load_labelled, read_manifest
 from specheads.train.draft import load_draft
 
 LAYER = 2  # the tiny draft (target minus layer 2) has 3 decoder layers

@@ -23,8 +23,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from specheads.data import AcceptanceDataModule
 from specheads.private_apis import HistoryWriter
-from specheads.train.data import AcceptanceDataModule
 from specheads.train.module import AcceptanceModule
 
 TRAINER_DEFAULTS = {

@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 
-from specheads.data_gen.shards import (
+from specheads.errors import UsageError
+from specheads.files import atomic_path
+from specheads.shards import (
     arrow_fingerprint,
     check_shard_values,
     read_table,
@@ -26,9 +28,7 @@ from specheads.data_gen.shards import (
     shard_problem,
     write_record,
 )
-from specheads.data_gen.storage import ARROW_DTYPES
-from specheads.errors import UsageError
-from specheads.files import atomic_path
+from specheads.storage import ARROW_DTYPES
 
 MANIFEST = "manifest.json"
 FORMAT = "specheads-labels"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specheads.data_gen.embedded import cache_root, file_sha256
+from specheads.embedded import cache_root, file_sha256
 from specheads.files import write_text_atomic
 
 CACHE_FILE = "file-facts.jsonl"

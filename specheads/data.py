@@ -21,12 +21,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from specheads.data_gen.prompts import prompt_digest
-from specheads.data_gen.storage import as_tensor, kept_rows, require_states, storage_of
-from specheads.data_gen.store import load_labelled, read_manifest
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
 from specheads.heads.base import with_derived_signals
+from specheads.prompts import prompt_digest
+from specheads.storage import as_tensor, kept_rows, require_states, storage_of
+from specheads.store import load_labelled, read_manifest
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from specheads.data_gen.digests import cached_fact
-from specheads.data_gen.embedded import file_sha256
-from specheads.data_gen.storage import float_values
+from specheads.digests import cached_fact
+from specheads.embedded import file_sha256
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
+from specheads.storage import float_values
 
 SHARDS = "shards"
 RUN_PREFIX = "specheads-run-"

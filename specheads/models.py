@@ -17,9 +17,11 @@ from typing import Any, Literal
 
 import torch
 
-from specheads.data_gen.digests import cached_sha256
-from specheads.data_gen.embedded import EMBEDDED_NAME, embedded_folder
-from specheads.data_gen.placement import (
+from specheads.digests import cached_sha256
+from specheads.embedded import EMBEDDED_NAME, embedded_folder
+from specheads.errors import UsageError
+from specheads.hub import hub_unreachable, reach_fix
+from specheads.placement import (
     PLACEMENT_FIELDS,
     RankDevices,
     check_no_spill,
@@ -27,8 +29,6 @@ from specheads.data_gen.placement import (
     offloaded_weights,
     visible_devices,
 )
-from specheads.errors import UsageError
-from specheads.hub import hub_unreachable, reach_fix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -300,6 +300,28 @@ def derived_draft(spec: ModelSpec) -> bool:
     return spec.path is None
 
 
+def draft_weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
+    """The draft's weights as data and export record them: its own weights, or, for a draft derived from the target,
+    which layers it skips (the target's weights are recorded beside it)."""
+    if derived_draft(spec):
+        return {"derived_from_target": True, "skip_layers": sorted(spec.skip_layers)}
+    return weights_identity(spec, model)
+
+
+def draft_identity(spec: ModelSpec, model: torch.nn.Module, state_layer: int | None = None,
+                   target: tuple[ModelSpec, torch.nn.Module] | None = None) -> dict:
+    """What a head's config.json says about the draft it reads: name, weights and state layer, plus the target's
+    weights for a draft derived from the target (two such drafts of different targets share name and skipped layers).
+    It is the form `heads.load_head(..., expect_draft=...)` compares."""
+    identity = {"name": spec.describe(), "weights": draft_weights_identity(spec, model), "state_layer": state_layer}
+    if derived_draft(spec):
+        if target is None:
+            raise UsageError(f"draft {spec.describe()} is derived from the target: pass target=(target_spec, target_model)"
+                             " so that its identity names the target's weights")
+        identity["target_weights"] = weights_identity(*target)
+    return identity
+
+
 def load_tokenizers(target_spec: ModelSpec, draft_spec: ModelSpec) -> Any:
     """The pair's shared tokenizer; refuses mismatched tokenizers before any model is loaded."""
     target_tok = load_tokenizer(target_spec)
@@ -323,3 +345,11 @@ def load_pair(target_spec: ModelSpec, draft_spec: ModelSpec, tokenizer: Any | No
         draft = load_model(draft_spec, devices)
     check_same_vocab(target_spec.describe(), target, draft_spec.describe(), draft)
     return ModelPair(target, draft, tokenizer, target_spec.describe(), draft_spec.describe())
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a response (the model's generation config, else the tokenizer's EOS)."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
+    return ids
