@@ -49,7 +49,7 @@ class TrainedHead:
 
     @property
     def used_prompts(self) -> set[str] | None:
-        """The prompts training used, to fit the head or its calibration (`data_gen.prompts.prompt_digest` of their
+        """The prompts training used, to fit the head or its calibration (`specheads.prompts.prompt_digest` of their
         token ids): eval holds out every other prompt. None for a head trained before specheads recorded them."""
         recorded = self.split.get("train_prompts")
         return None if recorded is None else set(recorded) | set(self.split.get("calibration_prompts") or [])

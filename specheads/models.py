@@ -261,7 +261,7 @@ def hub_commit(source: ResolvedSource) -> str | None:
 
 def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
     """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole
-    (`data_gen.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
+    (`specheads.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
     spec_fields = {name: value for name, value in asdict(spec).items() if name not in PLACEMENT_FIELDS}
     identity: dict[str, Any] = {"spec": spec_fields, "class": type(model).__name__}
     source = resolve_source(spec)
