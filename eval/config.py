@@ -43,10 +43,15 @@ class EvalConfig:
         progress: show progress bars.
         decode_batch_size: prompts decoded together per setting by the round engine (`specheads.decoding`; every
             row keeps its own seed, so the runs equal those decoded one at a time up to float rounding).
-        serving_batch_sizes: also judge each policy at its tuned threshold when B requests are served together
-            (`eval.serving`): modelled throughput per B, from the test runs' rounds and each model's cost curve.
+        serving_batch_sizes: also judge each policy at its tuned threshold, the verify budget and SmartSpec's K when
+            B requests are served together (`eval.serving`): modelled throughput per B with each model's cost curve,
+            and with the draft at cost_ratio × the target; the batch policies are decoded live at every B.
         serving_costs: a JSON file `{draft: {tokens: [...], seconds: [...]}, target: {...}}` of forward time
             against tokens in the forward (e.g. for a 7B/70B-like pair); default: measured on the decoding device.
+        budget_head: an expected-acceptance head (`.ckpt` or exported folder, trained with
+            configs/train/expected-acceptance.yaml on data from the same pair) for the verify budget in the serving
+            table; not needed when the evaluated head is one.
+        budget_floor: the verify budget stops a row's drafting once its predicted survival Π α̂ falls below this.
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
@@ -76,6 +81,8 @@ class EvalConfig:
     decode_batch_size: PositiveInt = 32
     serving_batch_sizes: list[PositiveInt] | None = None
     serving_costs: str | None = None
+    budget_head: str | None = None
+    budget_floor: ClosedUnitInterval = 0.1
     reuse_runs: str | None = None
     tuned_from: str | None = None
 

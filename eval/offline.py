@@ -91,7 +91,8 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         start += size
         features = batch["features"] if "features" in batch else draft_features(draft, batch, batch["valid"].shape[1])
         hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, trained.purpose,
-                                                              head.extra_features, trained.tau, trained.contexts, embeddings)
+                                                              head.extra_features, trained.tau, trained.contexts, embeddings,
+                                                              realised=True)
         logit = (head(hidden, signals, embedding) + head.logit_correction).double().cpu()
         columns["logit"].append(logit.numpy())
         columns["prediction"].append(torch.sigmoid(logit).numpy())

@@ -143,13 +143,16 @@ def acceptance_length_plot(lengths: dict[str, list[int]], path: Path) -> None:
 
 
 def serving_plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Modelled throughput against the serving batch size, one curve per policy at its tuned threshold."""
-    figure, axis = plt.subplots(figsize=(6, 4.5))
-    for policy in dict.fromkeys(row["policy"] for row in rows):
-        points = sorted((row["batch_size"], row["tokens_per_s"]) for row in rows if row["policy"] == policy)
-        sizes, throughput = zip(*points)
-        axis.plot(sizes, throughput, marker="o", label=policy, linestyle=":" if policy == "oracle" else "-")
-    axis.set(xscale="log", yscale="log", xlabel="concurrent requests B", ylabel="modelled tokens/s",
-             title="Throughput at serving batch sizes (test prompts)")
-    axis.legend(fontsize=8)
+    """Modelled throughput against the serving batch size, one panel per cost view, one curve per policy."""
+    views = list(dict.fromkeys(row.get("costs", "") for row in rows))
+    figure, axes = plt.subplots(1, len(views), figsize=(6 * len(views), 4.5), squeeze=False)
+    for axis, view in zip(axes[0], views):
+        chosen = [row for row in rows if row.get("costs", "") == view]
+        for policy in dict.fromkeys(row["policy"] for row in chosen):
+            points = sorted((row["batch_size"], row["tokens_per_s"]) for row in chosen if row["policy"] == policy)
+            sizes, throughput = zip(*points)
+            axis.plot(sizes, throughput, marker="o", label=policy, linestyle=":" if policy == "oracle" else "-")
+        axis.set(xscale="log", yscale="log", xlabel="concurrent requests B", ylabel="modelled tokens/s",
+                 title=f"Serving throughput, costs {view}")
+        axis.legend(fontsize=8)
     save(figure, path)

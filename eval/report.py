@@ -247,25 +247,42 @@ def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> l
 
 
 def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]:
-    """The serving-batch section: throughput per policy and batch size, and which policy wins where."""
+    """The serving-batch section: throughput per policy, batch size and cost view, which policy wins where, and the
+    verify budget's share of the oracle's gain."""
     sizes = serving["batch_sizes"]
-    lines = [f"{section} At serving batch sizes (test prompts)", "",
-             f"Each policy at its tuned threshold serving B requests together (continuous batching, rounds in "
-             f"lockstep); forward costs {serving['cost_curves']['source']}. Modelled tokens/s, and the change against "
-             "constant K at the same B:", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
-             "|---|" + "---|" * len(sizes)]
-    for policy in dict.fromkeys(row["policy"] for row in serving["rows"]):
-        cells = []
-        for size in sizes:
-            row = next(r for r in serving["rows"] if r["policy"] == policy and r["batch_size"] == size)
-            change = "" if row["vs_constant_k"] is None or policy == "constant_k" else f" ({row['vs_constant_k']:+.1%})"
-            cells.append(f"{row['tokens_per_s']:.1f}{change}")
-        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    best = ", ".join(f"B = {size}: {policy}" for size, policy in serving["best"].items())
     left_out = [f"{policy} is not in this table: {why}." for policy, why in serving.get("left_out", {}).items()]
+    title = f"{section} At serving batch sizes (test prompts)"
     if not serving["rows"]:
-        return [f"{section} At serving batch sizes (test prompts)", "", *left_out, ""]
-    return [*lines, "", f"Best policy (the oracle aside): {best}.", *left_out, "", f"![Serving throughput]({plot})", ""]
+        return [title, "", *left_out, ""]
+    budget = serving.get("budget") or {}
+    lines = [title, "",
+             f"Each policy at its tuned threshold serving B requests together (continuous batching, rounds in lockstep); "
+             f"forward costs {serving['cost_curves']['source']}, and the same with the draft at "
+             f"{serving['cost_curves'].get('scaled_draft_ratio')} × the target. The verify budget (floor "
+             f"{budget.get('floor')}, K_max {budget.get('max_draft')}) and SmartSpec's K are decoded live at every B; the "
+             "per-request policies are served from their test runs' rounds. Modelled tokens/s, the change against constant "
+             "K at the same B with its paired 95 % interval over prompts:", ""]
+    for view in serving.get("views") or sorted({row["costs"] for row in serving["rows"]}):
+        lines += [f"Costs: {view}", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+                  "|---|" + "---|" * len(sizes)]
+        for policy in dict.fromkeys(row["policy"] for row in serving["rows"]):
+            cells = []
+            for size in sizes:
+                row = next((r for r in serving["rows"] if (r["policy"], r["batch_size"], r["costs"]) == (policy, size, view)),
+                           None)
+                cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}")
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+        best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
+        lines += ["", f"Best policy (the oracle aside): {best}.", ""]
+    return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
+
+
+def change_note(row: dict[str, Any]) -> str:
+    """' (+x % [lo, hi])' against constant K, or nothing for constant K itself."""
+    if row["vs_constant_k"] is None or row["policy"] == "constant_k":
+        return ""
+    ci = row.get("vs_constant_k_ci")
+    return f" ({row['vs_constant_k']:+.1%}" + (f" [{ci[0]:+.1%}, {ci[1]:+.1%}]" if ci else "") + ")"
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:

@@ -12,7 +12,8 @@ import torch
 
 from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data import AcceptanceDataModule
-from specheads.decoding import RoundEngine
+from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
 from specheads.errors import UsageError
 from specheads.eval.config import EvalConfig
 from specheads.eval.journal import RunJournal, open_journal
@@ -36,7 +37,7 @@ from specheads.eval.plots import (
 )
 from specheads.eval.report import verdict, write_report
 from specheads.eval.reuse import decoding_context, load_reusable
-from specheads.eval.serving import NOT_SERVED, CostCurve, best_per_batch_size, measure_cost_curve, serving_table
+from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
 from specheads.eval.sweep import (
     COUNTED,
     DecodePrompt,
@@ -56,6 +57,7 @@ from specheads.eval.sweep import (
 )
 from specheads.eval.tuned import load_tuning
 from specheads.files import write_json_atomic
+from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
 from specheads.models import ModelPair, ModelSpec, load_pair, stop_token_ids
@@ -67,6 +69,10 @@ from specheads.store import read_manifest
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
+
+LABELS = {"stop": "accept = min(1, p/q)",
+          "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
+
 
 
 def identity_differences(trained: dict[str, Any], found: dict[str, Any]) -> list[str]:
@@ -219,7 +225,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                                                              config.sprinter_max_tv)
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
-    learned = "head" if trained.purpose == "stop" else "sprinter"
+    learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
@@ -231,7 +237,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}
     if config.serving_batch_sizes:
-        section["serving"] = serving_section(config, pair, device, records, tuned)
+        section["serving"] = serving_section(config, pair, device, records, tuned, engine, prompts, trained)
     return Decoding(section, records, tuned.get(learned), context, journal)
 
 
@@ -248,9 +254,11 @@ def resumable(journal: RunJournal, settings: list[Setting], prompts: list[Decode
 
 
 def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, records: list[Any],
-                    tuned: dict[str, float]) -> dict[str, Any]:
-    """Each policy at its tuned threshold served `config.serving_batch_sizes` requests at a time (eval.serving), with
-    the models' cost curves given in `config.serving_costs` or measured here."""
+                    tuned: dict[str, float], engine: RoundEngine, prompts: list[DecodePrompt],
+                    trained: TrainedHead) -> dict[str, Any]:
+    """Each policy at its tuned threshold, and the batch policies (the verify budget, SmartSpec's K), serving
+    `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
+    `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target."""
     if config.serving_costs:
         try:
             given = json.loads(Path(config.serving_costs).read_text())
@@ -258,15 +266,53 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             raise UsageError(f"--serving-costs {config.serving_costs} is not readable JSON ({error})") from None
         if not isinstance(given, dict) or not {"draft", "target"} <= set(given):
             raise UsageError(f"--serving-costs {config.serving_costs} must hold {{draft: ..., target: ...}} cost curves")
-        draft, target = CostCurve.from_dict(given["draft"]), CostCurve.from_dict(given["target"])
+        costs = ServingCosts(CostCurve.from_dict(given["draft"]), CostCurve.from_dict(given["target"]))
         source = config.serving_costs
     else:
-        draft, target = measure_cost_curve(pair.draft), measure_cost_curve(pair.target)
+        costs = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
         source = f"measured on {device_name(device)}"
-    rows = serving_table(records, tuned, list(config.serving_batch_sizes), draft, target)
-    return {"batch_sizes": list(config.serving_batch_sizes), "cost_curves": {"draft": draft.as_dict(),
-            "target": target.as_dict(), "source": source}, "rows": rows, "best": best_per_batch_size(rows),
-            "left_out": {policy: why for policy, why in NOT_SERVED.items() if policy in tuned}}
+    budget_head, left_out = expected_head(config, trained, device)
+    batch_policies = {"smartspec": float(config.max_draft)}
+    if budget_head is not None:
+        batch_policies["budget"] = config.budget_floor
+    test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
+
+    def live(policy: str, threshold: float, size: int, view: ServingCosts) -> list[RoundRecord]:
+        log: list[RoundRecord] = []
+        engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
+                      config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
+                      budget_head if policy == "budget" else None, batch_size=size, costs=view, log=log)
+        return log
+
+    views = serving_views(costs, config.cost_ratio)
+    rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
+                         resamples=config.bootstrap, seed=config.seed)
+    left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
+    return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views),
+            "cost_curves": {"draft": costs.draft.as_dict(), "target": costs.target.as_dict(), "source": source,
+                            "scaled_draft_ratio": config.cost_ratio},
+            "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
+                       "head": None if budget_head is None else (config.budget_head or trained.source)},
+            "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
+
+
+def expected_head(config: EvalConfig, trained: TrainedHead, device: torch.device) -> tuple[Any, dict[str, str]]:
+    """The expected-acceptance head the verify budget plans with: the evaluated head when it is one, else
+    `config.budget_head`; without one the budget is left out of the serving table, with the reason."""
+    if trained.purpose == "expect":
+        return trained.head, {}
+    if not config.budget_head:
+        return None, {"budget": "no expected-acceptance head to plan with: give --budget-head (a head trained with "
+                                "configs/train/expected-acceptance.yaml)"}
+    other = load_trained(config.budget_head)
+    if other.purpose != "expect":
+        raise UsageError(f"--budget-head {config.budget_head} holds a {other.head.head_type} head; the verify budget "
+                         "needs an expected_acceptance head (it must decide before the draw to stay exact)")
+    if other.draft != trained.draft or other.sampling != trained.sampling:
+        raise UsageError(f"--budget-head {config.budget_head} was trained for draft {other.draft!r} with sampling "
+                         f"{other.sampling}, not the evaluated head's {trained.draft!r} with {trained.sampling}; "
+                         "give a head trained on data from the same pair and sampling")
+    return other.head.to(device).eval(), {}
 
 
 def device_name(device: torch.device) -> str:
@@ -278,7 +324,7 @@ def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalCon
     """The rule export carries: the dev-tuned threshold, or the untuned default when no decoding ran."""
     if threshold is None:
         return DecisionRule.untuned(trained.purpose)
-    if trained.purpose == "stop":
+    if trained.purpose in STOP_PURPOSES:
         return DecisionRule(STOP_RULE, threshold, tuned=True, max_draft=config.max_draft, cost_ratio=config.cost_ratio)
     return DecisionRule(VERIFY_RULE, threshold, tuned=True, cost_ratio=config.cost_ratio)
 
@@ -320,7 +366,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
-                    "label": "accept = min(1, p/q)" if trained.purpose == "stop" else f"1[q/p <= {trained.tau}]"}
+                    "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     decoding = None
     if config.num_decode_prompts:
@@ -332,7 +378,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         decoding.section["prompts_dropped_as_seen_in_training"] = dropped
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft)
-                  if trained.purpose == "stop" else None)
+                  if trained.purpose in STOP_PURPOSES else None)
     report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"], cumulative=cumulative,
                     offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,

@@ -1,17 +1,25 @@
-"""Stop policies judged at serving batch sizes: throughput of B concurrent requests (SV's goodput view).
+"""Policies judged at serving batch sizes: throughput of B concurrent requests (SV's goodput view).
 
 At batch size 1 a drafted token that the target rejects costs only draft time. In a batch the target verifies
 every row's candidates in one forward, so its cost grows with the candidates of all rows, and the draft runs
-while any row still drafts. The decoding runs record each round's candidates k and accepted tokens a; here
-B requests are served together with continuous batching (a finished request's slot takes the next one from
-the queue), rounds in lockstep, and each round costs
+while any row still drafts. B requests are served together with continuous batching (a finished request's row
+takes the next prompt of the queue), rounds in lockstep, and each round costs
 
-    Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (k + 1))
+    Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
 
-seconds, with c(n) the forward time against the tokens in the forward (a `CostCurve`, measured on the decoding
-device or given). A round yields Σ_rows (a + 1) tokens, but for a request's last round, which yields what its run
-emitted after the earlier rounds (a run ends at its first stop token and at max_new_tokens); throughput = tokens /
+seconds, with c(n) a model's forward time against the tokens in the forward (`specheads.decoding.costs`), in two
+views: the cost curves measured on the decoding device (or given), and the same target with a draft `cost_ratio`
+times as costly (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view). Throughput = tokens emitted /
 modelled seconds.
+
+- **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
+  is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
+- **Per-request policies** (constant K, SVIP, confidence, the head's stop rule, the oracle) decide per row with the
+  row's own generator, so a request's rounds are the same whatever B (tests/test_batched.py, float64): their test
+  runs' rounds are served B at a time in the same lockstep and priced the same way.
+
+Paired intervals: each round's seconds are shared equally by its rows (in lockstep every row waits for the whole
+round), so a request has tokens and seconds; the prompts are resampled and the ratio of throughputs recomputed.
 
 SPRINTER is not served here: its target call checks one flagged token and lets the row's other drafted tokens pass
 unverified, with no bonus token, and a row's last round may call no target at all, so its rounds are not the verify
@@ -20,82 +28,22 @@ rounds of k + 1 tokens this model prices; the table says so rather than leave it
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
-from specheads.decoding import BatchCache
-from specheads.errors import UsageError
+from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve, served_throughput
 
-CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+__all__ = ["CostCurve", "measure_cost_curve"]
+
 NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and lets the other drafted tokens pass "
                           "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices"}
+BATCH_POLICIES = ("budget", "smartspec")
 
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Seconds of one forward against the tokens in it, linear between the points and beyond the last two."""
-
-    tokens: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.tokens) < 2 or len(self.tokens) != len(self.seconds) or list(self.tokens) != sorted(set(self.tokens)):
-            raise UsageError(f"a cost curve needs two or more increasing token counts with one time each, got tokens "
-                             f"{list(self.tokens)} and seconds {list(self.seconds)}")
-        if min(self.tokens) < 1 or min(self.seconds) <= 0:
-            raise UsageError(f"a cost curve's token counts must be >= 1 and its times > 0, got {list(self.tokens)}, "
-                             f"{list(self.seconds)}")
-
-    def __call__(self, tokens: int) -> float:
-        if tokens <= 0:
-            return 0.0
-        x, y = np.asarray(self.tokens, float), np.asarray(self.seconds, float)
-        if tokens <= x[-1]:
-            return float(np.interp(tokens, x, y))
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-        return float(y[-1] + slope * (tokens - x[-1]))
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> CostCurve:
-        """From `{tokens: [...], seconds: [...]}`."""
-        try:
-            return cls(tuple(int(t) for t in values["tokens"]), tuple(float(s) for s in values["seconds"]))
-        except (KeyError, TypeError, ValueError):
-            raise UsageError(f"a cost curve is {{tokens: [...], seconds: [...]}}, got {values!r}") from None
-
-    def as_dict(self) -> dict[str, list]:
-        return {"tokens": list(self.tokens), "seconds": list(self.seconds)}
-
-
-@torch.no_grad()
-def measure_cost_curve(model: Any, context: int = 32, tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> CostCurve:
-    """The forward time of `model` on its device against the tokens in the forward: n rows of one new token each,
-    every row with `context` cached tokens (the median of `repeats` timings per n)."""
-    seconds = []
-    vocab = model.get_input_embeddings().weight.shape[0]
-    for n in tokens:
-        timings = []
-        for _ in range(repeats):
-            cache = BatchCache(model, n)
-            cache.feed({row: [(row * 7 + i) % vocab for i in range(context)] for row in range(n)})
-            synchronize(cache.device)
-            start = time.perf_counter()
-            cache.feed({row: [row % vocab] for row in range(n)})
-            synchronize(cache.device)
-            timings.append(time.perf_counter() - start)
-        seconds.append(float(np.median(timings)))
-    return CostCurve(tuple(tokens), tuple(seconds))
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
+"""(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""
 
 
 def request_rounds(record: Any) -> list[tuple[int, int]]:
@@ -107,30 +55,58 @@ def request_rounds(record: Any) -> list[tuple[int, int]]:
     return list(zip(record.drafted_per_round, yielded))
 
 
-def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCurve, target: CostCurve) -> dict[str, float]:
-    """Serve `requests` (each a list of rounds (candidates k, tokens yielded), `request_rounds`) `batch_size` at a time
-    with continuous batching; the modelled seconds, tokens and throughput (module docstring)."""
-    queue = deque(deque(rounds) for rounds in requests if rounds)
-    slots: list[deque] = []
-    seconds = tokens = rounds_run = 0.0
+def replay(requests: list[list[tuple[int, int]]], batch_size: int) -> list[RoundRecord]:
+    """The rounds of per-request runs (`request_rounds`) served `batch_size` at a time with continuous batching."""
+    queue = deque((index, deque(rounds)) for index, rounds in enumerate(requests) if rounds)
+    slots: list[tuple[int, deque]] = []
+    log = []
     while queue or slots:
         while queue and len(slots) < batch_size:
             slots.append(queue.popleft())
-        step = [slot.popleft() for slot in slots]
-        drafted = [k for k, _ in step]
-        seconds += sum(draft(sum(k >= s for k in drafted)) for s in range(1, max(drafted) + 1))
-        seconds += target(sum(k + 1 for k in drafted))
-        tokens += sum(yielded for _, yielded in step)
-        rounds_run += 1
-        slots = [slot for slot in slots if slot]
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds if seconds else float("nan"),
-            "batched_rounds": rounds_run}
+        record = RoundRecord()
+        for index, rounds in slots:
+            drafted, yielded = rounds.popleft()
+            record.requests.append(index)
+            record.drafted.append(drafted)
+            record.verified.append(drafted)
+            record.emitted.append(yielded)
+        log.append(record)
+        slots = [slot for slot in slots if slot[1]]
+    return log
 
 
-def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], draft: CostCurve,
-                  target: CostCurve, split: str = "test") -> list[dict[str, Any]]:
-    """Per policy at its tuned threshold and per batch size: the modelled throughput of its `split` runs served
-    together, and its ratio to the tuned constant K's at the same batch size."""
+def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCurve, target: CostCurve) -> dict[str, Any]:
+    """Serve `requests` (each a list of rounds (candidates k, tokens yielded)) `batch_size` at a time; the modelled
+    seconds, tokens and throughput (module docstring)."""
+    return served_throughput(replay(requests, batch_size), ServingCosts(draft, target))
+
+
+def serving_views(costs: ServingCosts, cost_ratio: float) -> dict[str, ServingCosts]:
+    """The two cost views: as measured (or given), and the draft at `cost_ratio` × the target curve."""
+    return {"measured": costs, f"draft at {cost_ratio:g} × target": costs.scaled_draft(cost_ratio)}
+
+
+def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, list[float]], resamples: int,
+                          seed: int) -> list[float] | None:
+    """95 % interval of throughput(policy) / throughput(baseline) − 1 over resampled prompts (per-request tokens and
+    seconds, keyed by prompt number)."""
+    prompts = sorted(set(policy) & set(baseline))
+    if len(prompts) < 2 or not resamples:
+        return None
+    mine = np.array([policy[p] for p in prompts])
+    theirs = np.array([baseline[p] for p in prompts])
+    draws = np.random.default_rng(seed).integers(0, len(prompts), (resamples, len(prompts)))
+    ratios = (mine[draws, 0].sum(1) / mine[draws, 1].sum(1)) / (theirs[draws, 0].sum(1) / theirs[draws, 1].sum(1)) - 1
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+
+
+def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], views: dict[str, ServingCosts],
+                  live: LiveDecode | None = None, batch_policies: dict[str, float] | None = None, split: str = "test",
+                  resamples: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+    """Per policy, batch size and cost view: the modelled throughput of the `split` prompts served B at a time, its
+    ratio to the tuned constant K's at the same B and view with a paired interval, and the share of the oracle's
+    gain it captures. Per-request policies are served from their runs' rounds, `batch_policies` ({policy:
+    threshold}) decoded by `live` (module docstring)."""
     rows = []
     for policy, threshold in tuned.items():
         runs = [r for r in records if r.split == split and r.policy == policy and r.threshold == threshold]
@@ -138,19 +114,50 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
             continue
         requests = [request_rounds(r) for r in runs]
         for size in batch_sizes:
-            rows.append({"policy": policy, "threshold": threshold, "batch_size": size, "requests": len(runs),
-                         **serve(requests, size, draft, target)})
-    for row in rows:
-        constant = next((r for r in rows if r["policy"] == "constant_k" and r["batch_size"] == row["batch_size"]), None)
-        row["vs_constant_k"] = row["tokens_per_s"] / constant["tokens_per_s"] - 1 if constant else None
+            log = replay(requests, size)
+            for view, costs in views.items():
+                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs), "replayed"))
+    for policy, threshold in (batch_policies or {}).items():
+        for size in batch_sizes:
+            decoded: dict[tuple, list[RoundRecord]] = {}
+            for view, costs in views.items():
+                key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
+                if key not in decoded:
+                    decoded[key] = live(policy, threshold, size, costs)
+                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live"))
+    compare(rows, resamples, seed)
     return rows
 
 
-def best_per_batch_size(rows: list[dict[str, Any]]) -> dict[int, str]:
-    """The policy with the highest throughput at each batch size (the oracle left out: it knows the outcomes)."""
-    best: dict[int, dict[str, Any]] = {}
+def table_row(policy: str, threshold: float, size: int, view: str, served: dict[str, Any], how: str) -> dict[str, Any]:
+    return {"policy": policy, "threshold": threshold, "batch_size": size, "costs": view, "decoded": how,
+            "requests": len(served["per_request"]), **served}
+
+
+def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
+    """Each row's change against constant K at the same B and view (with its paired interval) and its share of the
+    oracle's gain there; the per-request shares are dropped from the rows once used."""
     for row in rows:
-        if row["policy"] != "oracle" and (row["batch_size"] not in best
-                                          or row["tokens_per_s"] > best[row["batch_size"]]["tokens_per_s"]):
-            best[row["batch_size"]] = row
-    return {size: row["policy"] for size, row in sorted(best.items())}
+        same = {r["policy"]: r for r in rows if (r["batch_size"], r["costs"]) == (row["batch_size"], row["costs"])}
+        constant, oracle = same.get("constant_k"), same.get("oracle")
+        row["vs_constant_k"] = row["tokens_per_s"] / constant["tokens_per_s"] - 1 if constant else None
+        row["vs_constant_k_ci"] = (paired_ratio_interval(row["per_request"], constant["per_request"], resamples, seed)
+                                   if constant and row is not constant else None)
+        gain = oracle["tokens_per_s"] - constant["tokens_per_s"] if oracle and constant else 0.0
+        row["share_of_oracle_gain"] = (row["tokens_per_s"] - constant["tokens_per_s"]) / gain if gain > 0 else None
+    for row in rows:
+        row.pop("per_request")
+
+
+def best_per_batch_size(rows: list[dict[str, Any]]) -> dict[str, dict[int, str]]:
+    """Per cost view, the policy with the highest throughput at each batch size (the oracle left out: it knows the
+    outcomes)."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["costs"], row["batch_size"])
+        if row["policy"] != "oracle" and (key not in best or row["tokens_per_s"] > best[key]["tokens_per_s"]):
+            best[key] = row
+    result: dict[str, dict[int, str]] = {}
+    for (view, size), row in sorted(best.items()):
+        result.setdefault(view, {})[size] = row["policy"]
+    return result

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
-from specheads.heads import AcceptanceHead
+from specheads.heads import STOP_PURPOSES, AcceptanceHead
 
 HEAD_THRESHOLDS = (0.3, 0.5, 0.65, 0.8, 0.9)
 SPRINTER_THRESHOLDS = (0.3, 0.5, 0.7, 0.85)
@@ -96,7 +96,7 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
     ks = sorted(set(constant_ks)) if constant_ks else sorted({k for k in CONSTANT_KS if k <= max_draft} | {max_draft})
     settings = [Setting("constant_k", float(k)) for k in ks]
-    if purpose == "stop":
+    if purpose in STOP_PURPOSES:
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))

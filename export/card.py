@@ -60,6 +60,13 @@ def describe_head(config: dict[str, Any], state: str) -> str:
     calibrated = (" Its acceptance is calibrated per position k of the round (`calibration` in config.json: "
                   "â_k = σ(scale_k · z + bias_k)), so that Π â matches the chance that all k candidates are accepted."
                   if config.get("calibration") else "")
+    if config.get("purpose") == "expect":
+        return (f"It reads the draft's {state} **before** each drafted token (the one that produced q for it) and "
+                f"signals of q alone ({config.get('extra_features') or []}), never the drawn token, and predicts "
+                "α_k = Σ_v min(p_v, q_v), the chance that the target accepts whatever the draft draws there "
+                "(`decides: before_draw`). Its survival product Π_(j≤k) α̂_j may choose verify lengths across a batch "
+                "(a verify budget) and the output stays exact; it also serves a stop rule (end the round once "
+                f"1 − Π α̂ exceeds the threshold).{calibrated}")
     if config["reads"] == "candidate_state":
         return (f"It reads the draft's {state} **at** each drafted token (after the draft has read it) and predicts "
                 "the probability min(1, p/q) that the target accepts it; its score of ŷ_k exists after the next draft "
@@ -96,7 +103,7 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
                 "probability = head.predict(hidden, signals, embedding, position=k)"]
               if config.get("candidate_embedding_size") else
               ["probability = head.predict(hidden, signals, position=k)  # k: 1-based index in the round"]
-              if config.get("purpose") == "stop" else ["probability = head.predict(hidden, signals)"]), "```", "",
+              if config.get("purpose") in ("stop", "expect") else ["probability = head.predict(hidden, signals)"]), "```", "",
             f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",
             "## Metrics", "", *metrics_rows(config.get("metrics") or {}), ""]
     if has_roc:

@@ -1,12 +1,13 @@
-"""Acceptance heads (SpecDec++ ResNet head and its on-time variant, SPRINTER linear verifier): modules, registry, save/load."""
+"""Acceptance heads (SpecDec++ ResNet head, its on-time and expected-acceptance variants, SPRINTER verifier)."""
 
-from specheads.heads.base import SIGNALS, STORED_SIGNALS, AcceptanceHead, with_derived_signals
+from specheads.heads.base import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, AcceptanceHead, with_derived_signals
 from specheads.heads.calibration import PositionCalibration
 from specheads.heads.linear import LinearVerifier
 from specheads.heads.loading import DecisionRule, load_head
 from specheads.heads.registry import HEADS, build_head, head_class
-from specheads.heads.resnet import OnTimeAcceptanceHead, ResNetAcceptanceHead
+from specheads.heads.resnet import PRE_DRAW_SIGNALS, ExpectedAcceptanceHead, OnTimeAcceptanceHead, ResNetAcceptanceHead
 
-__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "OnTimeAcceptanceHead", "PositionCalibration", "LinearVerifier",
+__all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "OnTimeAcceptanceHead", "ExpectedAcceptanceHead", "PRE_DRAW_SIGNALS",
+           "STOP_PURPOSES", "PositionCalibration", "LinearVerifier",
            "SIGNALS", "STORED_SIGNALS", "HEADS",
            "build_head", "head_class", "load_head", "DecisionRule", "with_derived_signals"]

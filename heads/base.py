@@ -37,6 +37,9 @@ def with_derived_signals(columns: dict[str, Any]) -> dict[str, Any]:
     logq = columns["logq"]
     return {**columns, "q": logq.exp() if isinstance(logq, torch.Tensor) else math.exp(logq)}
 
+STOP_PURPOSES = ("stop", "expect")
+"""The purposes of heads whose survival product Π â feeds a stop rule (and a verify budget)."""
+
 MIN_SIGNAL_STD = 1e-3
 """Floor on a signal's std: a signal constant in training still standardises to finite fp16 values."""
 
@@ -78,7 +81,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     head_type: ClassVar[str]
     reads: ClassVar[str]  # "candidate_state" (the state that has read the candidate) or "context_state" (the one before)
-    purpose: ClassVar[str]  # "stop": predicts min(1, p/q) for a stop rule; "verify": SPRINTER's acceptable-or-not
+    # "stop": predicts min(1, p/q) of a drafted candidate for a stop rule; "expect": predicts α = Σ min(p, q) before
+    # the candidate is drawn (a stop rule or a verify budget); "verify": SPRINTER's acceptable-or-not
+    purpose: ClassVar[str]
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
                  candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None,
@@ -108,17 +113,20 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     @property
     def decides(self) -> str:
-        """When a decoder has the head's score of candidate ŷ_k: `at_draft` (from the state that produced q for it,
-        the moment it is drafted) or `one_step_late` (from the state that has read it, after the next draft forward)."""
+        """When a decoder has the head's score of candidate ŷ_k: `before_draw` (from q_k's state and signals alone,
+        before ŷ_k is drawn), `at_draft` (from the state that produced q for it and ŷ_k itself, the moment it is
+        drafted) or `one_step_late` (from the state that has read it, after the next draft forward)."""
+        if self.purpose == "expect":
+            return "before_draw"
         return "one_step_late" if self.reads == "candidate_state" else "at_draft"
 
     def set_calibration(self, calibration: PositionCalibration | None) -> None:
         """Use (and record in the config) a per-position calibration of the acceptance; None removes it."""
-        if calibration is not None and self.purpose != "stop":
+        if calibration is not None and self.purpose not in STOP_PURPOSES:
             raise UsageError(f"a {self.head_type} head feeds no stop rule, so its cumulative acceptance has nothing to "
                              "calibrate; calibrate a stop head (specdecpp_ontime, specdecpp_resnet)")
         self.calibration = calibration
-        if self.purpose == "stop":
+        if self.purpose in STOP_PURPOSES:
             self._record_config(calibration=None if calibration is None else calibration.as_dict())
 
     def _record_config(self, **values: Any) -> None:

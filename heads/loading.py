@@ -45,8 +45,8 @@ class DecisionRule:
 
     @classmethod
     def untuned(cls, purpose: str) -> DecisionRule:
-        """The default rule for a head of `purpose` (`stop` or `verify`), marked untuned."""
-        if purpose == "stop":
+        """The default rule for a head of `purpose` (`stop`, `expect` or `verify`), marked untuned."""
+        if purpose != "verify":
             return cls(STOP_RULE, 0.5, tuned=False, max_draft=8)
         return cls(VERIFY_RULE, 0.5, tuned=False)
 

@@ -8,10 +8,10 @@ from typing import Any
 from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.linear import LinearVerifier
-from specheads.heads.resnet import OnTimeAcceptanceHead, ResNetAcceptanceHead
+from specheads.heads.resnet import ExpectedAcceptanceHead, OnTimeAcceptanceHead, ResNetAcceptanceHead
 
 HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, OnTimeAcceptanceHead,
-                                                                                  LinearVerifier)}
+                                                                          ExpectedAcceptanceHead, LinearVerifier)}
 
 
 def head_class(name: str) -> type[AcceptanceHead]:

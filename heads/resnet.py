@@ -3,6 +3,9 @@
 `ResNetAcceptanceHead` reads the state that has read the candidate (SpecDec++), so a decoder has its
 score of ŷ_k only after the next draft forward. `OnTimeAcceptanceHead` reads the state that produced q
 for ŷ_k together with ŷ_k's input embedding (DSpark's inputs), so its score exists the moment ŷ_k is drafted.
+`ExpectedAcceptanceHead` reads only what exists before ŷ_k is drawn and predicts α_k = Σ_v min(p_v, q_v), the
+chance that whatever the draft draws there is accepted: a score a batch scheduler may rank positions by and stay
+exact (docs/decoding-core.md "Verify budgets").
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead, check_count
 
 
@@ -59,3 +63,29 @@ class OnTimeAcceptanceHead(ResNetAcceptanceHead):
 
     head_type = "specdecpp_ontime"
     reads = "context_state"
+
+
+PRE_DRAW_SIGNALS = ("entropy", "top1")
+"""The draft signals that exist before ŷ_k is drawn: they describe q_k, not the token drawn from it."""
+
+
+class ExpectedAcceptanceHead(ResNetAcceptanceHead):
+    """The expected-acceptance head (DSpark's ex-ante head): the same blocks over the draft state that produced q_k
+    and signals of q_k alone (`PRE_DRAW_SIGNALS`), trained on the analytic label α_k = Σ_v min(p_v, q_v) =
+    E_{ŷ∼q}[min(1, p(ŷ)/q(ŷ))] at every position. Nothing it reads depends on ŷ_k, so the survival product
+    Π_{j≤k} α̂_j is known before ŷ_k is drawn (`decides: before_draw`) and a verify length chosen from it is a
+    stopping time of the draft: the output stays the target's distribution."""
+
+    head_type = "expected_acceptance"
+    reads = "context_state"
+    purpose = "expect"
+
+    def __init__(self, hidden_size: int, depth: int = 3, extra_features: list[str] | None = None,
+                 state_dropout: float = 0.0, state_layer: int | None = None, candidate_embedding_size: int = 0,
+                 calibration: dict[str, Any] | None = None) -> None:
+        drawn = [name for name in extra_features or [] if name not in PRE_DRAW_SIGNALS]
+        if drawn or candidate_embedding_size:
+            what = f"the signals {drawn}" if drawn else "the candidate's embedding"
+            raise UsageError(f"an expected_acceptance head decides before the candidate is drawn, so it cannot read "
+                             f"{what}; use extra_features from {list(PRE_DRAW_SIGNALS)} and no candidate embedding")
+        super().__init__(hidden_size, depth, extra_features, state_dropout, state_layer, 0, calibration)

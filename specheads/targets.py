@@ -7,6 +7,9 @@ candidate ŷ_{j+1}. Which state a head reads:
 What it learns (its `purpose`):
 - `stop` heads learn the soft label `accept[j]` = min(1, p/q), only where the candidate was mixed in
   (`is_draft[j]`);
+- `expect` heads (the expected-acceptance head) learn the analytic label `beta[j]` = α = Σ_v min(p_v, q_v) at
+  every position (it does not depend on which candidate was drawn); judged against the realised acceptance
+  (`realised=True`) they are scored on the stop heads' tokens with `accept[j]`, so the two compare on the same tokens;
 - `verify` heads (SPRINTER) learn 1[logq − logp ≤ log τ]. With `contexts="consistent"` they keep only
   positions whose whole prefix is target tokens (the label was computed on that prefix); `"all"` keeps
   every position.
@@ -24,16 +27,19 @@ from specheads.states import mixed_states
 
 CANDIDATE_STATE = "candidate_state"
 CONTEXT_STATE = "context_state"
-STOP, VERIFY = "stop", "verify"
+STOP, EXPECT, VERIFY = "stop", "expect", "verify"
 Contexts = Literal["consistent", "all"]
 
 
 def token_targets(batch: dict[str, torch.Tensor], purpose: str, tau: float = 1.0,
-                  contexts: Contexts = "consistent") -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask [B, n] bool, label [B, n] float) for a head of `purpose`."""
+                  contexts: Contexts = "consistent", realised: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [B, n] bool, label [B, n] float) for a head of `purpose`; `realised` judges an `expect` head against the
+    drafted candidates' acceptance instead of its training label."""
     valid = batch["valid"]
-    if purpose == STOP:
+    if purpose == STOP or (purpose == EXPECT and realised):
         return valid & batch["is_draft"], batch["accept"].float()
+    if purpose == EXPECT:
+        return valid, batch["beta"].float()
     if purpose != VERIFY:
         raise ValueError(f"unknown head purpose {purpose!r}")
     label = ((batch["logq"] - batch["logp"]) <= math.log(tau)).float()
@@ -45,14 +51,14 @@ def token_targets(batch: dict[str, torch.Tensor], purpose: str, tau: float = 1.0
 
 def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: str, purpose: str,
                 extra_features: list[str], tau: float = 1.0, contexts: Contexts = "consistent",
-                embeddings: torch.nn.Module | None = None
+                embeddings: torch.nn.Module | None = None, realised: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(hidden, signals, candidate embedding, label, mask) of a batch's labelled positions, ready for a head.
 
     `features` are the stored (or freshly computed) draft states [B, n + 1, h]; `extra_features` names
     the draft signals the head reads, in its column order.
     """
-    mask, label = token_targets(batch, purpose, tau, contexts)
+    mask, label = token_targets(batch, purpose, tau, contexts, realised)
     if "state_kept" in batch and not head_states(batch["state_kept"], reads)[mask].all():
         raise UsageError(f"the head reads {reads} at positions whose draft state the data did not keep (features_at); "
                          "train online (--data.mode online) or label the data again with --features_at all")

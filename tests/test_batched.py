@@ -44,6 +44,9 @@ def test_every_row_of_a_batch_equals_the_row_decoded_alone_in_float64(pair64, st
             policy = make_policy(name, threshold, max_draft=4)
             head = heads.get(head_name)
             batch = decoder.decode(PROMPTS, policy, 14, seeds, head)
+            refilled = decoder.decode(PROMPTS, policy, 14, seeds, head, batch_size=4)  # continuous batching
+            assert [r.tokens for r in refilled] == [r.tokens for r in batch], (name, head_name, temperature)
+            assert [r.draft_forwards for r in refilled] == [r.draft_forwards for r in batch], (name, head_name)
             for prompt, seed, row in zip(PROMPTS, seeds, batch):
                 single = decoder.decode_one(prompt, policy, 14, seed, head)
                 assert row.tokens == single.tokens, (name, head_name, temperature)
@@ -143,7 +146,13 @@ def test_eval_serving_report_and_batched_sweep_agree_with_batch_1(trained, tmp_p
     same = sum(a == b for a, b in zip(runs["batched"], runs["single"]))
     assert len(runs["batched"]) == len(runs["single"]) and same >= 0.9 * len(runs["single"])
     serving = json.loads((tmp_path / "batched" / "metrics.json").read_text())["decoding"]["serving"]
-    assert {row["batch_size"] for row in serving["rows"]} == {1, 2, 8} and set(serving["best"]) == {"1", "2", "8"}
+    assert {row["batch_size"] for row in serving["rows"]} == {1, 2, 8}
+    assert set(serving["best"]) == {"measured", "draft at 0.2 × target"}
+    assert all(set(best) == {"1", "2", "8"} for best in serving["best"].values())
+    # SmartSpec decoded live at every B and view; the budget needs an expected-acceptance head, and says so
+    assert {(r["batch_size"], r["costs"]) for r in serving["rows"] if r["policy"] == "smartspec" and r["decoded"] == "live"} \
+        == {(b, v) for b in (1, 2, 8) for v in serving["best"]}
+    assert "--budget-head" in serving["left_out"]["budget"]
     assert serving["cost_curves"]["source"] == "measured on the CPU"
     assert all(row["tokens_per_s"] > 0 for row in serving["rows"])
     assert (tmp_path / "batched" / "serving.png").stat().st_size > 1000

@@ -148,7 +148,8 @@ def test_signals_are_standardised():
 
 @pytest.mark.parametrize("head_type", sorted(HEADS))
 def test_state_dropout_drops_state_dimensions_only_while_training(head_type, tmp_path):
-    head = build_head(head_type, hidden_size=H, extra_features=["logq", "q"], state_dropout=0.5)
+    signal_names = ["entropy", "top1"] if head_type == "expected_acceptance" else ["logq", "q"]  # it reads no ŷ
+    head = build_head(head_type, hidden_size=H, extra_features=signal_names, state_dropout=0.5)
     head.set_hidden_statistics(torch.full((H,), 3.0), torch.full((H,), 2.0))
     hidden, signals = torch.randn(2000, H), torch.randn(2000, 2)
     standardised = (hidden - 3.0) / 2.0
@@ -200,14 +201,15 @@ def test_fp16_hidden_alone_is_cast():
 
 
 def test_registry_builds_every_head_type():
-    assert set(HEADS) == {"specdecpp_resnet", "specdecpp_ontime", "sprinter_linear"}
+    assert set(HEADS) == {"specdecpp_resnet", "specdecpp_ontime", "expected_acceptance", "sprinter_linear"}
     for name, cls in HEADS.items():
         head = build_head(name, hidden_size=H)
         assert type(head) is cls and head.head_type == name and head.reads in ("candidate_state", "context_state")
 
 
 def test_refusals_name_the_problem():
-    with pytest.raises(UsageError, match="unknown head type 'mlp'; known: specdecpp_resnet, specdecpp_ontime, sprinter_linear"):
+    known = "specdecpp_resnet, specdecpp_ontime, expected_acceptance, sprinter_linear"
+    with pytest.raises(UsageError, match=f"unknown head type 'mlp'; known: {known}"):
         build_head("mlp", hidden_size=H)
     with pytest.raises(UsageError, match="unexpected keyword argument 'depth'"):
         build_head("sprinter_linear", hidden_size=H, depth=2)

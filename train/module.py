@@ -20,7 +20,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.checkpoint import head_from_hyperparameters
 from specheads.errors import UsageError
-from specheads.heads import SIGNALS, STORED_SIGNALS, AcceptanceHead, head_class
+from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, AcceptanceHead, head_class
 from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.states import describe_state
 from specheads.targets import Contexts, draft_features, head_inputs, token_targets
@@ -35,7 +35,7 @@ class AcceptanceModule(L.LightningModule):
     """One acceptance head and its training objective.
 
     Args:
-        head: registry name, `specdecpp_resnet` or `sprinter_linear`.
+        head: registry name: `specdecpp_resnet`, `specdecpp_ontime`, `expected_acceptance` or `sprinter_linear`.
         head_args: further constructor arguments of the head (e.g. `{depth: 3}`).
         extra_features: draft signals to concatenate to the state, from `heads.SIGNALS` (logq, entropy, top1, q).
         candidate_embedding: feed the candidate's input embedding (from the draft) to a verifier.
@@ -61,7 +61,7 @@ class AcceptanceModule(L.LightningModule):
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.05, ece_bins: int = 10,
                  embedding_size: int = 0, start_from_signals: bool = True, calibrate_positions: int = 0):
         super().__init__()
-        if calibrate_positions and head_class(head).purpose != "stop":
+        if calibrate_positions and head_class(head).purpose not in STOP_PURPOSES:
             raise UsageError(f"model.calibrate_positions calibrates a stop head's cumulative acceptance; a {head} head "
                              "has none: set it to 0")
         if calibrate_positions < 0:
@@ -85,7 +85,8 @@ class AcceptanceModule(L.LightningModule):
 
     @property
     def purpose(self) -> str:
-        """What the head learns: `stop` (min(1, p/q) for a stop rule) or `verify` (SPRINTER's label)."""
+        """What the head learns: `stop` (min(1, p/q) for a stop rule), `expect` (α = Σ min(p, q) before the draw) or
+        `verify` (SPRINTER's label)."""
         return head_class(self.hparams.head).purpose
 
     def build(self, hidden_size: int, embedding_size: int) -> None:

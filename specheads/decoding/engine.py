@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.costs import RoundRecord, ServingCosts
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
@@ -76,6 +78,67 @@ class RowRound:
     seen: list[Drafted] = field(default_factory=list)
     acceptance: float = 1.0
     previous: dict[str, float] | None = None  # the signals of the previous candidate (a one-step-late head's input)
+    drafted: int = 0  # candidates drafted (a planner may send fewer to the target)
+
+    def keep(self, length: int) -> None:
+        """Send only the first `length` candidates to the target (a planner's verify length); the rest are dropped."""
+        del self.candidates[length:], self.logq_rows[length:], self.seen[length:]
+
+
+class ServedBatch:
+    """The requests of one decode and the rows serving them: each row decodes one request at a time, and a row whose
+    request finished takes the next prompt of the queue (its cache rows are cleared; continuous batching)."""
+
+    def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
+                 target: BatchCache):
+        self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
+        self.draft, self.target = draft, target
+        self.results = [DecodeResult(tokens=[]) for _ in prompts]
+        self.queue = deque(range(len(prompts)))
+        rows = len(draft.slots)
+        self.request: list[int | None] = [None] * rows
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.generated: list[list[int]] = [[] for _ in range(rows)]
+        self.generators: list[torch.Generator | None] = [None] * rows
+        self.first_forward = [0] * rows
+        for row in range(rows):
+            self.admit(row)
+
+    @property
+    def live(self) -> list[int]:
+        """The rows serving a request."""
+        return [row for row, request in enumerate(self.request) if request is not None]
+
+    def room(self, row: int) -> int:
+        """Tokens the row's request may still add."""
+        return self.max_new_tokens - len(self.generated[row])
+
+    def result(self, row: int) -> DecodeResult:
+        return self.results[self.request[row]]
+
+    def admit(self, row: int) -> None:
+        """Give `row` the next prompt of the queue (requests with nothing to generate finish at once), or retire it."""
+        self.request[row] = None
+        while self.queue:
+            request = self.queue.popleft()
+            if self.max_new_tokens <= 0:
+                continue
+            self.draft.crop_row(row, 0)
+            self.target.crop_row(row, 0)
+            self.request[row], self.tokens[row], self.generated[row] = request, list(self.prompts[request]), []
+            self.generators[row] = torch.Generator().manual_seed(self.seeds[request])
+            self.first_forward[row] = self.draft.forwards[row]
+            return
+
+    def emit(self, row: int, emitted: list[int], done: Any) -> None:
+        """Add a round's tokens to the row's request; a finished request records its output and frees the row."""
+        self.tokens[row] += emitted
+        self.generated[row] += emitted
+        if done(self.generated[row], self.max_new_tokens):
+            result = self.result(row)
+            result.emitted, result.tokens = len(self.generated[row]), list(self.generated[row])
+            result.draft_forwards = self.draft.forwards[row] - self.first_forward[row]
+            self.admit(row)
 
 
 class RoundEngine:
@@ -86,46 +149,63 @@ class RoundEngine:
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
-               head: AcceptanceHead | None = None) -> list[DecodeResult]:
-        """Up to `max_new_tokens` tokens after each prompt under `rule` (row i seeded with `seeds[i]`); `head` is the
-        acceptance head or verifier the rule reads."""
-        if rule.reads_head and head is None:
-            raise ValueError(f"the {rule.name} rule needs an acceptance head")
+               head: AcceptanceHead | None = None, batch_size: int | None = None, costs: ServingCosts | None = None,
+               log: list[RoundRecord] | None = None) -> list[DecodeResult]:
+        """Up to `max_new_tokens` tokens after each prompt under `rule` (prompt i seeded with `seeds[i]`); `head` is the
+        acceptance head or verifier the rule reads. All prompts decode together, or `batch_size` at a time with
+        continuous batching (a finished request's row takes the next prompt). `costs` are the cost curves a batch
+        rule plans with; `log`, when given, receives one `RoundRecord` per round."""
+        rule.check_head(head)
         start = time.perf_counter()
-        rows = range(len(prompts))
-        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-        draft = BatchCache(self.draft, len(prompts), head.state_layer if rule.reads_head else None)
-        target = BatchCache(self.target, len(prompts))
-        tokens = [list(prompt) for prompt in prompts]
-        generated: list[list[int]] = [[] for _ in rows]
-        results = [DecodeResult(tokens=[]) for _ in rows]
-        active = [max_new_tokens > 0 for _ in rows]
-        while any(active):
-            live = [row for row in rows if active[row]]
-            rounds = {row: RowRound(cap=rule.cap(max_new_tokens - len(generated[row]))) for row in live}
-            self._draft(rounds, tokens, draft, rule, head if rule.reads_head else None, generators)
-            checks = {row: rule.verify_from(rounds[row].seen) for row in live}
+        slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
+        draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
+        target = BatchCache(self.target, slots)
+        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target)
+        planner = rule.planner(costs)
+        head = head if rule.reads_head else None
+        while batch.live:
+            live = batch.live
+            caps = {row: rule.cap(batch.room(row)) for row in live}
+            if planner is not None:
+                most = planner.round_cap(len(live), max(caps.values()))
+                caps = {row: min(cap, most) for row, cap in caps.items()}
+            rounds = {row: RowRound(cap=caps[row]) for row in live}
+            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators)
+            lengths = planner.verify_lengths({row: [d.acceptance for d in rounds[row].seen] for row in live}) if planner else None
+            for row, length in (lengths or {}).items():
+                rounds[row].keep(length)
+            checks = {row: rule.verify_from(rounds[row].seen) if rounds[row].seen else 0 for row in live}
             called = [row for row in live if checks[row] is not None]
-            logits = target.feed({row: tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
+            logits = target.feed({row: batch.tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
                                   for row in called},
                                  {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
+            record = RoundRecord()
+            verified, kept = {}, {}
             for row in live:
                 this = rounds[row]
                 if row in logits:
                     accepted, new_token = verify(logits[row][0], this.candidates, this.logq_rows, checks[row], rule.bonus,
-                                                 self.transform, generators[row])
+                                                 self.transform, batch.generators[row])
                 else:  # every candidate passed unverified
                     accepted, new_token = len(this.candidates), None
-                accepted, emitted = self._standing(this.candidates, accepted, new_token, max_new_tokens - len(generated[row]))
-                self._count(results[row], rule, len(this.candidates), accepted, row in logits)
-                target.crop_row(row, len(tokens[row]) + accepted)
-                draft.crop_row(row, len(tokens[row]) + accepted)
-                tokens[row] += emitted
-                generated[row] += emitted
-                active[row] = not self._done(generated[row], max_new_tokens)
+                verified[row], kept[row] = len(this.candidates) - checks[row] if row in logits else 0, accepted
+                accepted, emitted = self._standing(this.candidates, accepted, new_token, batch.room(row))
+                result = batch.result(row)
+                self._count(result, rule, this.drafted, accepted, row in logits)
+                record.requests.append(batch.request[row])
+                record.drafted.append(accepted if rule.hindsight else this.drafted)
+                record.verified.append(accepted if rule.hindsight else verified[row])
+                record.emitted.append(len(emitted))
+                target.crop_row(row, len(batch.tokens[row]) + accepted)
+                draft.crop_row(row, len(batch.tokens[row]) + accepted)
+                batch.emit(row, emitted, self._done)
+            if planner is not None:
+                planner.observe(verified, kept)
+            if log is not None:
+                log.append(record)
             draft.trim()
             target.trim()
-        return self._finish(results, generated, start, draft, target)
+        return self._finish(batch.results, start, draft, target)
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:
@@ -141,12 +221,13 @@ class RoundEngine:
     def _draft(self, rounds: dict[int, RowRound], tokens: list[list[int]], draft: BatchCache, rule: StopPolicy,
                head: AcceptanceHead | None, generators: list[torch.Generator]) -> None:
         """Draft every row's candidates until the rule or the cap ends its round."""
-        pending = {row: tokens[row][draft.length(row):] for row in rounds}
+        pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
         while pending:
             drawn = self._draw_rows(draft.feed(pending), generators)
             scores = self._head_scores(head, drawn, rounds)
             for row, candidate in drawn.items():
                 this = rounds[row]
+                this.drafted += 1
                 score = scores.get(row, 1.0)
                 this.acceptance *= score
                 this.candidates.append(candidate.token)
@@ -176,7 +257,7 @@ class RoundEngine:
         the previous one, whose state this forward gave (a `one_step_late` head); none without a head."""
         if head is None:
             return {}
-        if head.decides == "at_draft":
+        if head.decides in ("at_draft", "before_draw"):
             rows = list(drawn)
             inputs = [(drawn[r].state, drawn[r].signals, drawn[r].token, len(rounds[r].candidates) + 1) for r in rows]
         else:
@@ -220,14 +301,11 @@ class RoundEngine:
         return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
 
     @staticmethod
-    def _finish(results: list[DecodeResult], generated: list[list[int]], start: float, draft: BatchCache,
-                target: BatchCache) -> list[DecodeResult]:
-        """Each row's output and counts; the batch's wall and forward time are shared equally by its rows."""
-        share = 1.0 / len(results)
+    def _finish(results: list[DecodeResult], start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:
+        """Each request's result; the decode's wall and forward time are shared equally by its requests."""
+        share = 1.0 / max(len(results), 1)
         wall = time.perf_counter() - start
-        for row, result in enumerate(results):
-            result.emitted, result.tokens = len(generated[row]), list(generated[row])
-            result.draft_forwards = draft.forwards[row]
+        for result in results:
             result.seconds = wall * share
             result.time_forwards(draft, target, share)
         return results

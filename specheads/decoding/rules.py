@@ -11,6 +11,9 @@ learned head, the product of the acceptance predictions it has: an `at_draft` he
 verifier) has scored ŷ_k itself, so the product is Π_{j≤k} â_j; a `one_step_late` head (specdecpp_resnet) reads the
 state that has read ŷ_j, which exists only once ŷ_{j+1} is drafted, so at step k it knows â_1..â_{k-1}.
 
+Batch-level rules (`budget`, `smartspec`) also hand the engine a planner (`specheads.decoding.planners`) that sees the
+whole round: how far every row may draft, and how many of each row's candidates the target checks.
+
 A new rule is one class here, registered in `RULES`; the round engine (`specheads.decoding.engine`) runs any of them.
 """
 
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from specheads.errors import UsageError
+
+if TYPE_CHECKING:
+    from specheads.decoding.costs import ServingCosts
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,8 @@ class Drafted:
     index: int
     prob: float  # the draft's probability of the candidate (untempered under greedy decoding)
     entropy: float  # H(q) at the step that drafted it (untempered under greedy decoding)
-    acceptance: float  # Π â_j over the round's candidates the head has scored (1.0 before it has one)
+    acceptance: float  # Π â_j over the round's candidates the head has scored (1.0 before it has one): with a
+    # `before_draw` head, the survival product S_k, known before the candidate was drawn
     score: float = 1.0  # the head's score of this candidate (an `at_draft` head; 1.0 otherwise)
     ends_output: bool = False  # the candidate is a stop token
 
@@ -66,6 +73,15 @@ class StopPolicy:
     def verify_from(self, round_: list[Drafted]) -> int | None:
         """The first of the round's candidates (0-based) the target checks; None: no target call this round."""
         return 0
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        """The batch-level planner of a decode (`specheads.decoding.planners`); None for a per-row rule."""
+        return None
+
+    def check_head(self, head: Any) -> None:
+        """Refuse a head this rule cannot use."""
+        if self.reads_head and head is None:
+            raise UsageError(f"the {self.name} rule needs an acceptance head")
 
 
 @dataclass(frozen=True)
@@ -147,8 +163,55 @@ class SprinterRule(StopPolicy):
         return len(round_) - 1 if self.flags(round_[-1]) else None
 
 
-RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule)}
-STOP_POLICIES = tuple(name for name in RULES if name != "sprinter")
+def require_costs(name: str, costs: ServingCosts | None) -> ServingCosts:
+    if costs is None:
+        raise UsageError(f"the {name} rule plans from the models' cost curves; pass costs (specheads.decoding.costs)")
+    return costs
+
+
+@dataclass(frozen=True)
+class VerifyBudget(StopPolicy):
+    """The batch-level verify budget (SV §5, DSpark's planner): every row drafts up to the cap, stopping early once
+    the survival product S_k = Π α̂_j of an expected-acceptance head falls below `threshold` (the floor); then the
+    verify lengths of all rows are chosen together by the goodput greedy. Exact: it needs a head that decides before
+    the draw (module docstring of `specheads.decoding.planners`)."""
+
+    name: ClassVar[str] = "budget"
+    reads_head: ClassVar[bool] = True
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.acceptance < self.threshold
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.planners import BudgetPlanner
+
+        return BudgetPlanner(require_costs(self.name, costs))
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        if head.decides != "before_draw":
+            raise UsageError(f"the budget rule ranks drafted positions across rows by the head's survival product; a "
+                             f"{head.head_type} head decides {head.decides} (it has read the drafted token), which makes "
+                             "the output differ from the target's; use an expected_acceptance head")
+
+
+@dataclass(frozen=True)
+class SmartSpecK(StopPolicy):
+    """SmartSpec's goodput K: one K per round for the whole batch, from the acceptance rate of past rounds and the
+    cost curves (`specheads.decoding.planners.SmartSpecPlanner`); `threshold` is the largest K it may pick."""
+
+    name: ClassVar[str] = "smartspec"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.planners import SmartSpecPlanner
+
+        return SmartSpecPlanner(require_costs(self.name, costs))
+
+
+RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
+                                                                 VerifyBudget, SmartSpecK)}
+STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle")
+BATCH_POLICIES = ("budget", "smartspec")
 
 
 def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
@@ -160,4 +223,6 @@ def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
         return ConstantK(threshold=threshold, max_draft=int(threshold))
     if name == "sprinter":
         return SprinterRule(threshold=threshold)
+    if name == "smartspec":
+        return SmartSpecK(threshold=threshold, max_draft=max_draft)
     return RULES[name](threshold=threshold, max_draft=max_draft)

@@ -1,0 +1,135 @@
+"""Forward cost against the tokens in a forward, and the modelled time of rounds served together.
+
+A `CostCurve` is one model's forward time against the tokens in the forward (measured on the decoding device by
+`measure_cost_curve`, or given). The round engine records each round of a batch as a `RoundRecord` (per row: the
+candidates it drafted and the candidates it sent to the target); a round costs
+
+    Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
+
+seconds (`round_seconds`), the prompt's prefill left out (the same for every policy). The budget planners read the
+curves to choose how much to draft and verify (`specheads.decoding.planners`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from specheads.decoding.cache import BatchCache
+from specheads.errors import UsageError
+
+CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one forward against the tokens in it, linear between the points and beyond the last two."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) < 2 or len(self.tokens) != len(self.seconds) or list(self.tokens) != sorted(set(self.tokens)):
+            raise UsageError(f"a cost curve needs two or more increasing token counts with one time each, got tokens "
+                             f"{list(self.tokens)} and seconds {list(self.seconds)}")
+        if min(self.tokens) < 1 or min(self.seconds) <= 0:
+            raise UsageError(f"a cost curve's token counts must be >= 1 and its times > 0, got {list(self.tokens)}, "
+                             f"{list(self.seconds)}")
+
+    def __call__(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        x, y = np.asarray(self.tokens, float), np.asarray(self.seconds, float)
+        if tokens <= x[-1]:
+            return float(np.interp(tokens, x, y))
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return float(y[-1] + slope * (tokens - x[-1]))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CostCurve:
+        """From `{tokens: [...], seconds: [...]}`."""
+        try:
+            return cls(tuple(int(t) for t in values["tokens"]), tuple(float(s) for s in values["seconds"]))
+        except (KeyError, TypeError, ValueError):
+            raise UsageError(f"a cost curve is {{tokens: [...], seconds: [...]}}, got {values!r}") from None
+
+    def as_dict(self) -> dict[str, list]:
+        return {"tokens": list(self.tokens), "seconds": list(self.seconds)}
+
+
+@torch.no_grad()
+def measure_cost_curve(model: Any, context: int = 32, tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> CostCurve:
+    """The forward time of `model` on its device against the tokens in the forward: n rows of one new token each,
+    every row with `context` cached tokens (the median of `repeats` timings per n)."""
+    seconds = []
+    vocab = model.get_input_embeddings().weight.shape[0]
+    for n in tokens:
+        timings = []
+        for _ in range(repeats):
+            cache = BatchCache(model, n)
+            cache.feed({row: [(row * 7 + i) % vocab for i in range(context)] for row in range(n)})
+            synchronize(cache.device)
+            start = time.perf_counter()
+            cache.feed({row: [row % vocab] for row in range(n)})
+            synchronize(cache.device)
+            timings.append(time.perf_counter() - start)
+        seconds.append(float(np.median(timings)))
+    return CostCurve(tuple(tokens), tuple(seconds))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class ServingCosts:
+    """The draft's and the target's cost curves."""
+
+    draft: CostCurve
+    target: CostCurve
+
+    def scaled_draft(self, ratio: float) -> ServingCosts:
+        """The same target with a draft `ratio` times as costly as the target at every token count (a 7B/70B view)."""
+        return ServingCosts(CostCurve(self.target.tokens, tuple(ratio * s for s in self.target.seconds)), self.target)
+
+
+@dataclass
+class RoundRecord:
+    """One round of a batch: per row (by request), the candidates drafted and the candidates the target checked
+    (the hindsight oracle: both are the candidates it kept), and the tokens the round added to its output."""
+
+    requests: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+
+
+def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
+    """The modelled seconds of one round (module docstring)."""
+    if not record.drafted:
+        return 0.0
+    draft = sum(costs.draft(sum(k >= s for k in record.drafted)) for s in range(1, max(record.drafted) + 1))
+    return draft + costs.target(sum(v + 1 for v in record.verified))
+
+
+def served_throughput(log: list[RoundRecord], costs: ServingCosts) -> dict[str, float]:
+    """Modelled seconds, tokens and tokens/s of a served queue; and each request's share of them (a round's seconds
+    split equally among its rows: in lockstep every row waits for the whole round), for paired intervals."""
+    seconds = tokens = 0.0
+    per_request: dict[int, list[float]] = {}
+    for record in log:
+        spent = round_seconds(record, costs)
+        seconds += spent
+        tokens += sum(record.emitted)
+        for request, emitted in zip(record.requests, record.emitted):
+            share = per_request.setdefault(request, [0.0, 0.0])
+            share[0] += emitted
+            share[1] += spent / len(record.requests)
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds if seconds else float("nan"),
+            "batched_rounds": float(len(log)), "per_request": per_request}

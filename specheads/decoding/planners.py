@@ -1,0 +1,100 @@
+"""Batch-level planners: how much every row of a round drafts and how many of its candidates the target checks.
+
+A stop rule decides for one row. In a batch the target checks every row's candidates in one forward, so what matters
+is how many candidates of which rows go into it. A planner sees the whole round:
+- `round_cap(rows)`: before drafting, the most candidates any row drafts this round;
+- `verify_lengths(rounds)`: after drafting, how many of each row's candidates (a prefix) the target checks;
+- `observe(verified, accepted)`: the round's outcome, for planners that learn from it.
+
+Exactness (docs/decoding-core.md "Verify budgets"): speculative sampling stays exact when, for every row, whether
+candidate ŷ_j is checked depends only on what was known before ŷ_j was drawn: the row's earlier candidates, other
+rows (independent draws) and the past. `round_cap` reads only the past. `verify_lengths` ranks positions by the
+survival product S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of ŷ_i (`decides:
+before_draw`), so S_j is known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of
+each row, and whether it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
+The goodput it maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the round's draft
+time is left out of it, since it depends on how far each row drafted, which depends on the row's later candidates.
+Fed a score that has read ŷ_j (an `at_draft` head), the same greedy is lossy (tests/test_budget.py shows by how much).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from specheads.decoding.costs import CostCurve, ServingCosts
+
+
+def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> dict[int, int]:
+    """SV's batch greedy: each row's verify length, from its candidates' survival products S_1 ≥ S_2 ≥ … .
+
+    Start with no candidate checked (every row still gets the target's token: B tokens for t(B)); repeatedly add
+    the position with the largest S (ties: lower row, earlier position) while the goodput
+    (B + Σ chosen S) / t(B + chosen) does not fall; stop at the first that would lower it."""
+    lengths = {row: 0 for row in survival}
+    tokens = value = float(len(survival))
+    best = value / target(int(tokens)) if survival else 0.0
+    order = sorted((-score, row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
+    for negative, row, index in order:
+        if index != lengths[row] + 1:  # a later position tied with an earlier one it passed: take them in order
+            continue
+        goodput = (value - negative) / target(int(tokens) + 1)
+        if goodput < best:
+            break
+        tokens, value, best = tokens + 1, value - negative, goodput
+        lengths[row] = index
+    return lengths
+
+
+class BudgetPlanner:
+    """The verify budget: every row drafts up to the cap (a row stops early once its survival falls below the rule's
+    floor), then the target checks the prefixes `goodput_verify_lengths` chooses from the survival products."""
+
+    def __init__(self, costs: ServingCosts):
+        self.costs = costs
+
+    def round_cap(self, rows: int, cap: int) -> int:
+        return cap
+
+    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int]:
+        return goodput_verify_lengths(survival, self.costs.target)
+
+    def observe(self, verified: Mapping[int, int], accepted: Mapping[int, int]) -> None:
+        return None
+
+
+@dataclass
+class SmartSpecPlanner:
+    """SmartSpec's goodput K (Liu et al. 2024): one K for the whole batch each round, the one that maximises the
+    modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1))), with a the token acceptance
+    rate estimated from the past rounds (an exponential average of accepted and rejected counts: a = accepted /
+    (accepted + rejections), the geometric model's estimate). K = 0 is plain target decoding."""
+
+    costs: ServingCosts
+    smoothing: float = 0.1
+    accepted: float = 7.0  # a prior of a = 0.7 worth ten tokens
+    rejections: float = 3.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def round_cap(self, rows: int, cap: int) -> int:
+        rate = self.rate
+
+        def goodput(k: int) -> float:
+            expected = rows * sum(rate**j for j in range(k + 1))
+            return expected / (k * self.costs.draft(rows) + self.costs.target(rows * (k + 1)))
+
+        return max(range(cap + 1), key=lambda k: (goodput(k), -k))
+
+    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int] | None:
+        return None
+
+    def observe(self, verified: Mapping[int, int], accepted: Mapping[int, int]) -> None:
+        checked = [row for row in verified if verified[row]]
+        if not checked:
+            return
+        kept = 1.0 - self.smoothing
+        self.accepted = kept * self.accepted + self.smoothing * sum(accepted[row] for row in checked)
+        self.rejections = kept * self.rejections + self.smoothing * sum(accepted[row] < verified[row] for row in checked)

@@ -1,0 +1,200 @@
+"""The expected-acceptance label and head, and the batch-level planners: the goodput greedy, exactness of the verify
+budget and SmartSpec's K at B >= 4, and the distortion the same greedy makes when fed a score that read the token."""
+
+import math
+
+import pytest
+import torch
+from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
+
+from specheads.data_gen.labels import label_positions
+from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds, served_throughput
+from specheads.decoding.planners import SmartSpecPlanner, goodput_verify_lengths
+from specheads.errors import UsageError
+from specheads.heads import ExpectedAcceptanceHead, OnTimeAcceptanceHead, build_head
+from specheads.sampling import SamplingTransform
+from specheads.targets import token_targets
+
+
+def test_the_label_is_the_acceptance_of_a_draw_averaged_over_q():
+    """α = Σ_v min(p_v, q_v) = E_{ŷ∼q}[min(1, p(ŷ)/q(ŷ))] = 1 − TV(p, q), enumerated on a 5-token vocabulary."""
+    torch.manual_seed(0)
+    target, draft = torch.randn(4, 5) * 2, torch.randn(4, 5) * 2
+    for temperature in (1.0, 0.7):
+        transform = SamplingTransform(temperature)
+        labels = label_positions(target, draft, transform, torch.rand(4, dtype=torch.float64))
+        p, q = transform.log_probs(target).exp(), transform.log_probs(draft).exp()
+        for i in range(4):
+            mean_acceptance = sum(float(q[i, v]) * min(1.0, float(p[i, v] / q[i, v])) for v in range(5))
+            total_variation = 0.5 * float((p[i] - q[i]).abs().sum())
+            assert float(labels.beta[i]) == pytest.approx(mean_acceptance, abs=1e-6)
+            assert float(labels.beta[i]) == pytest.approx(1 - total_variation, abs=1e-6)
+
+
+def test_an_expected_acceptance_head_reads_nothing_of_the_drawn_token():
+    head = build_head("expected_acceptance", hidden_size=8, depth=1, extra_features=["entropy", "top1"])
+    assert head.decides == "before_draw" and head.purpose == "expect" and head.config["decides"] == "before_draw"
+    for features, embedding in ((["logq"], 0), (["entropy", "q"], 0), ([], 8)):
+        with pytest.raises(UsageError, match="before the candidate is drawn"):
+            build_head("expected_acceptance", hidden_size=8, extra_features=features, candidate_embedding_size=embedding)
+    head.set_calibration(None)  # a survival product to calibrate, like a stop head's
+    batch = {"valid": torch.tensor([[True, True, False]]), "is_draft": torch.tensor([[False, True, True]]),
+             "beta": torch.tensor([[0.7, 0.4, 0.1]]), "accept": torch.tensor([[1.0, 0.2, 0.3]])}
+    mask, label = token_targets(batch, "expect")
+    assert mask.tolist() == [[True, True, False]] and label[mask].tolist() == pytest.approx([0.7, 0.4])
+    mask, label = token_targets(batch, "expect", realised=True)  # judged on the drafted candidates' acceptance
+    assert mask.tolist() == [[False, True, False]] and label[mask].tolist() == pytest.approx([0.2])
+
+
+def test_the_goodput_greedy_on_hand_computed_cases():
+    flat = CostCurve((1, 64), (1.0, 1.0))  # a forward costs the same whatever it holds: verify everything drafted
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, flat) == {0: 2, 1: 1}
+    linear = CostCurve((1, 2), (1.0, 2.0))  # t(n) = n: a candidate pays only if its S >= the goodput, which is 1
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, linear) == {0: 0, 1: 0}
+    # t(n) = 4 + n: B = 2 gives 2/6; + S 0.9 -> 2.9/7 = 0.414; + 0.5 -> 3.4/8 = 0.425; + 0.2 -> 3.6/9 = 0.4 stops
+    affine = CostCurve((1, 2), (5.0, 6.0))
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, affine) == {0: 2, 1: 0}
+    # the greedy takes positions across rows by S, each row a prefix
+    assert goodput_verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}, affine) == {0: 1, 1: 2}
+
+
+def test_round_costs_and_smartspec_k_on_hand_computed_cases():
+    costs = ServingCosts(CostCurve((1, 2), (2.0, 3.0)), CostCurve((1, 2), (11.0, 12.0)))  # 1 + n and 10 + n
+    record = RoundRecord(requests=[0, 1], drafted=[2, 1], verified=[1, 1], emitted=[2, 1])
+    assert round_seconds(record, costs) == (3 + 2) + 14  # draft steps with 2 rows then 1; target over 2 + 2 tokens
+    served = served_throughput([record], costs)
+    assert served["tokens"] == 3 and served["per_request"][0] == [2, 9.5]
+    planner = SmartSpecPlanner(costs)
+    planner.accepted, planner.rejections = 9.0, 1.0  # a = 0.9: K = 6 maximises 4 Σ 0.9^j / (6 K + 10 + 4 (K + 1))
+    assert planner.round_cap(4, 6) == max(range(7), key=lambda k: 4 * sum(0.9**j for j in range(k + 1)) / (5 * k + 14 + 4 * k))
+    planner.accepted, planner.rejections = 0.1, 9.9  # a = 0.01: drafting does not pay, plain target decoding
+    assert planner.round_cap(4, 6) == 0
+    planner.observe({0: 3, 1: 0}, {0: 1, 1: 0})  # one row checked 3 and kept 1: one rejection, one accepted
+    assert planner.accepted == pytest.approx(0.9 * 0.1 + 0.1) and planner.rejections == pytest.approx(0.9 * 9.9 + 0.1)
+
+
+def test_the_budget_rule_refuses_a_head_that_read_the_drawn_token(tiny_pair):
+    target, draft = tiny_pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    on_time = OnTimeAcceptanceHead(16, depth=1, extra_features=["q"], candidate_embedding_size=16)
+    costs = ServingCosts(CostCurve((1, 2), (1.0, 1.5)), CostCurve((1, 2), (1.0, 1.5)))
+    with pytest.raises(UsageError, match="expected_acceptance"):
+        engine.decode([PROMPT], make_policy("budget", 0.1, max_draft=3), LENGTH, [0], on_time, costs=costs)
+    with pytest.raises(UsageError, match="cost curves"):
+        engine.decode([PROMPT], make_policy("smartspec", 3, max_draft=3), LENGTH, [0])
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_lm(seed=1), tiny_lm(seed=2)
+
+
+def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch_5(tiny_pair):
+    """500 requests served 5 rows at a time with continuous batching: the budget's verify lengths (from a random
+    expected-acceptance head, on a cost curve that makes it verify some prefixes and drop the rest) and SmartSpec's
+    per-round K leave every request's output the target's distribution."""
+    target, draft = tiny_pair
+    transform = SamplingTransform(1.0)
+    exact = sequence_probabilities(target, transform)
+    engine = RoundEngine(target, draft, transform, stop_ids=[])
+    head = ExpectedAcceptanceHead(16, depth=1, extra_features=["entropy", "top1"]).eval()
+    torch.manual_seed(5)
+    torch.nn.init.normal_(head.out.weight, std=2.0)  # survival products that vary with the state
+    budget_costs = ServingCosts(CostCurve((1, 8), (1.0, 1.6)), CostCurve((1, 5, 20), (1.0, 1.5, 4.0)))
+    smartspec_costs = ServingCosts(CostCurve((1, 8), (0.1, 0.16)), CostCurve((1, 5, 20), (1.0, 1.2, 2.0)))
+    runs = 500
+    for name, threshold, costs in (("budget", 0.05, budget_costs), ("smartspec", 3, smartspec_costs)):
+        log: list[RoundRecord] = []
+        results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), LENGTH, list(range(runs)),
+                                head, batch_size=5, costs=costs, log=log)
+        assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3, name
+        assert max(len(r.requests) for r in log) == 5 and sum(sum(r.emitted) for r in log) == runs * LENGTH
+        if name == "budget":  # it dropped drafted candidates in some rounds and kept all in others
+            assert any(v < d for r in log for v, d in zip(r.verified, r.drafted))
+            assert any(v == d > 0 for r in log for v, d in zip(r.verified, r.drafted))
+        else:  # SmartSpec changed its K as its acceptance estimate moved
+            assert len({max(r.drafted) for r in log}) > 1
+
+
+def output_distribution(p: list[float], q: list[float], survival_of) -> list[float]:
+    """The exact distribution of one emitted token when the draft proposes ŷ ~ q and the greedy, fed `survival_of(ŷ)`,
+    decides whether the target checks ŷ (accept with min(1, p/q), else resample from norm(max(0, p − q))) or draws
+    its own token from p."""
+    cost = CostCurve((1, 2), (1.0, 1.5))  # the greedy checks ŷ exactly when its survival is at least 0.5
+    residual = [max(0.0, a - b) for a, b in zip(p, q)]
+    residual = [r / sum(residual) for r in residual]
+    out = [0.0] * len(p)
+    for drafted, q_drafted in enumerate(q):
+        if goodput_verify_lengths({0: [survival_of(drafted)]}, cost)[0] == 1:
+            accept = min(1.0, p[drafted] / q_drafted)
+            out[drafted] += q_drafted * accept
+            out = [o + q_drafted * (1 - accept) * r for o, r in zip(out, residual)]
+        else:
+            out = [o + q_drafted * x for o, x in zip(out, p)]
+    return out
+
+
+def test_the_greedy_fed_a_score_that_read_the_drawn_token_distorts_the_output():
+    """The trap the budget avoids: ranking a drafted token by a score that has read it (here its own acceptance
+    min(1, p/q), what an on-time head predicts) drops exactly the tokens likely to be rejected, and the output is no
+    longer p. The same greedy fed the score known before the draw (α = Σ min(p, q)) returns p exactly."""
+    p, q = [0.6, 0.3, 0.1], [0.2, 0.3, 0.5]
+    alpha = sum(min(a, b) for a, b in zip(p, q))
+    exact = output_distribution(p, q, lambda drafted: alpha)
+    assert exact == pytest.approx(p, abs=1e-12)
+    lossy = output_distribution(p, q, lambda drafted: min(1.0, p[drafted] / q[drafted]))
+    assert lossy == pytest.approx([0.5, 0.45, 0.05], abs=1e-12)
+    assert 0.5 * sum(abs(a - b) for a, b in zip(lossy, p)) == pytest.approx(0.15) and not math.isclose(lossy[2], p[2])
+
+
+def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(trained, tmp_path):
+    """The whole path on the tiny pair: train on α with a per-position calibration, eval (its AUC against the realised
+    acceptance, the verify budget decoded live with continuous batching), export with `decides: before_draw`."""
+    import json
+    from pathlib import Path
+
+    from specheads.checkpoint import load_trained
+    from specheads.cli import main
+    from specheads.heads import load_head
+
+    data, _ = trained
+    root = tmp_path / "expected"
+    config = Path(__file__).parents[1] / "configs" / "train" / "expected-acceptance.yaml"
+    assert main(["train", "fit", "--config", str(config), "--data.path", str(data), "--data.val_fraction", "0.3",
+                 "--data.calibration_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "2",
+                 "--model.calibrate_positions", "3"]) == 0
+    checkpoint = root / "checkpoints" / "last.ckpt"
+    head = load_trained(str(checkpoint))
+    assert head.head.head_type == "expected_acceptance" and head.head.calibration.positions == 3
+    out = tmp_path / "report"
+    assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(out), "--num-decode-prompts", "6",
+                 "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]", "--head-thresholds", "[0.5]",
+                 "--stop-shares", "[0.5]", "--bootstrap", "10", "--progress", "false",
+                 "--serving-batch-sizes", "[1, 3]", "--serving-costs", str(write_costs(tmp_path))]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["data"]["label"].startswith("accept = min(1, p/q) of the drafted candidate")
+    assert 0 <= metrics["offline"]["head"]["auc"] <= 1 and {r["k"] for r in metrics["cumulative"]} == {1, 2, 3}
+    serving = metrics["decoding"]["serving"]
+    budget = [r for r in serving["rows"] if r["policy"] == "budget"]
+    assert {(r["batch_size"], r["decoded"]) for r in budget} == {(1, "live"), (3, "live")} and "budget" not in serving["left_out"]
+    assert all(r["tokens_per_s"] > 0 and r["vs_constant_k"] is not None for r in budget)
+    assert "| budget |" in (out / "report.md").read_text()
+    exported = tmp_path / "head"
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(exported), "--report", str(out)]) == 0
+    card = (exported / "README.md").read_text()
+    assert json.loads((exported / "config.json").read_text())["decides"] == "before_draw" and "before_draw" in card
+    loaded, rule = load_head(str(exported))
+    hidden, signals = torch.randn(3, 32), torch.randn(3, 2)
+    assert torch.equal(loaded.predict(hidden, signals, position=2), head.head.predict(hidden, signals, position=2))
+
+
+def write_costs(folder):
+    """Given cost curves (a flat-ish target: verifying candidates is cheap, so the budget verifies some)."""
+    import json
+
+    path = folder / "costs.json"
+    path.write_text(json.dumps({"draft": {"tokens": [1, 8], "seconds": [0.2, 0.3]},
+                                "target": {"tokens": [1, 8, 32], "seconds": [1.0, 1.2, 2.5]}}))
+    return path
