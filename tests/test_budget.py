@@ -10,7 +10,8 @@ from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny
 from specheads.data_gen.labels import label_positions
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds, served_throughput
-from specheads.decoding.planners import SmartSpecPlanner, goodput_verify_lengths
+from specheads.decoding.planners import BudgetPlanner, SmartSpecPlanner, goodput_verify_lengths
+from specheads.decoding.rules import Drafted
 from specheads.errors import UsageError
 from specheads.heads import ExpectedAcceptanceHead, OnTimeAcceptanceHead, build_head
 from specheads.sampling import SamplingTransform
@@ -49,14 +50,18 @@ def test_an_expected_acceptance_head_reads_nothing_of_the_drawn_token():
 
 def test_the_goodput_greedy_on_hand_computed_cases():
     flat = CostCurve((1, 64), (1.0, 1.0))  # a forward costs the same whatever it holds: verify everything drafted
-    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, flat) == {0: 2, 1: 1}
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, flat) == ({0: 2, 1: 1}, 0.0)
     linear = CostCurve((1, 2), (1.0, 2.0))  # t(n) = n: a candidate pays only if its S >= the goodput, which is 1
-    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, linear) == {0: 0, 1: 0}
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, linear) == ({0: 0, 1: 0}, 0.9)
     # t(n) = 4 + n: B = 2 gives 2/6; + S 0.9 -> 2.9/7 = 0.414; + 0.5 -> 3.4/8 = 0.425; + 0.2 -> 3.6/9 = 0.4 stops
     affine = CostCurve((1, 2), (5.0, 6.0))
-    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, affine) == {0: 2, 1: 0}
-    # the greedy takes positions across rows by S, each row a prefix
-    assert goodput_verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}, affine) == {0: 1, 1: 2}
+    assert goodput_verify_lengths({0: [0.9, 0.5], 1: [0.2]}, affine) == ({0: 2, 1: 0}, 0.2)
+    # the greedy takes positions across rows by S, each row a prefix; the refused S is the next round's drafting floor
+    assert goodput_verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}, affine) == ({0: 1, 1: 2}, 0.3)
+    planner = BudgetPlanner(ServingCosts(affine, affine), floor=0.1)
+    assert not planner.stops(Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
+    assert planner.verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}) == {0: 1, 1: 2}
+    assert planner.stops(Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
 
 
 def test_round_costs_and_smartspec_k_on_hand_computed_cases():
@@ -126,7 +131,7 @@ def output_distribution(p: list[float], q: list[float], survival_of) -> list[flo
     residual = [r / sum(residual) for r in residual]
     out = [0.0] * len(p)
     for drafted, q_drafted in enumerate(q):
-        if goodput_verify_lengths({0: [survival_of(drafted)]}, cost)[0] == 1:
+        if goodput_verify_lengths({0: [survival_of(drafted)]}, cost)[0][0] == 1:
             accept = min(1.0, p[drafted] / q_drafted)
             out[drafted] += q_drafted * accept
             out = [o + q_drafted * (1 - accept) * r for o, r in zip(out, residual)]

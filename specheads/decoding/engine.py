@@ -170,7 +170,7 @@ class RoundEngine:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
             rounds = {row: RowRound(cap=caps[row]) for row in live}
-            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators)
+            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner)
             lengths = planner.verify_lengths({row: [d.acceptance for d in rounds[row].seen] for row in live}) if planner else None
             for row, length in (lengths or {}).items():
                 rounds[row].keep(length)
@@ -219,8 +219,8 @@ class RoundEngine:
         return len(this.candidates) if rule.bonus else len(this.candidates) - 1
 
     def _draft(self, rounds: dict[int, RowRound], tokens: list[list[int]], draft: BatchCache, rule: StopPolicy,
-               head: AcceptanceHead | None, generators: list[torch.Generator]) -> None:
-        """Draft every row's candidates until the rule or the cap ends its round."""
+               head: AcceptanceHead | None, generators: list[torch.Generator], planner: Any = None) -> None:
+        """Draft every row's candidates until the rule, the planner or the cap ends its round."""
         pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
         while pending:
             drawn = self._draw_rows(draft.feed(pending), generators)
@@ -236,7 +236,7 @@ class RoundEngine:
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
                                ends_output=candidate.token in self.stop_ids)
                 this.seen.append(seen)
-                if len(this.candidates) >= this.cap or rule.stop(seen):
+                if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(seen)):
                     del pending[row]
                 else:
                     pending[row], this.previous = [candidate.token], candidate.signals

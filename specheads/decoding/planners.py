@@ -3,15 +3,16 @@
 A stop rule decides for one row. In a batch the target checks every row's candidates in one forward, so what matters
 is how many candidates of which rows go into it. A planner sees the whole round:
 - `round_cap(rows)`: before drafting, the most candidates any row drafts this round;
+- `stops(drafted)`: while drafting, whether a row's drafting ends after this candidate (beside the rule's stop);
 - `verify_lengths(rounds)`: after drafting, how many of each row's candidates (a prefix) the target checks;
 - `observe(verified, accepted)`: the round's outcome, for planners that learn from it.
 
 Exactness (docs/decoding-core.md "Verify budgets"): speculative sampling stays exact when, for every row, whether
 candidate ŷ_j is checked depends only on what was known before ŷ_j was drawn: the row's earlier candidates, other
-rows (independent draws) and the past. `round_cap` reads only the past. `verify_lengths` ranks positions by the
-survival product S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of ŷ_i (`decides:
-before_draw`), so S_j is known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of
-each row, and whether it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
+rows (independent draws) and the past. `round_cap` reads only the past; `stops` only ends drafting, which any function
+of the candidates drafted so far may do. `verify_lengths` ranks positions by the survival product
+S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of ŷ_i (`decides: before_draw`), so S_j is
+known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
 The goodput it maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the round's draft
 time is left out of it, since it depends on how far each row drafted, which depends on the row's later candidates.
 Fed a score that has read ŷ_j (an `at_draft` head), the same greedy is lossy (tests/test_budget.py shows by how much).
@@ -23,14 +24,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specheads.decoding.costs import CostCurve, ServingCosts
+from specheads.decoding.rules import Drafted
 
 
-def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> dict[int, int]:
+def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> tuple[dict[int, int], float]:
     """SV's batch greedy: each row's verify length, from its candidates' survival products S_1 ≥ S_2 ≥ … .
 
     Start with no candidate checked (every row still gets the target's token: B tokens for t(B)); repeatedly add
     the position with the largest S (ties: lower row, earlier position) while the goodput
-    (B + Σ chosen S) / t(B + chosen) does not fall; stop at the first that would lower it."""
+    (B + Σ chosen S) / t(B + chosen) does not fall; stop at the first that would lower it. Also returns the S of that
+    first refused position (0 when none was refused): the marginal value a candidate needed this round."""
     lengths = {row: 0 for row in survival}
     tokens = value = float(len(survival))
     best = value / target(int(tokens)) if survival else 0.0
@@ -40,24 +43,29 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
             continue
         goodput = (value - negative) / target(int(tokens) + 1)
         if goodput < best:
-            break
+            return lengths, -negative
         tokens, value, best = tokens + 1, value - negative, goodput
         lengths[row] = index
-    return lengths
+    return lengths, 0.0
 
 
 class BudgetPlanner:
-    """The verify budget: every row drafts up to the cap (a row stops early once its survival falls below the rule's
-    floor), then the target checks the prefixes `goodput_verify_lengths` chooses from the survival products."""
+    """The verify budget: every row drafts up to the cap, stopping early once its survival S_k falls below the
+    marginal value the previous round's greedy refused (what a candidate had to be worth to be checked; the rule's
+    floor when it refused none), then the target checks the prefixes `goodput_verify_lengths` chooses."""
 
-    def __init__(self, costs: ServingCosts):
-        self.costs = costs
+    def __init__(self, costs: ServingCosts, floor: float = 0.0):
+        self.costs, self.floor, self.cutoff = costs, floor, 0.0
 
     def round_cap(self, rows: int, cap: int) -> int:
         return cap
 
+    def stops(self, drafted: Drafted) -> bool:
+        return drafted.acceptance < max(self.floor, self.cutoff)
+
     def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int]:
-        return goodput_verify_lengths(survival, self.costs.target)
+        lengths, self.cutoff = goodput_verify_lengths(survival, self.costs.target)
+        return lengths
 
     def observe(self, verified: Mapping[int, int], accepted: Mapping[int, int]) -> None:
         return None
@@ -87,6 +95,9 @@ class SmartSpecPlanner:
             return expected / (k * self.costs.draft(rows) + self.costs.target(rows * (k + 1)))
 
         return max(range(cap + 1), key=lambda k: (goodput(k), -k))
+
+    def stops(self, drafted: Drafted) -> bool:
+        return False
 
     def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int] | None:
         return None

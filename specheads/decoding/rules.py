@@ -172,20 +172,17 @@ def require_costs(name: str, costs: ServingCosts | None) -> ServingCosts:
 @dataclass(frozen=True)
 class VerifyBudget(StopPolicy):
     """The batch-level verify budget (SV §5, DSpark's planner): every row drafts up to the cap, stopping early once
-    the survival product S_k = Π α̂_j of an expected-acceptance head falls below `threshold` (the floor); then the
-    verify lengths of all rows are chosen together by the goodput greedy. Exact: it needs a head that decides before
-    the draw (module docstring of `specheads.decoding.planners`)."""
+    the survival product S_k = Π α̂_j of an expected-acceptance head falls below `threshold` (the floor) or below
+    what the previous round's greedy refused; then the verify lengths of all rows are chosen together by the goodput
+    greedy. Exact: it needs a head that decides before the draw (module docstring of `specheads.decoding.planners`)."""
 
     name: ClassVar[str] = "budget"
     reads_head: ClassVar[bool] = True
 
-    def signal_says_stop(self, drafted: Drafted) -> bool:
-        return drafted.acceptance < self.threshold
-
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.planners import BudgetPlanner
 
-        return BudgetPlanner(require_costs(self.name, costs))
+        return BudgetPlanner(require_costs(self.name, costs), self.threshold)
 
     def check_head(self, head: Any) -> None:
         super().check_head(head)
