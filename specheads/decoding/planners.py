@@ -12,7 +12,8 @@ candidate ŷ_j is checked depends only on what was known before ŷ_j was drawn: 
 rows (independent draws) and the past. `round_cap` reads only the past; `stops` only ends drafting, which any function
 of the candidates drafted so far may do. `verify_lengths` ranks positions by the survival product
 S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of ŷ_i (`decides: before_draw`), so S_j is
-known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
+known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether
+it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
 The goodput it maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the round's draft
 time is left out of it, since it depends on how far each row drafted, which depends on the row's later candidates.
 Fed a score that has read ŷ_j (an `at_draft` head), the same greedy is lossy (tests/test_budget.py shows by how much).
