@@ -95,8 +95,8 @@ def tiny_pair():
     return tiny_lm(seed=1), tiny_lm(seed=2)
 
 
-def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch_5(tiny_pair):
-    """500 requests served 5 rows at a time with continuous batching: the budget's verify lengths (from a random
+def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch_10(tiny_pair):
+    """500 requests served 10 rows at a time with continuous batching: the budget's verify lengths (from a random
     expected-acceptance head, on a cost curve that makes it verify some prefixes and drop the rest) and SmartSpec's
     per-round K leave every request's output the target's distribution."""
     target, draft = tiny_pair
@@ -112,9 +112,9 @@ def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch
     for name, threshold, costs in (("budget", 0.05, budget_costs), ("smartspec", 3, smartspec_costs)):
         log: list[RoundRecord] = []
         results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), LENGTH, list(range(runs)),
-                                head, batch_size=5, costs=costs, log=log)
+                                head, batch_size=10, costs=costs, log=log)
         assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3, name
-        assert max(len(r.requests) for r in log) == 5 and sum(sum(r.emitted) for r in log) == runs * LENGTH
+        assert max(len(r.requests) for r in log) == 10 and sum(sum(r.emitted) for r in log) == runs * LENGTH
         if name == "budget":  # it dropped drafted candidates in some rounds and kept all in others
             assert any(v < d for r in log for v, d in zip(r.verified, r.drafted))
             assert any(v == d > 0 for r in log for v, d in zip(r.verified, r.drafted))
