@@ -11,7 +11,8 @@ from specheads.errors import UsageError
 from specheads.report_file import REPORT_FILE
 
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
-               "head": "head_thresholds", "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
+               "head": "head_thresholds", "vllm_online": "head_thresholds",
+               "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
 
 
 @dataclass

@@ -27,7 +27,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     lines = [f"Decoding figures rest on {count(tested, 'test prompt')} × {decoding['max_new_tokens']} "
              "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
                              "with --num-decode-prompts)." if result["indicative"] else ".")]
-    for baseline in ("constant_k", "svip", "confidence", "oracle"):
+    for baseline in ("constant_k", "svip", "confidence", "vllm_online", "transformers", "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
             result[f"{baseline}_threshold"] = row["threshold"]
@@ -46,7 +46,9 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
         lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, tuned on dev prompts) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
         for baseline, what in (("constant_k", "the best constant K"), ("svip", "SVIP at its best threshold"),
-                               ("confidence", "draft confidence at its best threshold")):
+                               ("confidence", "draft confidence at its best threshold"),
+                               ("vllm_online", "vLLM's online acceptance estimator at its best threshold"),
+                               ("transformers", "transformers' assisted-generation default")):
             if f"gain_vs_{baseline}" in result:
                 gain = result[f"gain_vs_{baseline}"]
                 ci = result[f"gain_vs_{baseline}_ci"]

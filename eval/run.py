@@ -70,6 +70,7 @@ from specheads.store import read_manifest
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
+BASELINE_POLICIES = ("constant_k", "svip", "confidence", "vllm_online", "transformers")
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 
@@ -228,7 +229,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
-                 for baseline in ("constant_k", "svip", "confidence") if learned in tuned and baseline in tuned}
+                 for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}
     section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
+from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
 from specheads.heads import STOP_PURPOSES, AcceptanceHead
@@ -87,6 +88,10 @@ def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
             "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares]}
 
 
+TRANSFORMERS_THRESHOLD = 0.4
+"""transformers' assistant_confidence_threshold default: its rule starts there and re-tunes itself at run time."""
+
+
 def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
                      head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
                      constant_ks: Iterable[int] | None = None) -> list[Setting]:
@@ -98,6 +103,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     settings = [Setting("constant_k", float(k)) for k in ks]
     if purpose in STOP_PURPOSES:
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
+        settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
+        settings.append(Setting("transformers", TRANSFORMERS_THRESHOLD))
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))
     else:
@@ -122,11 +129,12 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
 
 
 def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
-                head: AcceptanceHead, max_new_tokens: int, max_draft: int) -> list[RunRecord]:
-    """Decode prompts together under one setting (`specheads.decoding`: one round engine for every rule and B)."""
+                head: AcceptanceHead, max_new_tokens: int, max_draft: int, planner: Any = None) -> list[RunRecord]:
+    """Decode prompts together under one setting (`specheads.decoding`: one round engine for every rule and B);
+    `planner` carries a run-time adapting rule's state over from the setting's earlier batches."""
     ids = [list(prompt.ids) for prompt in prompts]
     rule = make_policy(setting.policy, setting.threshold, max_draft)
-    results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None)
+    results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None, planner=planner)
     likelihoods = target_log_likelihoods(engine.target, ids, [result.tokens for result in results])
     return [record_of(setting, prompt, result, likelihood)
             for prompt, result, likelihood in zip(prompts, results, likelihoods)]
@@ -158,12 +166,19 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
     for setting in real:
         earlier = {number: taken.get((setting.policy, setting.threshold, prompt.prompt_id))
                    for number, prompt in enumerate(prompts)}
+        if setting.policy in ONLINE_POLICIES and None in earlier.values():
+            # a rule that adapts at run time learns from the setting's earlier runs: a partly finished setting is
+            # decoded again from its start, so that its runs are the ones an uninterrupted sweep decodes
+            earlier = dict.fromkeys(earlier)
         todo = [number for number in range(len(prompts)) if earlier[number] is None]
         decoded: dict[int, RunRecord] = {}
+        # a rule that adapts at run time keeps learning over the setting's batches, as in one long-running server
+        planner = make_policy(setting.policy, setting.threshold, max_draft).planner(None) \
+            if setting.policy in ONLINE_POLICIES else None
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             runs = decode_runs(engine, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
-                               head, max_new_tokens, max_draft)
+                               head, max_new_tokens, max_draft, planner)
             decoded.update(zip(chunk, runs))
             if on_batch is not None:
                 on_batch(runs)

@@ -17,7 +17,7 @@ from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import Setting
 from specheads.report_file import EvaluatedHead, read_report
 
-POLICY_ORDER = ("constant_k", "svip", "confidence", "head", "sprinter", "oracle")
+POLICY_ORDER = ("constant_k", "svip", "confidence", "vllm_online", "transformers", "head", "sprinter", "oracle")
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")
 
 

@@ -10,6 +10,7 @@ from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny
 from specheads.data_gen.labels import label_positions
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds, served_throughput
+from specheads.decoding.online import Outcome
 from specheads.decoding.planners import BudgetPlanner, SmartSpecPlanner, goodput_verify_lengths
 from specheads.decoding.rules import Drafted
 from specheads.errors import UsageError
@@ -59,9 +60,9 @@ def test_the_goodput_greedy_on_hand_computed_cases():
     # the greedy takes positions across rows by S, each row a prefix; the refused S is the next round's drafting floor
     assert goodput_verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}, affine) == ({0: 1, 1: 2}, 0.3)
     planner = BudgetPlanner(ServingCosts(affine, affine), floor=0.1)
-    assert not planner.stops(Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
+    assert not planner.stops(0, Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
     assert planner.verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}) == {0: 1, 1: 2}
-    assert planner.stops(Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
+    assert planner.stops(0, Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
 
 
 def test_round_costs_and_smartspec_k_on_hand_computed_cases():
@@ -75,7 +76,8 @@ def test_round_costs_and_smartspec_k_on_hand_computed_cases():
     assert planner.round_cap(4, 6) == max(range(7), key=lambda k: 4 * sum(0.9**j for j in range(k + 1)) / (5 * k + 14 + 4 * k))
     planner.accepted, planner.rejections = 0.1, 9.9  # a = 0.01: drafting does not pay, plain target decoding
     assert planner.round_cap(4, 6) == 0
-    planner.observe({0: 3, 1: 0}, {0: 1, 1: 0})  # one row checked 3 and kept 1: one rejection, one accepted
+    # one row checked 2 (accepted 1, then a rejection; its third candidate has no outcome), the other none
+    planner.observe({0: [Outcome(1, 0.9, True), Outcome(2, 0.5, False)], 1: []})
     assert planner.accepted == pytest.approx(0.9 * 0.1 + 0.1) and planner.rejections == pytest.approx(0.9 * 9.9 + 0.1)
 
 
@@ -95,10 +97,11 @@ def tiny_pair():
     return tiny_lm(seed=1), tiny_lm(seed=2)
 
 
-def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch_10(tiny_pair):
+def test_the_batch_and_run_time_rules_sample_the_target_distribution_at_batch_10(tiny_pair):
     """500 requests served 10 rows at a time with continuous batching: the budget's verify lengths (from a random
-    expected-acceptance head, on a cost curve that makes it verify some prefixes and drop the rest) and SmartSpec's
-    per-round K leave every request's output the target's distribution."""
+    expected-acceptance head, on a cost curve that makes it verify some prefixes and drop the rest), SmartSpec's
+    per-round K, and the stop rules refitted at run time (vLLM's online estimator, transformers' ROC-tuned
+    confidence) leave every request's output the target's distribution."""
     target, draft = tiny_pair
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
@@ -109,7 +112,8 @@ def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch
     budget_costs = ServingCosts(CostCurve((1, 8), (1.0, 1.6)), CostCurve((1, 5, 20), (1.0, 1.5, 4.0)))
     smartspec_costs = ServingCosts(CostCurve((1, 8), (0.1, 0.16)), CostCurve((1, 5, 20), (1.0, 1.2, 2.0)))
     runs = 500
-    for name, threshold, costs in (("budget", 0.05, budget_costs), ("smartspec", 3, smartspec_costs)):
+    for name, threshold, costs in (("budget", 0.05, budget_costs), ("smartspec", 3, smartspec_costs),
+                                   ("vllm_online", 0.4, None), ("transformers", 0.4, None)):
         log: list[RoundRecord] = []
         results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), LENGTH, list(range(runs)),
                                 head, batch_size=10, costs=costs, log=log)
@@ -118,8 +122,10 @@ def test_the_verify_budget_and_smartspec_sample_the_target_distribution_at_batch
         if name == "budget":  # it dropped drafted candidates in some rounds and kept all in others
             assert any(v < d for r in log for v, d in zip(r.verified, r.drafted))
             assert any(v == d > 0 for r in log for v, d in zip(r.verified, r.drafted))
-        else:  # SmartSpec changed its K as its acceptance estimate moved
+        elif name == "smartspec":  # SmartSpec changed its K as its acceptance estimate moved
             assert len({max(r.drafted) for r in log}) > 1
+        else:  # the run-time adapted stop rules ended some rounds early and let others run to the cap
+            assert {d for r in log for d in r.drafted} >= {1, 3}
 
 
 def output_distribution(p: list[float], q: list[float], survival_of) -> list[float]:

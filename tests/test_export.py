@@ -190,7 +190,7 @@ def edit_config(folder: Path, **changes) -> None:
     ("missing", r"has no model\.safetensors"),
     ("pickled", r"pickled weights \(pytorch_model\.bin\)"),
     ("shape", r"config\.json says hidden_size 64 but the weights were made for hidden size 32"),
-    ("unknown", r"unknown head type 'medusa'; known: specdecpp_resnet, specdecpp_ontime, sprinter_linear"),
+    ("unknown", r"unknown head type 'medusa'; known: specdecpp_resnet, specdecpp_ontime, expected_acceptance, sprinter_linear"),
     ("draft", r"trained for another draft: it differs in name \('target minus layers 2' here, 'my-draft' expected\)"),
     ("depth", r"the weights do not fit config\.json \(depth 5\)"),
     ("renamed pickle", r"model\.safetensors is not a safetensors file"),

@@ -26,6 +26,7 @@ import torch
 
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.costs import RoundRecord, ServingCosts
+from specheads.decoding.online import Outcome
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
@@ -101,6 +102,7 @@ class ServedBatch:
         self.generated: list[list[int]] = [[] for _ in range(rows)]
         self.generators: list[torch.Generator | None] = [None] * rows
         self.first_forward = [0] * rows
+        self.on_admit: Any = None
         for row in range(rows):
             self.admit(row)
 
@@ -128,6 +130,8 @@ class ServedBatch:
             self.request[row], self.tokens[row], self.generated[row] = request, list(self.prompts[request]), []
             self.generators[row] = torch.Generator().manual_seed(self.seeds[request])
             self.first_forward[row] = self.draft.forwards[row]
+            if self.on_admit is not None:
+                self.on_admit(row)
             return
 
     def emit(self, row: int, emitted: list[int], done: Any) -> None:
@@ -150,18 +154,23 @@ class RoundEngine:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
                head: AcceptanceHead | None = None, batch_size: int | None = None, costs: ServingCosts | None = None,
-               log: list[RoundRecord] | None = None) -> list[DecodeResult]:
+               log: list[RoundRecord] | None = None, planner: Any = None) -> list[DecodeResult]:
         """Up to `max_new_tokens` tokens after each prompt under `rule` (prompt i seeded with `seeds[i]`); `head` is the
         acceptance head or verifier the rule reads. All prompts decode together, or `batch_size` at a time with
         continuous batching (a finished request's row takes the next prompt). `costs` are the cost curves a batch
-        rule plans with; `log`, when given, receives one `RoundRecord` per round."""
+        rule plans with; `log`, when given, receives one `RoundRecord` per round; `planner` continues a run-time
+        adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one)."""
         rule.check_head(head)
         start = time.perf_counter()
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
         draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
         target = BatchCache(self.target, slots)
         batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target)
-        planner = rule.planner(costs)
+        planner = rule.planner(costs) if planner is None else planner
+        if planner is not None:
+            for row in batch.live:
+                planner.admit(row)
+            batch.on_admit = planner.admit
         head = head if rule.reads_head else None
         while batch.live:
             live = batch.live
@@ -180,7 +189,7 @@ class RoundEngine:
                                   for row in called},
                                  {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
             record = RoundRecord()
-            verified, kept = {}, {}
+            verified, outcomes = {}, {}
             for row in live:
                 this = rounds[row]
                 if row in logits:
@@ -188,7 +197,9 @@ class RoundEngine:
                                                  self.transform, batch.generators[row])
                 else:  # every candidate passed unverified
                     accepted, new_token = len(this.candidates), None
-                verified[row], kept[row] = len(this.candidates) - checks[row] if row in logits else 0, accepted
+                verified[row] = len(this.candidates) - checks[row] if row in logits else 0
+                outcomes[row] = [Outcome(d.index, d.prob, i < accepted)
+                                 for i, d in enumerate(this.seen[checks[row]: accepted + 1], start=checks[row])] if row in logits else []
                 accepted, emitted = self._standing(this.candidates, accepted, new_token, batch.room(row))
                 result = batch.result(row)
                 self._count(result, rule, this.drafted, accepted, row in logits)
@@ -200,7 +211,7 @@ class RoundEngine:
                 draft.crop_row(row, len(batch.tokens[row]) + accepted)
                 batch.emit(row, emitted, self._done)
             if planner is not None:
-                planner.observe(verified, kept)
+                planner.observe(outcomes)
             if log is not None:
                 log.append(record)
             draft.trim()
@@ -236,7 +247,7 @@ class RoundEngine:
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
                                ends_output=candidate.token in self.stop_ids)
                 this.seen.append(seen)
-                if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(seen)):
+                if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]
                 else:
                     pending[row], this.previous = [candidate.token], candidate.signals

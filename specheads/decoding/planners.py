@@ -2,10 +2,12 @@
 
 A stop rule decides for one row. In a batch the target checks every row's candidates in one forward, so what matters
 is how many candidates of which rows go into it. A planner sees the whole round:
+- `admit(row)`: a new request takes a row;
 - `round_cap(rows)`: before drafting, the most candidates any row drafts this round;
-- `stops(drafted)`: while drafting, whether a row's drafting ends after this candidate (beside the rule's stop);
+- `stops(row, drafted)`: while drafting, whether a row's drafting ends after this candidate (beside the rule's stop);
 - `verify_lengths(rounds)`: after drafting, how many of each row's candidates (a prefix) the target checks;
-- `observe(verified, accepted)`: the round's outcome, for planners that learn from it.
+- `observe(outcomes)`: the round's checked candidates and their outcomes, for planners that learn from them
+  (`specheads.decoding.online` has the rules that adapt at run time).
 
 Exactness (docs/decoding-core.md "Verify budgets"): speculative sampling stays exact when, for every row, whether
 candidate ŷ_j is checked depends only on what was known before ŷ_j was drawn: the row's earlier candidates, other
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specheads.decoding.costs import CostCurve, ServingCosts
+from specheads.decoding.online import Outcome, PassivePlanner
 from specheads.decoding.rules import Drafted
 
 
@@ -50,7 +53,7 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
     return lengths, 0.0
 
 
-class BudgetPlanner:
+class BudgetPlanner(PassivePlanner):
     """The verify budget: every row drafts up to the cap, stopping early once its survival S_k falls below the
     marginal value the previous round's greedy refused (what a candidate had to be worth to be checked; the rule's
     floor when it refused none), then the target checks the prefixes `goodput_verify_lengths` chooses."""
@@ -58,22 +61,16 @@ class BudgetPlanner:
     def __init__(self, costs: ServingCosts, floor: float = 0.0):
         self.costs, self.floor, self.cutoff = costs, floor, 0.0
 
-    def round_cap(self, rows: int, cap: int) -> int:
-        return cap
-
-    def stops(self, drafted: Drafted) -> bool:
+    def stops(self, row: int, drafted: Drafted) -> bool:
         return drafted.acceptance < max(self.floor, self.cutoff)
 
     def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int]:
         lengths, self.cutoff = goodput_verify_lengths(survival, self.costs.target)
         return lengths
 
-    def observe(self, verified: Mapping[int, int], accepted: Mapping[int, int]) -> None:
-        return None
-
 
 @dataclass
-class SmartSpecPlanner:
+class SmartSpecPlanner(PassivePlanner):
     """SmartSpec's goodput K (Liu et al. 2024): one K for the whole batch each round, the one that maximises the
     modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1))), with a the token acceptance
     rate estimated from the past rounds (an exponential average of accepted and rejected counts: a = accepted /
@@ -97,16 +94,10 @@ class SmartSpecPlanner:
 
         return max(range(cap + 1), key=lambda k: (goodput(k), -k))
 
-    def stops(self, drafted: Drafted) -> bool:
-        return False
-
-    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int] | None:
-        return None
-
-    def observe(self, verified: Mapping[int, int], accepted: Mapping[int, int]) -> None:
-        checked = [row for row in verified if verified[row]]
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        checked = [outcome for outcome in outcomes.values() if outcome]
         if not checked:
             return
         kept = 1.0 - self.smoothing
-        self.accepted = kept * self.accepted + self.smoothing * sum(accepted[row] for row in checked)
-        self.rejections = kept * self.rejections + self.smoothing * sum(accepted[row] < verified[row] for row in checked)
+        self.accepted = kept * self.accepted + self.smoothing * sum(o.accepted for row in checked for o in row)
+        self.rejections = kept * self.rejections + self.smoothing * sum(not row[-1].accepted for row in checked)

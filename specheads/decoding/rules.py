@@ -205,9 +205,37 @@ class SmartSpecK(StopPolicy):
         return SmartSpecPlanner(require_costs(self.name, costs))
 
 
+@dataclass(frozen=True)
+class VllmOnline(StopPolicy):
+    """vLLM's online acceptance estimator (`specheads.decoding.online.VllmEstimator`) as a stop rule: end the round
+    once 1 − Π p_k exceeds `threshold`; it drafts to the cap until its third refit."""
+
+    name: ClassVar[str] = "vllm_online"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.online import VllmEstimator
+
+        return VllmEstimator(self.threshold, self.max_draft or 8)
+
+
+@dataclass(frozen=True)
+class TransformersDefault(StopPolicy):
+    """transformers' assisted generation as users get it (`specheads.decoding.online.TransformersConfidence`): the
+    confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates."""
+
+    name: ClassVar[str] = "transformers"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.online import TransformersConfidence
+
+        return TransformersConfidence(self.threshold)
+
+
 RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
-                                                                 VerifyBudget, SmartSpecK)}
-STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle")
+                                                                 VerifyBudget, SmartSpecK, VllmOnline, TransformersDefault)}
+STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers")
+ONLINE_POLICIES = ("vllm_online", "transformers")
+TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
 BATCH_POLICIES = ("budget", "smartspec")
 
 
@@ -222,4 +250,6 @@ def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
         return SprinterRule(threshold=threshold)
     if name == "smartspec":
         return SmartSpecK(threshold=threshold, max_draft=max_draft)
+    if name == "transformers":
+        return TransformersDefault(threshold=threshold, max_draft=TRANSFORMERS_MAX_DRAFT)
     return RULES[name](threshold=threshold, max_draft=max_draft)

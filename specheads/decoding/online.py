@@ -1,0 +1,142 @@
+"""Decoding rules that adapt at run time, from outcomes the decode has already observed (never the future).
+
+- `VllmEstimator`: vLLM's online acceptance estimator (vllm-project/vllm PR #52228, `acceptance_estimator.py`):
+  p_k = σ(w · f + b_k) with f = logit(q(ŷ)) of the drawn candidate (clamped to ±40), one slope shared across
+  positions and one intercept per position; refitted every 100 steps by damped Newton (IRLS) on the outcomes of the
+  last 100 steps (L2 1e-3, the new fit blended in with weight n / (n + 50) for n samples, start w = 0, b = 1.5),
+  with full verification (drafting to the cap) during the first 3 refits. Here it drives a stop rule: end the round
+  once 1 − Π p_k exceeds the threshold (tuned on dev prompts). A step is one row's round (vLLM's step at batch 1).
+- `TransformersConfidence`: transformers' assisted generation as users get it (5.x `candidate_generator.py`):
+  stop drafting when q(ŷ) falls below the confidence threshold (0.4 at first), at most 20 candidates; after every
+  round the threshold is re-tuned from the request's drafted tokens and outcomes by an ROC with cost fpr + 3 · fnr,
+  once they hold more than 5 tokens of both classes. The history is the request's, the threshold carries over.
+
+Both scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
+for a verify budget (docs/decoding-core.md "Verify budgets").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.metrics import roc_curve
+
+from specheads.decoding.rules import Drafted
+
+LOGIT_CLAMP = 40.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A checked candidate: its 1-based position in the round, the draft's probability of it, and whether the target
+    accepted it (a round's outcomes end at its first rejection; later candidates have none)."""
+
+    position: int
+    prob: float
+    accepted: bool
+
+
+def drawn_logit(prob: float) -> float:
+    """logit(q(ŷ)), clamped to ±40 (vLLM's feature)."""
+    prob = min(max(prob, 0.0), 1.0)
+    if prob <= 0.0:
+        return -LOGIT_CLAMP
+    if prob >= 1.0:
+        return LOGIT_CLAMP
+    return float(np.clip(math.log(prob) - math.log1p(-prob), -LOGIT_CLAMP, LOGIT_CLAMP))
+
+
+class PassivePlanner:
+    """The hooks a planner offers the round engine, doing nothing (`specheads.decoding.planners` has the batch ones)."""
+
+    def admit(self, row: int) -> None:
+        """A new request takes `row`."""
+
+    def round_cap(self, rows: int, cap: int) -> int:
+        return cap
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        return False
+
+    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int] | None:
+        return None
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        """The round's checked candidates per row."""
+
+
+class VllmEstimator(PassivePlanner):
+    """vLLM's online acceptance estimator as a stop rule (module docstring)."""
+
+    def __init__(self, threshold: float, positions: int, window: int = 100, refit_every: int = 100,
+                 warmup_refits: int = 3, l2: float = 1e-3, damping: float = 50.0, newton_steps: int = 10):
+        self.threshold, self.positions = threshold, positions
+        self.window: deque[list[tuple[float, int, bool]]] = deque(maxlen=window)
+        self.refit_every, self.warmup_refits, self.l2, self.damping = refit_every, warmup_refits, l2, damping
+        self.newton_steps = newton_steps
+        self.theta = np.concatenate([[0.0], np.full(positions, 1.5)])  # w, b_1..b_K
+        self.steps = self.refits = 0
+        self.product: dict[int, float] = {}
+
+    def probability(self, drafted: Drafted) -> float:
+        """p_k of a drafted candidate."""
+        position = min(drafted.index, self.positions)
+        return 1.0 / (1.0 + math.exp(-(self.theta[0] * drawn_logit(drafted.prob) + self.theta[position])))
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        previous = 1.0 if drafted.index == 1 else self.product.get(row, 1.0)
+        self.product[row] = previous * self.probability(drafted)
+        return self.refits >= self.warmup_refits and 1.0 - self.product[row] > self.threshold
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        for checked in outcomes.values():
+            self.window.append([(drawn_logit(o.prob), min(o.position, self.positions), o.accepted) for o in checked])
+            self.steps += 1
+            if self.steps % self.refit_every == 0:
+                self.refit()
+
+    def refit(self) -> None:
+        """Damped Newton on the window's outcomes, blended into the current parameters with weight n / (n + 50)."""
+        samples = [sample for step in self.window for sample in step]
+        self.refits += 1
+        if not samples:
+            return
+        features = np.zeros((len(samples), 1 + self.positions))
+        features[:, 0] = [f for f, _, _ in samples]
+        features[np.arange(len(samples)), [k for _, k, _ in samples]] = 1.0
+        labels = np.array([float(y) for _, _, y in samples])
+        theta = self.theta.copy()
+        for _ in range(self.newton_steps):
+            p = 1.0 / (1.0 + np.exp(-(features @ theta)))
+            gradient = features.T @ (p - labels) + self.l2 * theta
+            hessian = (features * (p * (1 - p))[:, None]).T @ features + self.l2 * np.eye(len(theta))
+            theta -= np.linalg.solve(hessian, gradient)
+        weight = len(samples) / (len(samples) + self.damping)
+        self.theta = self.theta + weight * (theta - self.theta)
+
+
+class TransformersConfidence(PassivePlanner):
+    """transformers' confidence threshold, re-tuned by ROC from each request's history (module docstring)."""
+
+    def __init__(self, threshold: float = 0.4):
+        self.threshold = threshold
+        self.history: dict[int, tuple[list[float], list[int]]] = {}
+
+    def admit(self, row: int) -> None:
+        self.history[row] = ([], [])
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        return drafted.prob < self.threshold
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        for row, checked in outcomes.items():
+            probs, matches = self.history.setdefault(row, ([], []))
+            probs += [o.prob for o in checked]
+            matches += [int(o.accepted) for o in checked]
+            if len(probs) > 5 and {0, 1} <= set(matches):
+                fpr, tpr, thresholds = roc_curve(matches, probs)
+                self.threshold = float(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))

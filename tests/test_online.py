@@ -1,0 +1,85 @@
+"""Rules that adapt at run time (vLLM's online acceptance estimator, transformers' re-tuned confidence): their fits
+use only outcomes observed earlier, recover what they should, and keep decoding exact."""
+
+import math
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_curve
+
+from specheads.decoding import make_policy
+from specheads.decoding.online import Outcome, TransformersConfidence, VllmEstimator, drawn_logit
+from specheads.decoding.rules import Drafted
+
+
+def drafted(index: int, prob: float) -> Drafted:
+    return Drafted(index=index, prob=prob, entropy=1.0, acceptance=1.0)
+
+
+def synthetic_rounds(seed: int, count: int, slope: float = 1.5, intercepts=(0.5, 0.0, -0.5)):
+    """Rounds of up to 3 candidates whose acceptance follows σ(slope · logit(q) + b_k), ended at the first rejection."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(count):
+        checked = []
+        for position in (1, 2, 3):
+            prob = float(rng.uniform(0.02, 0.98))
+            accepted = rng.uniform() < 1 / (1 + math.exp(-(slope * drawn_logit(prob) + intercepts[position - 1])))
+            checked.append(Outcome(position, prob, bool(accepted)))
+            if not accepted:
+                break
+        rounds.append(checked)
+    return rounds
+
+
+def test_the_vllm_estimator_recovers_a_logistic_and_verifies_fully_until_its_third_refit():
+    estimator = VllmEstimator(threshold=0.5, positions=3, window=400, refit_every=100)
+    assert estimator.theta.tolist() == [0.0, 1.5, 1.5, 1.5]  # vLLM's start: w = 0, b = 1.5
+    rounds = synthetic_rounds(0, 1200)
+    for step, checked in enumerate(rounds):
+        if step < 300:  # before the third refit it never stops a round: full verification
+            assert not estimator.stops(0, drafted(1, 0.01))
+        estimator.observe({0: checked})
+    assert estimator.refits == 12
+    assert estimator.theta[0] == pytest.approx(1.5, abs=0.3) and estimator.theta[1] > estimator.theta[3]
+    assert estimator.stops(0, drafted(1, 0.02))  # a candidate q = 0.02: 1 − p > 0.5 ends the round
+    assert not estimator.stops(1, drafted(1, 0.98))
+
+
+def test_the_vllm_estimator_never_reads_an_outcome_from_the_future():
+    """Two runs that share their first 250 steps and differ after have the same parameters and decisions up to there,
+    and a refit reads only the window of the last 100 steps."""
+    early, late_a, late_b = synthetic_rounds(1, 250), synthetic_rounds(2, 150), synthetic_rounds(3, 150)
+    first, second = VllmEstimator(0.5, 3), VllmEstimator(0.5, 3)
+    for checked in early:
+        first.observe({0: checked})
+        second.observe({0: checked})
+    assert np.array_equal(first.theta, second.theta) and first.refits == second.refits == 2
+    for a, b in zip(late_a, late_b):
+        first.observe({0: a})
+        second.observe({0: b})
+    assert not np.array_equal(first.theta, second.theta)  # the third refit read the steps after 250
+    windowed = VllmEstimator(0.5, 3)
+    for checked in synthetic_rounds(4, 100) + late_a[:100]:  # 200 steps, the second hundred is late_a's first
+        windowed.observe({0: checked})
+    assert windowed.refits == 2 and len(windowed.window) == 100
+    assert [s for step in windowed.window for s in step] == [(drawn_logit(o.prob), o.position, o.accepted)
+                                                              for step in late_a[:100] for o in step]
+
+
+def test_transformers_confidence_retunes_by_roc_from_the_requests_own_history():
+    rule = TransformersConfidence()
+    rule.admit(0)
+    assert rule.threshold == 0.4 and rule.stops(0, drafted(1, 0.39)) and not rule.stops(0, drafted(1, 0.41))
+    outcomes = [Outcome(1, 0.9, True), Outcome(2, 0.8, True), Outcome(3, 0.3, False)]
+    rule.observe({0: outcomes})
+    assert rule.threshold == 0.4  # 3 tokens: not yet more than 5
+    more = [Outcome(1, 0.7, True), Outcome(2, 0.6, True), Outcome(3, 0.65, False)]
+    rule.observe({0: more})
+    probs, matches = [0.9, 0.8, 0.3, 0.7, 0.6, 0.65], [1, 1, 0, 1, 1, 0]
+    fpr, tpr, thresholds = roc_curve(matches, probs)
+    assert rule.threshold == pytest.approx(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
+    carried = rule.threshold
+    rule.admit(0)  # a new request starts an empty history from the threshold the last one tuned
+    assert rule.history[0] == ([], []) and rule.threshold == carried
+    assert make_policy("transformers", 0.4).max_draft == 20 and make_policy("transformers", 0.4).cap(100) == 20
