@@ -79,6 +79,13 @@ def test_round_costs_and_smartspec_k_on_hand_computed_cases():
     # one row checked 2 (accepted 1, then a rejection; its third candidate has no outcome), the other none
     planner.observe({0: [Outcome(1, 0.9, True), Outcome(2, 0.5, False)], 1: []})
     assert planner.accepted == pytest.approx(0.9 * 0.1 + 0.1) and planner.rejections == pytest.approx(0.9 * 9.9 + 0.1)
+    before = planner.rate
+    planner.observe({0: [], 1: []})  # a K = 0 round checks nothing: the estimate drifts back towards the prior 0.7
+    assert before < planner.rate < 0.7 and planner.round_cap(4, 6) == 0
+    for _ in range(60):
+        planner.observe({0: []})
+    assert planner.rate == pytest.approx(0.7, abs=0.01) and planner.round_cap(4, 6) > 0  # drafting is tried again
+    assert SmartSpecPlanner(costs, max_k=2, accepted=9.0, rejections=1.0).round_cap(4, 6) <= 2
 
 
 def test_the_budget_rule_refuses_a_head_that_read_the_drawn_token(tiny_pair):

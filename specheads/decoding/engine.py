@@ -10,8 +10,10 @@ A round, for every row still generating:
 3. **emit**: the standing candidates and the target's token, ended at the first stop token and at max_new_tokens;
    both caches are cropped to what stands; counts of forwards, calls and tokens per row.
 
-Every row draws from its own generator in the same order whatever the batch, so a row's tokens do not depend on
-the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie).
+Every row draws from its own generator in the same order whatever the batch, so under a per-row rule a row's tokens do
+not depend on the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie). Under
+a rule with a planner (the verify budget, SmartSpec's K, the rules that adapt at run time) the realised tokens do
+depend on the batch; each row's distribution stays the target's.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class ServedBatch:
         self.generators: list[torch.Generator | None] = [None] * rows
         self.first_forward = [0] * rows
         self.on_admit: Any = None
+        self.finished: list[int] = []
         for row in range(rows):
             self.admit(row)
 
@@ -135,14 +138,21 @@ class ServedBatch:
             return
 
     def emit(self, row: int, emitted: list[int], done: Any) -> None:
-        """Add a round's tokens to the row's request; a finished request records its output and frees the row."""
+        """Add a round's tokens to the row's request; a finished request records its output and its row is freed at
+        the next `refill`."""
         self.tokens[row] += emitted
         self.generated[row] += emitted
         if done(self.generated[row], self.max_new_tokens):
             result = self.result(row)
             result.emitted, result.tokens = len(self.generated[row]), list(self.generated[row])
             result.draft_forwards = self.draft.forwards[row] - self.first_forward[row]
+            self.finished.append(row)
+
+    def refill(self) -> None:
+        """Give the rows whose requests finished this round the next prompts of the queue."""
+        for row in self.finished:
             self.admit(row)
+        self.finished = []
 
 
 class RoundEngine:
@@ -212,6 +222,7 @@ class RoundEngine:
                 batch.emit(row, emitted, self._done)
             if planner is not None:
                 planner.observe(outcomes)
+            batch.refill()  # after `observe`: a new request's history starts empty
             if log is not None:
                 log.append(record)
             draft.trim()

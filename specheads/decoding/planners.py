@@ -23,6 +23,7 @@ Fed a score that has read ŷ_j (an `at_draft` head), the same greedy is lossy (t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,9 +42,9 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
     lengths = {row: 0 for row in survival}
     tokens = value = float(len(survival))
     best = value / target(int(tokens)) if survival else 0.0
-    order = sorted((-score, row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
+    order = sorted((-clean(score), row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
     for negative, row, index in order:
-        if index != lengths[row] + 1:  # a later position tied with an earlier one it passed: take them in order
+        if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
             continue
         goodput = (value - negative) / target(int(tokens) + 1)
         if goodput < best:
@@ -51,6 +52,11 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
         tokens, value, best = tokens + 1, value - negative, goodput
         lengths[row] = index
     return lengths, 0.0
+
+
+def clean(score: float) -> float:
+    """A survival in [0, 1]; a non-finite one (an overflowing head) counts as 0 so the sort stays a total order."""
+    return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
 
 
 class BudgetPlanner(PassivePlanner):
@@ -74,12 +80,15 @@ class SmartSpecPlanner(PassivePlanner):
     """SmartSpec's goodput K (Liu et al. 2024): one K for the whole batch each round, the one that maximises the
     modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1))), with a the token acceptance
     rate estimated from the past rounds (an exponential average of accepted and rejected counts: a = accepted /
-    (accepted + rejections), the geometric model's estimate). K = 0 is plain target decoding."""
+    (accepted + rejections), the geometric model's estimate). K = 0 is plain target decoding; its rounds check
+    nothing, so the estimate drifts back to the prior and drafting is tried again."""
 
     costs: ServingCosts
     smoothing: float = 0.1
     accepted: float = 7.0  # a prior of a = 0.7 worth ten tokens
     rejections: float = 3.0
+    max_k: int | None = None  # the largest K it may pick (the rule's threshold); the cap otherwise
+    prior: tuple[float, float] = (7.0, 3.0)
 
     @property
     def rate(self) -> float:
@@ -92,12 +101,15 @@ class SmartSpecPlanner(PassivePlanner):
             expected = rows * sum(rate**j for j in range(k + 1))
             return expected / (k * self.costs.draft(rows) + self.costs.target(rows * (k + 1)))
 
-        return max(range(cap + 1), key=lambda k: (goodput(k), -k))
+        largest = cap if self.max_k is None else min(cap, self.max_k)
+        return max(range(largest + 1), key=lambda k: (goodput(k), -k))
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
         checked = [outcome for outcome in outcomes.values() if outcome]
-        if not checked:
-            return
         kept = 1.0 - self.smoothing
+        if not checked:  # a round of plain target decoding: drift back to the prior, so that drafting is tried again
+            self.accepted = kept * self.accepted + self.smoothing * self.prior[0]
+            self.rejections = kept * self.rejections + self.smoothing * self.prior[1]
+            return
         self.accepted = kept * self.accepted + self.smoothing * sum(o.accepted for row in checked for o in row)
         self.rejections = kept * self.rejections + self.smoothing * sum(not row[-1].accepted for row in checked)

@@ -202,7 +202,7 @@ class SmartSpecK(StopPolicy):
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.planners import SmartSpecPlanner
 
-        return SmartSpecPlanner(require_costs(self.name, costs))
+        return SmartSpecPlanner(require_costs(self.name, costs), max_k=int(self.threshold))
 
 
 @dataclass(frozen=True)
