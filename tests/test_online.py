@@ -83,3 +83,28 @@ def test_transformers_confidence_retunes_by_roc_from_the_requests_own_history():
     rule.admit(0)  # a new request starts an empty history from the threshold the last one tuned
     assert rule.history[0] == ([], []) and rule.threshold == carried
     assert make_policy("transformers", 0.4).max_draft == 20 and make_policy("transformers", 0.4).cap(100) == 20
+
+
+def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monkeypatch):
+    """Resuming a sweep takes finished runs of the per-row rules, but a rule that learns at run time from the runs
+    before it is decoded again whole, so that its runs are those of an uninterrupted sweep; its state is handed from
+    one batch of the setting to the next."""
+    from specheads.eval import sweep
+    from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, run_sweep
+
+    calls = []
+
+    def fake_decode_runs(engine, setting, prompts, seeds, head, max_new_tokens, max_draft, planner=None):
+        calls.append((setting.policy, [p.prompt_id for p in prompts], planner))
+        return [RunRecord(setting.policy, setting.threshold, p.prompt_id, p.split, 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
+                for p in prompts]
+
+    monkeypatch.setattr(sweep, "decode_runs", fake_decode_runs)
+    prompts = [DecodePrompt("a", (1,), "dev"), DecodePrompt("b", (2,), "test")]
+    settings = [Setting("constant_k", 2.0), Setting("vllm_online", 0.5)]
+    finished = {(s.policy, s.threshold, "a"): RunRecord(s.policy, s.threshold, "a", "dev", 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
+                for s in settings}
+    run_sweep(None, prompts, settings, None, 4, 3, progress=False, batch_size=1, finished=finished)
+    assert [(policy, ids) for policy, ids, _ in calls] == [("constant_k", ["b"]), ("vllm_online", ["a"]), ("vllm_online", ["b"])]
+    online = [planner for policy, _, planner in calls if policy == "vllm_online"]
+    assert isinstance(online[0], VllmEstimator) and online[0] is online[1] and calls[0][2] is None
