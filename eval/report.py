@@ -7,6 +7,7 @@ from typing import Any
 
 import markdown
 
+from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
@@ -27,7 +28,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     lines = [f"Decoding figures rest on {count(tested, 'test prompt')} × {decoding['max_new_tokens']} "
              "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
                              "with --num-decode-prompts)." if result["indicative"] else ".")]
-    for baseline in ("constant_k", "svip", "confidence", "vllm_online", "transformers", "oracle"):
+    for baseline in (*DECODING_BASELINES, "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
             result[f"{baseline}_threshold"] = row["threshold"]
@@ -45,10 +46,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     if learned == "head":
         lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, tuned on dev prompts) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
-        for baseline, what in (("constant_k", "the best constant K"), ("svip", "SVIP at its best threshold"),
-                               ("confidence", "draft confidence at its best threshold"),
-                               ("vllm_online", "vLLM's online acceptance estimator at its best threshold"),
-                               ("transformers", "transformers' assisted-generation default")):
+        for baseline, what in DECODING_BASELINES.items():
             if f"gain_vs_{baseline}" in result:
                 gain = result[f"gain_vs_{baseline}"]
                 ci = result[f"gain_vs_{baseline}_ci"]
@@ -56,6 +54,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                              f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g})"
                              + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
                                 else "."))
+        lines += strongest_baseline_lines(result)
         if "oracle_speedup" in result:
             lines += oracle_lines(decoding, result)
     else:
@@ -71,6 +70,23 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                          f"{mine['mean_target_logprob']:.3f} nats/token against {plain['mean_target_logprob']:.3f} for exact "
                          f"SD: {logprob_difference(difference)} (the quality proxy; SPRINTER is approximate by design).")
     return result, lines
+
+
+def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
+    """Name the free rule with the highest test speedup (the hardest one for the head to beat) and the head's margin
+    over it, recorded in `result` as `strongest_baseline` and `gain_vs_strongest_baseline` (with `_ci`)."""
+    speedups = {b: result[f"{b}_speedup"] for b in DECODING_BASELINES if f"{b}_speedup" in result}
+    if not speedups:
+        return []
+    strongest = max(speedups, key=speedups.get)
+    gain, ci = result[f"gain_vs_{strongest}"], result[f"gain_vs_{strongest}_ci"]
+    result.update(strongest_baseline=strongest, strongest_baseline_speedup=speedups[strongest],
+                  gain_vs_strongest_baseline=gain, gain_vs_strongest_baseline_ci=ci)
+    beats = gain > 0 and ci is not None and ci[0] > 0
+    return [f"The strongest free rule on the test prompts is {strongest} ({speedups[strongest]:.3f}×): the head is "
+            f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f} %]" if ci else "")
+            + (", above it with the interval above zero." if beats else
+               ", not above it with the interval above zero: a free rule does as well here.")]
 
 
 def logprob_difference(difference: float) -> str:

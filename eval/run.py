@@ -14,6 +14,7 @@ from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
 from specheads.eval.config import EvalConfig
 from specheads.eval.journal import RunJournal, open_journal
@@ -70,7 +71,7 @@ from specheads.store import read_manifest
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
-BASELINE_POLICIES = ("constant_k", "svip", "confidence", "vllm_online", "transformers")
+BASELINE_POLICIES = tuple(BASELINES)
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 

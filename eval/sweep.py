@@ -90,6 +90,10 @@ def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
 
 TRANSFORMERS_THRESHOLD = 0.4
 """transformers' assistant_confidence_threshold default: its rule starts there and re-tunes itself at run time."""
+TRANSFORMERS_HEURISTIC_START = 5
+"""num_assistant_tokens of transformers' older default `heuristic` schedule: its K starts there and moves at run time."""
+FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristic": float(TRANSFORMERS_HEURISTIC_START)}
+"""The rules users get with their defaults, nothing to tune: each is decoded at its default alone."""
 
 
 def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
@@ -104,7 +108,7 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     if purpose in STOP_PURPOSES:
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
-        settings.append(Setting("transformers", TRANSFORMERS_THRESHOLD))
+        settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))
     else:

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
 from specheads.eval.reuse import saved_runs
-from specheads.eval.sweep import Setting
+from specheads.eval.sweep import FIXED_SETTINGS, Setting
 from specheads.report_file import EvaluatedHead, read_report
 
-POLICY_ORDER = ("constant_k", "svip", "confidence", "vllm_online", "transformers", "head", "sprinter", "oracle")
+POLICY_ORDER = (*BASELINES, "head", "sprinter", "oracle")
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")
 
 
@@ -84,4 +85,6 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
     if seen:
         raise UsageError(f"{len(seen)} of the prompts to decode (first {seen[0]!r}) tuned the thresholds of {folder}; "
                          "confirm them on prompts that report never tuned on")
-    return EarlierTuning(folder, {policy: float(t) for policy, t in decoding["tuned_thresholds"].items()}, len(dev_ids))
+    tuned = {policy: float(t) for policy, t in decoding["tuned_thresholds"].items()}
+    fixed = {policy: value for policy, value in FIXED_SETTINGS.items() if policy not in tuned}  # added since that report
+    return EarlierTuning(folder, {**fixed, **tuned}, len(dev_ids))

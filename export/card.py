@@ -38,7 +38,9 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
     """The headline metrics as a markdown table."""
     names = {"auc": "AUC (held-out tokens)", "binary_kl": "binary KL", "binary_kl_constant": "binary KL of the constant predictor",
              "best_baseline_auc": "AUC of the best training-free signal", "modelled_speedup": "modelled speedup (tuned threshold)",
-             "modelled_speedup_constant_k": "modelled speedup of the best constant K", "t_draft_over_t_target": "t_draft/t_target",
+             "modelled_speedup_constant_k": "modelled speedup of the best constant K",
+             "strongest_baseline_speedup": "modelled speedup of the strongest free rule",
+             "gain_vs_strongest_baseline": "head's gain over the strongest free rule", "t_draft_over_t_target": "t_draft/t_target",
              "tokens": "evaluated tokens"}
     rows = ["| metric | value |", "|---|---|"]
     for key, label in names.items():
@@ -47,6 +49,10 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
             rows.append(f"| {label} | {value:.4g} |" if isinstance(value, float) else f"| {label} | {value} |")
     if metrics.get("best_baseline"):
         rows.append(f"| best training-free signal | {metrics['best_baseline']} |")
+    if metrics.get("strongest_baseline"):
+        ci = metrics.get("gain_vs_strongest_baseline_ci")
+        rows.append(f"| strongest free rule in decoding | {metrics['strongest_baseline']}"
+                    + (f" (head's gain 95 % interval {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %)" if ci else "") + " |")
     return rows
 
 

@@ -137,7 +137,8 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
               expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
     """A ready head (eval mode) and its decision rule from a head folder or a Hub repo id.
 
-    `expect_draft` is the draft the caller will feed the head: its identity as export records it
+    The head carries `trained_for` (the draft, the sampling transform and the purpose its config.json records), which
+    a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as export records it
     (`specheads.models.draft_identity(spec, model, state_layer)`: name, weights, state layer), or its name alone. A
     head trained for another draft is refused naming the part that differs: two self-speculative drafts of different
     targets share a name but not their weights.
@@ -160,5 +161,6 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
         raise UsageError(f"{folder}: the weights do not fit config.json (depth {config.get('depth')}): {reason}; the "
                          "files do not belong together, re-export the head") from None
     head.eval()
+    head.trained_for = {"draft": trained_for, "sampling": config.get("sampling"), "purpose": cls.purpose}
     rule = config.get("decision_rule")
     return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.purpose))

@@ -101,6 +101,11 @@ class Report:
             constant = self.tuned_row("constant_k")
             if constant:
                 result["modelled_speedup_constant_k"] = constant["modelled_speedup"]
+            decided = self.verdict.get("decoding", {})
+            for key in ("strongest_baseline", "strongest_baseline_speedup", "gain_vs_strongest_baseline",
+                        "gain_vs_strongest_baseline_ci"):
+                if decided.get(key) is not None:
+                    result[key] = decided[key]
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
 
 

@@ -12,6 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach the Hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the two cores: one thread each, and so their subprocesses
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 USER_CACHE = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
 """The user's own cache: the tests read its converted embedded model and write nothing else there."""

@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specheads.checkpoint import load_trained
 from specheads.cli import main
 from specheads.decoding import BatchCache, RoundEngine, make_policy
+from specheads.decoding.rules import BASELINES, ONLINE_POLICIES
 from specheads.demo.summary import decoding_line
 from specheads.errors import UsageError
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
@@ -405,8 +406,7 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
         assert name in metrics["offline"]["head"]
     decoding = metrics["decoding"]
     assert decoding["t_draft_over_t_target"] == 0.2
-    assert {row["policy"] for row in decoding["policies"]} == {"constant_k", "svip", "confidence", "vllm_online", "transformers",
-                                                               "head", "oracle"}
+    assert {row["policy"] for row in decoding["policies"]} == {*BASELINES, "head", "oracle"}
     for row in decoding["policies"]:
         for name in ("threshold", "discard_rate", "verification_rate", "mean_accepted_length", "tokens_per_s",
                      "modelled_speedup"):
@@ -432,7 +432,11 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     rule = metrics["decision_rule"]  # the tuned rule lives in the report; the checkpoint is left as it was
     assert rule["tuned"] and rule["threshold"] == decoding["tuned_thresholds"]["head"]
     assert checkpoint.read_bytes() == checkpoint_bytes and load_trained(str(checkpoint)).decision is None
-    assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence", "vllm_online", "transformers"}
+    assert set(decoding["gain_intervals"]) == set(BASELINES)
+    strongest = max(BASELINES, key=lambda b: metrics["verdict"]["decoding"][f"{b}_speedup"])
+    assert metrics["verdict"]["decoding"]["strongest_baseline"] == strongest
+    assert report.headline()["gain_vs_strongest_baseline"] == metrics["verdict"]["decoding"][f"gain_vs_{strongest}"]
+    assert f"The strongest free rule on the test prompts is {strongest}" in (out / "report.md").read_text()
     assert decoding["tuned_at_grid_edge"] == grid_edges(decoding["dev_policies"], decoding["tuned_thresholds"])
     for policy in decoding["tuned_at_grid_edge"]:
         assert f"Warning: {policy}'s tuned threshold" in (out / "report.md").read_text()
@@ -560,7 +564,7 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
         assert (run["emitted"], run["drafted"], run["accepted"]) == (earlier["emitted"], earlier["drafted"], earlier["accepted"])
         # wall times never repeat exactly: equal seconds means the run was taken, not decoded again; the rules that
         # adapt at run time depend on the runs decoded before them, so they are decoded again (the same tokens here)
-        assert (run["seconds"] == earlier["seconds"]) == (run["policy"] not in ("head", "vllm_online", "transformers"))
+        assert (run["seconds"] == earlier["seconds"]) == (run["policy"] not in ("head", *ONLINE_POLICIES))
     metrics = json.loads((second / "metrics.json").read_text())
     assert metrics["decoding"]["reused_runs"] == {"from": str(first), "count": len(head_free)}
     assert f"{len(head_free)} head-free runs were taken from" in (second / "report.md").read_text()
@@ -601,7 +605,7 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
     assert {(r["policy"], r["threshold"]) for r in runs} == set(earlier["tuned_thresholds"].items()) | {("constant_k", 4.0)}
     assert {r["prompt_id"] for r in runs} == {"fresh0", "fresh1", "fresh2"} and {r["split"] for r in runs} == {"test"}
     assert all(row["tuned"] for row in decoding["policies"])
-    assert set(decoding["gain_intervals"]) == {"constant_k", "svip", "confidence", "vllm_online", "transformers"}
+    assert set(decoding["gain_intervals"]) == set(BASELINES)
     assert metrics["decision_rule"]["threshold"] == earlier["tuned_thresholds"]["head"]
     assert f"dev prompts of `{tuning}`" in (tmp_path / "confirm" / "report.md").read_text()
     capsys.readouterr()

@@ -9,7 +9,7 @@ import pytest
 import specheads.eval.sweep as sweep
 from specheads.cli import main
 from specheads.eval.journal import JOURNAL_FILE, open_journal, read_journal
-from specheads.eval.sweep import RunRecord
+from specheads.eval.sweep import FIXED_SETTINGS, RunRecord
 
 DECODE_RUNS = sweep.decode_runs
 
@@ -63,7 +63,8 @@ def test_an_interrupted_eval_resumes_without_decoding_a_finished_run_twice(train
     decoded_again = set().union(*again.batches)
     runs = json.loads((out / "runs.json").read_text())
     every_run = {(r["policy"], r["threshold"], r["prompt_id"]) for r in runs["runs"] if r["policy"] != "oracle"}
-    assert len(every_run) == 16 * len(runs["context"]["prompts"]) and len(every_run) > len(finished) > 0
+    settings = 3 + 4 + 4 + 2 + 2 + len(FIXED_SETTINGS)  # K, SVIP, confidence, head, vLLM's estimator, transformers' rules
+    assert len(every_run) == settings * len(runs["context"]["prompts"]) and len(every_run) > len(finished) > 0
     assert not decoded_again & finished and decoded_again | finished == every_run
     assert killed.batches[4] <= decoded_again  # the torn batch is decoded again
     message = f"resuming: {len(finished)} of {len(every_run)} decoding runs already finished in {journal}"

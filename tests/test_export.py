@@ -51,8 +51,11 @@ def test_model_card_renders_metrics_and_links_the_plot(exported):
     _, out, report = exported
     card = huggingface_hub.ModelCard.load(out / "README.md")
     assert card.data.library_name == "specheads" and "speculative-decoding" in card.data.tags
-    auc = json.loads((report / "metrics.json").read_text())["offline"]["head"]["auc"]
+    metrics = json.loads((report / "metrics.json").read_text())
+    auc = metrics["offline"]["head"]["auc"]
     assert f"{auc:.4g}" in card.text and "](roc.png)" in card.text and "specheads eval" in card.text
+    strongest = metrics["verdict"]["decoding"]["strongest_baseline"]  # the free rule the head must beat, named
+    assert f"| strongest free rule in decoding | {strongest}" in card.text
 
 
 def test_export_refuses_the_report_of_another_head(exported, trained, tmp_path, capsys):

@@ -8,8 +8,9 @@ import pytest
 from sklearn.metrics import roc_curve
 
 from specheads.decoding import make_policy
-from specheads.decoding.online import Outcome, TransformersConfidence, VllmEstimator, drawn_logit
+from specheads.decoding.online import Outcome, TransformersConfidence, TransformersHeuristic, VllmEstimator, drawn_logit
 from specheads.decoding.rules import Drafted
+from specheads.errors import UsageError
 
 
 def drafted(index: int, prob: float) -> Drafted:
@@ -83,6 +84,22 @@ def test_transformers_confidence_retunes_by_roc_from_the_requests_own_history():
     rule.admit(0)  # a new request starts an empty history from the threshold the last one tuned
     assert rule.history[0] == ([], []) and rule.threshold == carried
     assert make_policy("transformers", 0.4).max_draft == 20 and make_policy("transformers", 0.4).cap(100) == 20
+
+
+def test_transformers_heuristic_schedule_adds_two_after_a_full_round_and_drops_one_otherwise():
+    planner = make_policy("transformers_heuristic", 5).planner(None)
+    assert isinstance(planner, TransformersHeuristic) and planner.k == 5
+    assert not planner.stops(0, drafted(4, 0.1)) and planner.stops(0, drafted(5, 0.99))
+    planner.observe({0: [Outcome(i, 0.5, True) for i in range(1, 6)]})
+    assert planner.k == 7
+    planner.observe({0: [Outcome(1, 0.5, True), Outcome(2, 0.5, False)], 1: []})  # a row with no checked candidate
+    assert planner.k == 6
+    for _ in range(8):
+        planner.observe({0: [Outcome(1, 0.5, False)]})
+    assert planner.k == 1  # never below one candidate
+    assert make_policy("transformers_heuristic", 5).cap(100) == 100  # no cap but the tokens left
+    with pytest.raises(UsageError, match="whole number"):
+        make_policy("transformers_heuristic", 2.5)
 
 
 def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monkeypatch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,10 @@ def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: 
     embedding = torch.cat(embeddings) if embeddings and embeddings[0] is not None else None
     position = torch.tensor(positions, device=states[0].device)
     return head.predict(torch.stack(states), signal_tensor, embedding, position).tolist()
+
+
+StopCheck = Callable[[int, list[int]], bool]
+"""(request, its generated tokens so far) -> whether its output ends after the last of them."""
 
 
 @dataclass
@@ -137,12 +142,12 @@ class ServedBatch:
                 self.on_admit(row)
             return
 
-    def emit(self, row: int, emitted: list[int], done: Any) -> None:
-        """Add a round's tokens to the row's request; a finished request records its output and its row is freed at
-        the next `refill`."""
+    def emit(self, row: int, emitted: list[int], ended: bool) -> None:
+        """Add a round's tokens to the row's request; a request that `ended` (at a stop token or a stop check) or
+        reached max_new_tokens records its output, and its row is freed at the next `refill`."""
         self.tokens[row] += emitted
         self.generated[row] += emitted
-        if done(self.generated[row], self.max_new_tokens):
+        if ended or len(self.generated[row]) >= self.max_new_tokens:
             result = self.result(row)
             result.emitted, result.tokens = len(self.generated[row]), list(self.generated[row])
             result.draft_forwards = self.draft.forwards[row] - self.first_forward[row]
@@ -164,12 +169,15 @@ class RoundEngine:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
                head: AcceptanceHead | None = None, batch_size: int | None = None, costs: ServingCosts | None = None,
-               log: list[RoundRecord] | None = None, planner: Any = None) -> list[DecodeResult]:
+               log: list[RoundRecord] | None = None, planner: Any = None, stop_check: StopCheck | None = None,
+               on_emit: Callable[[int, list[int]], None] | None = None) -> list[DecodeResult]:
         """Up to `max_new_tokens` tokens after each prompt under `rule` (prompt i seeded with `seeds[i]`); `head` is the
         acceptance head or verifier the rule reads. All prompts decode together, or `batch_size` at a time with
         continuous batching (a finished request's row takes the next prompt). `costs` are the cost curves a batch
         rule plans with; `log`, when given, receives one `RoundRecord` per round; `planner` continues a run-time
-        adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one)."""
+        adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one). `stop_check(request,
+        generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
+        criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
         rule.check_head(head)
         start = time.perf_counter()
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
@@ -210,7 +218,9 @@ class RoundEngine:
                 verified[row] = len(this.candidates) - checks[row] if row in logits else 0
                 outcomes[row] = [Outcome(d.index, d.prob, i < accepted)
                                  for i, d in enumerate(this.seen[checks[row]: accepted + 1], start=checks[row])] if row in logits else []
-                accepted, emitted = self._standing(this.candidates, accepted, new_token, batch.room(row))
+                check = None if stop_check is None else (
+                    lambda tokens, request=batch.request[row], before=batch.generated[row]: stop_check(request, before + tokens))
+                accepted, emitted, ended = self._standing(this.candidates, accepted, new_token, batch.room(row), check)
                 result = batch.result(row)
                 self._count(result, rule, this.drafted, accepted, row in logits)
                 record.requests.append(batch.request[row])
@@ -219,7 +229,9 @@ class RoundEngine:
                 record.emitted.append(len(emitted))
                 target.crop_row(row, len(batch.tokens[row]) + accepted)
                 draft.crop_row(row, len(batch.tokens[row]) + accepted)
-                batch.emit(row, emitted, self._done)
+                if on_emit is not None and emitted:
+                    on_emit(batch.request[row], emitted)
+                batch.emit(row, emitted, ended)
             if planner is not None:
                 planner.observe(outcomes)
             batch.refill()  # after `observe`: a new request's history starts empty
@@ -299,15 +311,18 @@ class RoundEngine:
         table = self.draft.get_input_embeddings()
         return table(torch.tensor([token], device=table.weight.device)).float()
 
-    def _standing(self, candidates: list[int], accepted: int, new_token: int | None, room: int) -> tuple[int, list[int]]:
+    def _standing(self, candidates: list[int], accepted: int, new_token: int | None, room: int,
+                  check: Callable[[list[int]], bool] | None = None) -> tuple[int, list[int], bool]:
         """What a round adds to the output: its standing candidates and the target's token, ended at the first stop
-        token (the run ends there) and at `room` tokens (max_new_tokens); and how many candidates stand."""
+        token or the first token at which `check(tokens so far in the round)` holds (the run ends there), and at
+        `room` tokens (max_new_tokens); how many candidates stand; and whether the run ended."""
         emitted = (candidates[:accepted] + ([] if new_token is None else [new_token]))[:room]
+        ended = False
         for position, token in enumerate(emitted):
-            if token in self.stop_ids:
-                emitted = emitted[: position + 1]
+            if token in self.stop_ids or (check is not None and check(emitted[: position + 1])):
+                emitted, ended = emitted[: position + 1], True
                 break
-        return min(accepted, len(emitted)), emitted
+        return min(accepted, len(emitted)), emitted, ended
 
     @staticmethod
     def _count(result: DecodeResult, rule: StopPolicy, drafted: int, accepted: int, called: bool) -> None:
@@ -318,9 +333,6 @@ class RoundEngine:
             result.target_calls += 1
             result.accepted_per_round.append(accepted)
             result.drafted_per_round.append(counted)
-
-    def _done(self, generated: list[int], max_new_tokens: int) -> bool:
-        return len(generated) >= max_new_tokens or any(token in self.stop_ids for token in generated)
 
     @staticmethod
     def _finish(results: list[DecodeResult], start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:

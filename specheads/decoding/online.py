@@ -10,8 +10,12 @@
   stop drafting when q(ŷ) falls below the confidence threshold (0.4 at first), at most 20 candidates; after every
   round the threshold is re-tuned from the request's drafted tokens and outcomes by an ROC with cost fpr + 3 · fnr,
   once they hold more than 5 tokens of both classes. The history is the request's, the threshold carries over.
+- `TransformersHeuristic`: transformers' older default schedule, `num_assistant_tokens_schedule="heuristic"` with
+  `num_assistant_tokens=5` and no confidence threshold: draft K candidates, K + 2 after a round whose candidates were
+  all accepted, otherwise max(1, K − 1). K lives on the assistant's generation config, so it carries over from one
+  request to the next; here one K serves the decode's rows in turn (at B = 1 exactly transformers' sequence).
 
-Both scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
+The first two scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
 for a verify budget (docs/decoding-core.md "Verify budgets").
 """
 
@@ -140,3 +144,18 @@ class TransformersConfidence(PassivePlanner):
             if len(probs) > 5 and {0, 1} <= set(matches):
                 fpr, tpr, thresholds = roc_curve(matches, probs)
                 self.threshold = float(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
+
+
+class TransformersHeuristic(PassivePlanner):
+    """transformers' `heuristic` draft-length schedule (module docstring)."""
+
+    def __init__(self, start: int = 5):
+        self.k = start
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        return drafted.index >= self.k
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        for checked in outcomes.values():
+            if checked:
+                self.k = self.k + 2 if all(o.accepted for o in checked) else max(1, self.k - 1)

@@ -231,10 +231,33 @@ class TransformersDefault(StopPolicy):
         return TransformersConfidence(self.threshold)
 
 
+@dataclass(frozen=True)
+class TransformersHeuristicK(StopPolicy):
+    """transformers' older default, the `heuristic` schedule (`specheads.decoding.online.TransformersHeuristic`):
+    `threshold` candidates at first (5), + 2 after a fully accepted round, else − 1 (at least 1); no cap but the
+    tokens left to generate."""
+
+    max_draft: int | None = None
+    name: ClassVar[str] = "transformers_heuristic"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.online import TransformersHeuristic
+
+        return TransformersHeuristic(int(self.threshold))
+
+
 RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
-                                                                 VerifyBudget, SmartSpecK, VllmOnline, TransformersDefault)}
-STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers")
-ONLINE_POLICIES = ("vllm_online", "transformers")
+                                                                 VerifyBudget, SmartSpecK, VllmOnline, TransformersDefault,
+                                                                 TransformersHeuristicK)}
+STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers",
+                 "transformers_heuristic")
+ONLINE_POLICIES = ("vllm_online", "transformers", "transformers_heuristic")
+BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
+             "confidence": "draft confidence at its best threshold",
+             "vllm_online": "vLLM's online acceptance estimator at its best threshold",
+             "transformers": "transformers' assisted-generation default (confidence 0.4, re-tuned by ROC)",
+             "transformers_heuristic": "transformers' older heuristic schedule (K from 5, +2 / −1)"}
+"""The free rules a learned stop head is judged against in decoding, and how a report names each."""
 TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
 BATCH_POLICIES = ("budget", "smartspec")
 
@@ -252,4 +275,8 @@ def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
         return SmartSpecK(threshold=threshold, max_draft=max_draft)
     if name == "transformers":
         return TransformersDefault(threshold=threshold, max_draft=TRANSFORMERS_MAX_DRAFT)
+    if name == "transformers_heuristic":
+        if threshold < 1 or threshold != int(threshold):
+            raise UsageError(f"the heuristic schedule starts at a whole number of candidates >= 1, got {threshold}")
+        return TransformersHeuristicK(threshold=threshold)
     return RULES[name](threshold=threshold, max_draft=max_draft)

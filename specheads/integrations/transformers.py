@@ -1,0 +1,205 @@
+"""An exported head drives transformers' `generate`, exactly, through its public `custom_generate` hook.
+
+    from specheads.integrations.transformers import speculative_generate
+    from specheads.heads import load_head
+
+    head = load_head("user/my-head")                    # or the folder `specheads export` wrote
+    out = target.generate(**inputs, custom_generate=speculative_generate, draft=draft, head=head,
+                          do_sample=True, max_new_tokens=256)
+
+`generate` prepares the inputs, the logits processors and the stopping criteria from its arguments and the
+generation config, then calls `speculative_generate`, which runs the decoding core's round engine
+(`specheads.decoding`) with the head's exported decision rule: the draft proposes candidates until
+1 − Π â exceeds the rule's threshold (or its `max_draft`), the target checks them in one forward, and the p/q test
+keeps the output the target's own distribution (greedy: token for token what `target.generate(do_sample=False)`
+gives).
+
+What it honours: temperature, top-k and top-p (the sampling transform the head was trained for; another one is
+refused, since the head's labels describe one decoding), max_new_tokens / max_length, the EOS ids, and every
+stopping criterion `generate` hands over (a `StopStringCriteria` passed in `stopping_criteria`, MaxTimeCriteria,
+your own), checked after each new token so the output ends where the target alone would end it. Batches of
+left-padded prompts decode together, as do num_return_sequences samples of a prompt: each row draws with its own
+generator, seeded from torch's global RNG, so `torch.manual_seed` makes runs repeatable.
+
+What transformers 5.x does not hand a `custom_generate` callable, and how to pass it instead:
+- `assistant_model` is dropped: pass the draft as `draft=`.
+- `streamer` is dropped (generate puts only the prompt into it): pass the streamer as `token_streamer=`.
+- `stop_strings` needs the tokenizer, which is dropped too: pass
+  `stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, [...])])`.
+
+Refused with one line each: a logits processor other than temperature, top-k and top-p (repetition penalty, min
+length, suppressed tokens ... change p with the text and are not what the head was trained on), beam search,
+return_dict_in_generate and the output_* switches, a prefilled cache, a SPRINTER
+verifier (approximate by design), a head whose hidden size or state layer does not fit the draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.result import DecodeResult
+from specheads.errors import UsageError
+from specheads.heads import AcceptanceHead, load_head
+from specheads.heads.loading import STOP_RULE, DecisionRule
+from specheads.sampling import SamplingTransform
+
+UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                        "output_hidden_states")
+"""Generation-config switches that ask for per-step outputs a speculative round does not produce one token at a time."""
+TRANSFORM_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def sampling_of(processors: LogitsProcessorList, do_sample: bool) -> SamplingTransform:
+    """The sampling transform `generate` prepared (temperature, then top-k, then top-p), or greedy; any other
+    processor is refused."""
+    if not do_sample:
+        others = [type(p).__name__ for p in processors]
+        if others:
+            raise UsageError(f"speculative_generate does not support the logits processors {', '.join(others)}: the head "
+                             "was trained on the draft's and target's own distributions; drop those generate options")
+        return SamplingTransform(temperature=0.0)
+    values: dict[str, Any] = {}
+    for processor in processors:
+        if isinstance(processor, TemperatureLogitsWarper):
+            values["temperature"] = float(processor.temperature)
+        elif isinstance(processor, TopKLogitsWarper):
+            values["top_k"] = int(processor.top_k)
+        elif isinstance(processor, TopPLogitsWarper):
+            values["top_p"] = float(processor.top_p)
+        else:
+            raise UsageError(f"speculative_generate does not support the logits processor {type(processor).__name__}: "
+                             "it changes the target's distribution in a way the head was not trained for; use "
+                             "temperature, top_k and top_p only")
+    return SamplingTransform(**values)
+
+
+def resolve_head(head: Any) -> tuple[AcceptanceHead, DecisionRule]:
+    """The head and its decision rule, from `load_head`'s pair, a head folder or Hub id, or a bare head (untuned
+    default rule)."""
+    if head is None:
+        raise UsageError("speculative_generate needs head=: load_head('your/head') or the folder `specheads export` "
+                         "wrote")
+    if isinstance(head, str):
+        head = load_head(head)
+    if isinstance(head, AcceptanceHead):
+        head = (head, DecisionRule.untuned(type(head).purpose))
+    if not (isinstance(head, tuple) and len(head) == 2 and isinstance(head[0], AcceptanceHead)):
+        raise UsageError(f"head= must be what load_head returns, a head folder or Hub id; got {type(head).__name__}")
+    module, rule = head
+    if rule.rule != STOP_RULE:
+        raise UsageError(f"this head's rule is {rule.rule} (a SPRINTER verifier: approximate decoding); "
+                         "speculative_generate runs exact speculative decoding with a stop head")
+    return module, rule
+
+
+def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -> None:
+    """Refuse a head that cannot read this draft's states or was trained for another sampling transform."""
+    if draft is None:
+        raise UsageError("speculative_generate needs draft=<the draft model>; transformers does not hand "
+                         "assistant_model to a custom_generate callable")
+    hidden = getattr(draft.config, "hidden_size", None)
+    if hidden != head.hidden_size:
+        raise UsageError(f"the head reads draft states of size {head.hidden_size}, this draft's are {hidden}: it was "
+                         "trained for another draft; use a head trained for this one")
+    layers = getattr(draft.config, "num_hidden_layers", None)
+    if head.state_layer is not None and layers is not None and head.state_layer > layers:
+        raise UsageError(f"the head reads the draft's layer {head.state_layer}, this draft has {layers} layers: it "
+                         "was trained for another draft; use a head trained for this one")
+    recorded = (getattr(head, "trained_for", None) or {}).get("sampling")
+    trained = None if recorded is None else SamplingTransform(**{k: recorded[k] for k in TRANSFORM_FIELDS if k in recorded})
+    if trained is not None and trained != transform:
+        raise UsageError(f"the head was trained for sampling {trained.as_dict()}, this generate call "
+                         f"samples with {transform.as_dict()}: its predictions describe another decoding; generate "
+                         "with the head's settings or train a head for yours")
+
+
+def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool) -> None:
+    """Refuse the generate options a speculative round cannot honour, one line each."""
+    if getattr(generation_config, "num_beams", 1) > 1:
+        raise UsageError("speculative_generate does not support beam search (num_beams > 1); use num_beams=1")
+    asked = [name for name in UNSUPPORTED_SWITCHES if getattr(generation_config, name, False)]
+    if asked:
+        raise UsageError(f"speculative_generate returns the token ids only; drop {', '.join(asked)}")
+    if synced_gpus:
+        raise UsageError("speculative_generate does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise UsageError("speculative_generate starts from the prompt; a prefilled cache is not supported")
+
+
+def prompts_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's prompt without its left padding."""
+    if attention_mask is None:
+        return input_ids.tolist()
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise UsageError("speculative_generate needs left-padded prompts; set tokenizer.padding_side = 'left'")
+    return [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+
+
+def length_limit(stopping_criteria: StoppingCriteriaList, generation_config: Any) -> int:
+    """The total length `generate` allows (its MaxLengthCriteria, else the config's max_length)."""
+    limits = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    return min(limits) if limits else int(generation_config.max_length)
+
+
+def stop_check_of(stopping_criteria: StoppingCriteriaList, prompts: list[list[int]], padded: torch.Tensor,
+                  device: torch.device) -> Callable[[int, list[int]], bool] | None:
+    """The criteria other than the length limit (EOS is a stop id of the engine), checked on one row's padded prompt
+    plus its tokens so far; None when there are none."""
+    others = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    if not others:
+        return None
+
+    def check(request: int, generated: list[int]) -> bool:
+        ids = torch.cat([padded[request], torch.tensor(generated, dtype=padded.dtype)]).unsqueeze(0).to(device)
+        return bool(others(ids, None).any())
+
+    return check
+
+
+def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                         stopping_criteria: StoppingCriteriaList, generation_config: Any, synced_gpus: bool = False,
+                         streamer: Any = None, draft: Any = None, head: Any = None, token_streamer: Any = None,
+                         stats: list[DecodeResult] | None = None, **model_kwargs: Any) -> torch.LongTensor:
+    """A `custom_generate` callable for `target.generate`: speculative decoding with `draft` and the exported `head`
+    (module docstring). Returns the sequences as `generate` does (prompt, new tokens, then pad ids where a row ended
+    early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens)."""
+    module, rule = resolve_head(head)
+    check_options(generation_config, model_kwargs, synced_gpus)
+    transform = sampling_of(logits_processor, bool(generation_config.do_sample))
+    check_pair(module, draft, transform)
+    if token_streamer is not None and input_ids.shape[0] > 1:
+        raise UsageError("token_streamer streams one sequence; generate one prompt at a time to stream")
+    prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))
+    max_new_tokens = length_limit(stopping_criteria, generation_config) - input_ids.shape[1]
+    eos = generation_config.eos_token_id
+    stop_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if isinstance(eos, torch.Tensor):
+        stop_ids = [int(i) for i in eos.flatten().tolist()]
+    seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # torch's global RNG: torch.manual_seed repeats a run
+    engine = RoundEngine(model, draft, transform, stop_ids)
+    policy = make_policy("head", rule.threshold, rule.max_draft or 8)
+
+    def emit(request: int, tokens: list[int]) -> None:
+        token_streamer.put(torch.tensor(tokens))
+
+    results = engine.decode(prompts, policy, max_new_tokens, seeds, module.to(input_ids.device),
+                            stop_check=stop_check_of(stopping_criteria, prompts, input_ids.cpu(), input_ids.device),
+                            on_emit=emit if token_streamer is not None else None)
+    if token_streamer is not None:
+        token_streamer.end()
+    if stats is not None:
+        stats.extend(results)
+    pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else (stop_ids or [0])[0]
+    width = max(len(r.tokens) for r in results) if results else 0
+    new = torch.full((len(results), width), int(pad), dtype=input_ids.dtype)
+    for row, result in enumerate(results):
+        new[row, : len(result.tokens)] = torch.tensor(result.tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
