@@ -8,7 +8,7 @@ torch seed per prompt, one after the other in one process:
 - `heuristic`: the older default (`num_assistant_tokens=5`, schedule `heuristic`, no confidence threshold);
 - `head`: `generate(custom_generate=speculative_generate, draft=draft, head=load_head(--head))`.
 
-Forwards are counted by hooks on the two models (the prompt's prefill included, for every method), tokens up to and
+Forwards are counted by hooks on the two models' decoders (the prompt's prefill included, for every method), tokens up to and
 including EOS. Per method: target and draft forwards per token, wall-clock tokens/s, and the modelled speedup over the
 target alone at c = t_draft/t_target from the counted forwards, tokens / (c · draft forwards + target forwards), with a
 95 % paired bootstrap interval over prompts for the head against each transformers method.
@@ -58,11 +58,12 @@ class Config:
 
 
 class ForwardCounter:
-    """Counts a model's forward calls (a hook on its top module)."""
+    """Counts a model's forward passes: a hook on its decoder, which transformers' generate and the round engine
+    (which reads a state of the draft's stack) both run once per forward."""
 
     def __init__(self, model: torch.nn.Module):
         self.count = 0
-        model.register_forward_pre_hook(self.hook)
+        model.get_decoder().register_forward_pre_hook(self.hook)
 
     def hook(self, module: torch.nn.Module, args: tuple) -> None:
         self.count += 1

@@ -53,6 +53,9 @@ class EvalConfig:
             configs/train/expected-acceptance.yaml on data from the same pair) for the verify budget in the serving
             table; not needed when the evaluated head is one.
         budget_floor: the verify budget stops a row's drafting once its predicted survival Π α̂ falls below this.
+        sv_companion_skip_layers: score SV's companion predictor offline (eval.companion) with the target minus these
+            layers as the companion (on the embedded pair 22-23: the draft's size, another pair skipped); off unless
+            given.
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
@@ -84,6 +87,7 @@ class EvalConfig:
     serving_costs: str | None = None
     budget_head: str | None = None
     budget_floor: ClosedUnitInterval = 0.1
+    sv_companion_skip_layers: list[NonNegativeInt] | None = None
     reuse_runs: str | None = None
     tuned_from: str | None = None
 

@@ -17,6 +17,8 @@ import torch
 
 from specheads.checkpoint import TrainedHead
 from specheads.data import AcceptanceDataModule
+from specheads.decoding.online import Outcome, VllmEstimator
+from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
 from specheads.metrics import (
@@ -32,9 +34,14 @@ from specheads.metrics import (
 )
 from specheads.targets import draft_features, head_inputs
 
-BASELINES = ("svip_entropy", "draft_top1", "draft_prob")
+BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "sv_companion")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
-PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "beta_oracle", "label_ceiling", "constant")
+PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle", "label_ceiling",
+                       "constant")
+READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True, "sv_companion": True,
+                     "beta_oracle": False, "label_ceiling": True, "constant": False}
+"""Whether a signal's score of ŷ_k reads ŷ_k itself: only the scores that do not may rank drafted positions for a
+verify budget (docs/decoding-core.md "Verify budgets"); the head's own answer is its `decides`."""
 SPRINTER_TAUS = (1.0, 1.2, 1.5)
 POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta", "accept")
 """The per-position data columns a token table keeps beside the label and the head's prediction."""
@@ -61,17 +68,35 @@ class TokenTable:
     row: np.ndarray
     position: np.ndarray
     prompts: int
+    sv_companion: np.ndarray | None = None  # SV's companion predictor (eval.companion), when eval was asked for it
 
-    def scores(self) -> dict[str, np.ndarray]:
+    def scores(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Every signal's score per token (higher = more likely accepted)."""
+        companion = {} if self.sv_companion is None else {"sv_companion": self.sv_companion}
         return {"head": self.prediction, **baseline_scores(self.logq, self.entropy, self.top1),
+                "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed), **companion,
                 "beta_oracle": self.beta, "label_ceiling": self.label,
                 "constant": np.full_like(self.label, self.label.mean())}
 
     def subset(self, index: np.ndarray) -> TokenTable:
         """The tokens at `index` (a bootstrap resample)."""
         values = {name: getattr(self, name)[index] for name in TOKEN_COLUMNS}
-        return TokenTable(**values, prompts=self.prompts)
+        return TokenTable(**values, prompts=self.prompts,
+                          sv_companion=None if self.sv_companion is None else self.sv_companion[index])
+
+
+def vllm_online_scores(prob: np.ndarray, label: np.ndarray, seed: int) -> np.ndarray:
+    """vLLM's online acceptance estimator (`specheads.decoding.online.VllmEstimator`) run causally along the held-out
+    tokens in their order (response by response): each token is scored by the fit made from the tokens before it, then
+    its outcome, a seeded Bernoulli draw of its soft label (what decoding would observe), joins the window. Offline
+    tokens have no position in a round, so the fit has one intercept, and a step is one token (refit every 100)."""
+    estimator = VllmEstimator(threshold=0.0, positions=1)
+    outcomes = np.random.default_rng(seed).uniform(size=len(prob)) < label
+    scores = np.empty(len(prob))
+    for index, (q, accepted) in enumerate(zip(prob.tolist(), outcomes.tolist())):
+        scores[index] = estimator.probability(Drafted(index=1, prob=q, entropy=0.0, acceptance=1.0))
+        estimator.observe({0: [Outcome(1, q, accepted)]})
+    return scores
 
 
 @torch.no_grad()
@@ -136,20 +161,21 @@ def interval(values: list[float]) -> list[float] | None:
 
 def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins: int = 10) -> dict[str, Any]:
     """`{signal: metrics with auc_ci and binary_kl_ci}` plus the head's paired margin over the best baseline."""
-    scores = table.scores()
-    result = {name: signal_metrics(name, table.label, scores[name], bins, seed) for name in SIGNAL_ORDER}
-    best = max(BASELINES, key=lambda name: result[name]["auc"])
-    samples = {name: {"auc": [], "binary_kl": []} for name in SIGNAL_ORDER}
+    scores = table.scores(seed)
+    names = [name for name in SIGNAL_ORDER if name in scores]
+    result = {name: signal_metrics(name, table.label, scores[name], bins, seed) for name in names}
+    best = max((name for name in BASELINES if name in scores), key=lambda name: result[name]["auc"])
+    samples = {name: {"auc": [], "binary_kl": []} for name in names}
     margins = []
     for index in bootstrap_indices(table.group, resamples, seed):
         label = table.label[index]
-        for name in SIGNAL_ORDER:
+        for name in names:
             score = scores[name][index] if name != "constant" else np.full(len(index), label.mean())
             samples[name]["auc"].append(soft_auc(label, score))
             if name in PROBABILITY_SIGNALS:
                 samples[name]["binary_kl"].append(binary_kl(label, score))
         margins.append(samples["head"]["auc"][-1] - samples[best]["auc"][-1])
-    for name in SIGNAL_ORDER:
+    for name in names:
         result[name]["auc_ci"] = interval(samples[name]["auc"])
         result[name]["binary_kl_ci"] = interval(samples[name]["binary_kl"])
     return {"signals": result, "head_vs_best_baseline": {

@@ -18,7 +18,8 @@ from specheads.files import atomic_path  # noqa: E402
 PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "cumulative_reliability": "cumulative_reliability.png",
          "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png", "serving": "serving.png"}
 LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1": "draft top-1 prob",
-          "draft_prob": "draft q(ŷ)", "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
+          "draft_prob": "draft q(ŷ)", "vllm_online": "vLLM online estimator", "sv_companion": "SV companion bins",
+          "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
 
 
 def save(figure: plt.Figure, path: Path) -> None:
@@ -42,9 +43,9 @@ def roc_plot(table: TokenTable, offline: dict[str, Any], path: Path, seed: int =
     draws = np.random.default_rng(seed).random(len(table.label)) < table.label
     hard = bool(np.isin(table.label, (0.0, 1.0)).all())
     figure, axis = plt.subplots(figsize=(5.5, 5))
-    scores = table.scores()
+    scores = table.scores(seed)
     for name in SIGNAL_ORDER:
-        if name == "constant" or draws.all() or not draws.any():
+        if name == "constant" or name not in scores or draws.all() or not draws.any():
             continue
         fpr, tpr, _ = roc_curve(draws, scores[name])
         style = {"linewidth": 2.5} if name == "head" else {"linestyle": "--" if name in ("beta_oracle", "label_ceiling") else "-"}

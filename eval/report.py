@@ -9,7 +9,7 @@ import markdown
 
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
-from specheads.eval.offline import BASELINES, SIGNAL_ORDER
+from specheads.eval.offline import BASELINES, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
 from specheads.files import write_text_atomic
 from specheads.report_file import Report, tuned_row
@@ -130,7 +130,7 @@ def verdict(report: Report) -> dict[str, Any]:
     head_auc, best = offline["head"]["auc"], comparison["baseline"]
     kl, kl_constant = offline["head"]["binary_kl"], offline["constant"]["binary_kl"]
     result: dict[str, Any] = {
-        "beats_every_baseline_auc": all(head_auc > offline[name]["auc"] for name in BASELINES),
+        "beats_every_baseline_auc": all(head_auc > offline[name]["auc"] for name in BASELINES if name in offline),
         "auc_margin": comparison["auc_margin"], "auc_margin_ci": comparison["auc_margin_ci"], "best_baseline": best,
         "binary_kl_below_constant": kl < kl_constant, "binary_kl_reduction": 1 - kl / kl_constant,
     }
@@ -164,11 +164,15 @@ def interval_cell(value: float | None, ci: list[float] | None) -> str:
 
 def offline_table(report: Report) -> list[str]:
     """The offline metrics as a markdown table."""
-    lines = ["| signal | AUC [95 % CI] | AUC (Bernoulli draws) | PR-AUC | Brier | ECE | binary KL [95 % CI] |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| signal | reads ŷ_k? | AUC [95 % CI] | AUC (Bernoulli draws) | PR-AUC | Brier | ECE | binary KL [95 % CI] |",
+             "|---|---|---|---|---|---|---|---|"]
+    head_reads = "no" if report.head.config.get("decides") == "before_draw" else "yes"
     for name in SIGNAL_ORDER:
-        m = report.offline[name]
-        lines.append(f"| {name} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
+        m = report.offline.get(name)
+        if m is None:  # a report of an older version, before this signal was scored
+            continue
+        reads = head_reads if name == "head" else ("yes" if READS_DRAWN_TOKEN[name] else "no")
+        lines.append(f"| {name} | {reads} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
                      f"| {fmt(m['brier'])} | {fmt(m['ece'])} | {interval_cell(m['binary_kl'], m['binary_kl_ci'])} |")
     return lines
 

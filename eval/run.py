@@ -16,6 +16,7 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
 from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
+from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import EvalConfig
 from specheads.eval.journal import RunJournal, open_journal
 from specheads.eval.offline import (
@@ -61,7 +62,7 @@ from specheads.files import write_json_atomic
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
-from specheads.models import ModelPair, ModelSpec, load_pair, stop_token_ids
+from specheads.models import ModelPair, ModelSpec, load_pair, stop_token_ids, without_layers
 from specheads.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.report_file import EvaluatedHead, Report
 from specheads.sampling import SamplingTransform
@@ -356,20 +357,25 @@ def evaluate(config: EvalConfig) -> Report:
 def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str, Any], trained: TrainedHead) -> Report:
     """`evaluate` once the report folder is held."""
     data, trained_on = held_out_data(config, trained, manifest)
-    need_models = config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
+    need_models = (config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
+                   or config.sv_companion_skip_layers)
     source = manifest["config"]
     pair = load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])) if need_models else None
     table = collect_tokens(trained, data, pair.draft if pair else None)
     if not len(table.label):
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
+    transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
+    if config.sv_companion_skip_layers:
+        companion = without_layers(pair.target, list(config.sv_companion_skip_layers))
+        table.sv_companion, _ = sv_companion_scores(pair.draft, companion, transform, data.splits["train"],
+                                                    data.splits["val"], table.row, table.position)
     offline = offline_metrics(table, config.bootstrap, config.seed)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
-    transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     decoding = None
     if config.num_decode_prompts:
         prompts, dropped = held_out_prompts(config, manifest, trained_on, pair.tokenizer)

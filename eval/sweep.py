@@ -88,6 +88,9 @@ def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
             "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares]}
 
 
+APPROXIMATE_POLICIES = ("sprinter",)
+"""Rules whose output is not the target's distribution: their sweeps score every run under the target."""
+
 TRANSFORMERS_THRESHOLD = 0.4
 """transformers' assistant_confidence_threshold default: its rule starts there and re-tunes itself at run time."""
 TRANSFORMERS_HEURISTIC_START = 5
@@ -133,13 +136,16 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
 
 
 def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
-                head: AcceptanceHead, max_new_tokens: int, max_draft: int, planner: Any = None) -> list[RunRecord]:
+                head: AcceptanceHead, max_new_tokens: int, max_draft: int, planner: Any = None,
+                likelihood: bool = True) -> list[RunRecord]:
     """Decode prompts together under one setting (`specheads.decoding`: one round engine for every rule and B);
-    `planner` carries a run-time adapting rule's state over from the setting's earlier batches."""
+    `planner` carries a run-time adapting rule's state over from the setting's earlier batches. `likelihood`: score
+    each output under the target (one more target forward per batch; NaN when not asked)."""
     ids = [list(prompt.ids) for prompt in prompts]
     rule = make_policy(setting.policy, setting.threshold, max_draft)
     results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None, planner=planner)
-    likelihoods = target_log_likelihoods(engine.target, ids, [result.tokens for result in results])
+    likelihoods = (target_log_likelihoods(engine.target, ids, [result.tokens for result in results]) if likelihood
+                   else [math.nan] * len(results))
     return [record_of(setting, prompt, result, likelihood)
             for prompt, result, likelihood in zip(prompts, results, likelihoods)]
 
@@ -165,6 +171,9 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
     taken = {**(finished or {}), **(reused or {})}
     records: list[RunRecord] = []
     real = decoded_settings(settings, max_draft)
+    # the target log-likelihood is the quality proxy of an approximate rule (SPRINTER) against exact SD; a sweep of
+    # exact rules only would spend a target forward per batch on the target's own distribution
+    likelihood = any(s.policy in APPROXIMATE_POLICIES for s in real)
     oracle_wanted = any(s.policy == "oracle" for s in settings)
     bar = tqdm(total=len(real) * len(prompts), desc="decoding runs", unit="run", disable=not progress)
     for setting in real:
@@ -182,7 +191,7 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             runs = decode_runs(engine, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
-                               head, max_new_tokens, max_draft, planner)
+                               head, max_new_tokens, max_draft, planner, likelihood)
             decoded.update(zip(chunk, runs))
             if on_batch is not None:
                 on_batch(runs)

@@ -398,9 +398,9 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     checkpoint = root / "specdecpp" / "checkpoints" / "last.ckpt"
     out = tmp_path / "report"
     checkpoint_bytes = checkpoint.read_bytes()
-    assert main(eval_args(checkpoint, data, out)) == 0
+    assert main(eval_args(checkpoint, data, out, "--sv-companion-skip-layers", "[1]")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "beta_oracle",
+    assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle",
                                        "label_ceiling", "constant"}
     for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
         assert name in metrics["offline"]["head"]
@@ -419,6 +419,9 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
         assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()
     assert "Verdict" in (out / "report.md").read_text()
+    assert "| draft_prob | yes |" in (out / "report.md").read_text()  # which scores read the drawn token
+    assert "| svip_entropy | no |" in (out / "report.md").read_text()
+    assert "| sv_companion | yes |" in (out / "report.md").read_text()
     # the typed report round-trips: read back, it is what was written, and writing it again gives the same file
     report = read_report(out)
     assert report.as_dict() == metrics and Report.from_dict(report.as_dict(), "again") == report

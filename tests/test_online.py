@@ -111,7 +111,7 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
 
     calls = []
 
-    def fake_decode_runs(engine, setting, prompts, seeds, head, max_new_tokens, max_draft, planner=None):
+    def fake_decode_runs(engine, setting, prompts, seeds, head, max_new_tokens, max_draft, planner=None, likelihood=True):
         calls.append((setting.policy, [p.prompt_id for p in prompts], planner))
         return [RunRecord(setting.policy, setting.threshold, p.prompt_id, p.split, 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
                 for p in prompts]
@@ -125,3 +125,20 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
     assert [(policy, ids) for policy, ids, _ in calls] == [("constant_k", ["b"]), ("vllm_online", ["a"]), ("vllm_online", ["b"])]
     online = [planner for policy, _, planner in calls if policy == "vllm_online"]
     assert isinstance(online[0], VllmEstimator) and online[0] is online[1] and calls[0][2] is None
+
+
+def test_the_offline_online_estimator_scores_each_token_from_the_tokens_before_it_only():
+    """eval's offline vLLM score: a token's score never depends on its own or a later outcome, it starts at vLLM's
+    prior σ(1.5) and, refitted every 100 tokens, comes to track a logistic of logit q(ŷ)."""
+    from specheads.eval.offline import vllm_online_scores
+
+    rng = np.random.default_rng(3)
+    prob = rng.uniform(0.02, 0.98, 1200)
+    label = 1 / (1 + np.exp(-(2.0 * np.log(prob / (1 - prob)) + 0.3)))
+    scores = vllm_online_scores(prob, label, seed=0)
+    changed = label.copy()
+    changed[600:] = 1 - changed[600:]
+    assert np.array_equal(vllm_online_scores(prob, changed, seed=0)[:601], scores[:601])
+    assert np.allclose(scores[:100], 1 / (1 + math.exp(-1.5)))
+    late = slice(800, None)
+    assert np.mean(np.abs(scores[late] - label[late])) < 0.08

@@ -89,7 +89,8 @@ class VllmEstimator(PassivePlanner):
     def probability(self, drafted: Drafted) -> float:
         """p_k of a drafted candidate."""
         position = min(drafted.index, self.positions)
-        return 1.0 / (1.0 + math.exp(-(self.theta[0] * drawn_logit(drafted.prob) + self.theta[position])))
+        z = float(np.clip(self.theta[0] * drawn_logit(drafted.prob) + self.theta[position], -LOGIT_CLAMP, LOGIT_CLAMP))
+        return 1.0 / (1.0 + math.exp(-z))  # clamped: a fit on one-sided outcomes may run its weights far out
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         previous = 1.0 if drafted.index == 1 else self.product.get(row, 1.0)
