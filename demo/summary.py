@@ -75,6 +75,10 @@ def decoding_line(figures: dict[str, Any]) -> str:
     if "constant_k_speedup" in d:
         line += (f" vs best constant K {d['constant_k_speedup']:.3f}x (K = {d['constant_k_threshold']:g}): "
                  f"{d['gain_vs_constant_k'] * 100:+.1f} %" + percent_interval(d.get("gain_vs_constant_k_ci")))
+    strongest = d.get("strongest_baseline")
+    if strongest and strongest != "constant_k":
+        line += (f"; vs the strongest free rule, {strongest} {d['strongest_baseline_speedup']:.3f}x: "
+                 f"{d['gain_vs_strongest_baseline'] * 100:+.1f} %" + percent_interval(d.get("gain_vs_strongest_baseline_ci")))
     if "oracle_speedup" in d:
         line += f"; oracle {d['oracle_speedup']:.3f}x"
         if d.get("beat_the_oracle"):

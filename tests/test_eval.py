@@ -203,6 +203,22 @@ def test_cost_measurement_leaves_undetermined_what_the_runs_do_not_determine():
     assert "do not determine the ratio" in measured_costs_note(costs)
 
 
+def test_the_verdict_and_the_demo_summary_name_the_strongest_free_rule_and_the_heads_margin_over_it():
+    rows = [{"policy": "head", "threshold": 0.5, "tuned": True, "modelled_speedup": 1.5},
+            {"policy": "constant_k", "threshold": 2.0, "tuned": True, "modelled_speedup": 1.4},
+            {"policy": "vllm_online", "threshold": 0.3, "tuned": True, "modelled_speedup": 1.46},
+            {"policy": "transformers", "threshold": 0.4, "tuned": True, "modelled_speedup": 1.2}]
+    decoding = {"policies": rows, "prompts": {"dev": 40, "test": 40}, "max_new_tokens": 24, "t_draft_over_t_target": 0.2,
+                "gain_intervals": {"vllm_online": [-0.01, 0.06], "constant_k": [0.02, 0.1], "transformers": [0.1, 0.4]}}
+    result, lines = decoding_verdict(decoding)
+    assert result["strongest_baseline"] == "vllm_online" and result["strongest_baseline_speedup"] == 1.46
+    assert result["gain_vs_strongest_baseline"] == pytest.approx(1.5 / 1.46 - 1)
+    assert any("strongest free rule on the test prompts is vllm_online" in line and "a free rule does as well" in line
+               for line in lines)  # its interval includes zero
+    line = decoding_line({"decoding": {**result, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
+    assert "vs the strongest free rule, vllm_online 1.460x: +2.7 % [-1.0, +6.0 %]" in line
+
+
 def test_a_decoding_verdict_on_few_test_prompts_is_called_indicative():
     def decoding(test_prompts: int) -> dict:
         rows = [{"policy": "head", "threshold": 0.5, "tuned": True, "modelled_speedup": 1.5},
