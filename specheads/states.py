@@ -8,6 +8,8 @@ hands the same state to the head, so one function serves all three.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any
 
 import torch
@@ -38,6 +40,19 @@ def check_state_layer(model: Any, state_layer: int | None) -> int | None:
         raise UsageError(f"state_layer {state_layer!r} is out of range for a draft with {count} decoder layers; "
                          f"give 1..{count} (the state after that many layers) or null (the last layer after the final norm)")
     return state_layer
+
+
+def cache_argument(model: Any) -> str:
+    """The name the decoder's forward takes its KV cache by: `cache` from transformers 5.2x on (`past_key_values`
+    still works there but warns, and goes in 5.40), `past_key_values` before."""
+    parameters = inspect.signature(type(model.get_decoder()).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a decoder forward returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def decoder_forward(model: Any, state_layer: int | None, **inputs: Any) -> tuple[Any, torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specheads.signals import output_logits
-from specheads.states import decoder_forward
+from specheads.states import cache_argument, decoder_forward, returned_cache
 
 
 class BatchCache:
@@ -23,6 +23,7 @@ class BatchCache:
     def __init__(self, model: Any, rows: int, state_layer: int | None = None):
         self.model = model
         self.state_layer = state_layer
+        self.cache_argument = cache_argument(model)
         self.device = next(model.parameters()).device
         self.cache: Any = None
         self.mask = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
@@ -61,8 +62,8 @@ class BatchCache:
         self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
         output, states = decoder_forward(self.model, self.state_layer, input_ids=input_ids.to(self.device),
                                          attention_mask=self.mask, position_ids=positions.to(self.device),
-                                         past_key_values=self.cache, use_cache=True)
-        self.cache = output.past_key_values
+                                         use_cache=True, **{self.cache_argument: self.cache})
+        self.cache = returned_cache(output)
         wanted = {row: (logits_rows or {}).get(row, 1) for row in tokens}
         index = [(row, position) for row, fed in tokens.items() for position in range(len(fed) - wanted[row], len(fed))]
         row_index = torch.tensor([r for r, _ in index], device=self.device)
