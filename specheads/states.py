@@ -9,7 +9,6 @@ hands the same state to the head, so one function serves all three.
 from __future__ import annotations
 
 import inspect
-
 from typing import Any
 
 import torch
