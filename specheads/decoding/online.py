@@ -116,7 +116,7 @@ class VllmEstimator(PassivePlanner):
         labels = np.array([float(y) for _, _, y in samples])
         theta = self.theta.copy()
         for _ in range(self.newton_steps):
-            p = 1.0 / (1.0 + np.exp(-(features @ theta)))
+            p = 1.0 / (1.0 + np.exp(-np.clip(features @ theta, -LOGIT_CLAMP, LOGIT_CLAMP)))
             gradient = features.T @ (p - labels) + self.l2 * theta
             hessian = (features * (p * (1 - p))[:, None]).T @ features + self.l2 * np.eye(len(theta))
             theta -= np.linalg.solve(hessian, gradient)
