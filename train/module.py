@@ -206,12 +206,11 @@ class AcceptanceModule(L.LightningModule):
         hidden, signals, embedding, label, mask = self.batch_inputs(batch)
         return self.head(hidden, signals, embedding), label, mask
 
-    def batch_inputs(self, batch: dict[str, Any], realised: bool = False) -> tuple[torch.Tensor, ...]:
-        """(hidden, signals, candidate embedding, label, mask) of the batch's labelled positions (`head_inputs`);
-        `realised`: an expected-acceptance head's drafted candidates with their realised acceptance, not α."""
+    def batch_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """(hidden, signals, candidate embedding, label, mask) of the batch's labelled positions (`head_inputs`)."""
         features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
         return head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
-                           self.hparams.contexts, self.embeddings, realised)
+                           self.hparams.contexts, self.embeddings)
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
@@ -266,14 +265,12 @@ class AcceptanceModule(L.LightningModule):
     def fit_calibration(self) -> None:
         """Fit the per-position calibration on the calibration prompts and keep it with the head and in the
         hyperparameters, so that every checkpoint carries the map that fits its weights. Every rank fits the same
-        map from the same ordered rows. An expected-acceptance head's map is fitted as it is judged and used: on runs
-        of consecutive drafted candidates against their realised acceptance Π min(1, p/q) (its training label α
-        is that acceptance's expectation, at every position, drafted or not)."""
+        map from the same ordered rows."""
         data = self.trainer.datamodule
         logits, accept, rows, positions, offset = [], [], [], [], 0
         for batch in data.ordered_batches("calibration", with_features=True):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            hidden, signals, embedding, label, mask = self.batch_inputs(batch, realised=self.purpose == "expect")
+            hidden, signals, embedding, label, mask = self.batch_inputs(batch)
             logits.append((self.head(hidden, signals, embedding) + self.head.logit_correction).double().cpu())
             accept.append(label.double().cpu())
             row, position = mask.nonzero(as_tuple=True)
