@@ -86,7 +86,7 @@ def companion_signals(draft: torch.nn.Module, companion: torch.nn.Module, transf
         for row, (prompt, drafted) in enumerate(zip(chunk["prompt_ids"], chunk["draft_ids"])):
             steps = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(drafted))
             q, c = logq[row, steps].exp(), logc[row, steps].exp()
-            token = torch.tensor(list(drafted)).unsqueeze(1)
+            token = torch.tensor(list(drafted), device=q.device).unsqueeze(1)
             s = torch.minimum(q, c).sum(-1)
             a = (c.gather(1, token) / q.gather(1, token).clamp_min(1e-30)).clamp(max=1.0).squeeze(1)
             result.append((s.double().cpu().numpy(), a.double().cpu().numpy()))

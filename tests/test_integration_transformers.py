@@ -5,7 +5,8 @@ line what it cannot honour."""
 import pytest
 import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import TopPLogitsWarper
 
 from specheads.errors import UsageError
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead
@@ -127,7 +128,7 @@ def test_stopping_criteria_eos_and_the_streamer_end_where_the_target_alone_ends(
     ours = target.generate(ids, do_sample=False, max_new_tokens=20, stopping_criteria=criteria,
                            custom_generate=speculative_generate, draft=draft, head=head, token_streamer=streamer)
     assert ours[0, 3:].tolist() == plain[: first + 1]
-    assert streamer.tokens == plain[: first + 1] and streamer.ended
+    assert streamer.tokens == [5, 9, 1] + plain[: first + 1] and streamer.ended  # the prompt first, as generate does
     by_eos = target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=stop,
                              custom_generate=speculative_generate, draft=draft, head=head)
     assert by_eos[0, 3:].tolist() == plain[: first + 1]
@@ -136,6 +137,8 @@ def test_stopping_criteria_eos_and_the_streamer_end_where_the_target_alone_ends(
 @pytest.mark.parametrize("options, message", [
     ({"repetition_penalty": 1.3, "do_sample": True}, "logits processor RepetitionPenaltyLogitsProcessor"),
     ({"do_sample": True, "temperature": 0.7}, "trained for sampling"),
+    ({"do_sample": True, "top_k": 0, "logits_processor": LogitsProcessorList([TopPLogitsWarper(0.9)]), "temperature": 0.7},
+     "out of that order"),
     ({"do_sample": False, "output_scores": True, "return_dict_in_generate": True}, "drop return_dict_in_generate"),
 ])
 def test_options_it_cannot_honour_are_refused_in_one_line(pair, options, message):

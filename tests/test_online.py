@@ -92,12 +92,17 @@ def test_transformers_heuristic_schedule_adds_two_after_a_full_round_and_drops_o
     assert not planner.stops(0, drafted(4, 0.1)) and planner.stops(0, drafted(5, 0.99))
     planner.observe({0: [Outcome(i, 0.5, True) for i in range(1, 6)]})
     assert planner.k == 7
-    planner.observe({0: [Outcome(1, 0.5, True), Outcome(2, 0.5, False)], 1: []})  # a row with no checked candidate
+    planner.observe({0: [Outcome(1, 0.5, True), Outcome(2, 0.5, False)]})
     assert planner.k == 6
+    planner.observe({1: []})  # a round with one token left drafts none: transformers counts that as all matched
+    assert planner.k == 8
+    planner.k = 6
     for _ in range(8):
         planner.observe({0: [Outcome(1, 0.5, False)]})
     assert planner.k == 1  # never below one candidate
-    assert make_policy("transformers_heuristic", 5).cap(100) == 100  # no cap but the tokens left
+    rule = make_policy("transformers_heuristic", 5)
+    assert rule.cap(100) == 99 and rule.cap(1) == 0  # one fewer than the tokens left, as transformers drafts
+    assert rule.stop(Drafted(index=2, prob=0.9, entropy=1.0, acceptance=1.0, ends_output=True))  # EOS ends drafting
     with pytest.raises(UsageError, match="whole number"):
         make_policy("transformers_heuristic", 2.5)
 

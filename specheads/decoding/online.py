@@ -11,9 +11,10 @@
   round the threshold is re-tuned from the request's drafted tokens and outcomes by an ROC with cost fpr + 3 · fnr,
   once they hold more than 5 tokens of both classes. The history is the request's, the threshold carries over.
 - `TransformersHeuristic`: transformers' older default schedule, `num_assistant_tokens_schedule="heuristic"` with
-  `num_assistant_tokens=5` and no confidence threshold: draft K candidates, K + 2 after a round whose candidates were
-  all accepted, otherwise max(1, K − 1). K lives on the assistant's generation config, so it carries over from one
-  request to the next; here one K serves the decode's rows in turn (at B = 1 exactly transformers' sequence).
+  `num_assistant_tokens=5` and no confidence threshold: draft K candidates (ending at a stop token, at most one fewer
+  than the tokens left, as transformers drafts), K + 2 after a round whose candidates were all accepted (a round with
+  none counts as such, as there), otherwise max(1, K − 1). K lives on the assistant's generation config, so it carries
+  over from one request to the next; here one K serves the decode's rows in turn (at B = 1 transformers' sequence).
 
 The first two scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
 for a verify budget (docs/decoding-core.md "Verify budgets").
@@ -157,6 +158,5 @@ class TransformersHeuristic(PassivePlanner):
         return drafted.index >= self.k
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
-        for checked in outcomes.values():
-            if checked:
-                self.k = self.k + 2 if all(o.accepted for o in checked) else max(1, self.k - 1)
+        for checked in outcomes.values():  # a round with no candidate (one token left) matched all of its none
+            self.k = self.k + 2 if all(o.accepted for o in checked) else max(1, self.k - 1)

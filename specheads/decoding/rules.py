@@ -240,6 +240,12 @@ class TransformersHeuristicK(StopPolicy):
     max_draft: int | None = None
     name: ClassVar[str] = "transformers_heuristic"
 
+    def cap(self, room: int) -> int:
+        return max(room - 1, 0)  # transformers drafts at most one fewer than the tokens left: the target adds the last
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.ends_output  # the assistant stops drafting at EOS
+
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.online import TransformersHeuristic
 

@@ -5,7 +5,7 @@
 
     head = load_head("user/my-head")                    # or the folder `specheads export` wrote
     out = target.generate(**inputs, custom_generate=speculative_generate, draft=draft, head=head,
-                          do_sample=True, max_new_tokens=256)
+                          do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=256)
 
 `generate` prepares the inputs, the logits processors and the stopping criteria from its arguments and the
 generation config, then calls `speculative_generate`, which runs the decoding core's round engine
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.stopping_criteria import MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.result import DecodeResult
@@ -68,15 +68,20 @@ def sampling_of(processors: LogitsProcessorList, do_sample: bool) -> SamplingTra
     values: dict[str, Any] = {}
     for processor in processors:
         if isinstance(processor, TemperatureLogitsWarper):
-            values["temperature"] = float(processor.temperature)
+            name, value = "temperature", float(processor.temperature)
         elif isinstance(processor, TopKLogitsWarper):
-            values["top_k"] = int(processor.top_k)
+            name, value = "top_k", int(processor.top_k)
         elif isinstance(processor, TopPLogitsWarper):
-            values["top_p"] = float(processor.top_p)
+            name, value = "top_p", float(processor.top_p)
         else:
             raise UsageError(f"speculative_generate does not support the logits processor {type(processor).__name__}: "
                              "it changes the target's distribution in a way the head was not trained for; use "
                              "temperature, top_k and top_p only")
+        if name in values or any(TRANSFORM_FIELDS.index(earlier) > TRANSFORM_FIELDS.index(name) for earlier in values):
+            raise UsageError("speculative_generate applies temperature, then top-k, then top-p, once each; a "
+                             "logits_processor of yours repeats one or comes out of that order: pass them as "
+                             "generate's temperature, top_k and top_p instead")
+        values[name] = value
     return SamplingTransform(**values)
 
 
@@ -116,8 +121,9 @@ def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -
     trained = None if recorded is None else SamplingTransform(**{k: recorded[k] for k in TRANSFORM_FIELDS if k in recorded})
     if trained is not None and trained != transform:
         raise UsageError(f"the head was trained for sampling {trained.as_dict()}, this generate call "
-                         f"samples with {transform.as_dict()}: its predictions describe another decoding; generate "
-                         "with the head's settings or train a head for yours")
+                         f"samples with {transform.as_dict()} (generate's defaults included: top_k=50 unless given): its "
+                         "predictions describe another decoding; pass the head's temperature, top_k and top_p, or "
+                         "train a head for yours")
 
 
 def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool) -> None:
@@ -149,11 +155,12 @@ def length_limit(stopping_criteria: StoppingCriteriaList, generation_config: Any
     return min(limits) if limits else int(generation_config.max_length)
 
 
-def stop_check_of(stopping_criteria: StoppingCriteriaList, prompts: list[list[int]], padded: torch.Tensor,
+def stop_check_of(stopping_criteria: StoppingCriteriaList, stop_ids: set[int], padded: torch.Tensor,
                   device: torch.device) -> Callable[[int, list[int]], bool] | None:
-    """The criteria other than the length limit (EOS is a stop id of the engine), checked on one row's padded prompt
-    plus its tokens so far; None when there are none."""
-    others = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    """The criteria other than the length limit and the EOS ids (the engine's stop ids), checked on one row's padded
+    prompt plus its tokens so far; None when there are none."""
+    others = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)
+                                   and not (isinstance(c, EosTokenCriteria) and set(c.eos_token_id.tolist()) <= stop_ids)])
     if not others:
         return None
 
@@ -180,9 +187,10 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))
     max_new_tokens = length_limit(stopping_criteria, generation_config) - input_ids.shape[1]
     eos = generation_config.eos_token_id
-    stop_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
     if isinstance(eos, torch.Tensor):
         stop_ids = [int(i) for i in eos.flatten().tolist()]
+    else:
+        stop_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
     seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # torch's global RNG: torch.manual_seed repeats a run
     engine = RoundEngine(model, draft, transform, stop_ids)
     policy = make_policy("head", rule.threshold, rule.max_draft or 8)
@@ -190,8 +198,10 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     def emit(request: int, tokens: list[int]) -> None:
         token_streamer.put(torch.tensor(tokens))
 
-    results = engine.decode(prompts, policy, max_new_tokens, seeds, module.to(input_ids.device),
-                            stop_check=stop_check_of(stopping_criteria, prompts, input_ids.cpu(), input_ids.device),
+    if token_streamer is not None:  # as generate does with its own streamer: the prompt first (skip_prompt drops it)
+        token_streamer.put(input_ids.cpu())
+    results = engine.decode(prompts, policy, max_new_tokens, seeds, module.to(next(draft.parameters()).device),
+                            stop_check=stop_check_of(stopping_criteria, set(stop_ids), input_ids.cpu(), input_ids.device),
                             on_emit=emit if token_streamer is not None else None)
     if token_streamer is not None:
         token_streamer.end()
