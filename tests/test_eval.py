@@ -350,6 +350,22 @@ def test_cache_cropping_gives_the_logits_of_a_fresh_forward(tiny_pair):
     assert runner.length(0) == 5 and torch.allclose(cached[-1], fresh, atol=1e-5)
 
 
+def test_a_refilled_row_is_compacted_to_the_front_of_the_cache_and_gives_the_logits_of_a_fresh_forward(tiny_pair):
+    """Continuous batching: row 0 finishes a long request and takes a short one; once most slots are masked the cache
+    is compacted, and both rows still see exactly their own tokens at their own positions."""
+    target, _ = tiny_pair
+    runner = BatchCache(target, 2)
+    runner.feed({0: [0, 1, 2, 0, 1, 1, 2, 0, 1, 2], 1: [2, 1]})
+    runner.crop_row(0, 0)  # the request finished: its slots are masked, the row takes a new prompt
+    runner.feed({0: [1, 0]})
+    runner.trim()
+    assert runner.mask.shape[1] == 2 and runner.slots == [[0, 1], [0, 1]]  # 12 slots, 4 live: compacted
+    cached = runner.feed({0: [2], 1: [0]})
+    for row, tokens in ((0, [1, 0, 2]), (1, [2, 1, 0])):
+        fresh = target(torch.tensor([tokens])).logits[0, -1].float()
+        assert torch.allclose(cached[row][0][-1], fresh, atol=1e-5), row
+
+
 POLICIES = [("constant_k", 2), ("svip", 1.0), ("confidence", 0.4), ("head", 0.5), ("oracle", 3)]
 
 

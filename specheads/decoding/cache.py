@@ -86,9 +86,32 @@ class BatchCache:
             del self.slots[row][length:]
 
     def trim(self) -> None:
-        """Crop the cache's tail of slots no row attends to any more."""
+        """Crop the cache's tail of slots no row attends to any more, and compact it once most of its slots are masked
+        (a row that took a new request masks the old one's slots; without this, attention would run over every request
+        a row has served)."""
         needed = max((slots[-1] + 1 for slots in self.slots if slots), default=0)
         extra = self.mask.shape[1] - needed
         if extra > 0 and self.cache is not None:
             self.cache.crop(-extra)
             self.mask = self.mask[:, :needed]
+        if self.cache is not None and max(self.lengths, default=0) * 2 < self.mask.shape[1]:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's slots to the front of the cache, in order (keys keep the positions they were computed at,
+        since every feed passes positions explicitly)."""
+        layers = getattr(self.cache, "layers", None)
+        if not layers or not all(getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 for layer in layers):
+            return  # a cache of another layout (sliding, recurrent): left as it is
+        width = max(self.lengths)
+        index = torch.zeros(len(self.slots), width, dtype=torch.long)
+        mask = torch.zeros(len(self.slots), width, dtype=torch.long)
+        for row, slots in enumerate(self.slots):
+            index[row, : len(slots)] = torch.tensor(slots, dtype=torch.long)
+            mask[row, : len(slots)] = 1
+        index = index.to(self.device)
+        for layer in layers:
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.mask = mask.to(self.device)
+        self.slots = [list(range(len(slots))) for slots in self.slots]
