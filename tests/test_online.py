@@ -132,6 +132,33 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
     assert isinstance(online[0], VllmEstimator) and online[0] is online[1] and calls[0][2] is None
 
 
+def test_a_sweep_decodes_transformers_rules_one_request_at_a_time_with_their_state_carried_over(monkeypatch):
+    """transformers' assisted generation is batch-1 and its threshold or K passes from one request to the next: a
+    batched sweep decodes its rules one prompt at a time with one planner, and the other rules batched."""
+    from specheads.eval import sweep
+    from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, run_sweep
+
+    calls = []
+
+    def fake_decode_runs(engine, setting, prompts, seeds, head, max_new_tokens, max_draft, planner=None, likelihood=True):
+        calls.append((setting.policy, [p.prompt_id for p in prompts], planner))
+        return [RunRecord(setting.policy, setting.threshold, p.prompt_id, p.split, 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
+                for p in prompts]
+
+    monkeypatch.setattr(sweep, "decode_runs", fake_decode_runs)
+    prompts = [DecodePrompt(name, (1,), "test") for name in "abc"]
+    settings = [Setting("constant_k", 2.0), Setting("transformers", 0.4), Setting("transformers_heuristic", 5.0),
+                Setting("vllm_online", 0.5)]
+    run_sweep(None, prompts, settings, None, 4, 3, progress=False, batch_size=3)
+    assert [(policy, ids) for policy, ids, _ in calls] == [
+        ("constant_k", ["a", "b", "c"]), ("transformers", ["a"]), ("transformers", ["b"]), ("transformers", ["c"]),
+        ("transformers_heuristic", ["a"]), ("transformers_heuristic", ["b"]), ("transformers_heuristic", ["c"]),
+        ("vllm_online", ["a", "b", "c"])]
+    for policy in ("transformers", "transformers_heuristic"):
+        planners = {id(planner) for name, _, planner in calls if name == policy}
+        assert len(planners) == 1 and None not in {planner for name, _, planner in calls if name == policy}
+
+
 def test_the_offline_online_estimator_scores_each_token_from_the_tokens_before_it_only():
     """eval's offline vLLM score: a token's score never depends on its own or a later outcome, it starts at vLLM's
     prior σ(1.5) and, refitted every 100 tokens, comes to track a logistic of logit q(ŷ)."""

@@ -14,7 +14,8 @@
   `num_assistant_tokens=5` and no confidence threshold: draft K candidates (ending at a stop token, at most one fewer
   than the tokens left, as transformers drafts), K + 2 after a round whose candidates were all accepted (a round with
   none counts as such, as there), otherwise max(1, K − 1). K lives on the assistant's generation config, so it carries
-  over from one request to the next; here one K serves the decode's rows in turn (at B = 1 transformers' sequence).
+  over from one request to the next; a sweep decodes both transformers rules one request at a time, as transformers
+  serves them (`rules.ONE_REQUEST_AT_A_TIME`).
 
 The first two scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
 for a verify budget (docs/decoding-core.md "Verify budgets").
