@@ -295,8 +295,22 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
                 cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}")
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
-        lines += ["", f"Best policy (the oracle aside): {best}.", ""]
+        lines += ["", f"Best policy (the oracle aside): {best}.", *rival_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
+
+
+def rival_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """Each batch policy against the best per-request policy at each B, with the paired interval."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["decoded"] == "live" and r["costs"] == view):
+        cells = []
+        for row in (r for r in rows if (r["policy"], r["costs"]) == (policy, view) and r.get("best_per_request")):
+            ci = row.get("vs_best_per_request_ci")
+            cells.append(f"B = {row['batch_size']}: {row['vs_best_per_request']:+.1%}"
+                         + (f" [{ci[0]:+.1%}, {ci[1]:+.1%}]" if ci else "") + f" against {row['best_per_request']}")
+        if cells:
+            lines.append(f"{policy} against the best per-request policy: " + "; ".join(cells) + ".")
+    return lines
 
 
 def change_note(row: dict[str, Any]) -> str:

@@ -145,8 +145,22 @@ def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
                                    if constant and row is not constant else None)
         gain = oracle["tokens_per_s"] - constant["tokens_per_s"] if oracle and constant else 0.0
         row["share_of_oracle_gain"] = (row["tokens_per_s"] - constant["tokens_per_s"]) / gain if gain > 0 else None
+        if row["decoded"] == "live":
+            rival = best_per_request(rows, row["batch_size"], row["costs"])
+            row["best_per_request"] = rival["policy"] if rival else None
+            row["vs_best_per_request"] = row["tokens_per_s"] / rival["tokens_per_s"] - 1 if rival else None
+            row["vs_best_per_request_ci"] = (paired_ratio_interval(row["per_request"], rival["per_request"], resamples,
+                                                                   seed) if rival else None)
     for row in rows:
         row.pop("per_request")
+
+
+def best_per_request(rows: list[dict[str, Any]], size: int, view: str) -> dict[str, Any] | None:
+    """The per-request policy (served from its runs, the oracle aside) with the highest throughput at B and view: what
+    a batch policy has to beat to be worth its coordination."""
+    rivals = [r for r in rows if (r["batch_size"], r["costs"], r["decoded"]) == (size, view, "replayed")
+              and r["policy"] != "oracle"]
+    return max(rivals, key=lambda r: r["tokens_per_s"], default=None)
 
 
 def best_per_batch_size(rows: list[dict[str, Any]]) -> dict[str, dict[int, str]]:

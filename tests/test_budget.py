@@ -199,7 +199,9 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     budget = [r for r in serving["rows"] if r["policy"] == "budget"]
     assert {(r["batch_size"], r["decoded"]) for r in budget} == {(1, "live"), (3, "live")} and "budget" not in serving["left_out"]
     assert all(r["tokens_per_s"] > 0 and r["vs_constant_k"] is not None for r in budget)
-    assert "| budget |" in (out / "report.md").read_text()
+    assert all(r["best_per_request"] not in (None, "oracle", "budget", "smartspec") for r in budget)
+    report = (out / "report.md").read_text()
+    assert "| budget |" in report and "budget against the best per-request policy: B = 1:" in report
     exported = tmp_path / "head"
     assert main(["export", "--ckpt", str(checkpoint), "--out", str(exported), "--report", str(out)]) == 0
     card = (exported / "README.md").read_text()

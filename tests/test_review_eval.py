@@ -14,7 +14,7 @@ from specheads.cli import main
 from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
 from specheads.eval import plots
-from specheads.eval.report import serving_lines
+from specheads.eval.report import rival_lines, serving_lines
 from specheads.eval.reuse import ACCOUNTING, load_reusable
 from specheads.eval.run import place, tune_on_dev
 from specheads.eval.serving import NOT_SERVED, CostCurve, request_rounds, serve
@@ -121,3 +121,25 @@ def test_the_serving_table_says_why_sprinter_is_not_in_it_and_counts_what_runs_e
     assert request_rounds(run) == [(3, 3), (3, 3), (3, 1)]
     flat = CostCurve((1, 128), (1.0, 1.0))
     assert serve([request_rounds(run)], 1, flat, flat)["tokens"] == 7
+
+
+def test_a_batch_policy_is_compared_with_the_best_per_request_policy_at_each_batch_size_and_view():
+    """The serving bar asks the verify budget to beat the best per-request policy, not only constant K: each live row
+    names that policy (the oracle aside) and its paired change against it."""
+    from specheads.eval.serving import compare
+
+    def row(policy, size, tokens, how):  # prompts 0..3, one second each, `tokens` tokens each
+        return {"policy": policy, "batch_size": size, "costs": "measured", "decoded": how,
+                "tokens_per_s": float(tokens), "per_request": {p: [float(tokens), 1.0] for p in range(4)}}
+
+    rows = [row("constant_k", 8, 10, "replayed"), row("head", 8, 12, "replayed"), row("oracle", 8, 20, "replayed"),
+            row("budget", 8, 15, "live"), row("constant_k", 32, 10, "replayed"), row("budget", 32, 9, "live")]
+    compare(rows, resamples=50, seed=0)
+    budget8, budget32 = rows[3], rows[5]
+    assert budget8["best_per_request"] == "head" and budget8["vs_best_per_request"] == pytest.approx(0.25)
+    assert budget8["vs_best_per_request_ci"] == pytest.approx([0.25, 0.25])
+    assert budget32["best_per_request"] == "constant_k" and budget32["vs_best_per_request"] == pytest.approx(-0.1)
+    assert "best_per_request" not in rows[1] and all("per_request" not in r for r in rows)
+    lines = rival_lines(rows, "measured")
+    assert lines == ["budget against the best per-request policy: B = 8: +25.0% [+25.0%, +25.0%] against head; "
+                     "B = 32: -10.0% [-10.0%, -10.0%] against constant_k."]
