@@ -214,11 +214,12 @@ def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[f
 
 
 def cumulative_calibration(table: TokenTable, calibration: PositionCalibration | None, max_positions: int,
-                           bins: int = 10) -> list[dict[str, Any]]:
+                           bins: int = 10, resamples: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     """Per round position k = 1..max_positions: AUROC, ECE and Brier of the cumulative product Π_{j≤k} â_j against the
     chance that all k candidates are accepted (Π min(1, p/q)), over every run of k consecutive drafted candidates of
     the held-out tokens, before and (when the head carries one) after its per-position calibration, with the
-    reliability bins of each."""
+    reliability bins of each and the ECE's 95 % interval over resampled prompts (`ece_ci`: its sampling noise, what
+    an ECE goal is judged against)."""
     windows = round_windows(table.row, table.position, max_positions)
     rows = []
     for stage, mapping in (("raw", None), ("calibrated", calibration)):
@@ -227,9 +228,13 @@ def cumulative_calibration(table: TokenTable, calibration: PositionCalibration |
         for k, (product, label) in enumerate(cumulative_products(table.logit, table.accept, windows, mapping), start=1):
             if not len(label):
                 continue
+            group = table.group[windows[k - 1][:, 0]]
             rows.append({"k": k, "stage": stage, "windows": len(label), "mean_label": float(label.mean()),
                          "mean_prediction": float(product.mean()), "auroc": soft_auc(label, product),
-                         "ece": expected_calibration_error(label, product, bins), "brier": brier(label, product),
+                         "ece": expected_calibration_error(label, product, bins),
+                         "ece_ci": interval([expected_calibration_error(label[index], product[index], bins)
+                                             for index in bootstrap_indices(group, resamples, seed)]),
+                         "brier": brier(label, product),
                          "bins": {name: [float(v) for v in values]
                                   for name, values in calibration_bins(label, product, bins).items()}})
     return rows

@@ -261,11 +261,17 @@ def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> l
              "Π_{j≤k} â_j against Π_{j≤k} min(1, p/q), the chance that candidates 1..k are all accepted, over every run "
              "of k consecutive drafted candidates (windows); `calibrated` applies the head's per-position map, fitted on "
              "calibration prompts that are not among these.", "",
-             "| k | stage | windows | mean label | mean Π â | AUROC | ECE | Brier |", "|---|---|---|---|---|---|---|---|"]
+             "| k | stage | windows | mean label | mean Π â | AUROC | ECE [95 % over prompts] | Brier |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['k']} | {r['stage']} | {r['windows']:,} | {fmt(r['mean_label'])} | {fmt(r['mean_prediction'])} "
-              f"| {fmt(r['auroc'])} | {fmt(r['ece'])} | {fmt(r['brier'])} |"
+              f"| {fmt(r['auroc'])} | {fmt(r['ece'])}{ci_note(r.get('ece_ci'))} | {fmt(r['brier'])} |"
               for r in sorted(rows, key=lambda r: (r["k"], r["stage"] != "raw"))]
     return [*lines, "", f"![Cumulative reliability]({plot})", ""]
+
+
+def ci_note(ci: list[float] | None) -> str:
+    """' [lo, hi]' to three decimals, or nothing."""
+    return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
 def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]:

@@ -385,7 +385,8 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])
         decoding.section["prompts_dropped_as_seen_in_training"] = dropped
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
-    cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft)
+    cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,
+                                         seed=config.seed)
                   if trained.purpose in STOP_PURPOSES else None)
     report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"], cumulative=cumulative,
                     offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),

@@ -212,3 +212,26 @@ def test_trained_calibration_travels_from_checkpoint_to_report_and_export(traine
     loaded, _ = load_head(str(exported))
     hidden, signals, embedding = torch.randn(3, 32), torch.randn(3, 4), torch.randn(3, 32)
     assert torch.equal(loaded.predict(hidden, signals, embedding, 2), head.head.predict(hidden, signals, embedding, 2))
+
+
+def test_the_cumulative_ece_carries_its_sampling_noise_over_prompts():
+    """An ECE goal is judged against the ECE's own noise: each k's row has a 95 % interval over resampled prompts,
+    which is the point itself when every window belongs to one prompt, and wider on 40 prompts than on 400."""
+    from specheads.eval.offline import TokenTable, cumulative_calibration
+
+    logits, accept, row, position = synthetic_rounds(2, rows=400, width=6)
+
+    def table(rows, prompts):
+        keep = row < rows
+        zeros = np.zeros(int(keep.sum()))
+        return TokenTable(label=accept[keep], prediction=1 / (1 + np.exp(-logits[keep])), logit=logits[keep], logp=zeros,
+                          logq=zeros, entropy=zeros, top1=zeros, beta=zeros, accept=accept[keep],
+                          group=row[keep] % prompts, row=row[keep], position=position[keep], prompts=prompts)
+
+    one = cumulative_calibration(table(400, 1), None, 3, resamples=30)
+    assert all(r["ece_ci"] == [pytest.approx(r["ece"])] * 2 for r in one)
+    many = {r["k"]: r for r in cumulative_calibration(table(400, 400), None, 3, resamples=200)}
+    few = {r["k"]: r for r in cumulative_calibration(table(40, 40), None, 3, resamples=200)}
+    for k in (1, 2, 3):
+        (low, high), (few_low, few_high) = many[k]["ece_ci"], few[k]["ece_ci"]
+        assert 0 <= low < high and high - low < (few_high - few_low) / 2
