@@ -11,7 +11,7 @@ from specheads.errors import UsageError
 from specheads.report_file import REPORT_FILE
 
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
-               "head": "head_thresholds", "vllm_online": "head_thresholds",
+               "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
 
 
@@ -53,9 +53,10 @@ class EvalConfig:
             configs/train/expected-acceptance.yaml on data from the same pair) for the verify budget in the serving
             table; not needed when the evaluated head is one.
         budget_floor: the verify budget stops a row's drafting once its predicted survival Π α̂ falls below this.
-        sv_companion_skip_layers: score SV's companion predictor offline (eval.companion) with the target minus these
-            layers as the companion (on the embedded pair 22-23: the draft's size, another pair skipped); off unless
-            given.
+        sv_companion_skip_layers: SV's companion predictor (eval.companion) with the target minus these layers as
+            the companion (on the embedded pair 22-23: the draft's size, another pair skipped): scored offline and,
+            for a stop head, decoded as the `sv_companion` stop rule on the head's thresholds (its companion forwards
+            counted as draft forwards); off unless given.
         reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.

@@ -13,6 +13,7 @@ import torch
 from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.companion import Companion
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
 from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
@@ -200,7 +201,8 @@ def tune_on_dev(dev: list[dict[str, Any]], table: TokenTable, purpose: str,
 
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
-           table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any]) -> Decoding:
+           table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any],
+           companion: Companion | None = None) -> Decoding:
     """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them, and the runs an interrupted
     eval into `config.out` finished: eval.journal), measure the costs, tune on dev (or take the thresholds
     `config.tuned_from` tuned), and report on test. `identity` is the data manifest's."""
@@ -215,10 +217,12 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
-        config.head_thresholds, config.sprinter_thresholds, config.constant_ks)
+        config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
+    if companion is None and any(s.policy == "sv_companion" for s in settings):
+        raise UsageError(f"{config.tuned_from} tuned SV's companion rule; give --sv-companion-skip-layers as that eval did")
     journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
-    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer))
+    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion)
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
     costs = measure_costs(records)
@@ -366,10 +370,12 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
+    companion = None
     if config.sv_companion_skip_layers:
-        companion = without_layers(pair.target, list(config.sv_companion_skip_layers))
-        table.sv_companion, _ = sv_companion_scores(pair.draft, companion, transform, data.splits["train"],
-                                                    data.splits["val"], table.row, table.position)
+        model = without_layers(pair.target, list(config.sv_companion_skip_layers))
+        table.sv_companion, bins = sv_companion_scores(pair.draft, model, transform, data.splits["train"],
+                                                       data.splits["val"], table.row, table.position)
+        companion = Companion(model, bins) if trained.purpose in STOP_PURPOSES else None  # also decoded, as a stop rule
     offline = offline_metrics(table, config.bootstrap, config.seed)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
@@ -382,7 +388,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         if len({p.split for p in prompts}) < (1 if config.tuned_from else 2):
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
-        decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"])
+        decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"], companion)
         decoding.section["prompts_dropped_as_seen_in_training"] = dropped
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,

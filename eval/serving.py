@@ -39,7 +39,9 @@ from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measu
 __all__ = ["CostCurve", "measure_cost_curve"]
 
 NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and lets the other drafted tokens pass "
-                          "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices"}
+                          "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices",
+              "sv_companion": "its companion runs a forward beside each draft forward, which this model's round cost "
+                              "(draft steps and one target forward) does not price"}
 BATCH_POLICIES = ("budget", "smartspec")
 
 LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]

@@ -101,9 +101,10 @@ FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristi
 
 def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
                      head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
-                     constant_ks: Iterable[int] | None = None) -> list[Setting]:
-    """The sweep for a head of `purpose`: constant K, SVIP, confidence, the head and the oracle (stop heads), or
-    constant K beside the SPRINTER loop (verifiers)."""
+                     constant_ks: Iterable[int] | None = None, companion: bool = False) -> list[Setting]:
+    """The sweep for a head of `purpose`: constant K, SVIP, confidence, the field's free rules, SV's companion
+    predictor where a companion runs (`companion`), the head and the oracle (stop heads), or constant K beside the
+    SPRINTER loop (verifiers)."""
     head_thresholds = HEAD_THRESHOLDS if head_thresholds is None else head_thresholds
     sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
     ks = sorted(set(constant_ks)) if constant_ks else sorted({k for k in CONSTANT_KS if k <= max_draft} | {max_draft})
@@ -112,6 +113,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
+        if companion:
+            settings += [Setting("sv_companion", t) for t in head_thresholds]  # 1 − Π p̂_k > h, as the head's rule
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))
     else:

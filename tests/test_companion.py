@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_eval import tiny_lm
 
-from specheads.eval.companion import companion_signals, equal_count_edges, profile
+from specheads.decoding.companion import equal_count_edges, profile
+from specheads.eval.companion import companion_signals
 from specheads.sampling import SamplingTransform
 
 
@@ -40,3 +41,55 @@ def test_equal_count_bins_predict_each_cells_mean_acceptance():
     assert np.corrcoef(table.predict(s, a), accept)[0, 1] > 0.9
     edges = equal_count_edges(np.array([0.5] * 50 + [0.9] * 50), 10)
     assert len(edges) == 3  # 9 quantiles of two tied values: 0.5, the midpoint, 0.9
+
+
+# ---- SV's companion predictor as a stop rule in the round engine
+
+def test_a_companion_that_is_the_draft_agrees_at_every_step_so_the_rule_drafts_like_constant_k_max():
+    """The companion's cache follows the draft's through rounds, rejections and refilled rows: a companion with the
+    draft's weights gives c = q at every step (S = 1), which these bins score 1, so SV's rule never stops early and
+    decodes exactly as constant K_max, with one companion forward beside each draft forward. Any step fed the wrong
+    context gives S < 1 (beyond float32 rounding of the logits), scored 0, and the rule would stop there."""
+    from test_batched import PROMPTS, VOCAB
+
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.decoding.companion import BinTable, Companion
+
+    target, draft = tiny_lm(seed=11, vocab=VOCAB, init=0.5).double(), tiny_lm(seed=12, vocab=VOCAB, init=0.5).double()
+    twin = tiny_lm(seed=12, vocab=VOCAB, init=0.5).double()
+    agree_only = BinTable(np.array([1 - 1e-5]), np.array([]), np.array([[0.0], [1.0]]))
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[5, 9], companion=Companion(twin, agree_only))
+    seeds = [100 + i for i in range(len(PROMPTS))]
+    constant = engine.decode(PROMPTS, make_policy("constant_k", 4, max_draft=4), 14, seeds)
+    for batch_size in (None, 2):  # all rows together, and two rows refilled from the queue
+        sv = engine.decode(PROMPTS, make_policy("sv_companion", 0.5, max_draft=4), 14, seeds, batch_size=batch_size)
+        assert [r.tokens for r in sv] == [r.tokens for r in constant]
+        assert [r.companion_forwards for r in sv] == [r.draft_forwards for r in constant]
+        assert [r.draft_forwards for r in sv] == [2 * r.draft_forwards for r in constant]  # companion priced as draft
+    pessimist = BinTable(np.array([]), np.array([]), np.array([[0.3]]))  # 1 − 0.3 > 0.5 after every candidate
+    engine.companion = Companion(twin, pessimist)
+    one = engine.decode(PROMPTS, make_policy("constant_k", 1, max_draft=4), 14, seeds)
+    assert [r.tokens for r in engine.decode(PROMPTS, make_policy("sv_companion", 0.5, 4), 14, seeds)] == [r.tokens for r in one]
+
+
+def test_the_companion_stop_rule_leaves_the_target_distribution_unchanged_and_needs_a_companion():
+    from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities
+
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.decoding.companion import Companion, profile
+    from specheads.errors import UsageError
+
+    target, draft, companion = tiny_lm(seed=1), tiny_lm(seed=2), tiny_lm(seed=7)
+    transform = SamplingTransform(1.0)
+    rng = np.random.default_rng(0)
+    s, a = rng.uniform(size=2000), rng.uniform(size=2000)
+    bins = profile(s, a, np.clip(s * a + rng.normal(0, 0.1, 2000), 0, 1), s_bins=5, a_bins=5)  # stops vary with S, A
+    engine = RoundEngine(target, draft, transform, stop_ids=[], companion=Companion(companion, bins))
+    rule = make_policy("sv_companion", 0.5, max_draft=3)
+    results = [r for first in range(0, 500, 100)
+               for r in engine.decode([PROMPT] * 100, rule, LENGTH, list(range(first, first + 100)))]
+    assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform)) > 1e-3
+    rounds = [d for r in results for d in r.drafted_per_round]
+    assert 1 in rounds and 3 in rounds  # the rule did stop early in some rounds and not in others
+    with pytest.raises(UsageError, match="companion"):
+        RoundEngine(target, draft, transform, stop_ids=[]).decode([PROMPT], rule, LENGTH, [0])

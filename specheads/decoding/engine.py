@@ -28,11 +28,13 @@ from typing import Any
 import torch
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.companion import Companion
 from specheads.decoding.costs import RoundRecord, ServingCosts
 from specheads.decoding.online import Outcome
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
+from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.sampling import SamplingTransform
 from specheads.signals import signal_log_probs, signal_statistics
@@ -98,9 +100,9 @@ class ServedBatch:
     request finished takes the next prompt of the queue (its cache rows are cleared; continuous batching)."""
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
-                 target: BatchCache):
+                 target: BatchCache, companion: BatchCache | None = None):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
-        self.draft, self.target = draft, target
+        self.draft, self.target, self.companion = draft, target, companion
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
         self.queue = deque(range(len(prompts)))
         rows = len(draft.slots)
@@ -109,10 +111,16 @@ class ServedBatch:
         self.generated: list[list[int]] = [[] for _ in range(rows)]
         self.generators: list[torch.Generator | None] = [None] * rows
         self.first_forward = [0] * rows
+        self.first_companion_forward = [0] * rows
         self.on_admit: Any = None
         self.finished: list[int] = []
         for row in range(rows):
             self.admit(row)
+
+    @property
+    def caches(self) -> list[BatchCache]:
+        """Every model's cache: the draft's, the target's and the companion's where one runs."""
+        return [self.draft, self.target, *([self.companion] if self.companion is not None else [])]
 
     @property
     def live(self) -> list[int]:
@@ -133,11 +141,13 @@ class ServedBatch:
             request = self.queue.popleft()
             if self.max_new_tokens <= 0:
                 continue
-            self.draft.crop_row(row, 0)
-            self.target.crop_row(row, 0)
+            for cache in self.caches:
+                cache.crop_row(row, 0)
             self.request[row], self.tokens[row], self.generated[row] = request, list(self.prompts[request]), []
             self.generators[row] = torch.Generator().manual_seed(self.seeds[request])
             self.first_forward[row] = self.draft.forwards[row]
+            if self.companion is not None:
+                self.first_companion_forward[row] = self.companion.forwards[row]
             if self.on_admit is not None:
                 self.on_admit(row)
             return
@@ -151,6 +161,9 @@ class ServedBatch:
             result = self.result(row)
             result.emitted, result.tokens = len(self.generated[row]), list(self.generated[row])
             result.draft_forwards = self.draft.forwards[row] - self.first_forward[row]
+            if self.companion is not None:  # SV's companion is of the draft's size: its forwards are draft forwards
+                result.companion_forwards = self.companion.forwards[row] - self.first_companion_forward[row]
+                result.draft_forwards += result.companion_forwards
             self.finished.append(row)
 
     def refill(self) -> None:
@@ -163,8 +176,10 @@ class ServedBatch:
 class RoundEngine:
     """A draft/target pair and the sampling transform, ready to decode prompts under any rule."""
 
-    def __init__(self, target: Any, draft: Any, transform: SamplingTransform, stop_ids: list[int]):
+    def __init__(self, target: Any, draft: Any, transform: SamplingTransform, stop_ids: list[int],
+                 companion: Companion | None = None):
         self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
+        self.companion = companion  # SV's companion predictor, for the rules that read it
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
@@ -179,11 +194,15 @@ class RoundEngine:
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
         rule.check_head(head)
+        if rule.reads_companion and self.companion is None:
+            raise UsageError(f"the {rule.name} rule reads SV's companion predictor; build the engine with a companion "
+                             "(eval: --sv-companion-skip-layers)")
         start = time.perf_counter()
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
         draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
         target = BatchCache(self.target, slots)
-        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target)
+        companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
+        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
             for row in batch.live:
@@ -197,7 +216,7 @@ class RoundEngine:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
             rounds = {row: RowRound(cap=caps[row]) for row in live}
-            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner)
+            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
             lengths = planner.verify_lengths({row: [d.acceptance for d in rounds[row].seen] for row in live}) if planner else None
             for row, length in (lengths or {}).items():
                 rounds[row].keep(length)
@@ -227,8 +246,8 @@ class RoundEngine:
                 record.drafted.append(accepted if rule.hindsight else this.drafted)
                 record.verified.append(accepted if rule.hindsight else verified[row])
                 record.emitted.append(len(emitted))
-                target.crop_row(row, len(batch.tokens[row]) + accepted)
-                draft.crop_row(row, len(batch.tokens[row]) + accepted)
+                for cache in batch.caches:
+                    cache.crop_row(row, len(batch.tokens[row]) + accepted)
                 if on_emit is not None and emitted:
                     on_emit(batch.request[row], emitted)
                 batch.emit(row, emitted, ended)
@@ -237,8 +256,8 @@ class RoundEngine:
             batch.refill()  # after `observe`: a new request's history starts empty
             if log is not None:
                 log.append(record)
-            draft.trim()
-            target.trim()
+            for cache in batch.caches:
+                cache.trim()
         return self._finish(batch.results, start, draft, target)
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
@@ -253,12 +272,16 @@ class RoundEngine:
         return len(this.candidates) if rule.bonus else len(this.candidates) - 1
 
     def _draft(self, rounds: dict[int, RowRound], tokens: list[list[int]], draft: BatchCache, rule: StopPolicy,
-               head: AcceptanceHead | None, generators: list[torch.Generator], planner: Any = None) -> None:
-        """Draft every row's candidates until the rule, the planner or the cap ends its round."""
+               head: AcceptanceHead | None, generators: list[torch.Generator], planner: Any = None,
+               companion: BatchCache | None = None) -> None:
+        """Draft every row's candidates until the rule, the planner or the cap ends its round; the companion, where
+        one runs, reads what the draft reads, one forward per draft forward."""
         pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
+        beside = {row: tokens[row][companion.length(row):] for row in pending} if companion is not None else {}
         while pending:
             drawn = self._draw_rows(draft.feed(pending), generators)
-            scores = self._head_scores(head, drawn, rounds)
+            scores = (self._companion_scores(companion.feed(beside), drawn) if companion is not None
+                      else self._head_scores(head, drawn, rounds))
             for row, candidate in drawn.items():
                 this = rounds[row]
                 this.drafted += 1
@@ -272,8 +295,11 @@ class RoundEngine:
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]
+                    beside.pop(row, None)
                 else:
                     pending[row], this.previous = [candidate.token], candidate.signals
+                    if companion is not None:
+                        beside[row] = [candidate.token]
 
     def _draw_rows(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
                    generators: list[torch.Generator]) -> dict[int, Drawn]:
@@ -284,6 +310,14 @@ class RoundEngine:
             token = draw(logq_all, generators[row])
             drawn[row] = Drawn(token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
         return drawn
+
+    def _companion_scores(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                          drawn: dict[int, Drawn]) -> dict[int, float]:
+        """SV's prediction per drafting row for the candidate just drawn, from the companion's logits at its step."""
+        assert self.companion is not None
+        return {row: self.companion.score(candidate.logq_all, self.transform.log_probs(outputs[row][0][-1]),
+                                          candidate.token)
+                for row, candidate in drawn.items()}
 
     def _head_scores(self, head: AcceptanceHead | None, drawn: dict[int, Drawn],
                      rounds: dict[int, RowRound]) -> dict[int, float]:

@@ -78,6 +78,8 @@ class StopPolicy:
         """The batch-level planner of a decode (`specheads.decoding.planners`); None for a per-row rule."""
         return None
 
+    reads_companion: ClassVar[bool] = False  # SV's companion predictor scores the candidates
+
     def check_head(self, head: Any) -> None:
         """Refuse a head this rule cannot use."""
         if self.reads_head and head is None:
@@ -124,6 +126,20 @@ class HeadStop(StopPolicy):
 
     name: ClassVar[str] = "head"
     reads_head: ClassVar[bool] = True
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return 1.0 - drafted.acceptance > self.threshold
+
+
+@dataclass(frozen=True)
+class SvCompanionStop(StopPolicy):
+    """SV's companion predictor as a stop rule (`specheads.decoding.companion`): the companion runs beside the draft
+    and scores each candidate when it is drafted; stop when 1 − Π p̂ exceeds h, as the head's rule. Its prediction
+    reads the drawn token, so it ends drafting (exact) and never ranks drafted positions. Each companion forward is
+    counted as a draft forward (SV's companion is of the draft's size)."""
+
+    name: ClassVar[str] = "sv_companion"
+    reads_companion: ClassVar[bool] = True
 
     def signal_says_stop(self, drafted: Drafted) -> bool:
         return 1.0 - drafted.acceptance > self.threshold
@@ -254,9 +270,9 @@ class TransformersHeuristicK(StopPolicy):
 
 RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
                                                                  VerifyBudget, SmartSpecK, VllmOnline, TransformersDefault,
-                                                                 TransformersHeuristicK)}
+                                                                 TransformersHeuristicK, SvCompanionStop)}
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers",
-                 "transformers_heuristic")
+                 "transformers_heuristic", "sv_companion")
 ONLINE_POLICIES = ("vllm_online", "transformers", "transformers_heuristic")
 ONE_REQUEST_AT_A_TIME = ("transformers", "transformers_heuristic")
 """Rules of a decoder that serves one request at a time (transformers' assisted generation is batch-1): a sweep
@@ -266,7 +282,8 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "confidence": "draft confidence at its best threshold",
              "vllm_online": "vLLM's online acceptance estimator at its best threshold",
              "transformers": "transformers' assisted-generation default (confidence 0.4, re-tuned by ROC)",
-             "transformers_heuristic": "transformers' older heuristic schedule (K from 5, +2 / −1)"}
+             "transformers_heuristic": "transformers' older heuristic schedule (K from 5, +2 / −1)",
+             "sv_companion": "SV's companion predictor at its best threshold (its forwards counted as draft forwards)"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
 TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
 BATCH_POLICIES = ("budget", "smartspec")

@@ -1,0 +1,84 @@
+"""SV's companion predictor (Speculative Verification §4.2): a second small model beside the draft scores each drafted
+token from how the two agree.
+
+For a drafted token ŷ at a step with draft distribution q and companion distribution c (both under the decoding's
+sampling transform) SV observes
+- S = Σ_v min(q_v, c_v): how well draft and companion agree at that step;
+- A = min(1, c(ŷ)/q(ŷ)): the token's acceptance were the companion the target.
+Each is cut into equal-count bins on a profiling run (SV: 10–30 bins of S, 10–20 of A) and a token's prediction is
+the mean acceptance of its (S, A) cell there (`BinTable`). eval profiles the bins on training rows
+(`specheads.eval.companion`) and scores held-out tokens offline; the round engine runs the companion beside the draft
+(one companion forward per draft forward, its own KV cache) for the `sv_companion` stop rule.
+
+A reads the drawn token, so the prediction may end a round's drafting (exact) but not rank drafted positions for a
+verify budget (docs/decoding-core.md "Verify budgets").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+S_BINS, A_BINS = 20, 15
+"""Bins of S and A (inside SV's ranges, 10–30 and 10–20)."""
+
+
+@dataclass
+class BinTable:
+    """SV's profile: the bin edges of S and A and the mean acceptance of each (S, A) cell (the profile's mean where a
+    cell is empty)."""
+
+    s_edges: np.ndarray
+    a_edges: np.ndarray
+    means: np.ndarray
+
+    def predict(self, s: np.ndarray, a: np.ndarray) -> np.ndarray:
+        """The cell mean of each token."""
+        return self.means[cell(self.s_edges, s), cell(self.a_edges, a)]
+
+
+def equal_count_edges(values: np.ndarray, bins: int) -> np.ndarray:
+    """Inner edges that cut `values` into `bins` bins holding about as many values each (ties merge bins)."""
+    return np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)[1:-1]))
+
+
+def cell(edges: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The bin of each value."""
+    return np.searchsorted(edges, values, side="right")
+
+
+def profile(s: np.ndarray, a: np.ndarray, accept: np.ndarray, s_bins: int = S_BINS, a_bins: int = A_BINS) -> BinTable:
+    """SV's bins and cell means from a profiling set."""
+    s_edges, a_edges = equal_count_edges(s, s_bins), equal_count_edges(a, a_bins)
+    rows, columns = cell(s_edges, s), cell(a_edges, a)
+    sums = np.zeros((len(s_edges) + 1, len(a_edges) + 1))
+    counts = np.zeros_like(sums)
+    np.add.at(sums, (rows, columns), accept)
+    np.add.at(counts, (rows, columns), 1)
+    means = np.where(counts > 0, sums / np.maximum(counts, 1), accept.mean())
+    return BinTable(s_edges, a_edges, means)
+
+
+def agreement(q: torch.Tensor, c: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SV's (S, A) of drafted tokens: `q`, `c` the draft's and the companion's probabilities [..., V], `token` the
+    drafted token [...]."""
+    s = torch.minimum(q, c).sum(-1)
+    index = token.unsqueeze(-1)
+    a = (c.gather(-1, index) / q.gather(-1, index).clamp_min(1e-30)).clamp(max=1.0).squeeze(-1)
+    return s, a
+
+
+@dataclass
+class Companion:
+    """A companion model and the bins profiled for it: what the round engine needs to run SV's predictor."""
+
+    model: Any
+    table: BinTable
+
+    def score(self, logq_all: torch.Tensor, logc_all: torch.Tensor, token: int) -> float:
+        """SV's prediction for a drafted `token` from the draft's and the companion's log-probabilities at its step."""
+        s, a = agreement(logq_all.exp(), logc_all.exp(), torch.tensor(token, device=logq_all.device))
+        return float(self.table.predict(np.array([float(s)]), np.array([float(a)]))[0])
