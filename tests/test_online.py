@@ -107,12 +107,10 @@ def test_transformers_heuristic_schedule_adds_two_after_a_full_round_and_drops_o
         make_policy("transformers_heuristic", 2.5)
 
 
-def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monkeypatch):
-    """Resuming a sweep takes finished runs of the per-row rules, but a rule that learns at run time from the runs
-    before it is decoded again whole, so that its runs are those of an uninterrupted sweep; its state is handed from
-    one batch of the setting to the next."""
+def recorded_decodes(monkeypatch) -> list:
+    """Replace the sweep's decoding by one that records (policy, prompt ids, planner) per call and returns runs."""
     from specheads.eval import sweep
-    from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, run_sweep
+    from specheads.eval.sweep import RunRecord
 
     calls = []
 
@@ -122,6 +120,16 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
                 for p in prompts]
 
     monkeypatch.setattr(sweep, "decode_runs", fake_decode_runs)
+    return calls
+
+
+def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monkeypatch):
+    """Resuming a sweep takes finished runs of the per-row rules, but a rule that learns at run time from the runs
+    before it is decoded again whole, so that its runs are those of an uninterrupted sweep; its state is handed from
+    one batch of the setting to the next."""
+    from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, run_sweep
+
+    calls = recorded_decodes(monkeypatch)
     prompts = [DecodePrompt("a", (1,), "dev"), DecodePrompt("b", (2,), "test")]
     settings = [Setting("constant_k", 2.0), Setting("vllm_online", 0.5)]
     finished = {(s.policy, s.threshold, "a"): RunRecord(s.policy, s.threshold, "a", "dev", 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
@@ -135,17 +143,9 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
 def test_a_sweep_decodes_transformers_rules_one_request_at_a_time_with_their_state_carried_over(monkeypatch):
     """transformers' assisted generation is batch-1 and its threshold or K passes from one request to the next: a
     batched sweep decodes its rules one prompt at a time with one planner, and the other rules batched."""
-    from specheads.eval import sweep
-    from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, run_sweep
+    from specheads.eval.sweep import DecodePrompt, Setting, run_sweep
 
-    calls = []
-
-    def fake_decode_runs(engine, setting, prompts, seeds, head, max_new_tokens, max_draft, planner=None, likelihood=True):
-        calls.append((setting.policy, [p.prompt_id for p in prompts], planner))
-        return [RunRecord(setting.policy, setting.threshold, p.prompt_id, p.split, 3, 2, 1, 1, 2, 0.1, 0.1, [1], -1.0)
-                for p in prompts]
-
-    monkeypatch.setattr(sweep, "decode_runs", fake_decode_runs)
+    calls = recorded_decodes(monkeypatch)
     prompts = [DecodePrompt(name, (1,), "test") for name in "abc"]
     settings = [Setting("constant_k", 2.0), Setting("transformers", 0.4), Setting("transformers_heuristic", 5.0),
                 Setting("vllm_online", 0.5)]
