@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
-from specheads.decoding.rules import ONE_REQUEST_AT_A_TIME, ONLINE_POLICIES
+from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
 from specheads.heads import STOP_PURPOSES, AcceptanceHead
@@ -166,8 +166,8 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
               reused: dict[RunKey, RunRecord] | None = None, batch_size: int = 1,
               finished: dict[RunKey, RunRecord] | None = None,
               on_batch: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
-    """Decode every prompt under every setting, `batch_size` prompts at a time (one at a time for the rules of a
-    batch-1 decoder, `ONE_REQUEST_AT_A_TIME`; the oracle is read off the constant K_max runs); a run found in `reused`
+    """Decode every prompt under every setting, `batch_size` prompts at a time (the oracle is read off the constant
+    K_max runs); a run found in `reused`
     (keyed by policy, threshold and prompt id; eval.reuse) or in `finished` (runs an interrupted sweep of this context
     decoded; eval.journal) is taken from there instead. `on_batch` receives each batch of runs as it finishes. Prompt
     number i is decoded with seed `seed · 1 000 003 + i` whatever the batch it sits in."""
@@ -191,9 +191,8 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
         # a rule that adapts at run time keeps learning over the setting's batches, as in one long-running server
         planner = make_policy(setting.policy, setting.threshold, max_draft).planner(None) \
             if setting.policy in ONLINE_POLICIES else None
-        size = 1 if setting.policy in ONE_REQUEST_AT_A_TIME else batch_size
-        for start in range(0, len(todo), size):
-            chunk = todo[start : start + size]
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
             runs = decode_runs(engine, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
                                head, max_new_tokens, max_draft, planner, likelihood)
             decoded.update(zip(chunk, runs))

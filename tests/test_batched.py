@@ -31,7 +31,8 @@ def heads64():
 
 
 SETTINGS = [("constant_k", 3, None), ("svip", 1.2, None), ("confidence", 0.3, None), ("oracle", 4, None),
-            ("head", 0.5, "lagged"), ("head", 0.4, "on_time")]
+            ("head", 0.5, "lagged"), ("head", 0.4, "on_time"), ("transformers", 0.4, None),
+            ("transformers_heuristic", 5, None)]  # transformers' rules keep each request's state, as its generate
 
 
 @pytest.mark.parametrize("stop_ids", [[], STOPS], ids=["no-stop-token", "stop-tokens"])

@@ -71,35 +71,39 @@ def test_the_vllm_estimator_never_reads_an_outcome_from_the_future():
 def test_transformers_confidence_retunes_by_roc_from_the_requests_own_history():
     rule = TransformersConfidence()
     rule.admit(0)
-    assert rule.threshold == 0.4 and rule.stops(0, drafted(1, 0.39)) and not rule.stops(0, drafted(1, 0.41))
+    rule.admit(1)
+    assert rule.threshold[0] == 0.4 and rule.stops(0, drafted(1, 0.39)) and not rule.stops(0, drafted(1, 0.41))
     outcomes = [Outcome(1, 0.9, True), Outcome(2, 0.8, True), Outcome(3, 0.3, False)]
     rule.observe({0: outcomes})
-    assert rule.threshold == 0.4  # 3 tokens: not yet more than 5
+    assert rule.threshold[0] == 0.4  # 3 tokens: not yet more than 5
     more = [Outcome(1, 0.7, True), Outcome(2, 0.6, True), Outcome(3, 0.65, False)]
     rule.observe({0: more})
     probs, matches = [0.9, 0.8, 0.3, 0.7, 0.6, 0.65], [1, 1, 0, 1, 1, 0]
     fpr, tpr, thresholds = roc_curve(matches, probs)
-    assert rule.threshold == pytest.approx(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
-    carried = rule.threshold
-    rule.admit(0)  # a new request starts an empty history from the threshold the last one tuned
-    assert rule.history[0] == ([], []) and rule.threshold == carried
+    assert rule.threshold[0] == pytest.approx(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0)) != 0.4
+    assert rule.threshold[1] == 0.4  # another request's row keeps its own threshold
+    rule.admit(0)  # a new request starts again from 0.4 with an empty history, as each generate call of transformers
+    assert rule.history[0] == ([], []) and rule.threshold[0] == 0.4
     assert make_policy("transformers", 0.4).max_draft == 20 and make_policy("transformers", 0.4).cap(100) == 20
 
 
 def test_transformers_heuristic_schedule_adds_two_after_a_full_round_and_drops_one_otherwise():
     planner = make_policy("transformers_heuristic", 5).planner(None)
-    assert isinstance(planner, TransformersHeuristic) and planner.k == 5
+    planner.admit(0)
+    planner.admit(1)
+    assert isinstance(planner, TransformersHeuristic) and planner.k[0] == 5
     assert not planner.stops(0, drafted(4, 0.1)) and planner.stops(0, drafted(5, 0.99))
     planner.observe({0: [Outcome(i, 0.5, True) for i in range(1, 6)]})
-    assert planner.k == 7
+    assert planner.k[0] == 7
     planner.observe({0: [Outcome(1, 0.5, True), Outcome(2, 0.5, False)]})
-    assert planner.k == 6
+    assert planner.k == {0: 6, 1: 5}  # each request its own K
     planner.observe({1: []})  # a round with one token left drafts none: transformers counts that as all matched
-    assert planner.k == 8
-    planner.k = 6
+    assert planner.k[1] == 7
     for _ in range(8):
         planner.observe({0: [Outcome(1, 0.5, False)]})
-    assert planner.k == 1  # never below one candidate
+    assert planner.k[0] == 1  # never below one candidate
+    planner.admit(0)  # a new request starts from 5 again, as each generate call of transformers
+    assert planner.k[0] == 5
     rule = make_policy("transformers_heuristic", 5)
     assert rule.cap(100) == 99 and rule.cap(1) == 0  # one fewer than the tokens left, as transformers drafts
     assert rule.stop(Drafted(index=2, prob=0.9, entropy=1.0, acceptance=1.0, ends_output=True))  # EOS ends drafting
@@ -138,25 +142,6 @@ def test_a_partly_finished_run_time_setting_is_decoded_again_from_its_start(monk
     assert [(policy, ids) for policy, ids, _ in calls] == [("constant_k", ["b"]), ("vllm_online", ["a"]), ("vllm_online", ["b"])]
     online = [planner for policy, _, planner in calls if policy == "vllm_online"]
     assert isinstance(online[0], VllmEstimator) and online[0] is online[1] and calls[0][2] is None
-
-
-def test_a_sweep_decodes_transformers_rules_one_request_at_a_time_with_their_state_carried_over(monkeypatch):
-    """transformers' assisted generation is batch-1 and its threshold or K passes from one request to the next: a
-    batched sweep decodes its rules one prompt at a time with one planner, and the other rules batched."""
-    from specheads.eval.sweep import DecodePrompt, Setting, run_sweep
-
-    calls = recorded_decodes(monkeypatch)
-    prompts = [DecodePrompt(name, (1,), "test") for name in "abc"]
-    settings = [Setting("constant_k", 2.0), Setting("transformers", 0.4), Setting("transformers_heuristic", 5.0),
-                Setting("vllm_online", 0.5)]
-    run_sweep(None, prompts, settings, None, 4, 3, progress=False, batch_size=3)
-    assert [(policy, ids) for policy, ids, _ in calls] == [
-        ("constant_k", ["a", "b", "c"]), ("transformers", ["a"]), ("transformers", ["b"]), ("transformers", ["c"]),
-        ("transformers_heuristic", ["a"]), ("transformers_heuristic", ["b"]), ("transformers_heuristic", ["c"]),
-        ("vllm_online", ["a", "b", "c"])]
-    for policy in ("transformers", "transformers_heuristic"):
-        planners = {id(planner) for name, _, planner in calls if name == policy}
-        assert len(planners) == 1 and None not in {planner for name, _, planner in calls if name == policy}
 
 
 def test_the_offline_online_estimator_scores_each_token_from_the_tokens_before_it_only():

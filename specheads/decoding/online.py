@@ -9,13 +9,14 @@
 - `TransformersConfidence`: transformers' assisted generation as users get it (5.x `candidate_generator.py`):
   stop drafting when q(ŷ) falls below the confidence threshold (0.4 at first), at most 20 candidates; after every
   round the threshold is re-tuned from the request's drafted tokens and outcomes by an ROC with cost fpr + 3 · fnr,
-  once they hold more than 5 tokens of both classes. The history is the request's, the threshold carries over.
+  once they hold more than 5 tokens of both classes. History and threshold are the request's: transformers 5.x builds
+  its candidate generator for each `generate` call and tunes a copy of the assistant's generation config, so every
+  request starts again from 0.4.
 - `TransformersHeuristic`: transformers' older default schedule, `num_assistant_tokens_schedule="heuristic"` with
   `num_assistant_tokens=5` and no confidence threshold: draft K candidates (ending at a stop token, at most one fewer
   than the tokens left, as transformers drafts), K + 2 after a round whose candidates were all accepted (a round with
-  none counts as such, as there), otherwise max(1, K − 1). K lives on the assistant's generation config, so it carries
-  over from one request to the next; a sweep decodes both transformers rules one request at a time, as transformers
-  serves them (`rules.ONE_REQUEST_AT_A_TIME`).
+  none counts as such, as there), otherwise max(1, K − 1). K is the request's (the candidate generator's, made
+  anew by each `generate` call, from 5 again).
 
 The first two scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
 for a verify budget (docs/decoding-core.md "Verify budgets").
@@ -127,17 +128,19 @@ class VllmEstimator(PassivePlanner):
 
 
 class TransformersConfidence(PassivePlanner):
-    """transformers' confidence threshold, re-tuned by ROC from each request's history (module docstring)."""
+    """transformers' confidence threshold, re-tuned by ROC from each request's own history (module docstring); every
+    request starts from `threshold`."""
 
     def __init__(self, threshold: float = 0.4):
-        self.threshold = threshold
+        self.start = threshold
+        self.threshold: dict[int, float] = {}
         self.history: dict[int, tuple[list[float], list[int]]] = {}
 
     def admit(self, row: int) -> None:
-        self.history[row] = ([], [])
+        self.threshold[row], self.history[row] = self.start, ([], [])
 
     def stops(self, row: int, drafted: Drafted) -> bool:
-        return drafted.prob < self.threshold
+        return drafted.prob < self.threshold.get(row, self.start)
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
         for row, checked in outcomes.items():
@@ -146,18 +149,23 @@ class TransformersConfidence(PassivePlanner):
             matches += [int(o.accepted) for o in checked]
             if len(probs) > 5 and {0, 1} <= set(matches):
                 fpr, tpr, thresholds = roc_curve(matches, probs)
-                self.threshold = float(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
+                self.threshold[row] = float(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
 
 
 class TransformersHeuristic(PassivePlanner):
-    """transformers' `heuristic` draft-length schedule (module docstring)."""
+    """transformers' `heuristic` draft-length schedule (module docstring); every request starts from `start`."""
 
     def __init__(self, start: int = 5):
-        self.k = start
+        self.start = start
+        self.k: dict[int, int] = {}
+
+    def admit(self, row: int) -> None:
+        self.k[row] = self.start
 
     def stops(self, row: int, drafted: Drafted) -> bool:
-        return drafted.index >= self.k
+        return drafted.index >= self.k.get(row, self.start)
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
-        for checked in outcomes.values():  # a round with no candidate (one token left) matched all of its none
-            self.k = self.k + 2 if all(o.accepted for o in checked) else max(1, self.k - 1)
+        for row, checked in outcomes.items():  # a round with no candidate (one token left) matched all of its none
+            k = self.k.get(row, self.start)
+            self.k[row] = k + 2 if all(o.accepted for o in checked) else max(1, k - 1)

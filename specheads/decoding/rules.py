@@ -274,10 +274,6 @@ RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip,
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers",
                  "transformers_heuristic", "sv_companion")
 ONLINE_POLICIES = ("vllm_online", "transformers", "transformers_heuristic")
-ONE_REQUEST_AT_A_TIME = ("transformers", "transformers_heuristic")
-"""Rules of a decoder that serves one request at a time (transformers' assisted generation is batch-1): a sweep
-decodes them so, since their state (the threshold, K) passes from one request to the next, never between concurrent
-rows. vLLM's estimator serves a whole batch in its own server, so it is decoded batched."""
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
              "confidence": "draft confidence at its best threshold",
              "vllm_online": "vLLM's online acceptance estimator at its best threshold",
