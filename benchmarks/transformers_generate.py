@@ -4,7 +4,8 @@ On the embedded pair (SmolLM2-135M-Instruct, the draft skips layers 20-21), the 
 torch seed per prompt, one after the other in one process:
 - `target`: `target.generate(do_sample=True, ...)` alone;
 - `assisted`: `generate(assistant_model=draft)` with transformers 5.x defaults (20 assistant tokens, schedule
-  `constant`, confidence threshold 0.4 re-tuned by ROC; the threshold carries over calls, as for any user);
+  `constant`, confidence threshold 0.4 re-tuned by ROC within each call: transformers 5.x tunes a copy of the
+  assistant's generation config, so every call starts again from 0.4);
 - `heuristic`: the older default (`num_assistant_tokens=5`, schedule `heuristic`, no confidence threshold);
 - `head`: `generate(custom_generate=speculative_generate, draft=draft, head=load_head(--head))`.
 
@@ -106,7 +107,7 @@ def main() -> None:
                "head": lambda: {"custom_generate": speculative_generate, "draft": draft, "head": head}}
     rows: dict[str, list[tuple[int, int, int, float]]] = {name: [] for name in methods}
     for name, extra in methods.items():
-        options = extra()  # once per method: transformers' state (threshold, K) carries over its calls
+        options = extra()  # once per method; transformers copies the assistant's config per call (state is per call)
         for number, prompt in enumerate(prompts):
             torch.manual_seed(number)
             before = {role: counter.count for role, counter in counters.items()}
