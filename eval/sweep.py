@@ -167,10 +167,10 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
               finished: dict[RunKey, RunRecord] | None = None,
               on_batch: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
     """Decode every prompt under every setting, `batch_size` prompts at a time (the oracle is read off the constant
-    K_max runs); a run found in `reused`
-    (keyed by policy, threshold and prompt id; eval.reuse) or in `finished` (runs an interrupted sweep of this context
-    decoded; eval.journal) is taken from there instead. `on_batch` receives each batch of runs as it finishes. Prompt
-    number i is decoded with seed `seed · 1 000 003 + i` whatever the batch it sits in."""
+    K_max runs); a run found in `reused` (keyed by policy, threshold and prompt id; eval.reuse) or in `finished` (runs
+    an interrupted sweep of this context decoded; eval.journal) is taken from there instead. `on_batch` receives
+    each batch of runs as it finishes. Prompt number i is decoded with seed `seed · 1 000 003 + i` whatever the
+    batch it sits in."""
     taken = {**(finished or {}), **(reused or {})}
     records: list[RunRecord] = []
     real = decoded_settings(settings, max_draft)

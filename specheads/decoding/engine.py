@@ -277,10 +277,10 @@ class RoundEngine:
         """Draft every row's candidates until the rule, the planner or the cap ends its round; the companion, where
         one runs, reads what the draft reads, one forward per draft forward."""
         pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
-        beside = {row: tokens[row][companion.length(row):] for row in pending} if companion is not None else {}
         while pending:
             drawn = self._draw_rows(draft.feed(pending), generators)
-            scores = (self._companion_scores(companion.feed(beside), drawn) if companion is not None
+            # the companion's cache is fed and cropped with the draft's, so it takes the same tokens
+            scores = (self._companion_scores(companion.feed(pending), drawn) if companion is not None
                       else self._head_scores(head, drawn, rounds))
             for row, candidate in drawn.items():
                 this = rounds[row]
@@ -295,11 +295,8 @@ class RoundEngine:
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]
-                    beside.pop(row, None)
                 else:
                     pending[row], this.previous = [candidate.token], candidate.signals
-                    if companion is not None:
-                        beside[row] = [candidate.token]
 
     def _draw_rows(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
                    generators: list[torch.Generator]) -> dict[int, Drawn]:

@@ -132,17 +132,15 @@ class HeadStop(StopPolicy):
 
 
 @dataclass(frozen=True)
-class SvCompanionStop(StopPolicy):
+class SvCompanionStop(HeadStop):
     """SV's companion predictor as a stop rule (`specheads.decoding.companion`): the companion runs beside the draft
-    and scores each candidate when it is drafted; stop when 1 − Π p̂ exceeds h, as the head's rule. Its prediction
-    reads the drawn token, so it ends drafting (exact) and never ranks drafted positions. Each companion forward is
-    counted as a draft forward (SV's companion is of the draft's size)."""
+    and scores each candidate when it is drafted; the head's rule on those scores, stop when 1 − Π p̂ exceeds h. Its
+    prediction reads the drawn token, so it ends drafting (exact) and never ranks drafted positions. Each companion
+    forward is counted as a draft forward (SV's companion is of the draft's size)."""
 
     name: ClassVar[str] = "sv_companion"
+    reads_head: ClassVar[bool] = False
     reads_companion: ClassVar[bool] = True
-
-    def signal_says_stop(self, drafted: Drafted) -> bool:
-        return 1.0 - drafted.acceptance > self.threshold
 
 
 @dataclass(frozen=True)
