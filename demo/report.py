@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specheads.demo.stages import HEADS, Layout
-from specheads.demo.summary import decoding_line, duration
+from specheads.demo.summary import decoding_line, duration, serving_line
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
 from specheads.report_file import Report
 
@@ -18,6 +18,7 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
             ("AUC margin over it", lambda f: f"{f['auc_margin']:+.3f}"),
             ("binary KL (constant predictor)", lambda f: f"{fmt(f['binary_kl'])} ({fmt(f['binary_kl_constant'])})"),
             ("decoding (test prompts)", decoding_line),
+            ("serving", lambda f: serving_line(f) or "–"),
             ("decision rule", lambda f: f"`{f['decision_rule']['rule']}` at {f['decision_rule']['threshold']:g}"
                                         f"{'' if f['decision_rule']['tuned'] else ' (untuned)'}"),
             ("exported to", lambda f: f"`heads/{f['exported'].rsplit('/', 1)[-1]}`")]
@@ -39,8 +40,8 @@ def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
     lines += [f"{n}. `{command}` ({duration(summary['seconds'][key])})"
               for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
     lines.append("")
-    for head, title in HEADS.items():
-        lines += [f"## {title}", "", report_markdown(reports[head], plot_dir=f"eval/{head}/", depth=3)]
+    for head in reports:
+        lines += [f"## {HEADS[head]}", "", report_markdown(reports[head], plot_dir=f"eval/{head}/", depth=3)]
     return "\n".join(lines)
 
 

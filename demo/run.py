@@ -10,7 +10,7 @@ from typing import Any
 from specheads.checkpoint import load_trained
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
-from specheads.demo.stages import HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
+from specheads.demo.stages import EVALUATED, HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
@@ -64,7 +64,7 @@ def demo(config: DemoConfig) -> dict[str, Any]:
     started = time.perf_counter()
     stages = [gen_stage(layout, config.size, config.progress)]
     stages += [train_stage(layout, config.size, head, config.progress) for head in HEADS]
-    stages += [eval_stage(layout, config.size, head, config.progress) for head in HEADS]
+    stages += [eval_stage(layout, config.size, head, config.progress) for head in EVALUATED]
     stages += [export_stage(layout, head) for head in HEADS]
     seconds: dict[str, float] = {}
     for number, stage in enumerate(stages, 1):
@@ -75,7 +75,7 @@ def demo(config: DemoConfig) -> dict[str, Any]:
             continue
         seconds[stage.key] = run_stage(stage, number, len(stages))
     seconds["total"] = time.perf_counter() - started
-    reports = {head: read_report(layout.report(head)) for head in HEADS}
+    reports = {head: read_report(layout.report(head)) for head in EVALUATED}
     summary = summarise(layout, read_manifest(layout.data), reports, seconds, [s.command() for s in stages],
                         config.size)
     write_json_atomic(layout.root / "summary.json", summary)

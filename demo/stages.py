@@ -9,7 +9,12 @@ from pathlib import Path
 
 from specheads.demo.config import base_config, stage_config
 
-HEADS = {"specdecpp": "SpecDec++ head", "sprinter": "SPRINTER verifier"}
+HEADS = {"ontime": "on-time stop head", "expected": "expected-acceptance head", "sprinter": "SPRINTER verifier"}
+"""The heads the demo trains and exports, by their folder names."""
+TRAIN_CONFIGS = {"ontime": "train/specdecpp-ontime.yaml", "expected": "train/expected-acceptance.yaml",
+                 "sprinter": "train/sprinter.yaml"}
+EVALUATED = ("ontime", "sprinter")
+"""The heads evaluated on their own: the expected-acceptance head plans the verify budget in the on-time head's eval."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,8 @@ def gen_stage(layout: Layout, size: str, progress: bool) -> Stage:
 
 
 def train_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
-    """Fit `head` (`specdecpp` or `sprinter`) with Lightning; resumes a run folder that holds a checkpoint."""
-    argv = ["train", "fit", "--config", str(base_config(f"train/{head}.yaml")), "--config", str(stage_config(size, head)),
+    """Fit `head` (a key of HEADS) with Lightning; resumes a run folder that holds a checkpoint."""
+    argv = ["train", "fit", "--config", str(base_config(TRAIN_CONFIGS[head])), "--config", str(stage_config(size, head)),
             "--data.path", str(layout.data), "--trainer.default_root_dir", str(layout.run(head)),
             "--trainer.enable_progress_bar", str(progress).lower()]
     if layout.checkpoint(head).is_file():
@@ -80,14 +85,21 @@ def train_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
 
 
 def eval_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
-    """Offline metrics and decoding runs of `head` on held-out built-in prompts."""
-    argv = ("eval", "--config", str(stage_config(size, "eval")), "--head", str(layout.checkpoint(head)),
-            "--data", str(layout.data), "--out", str(layout.report(head)), "--progress", str(progress).lower())
-    return Stage(f"eval_{head}", f"evaluate the {HEADS[head]}", argv)
+    """Offline metrics and decoding runs of `head` (one of EVALUATED) on prompts it never trained on: the on-time
+    head's with the verify budget's serving line (planned by the expected-acceptance head), the verifier's taking the
+    on-time head's constant-K runs."""
+    argv = ["eval", "--config", str(stage_config(size, f"eval-{head}")), "--head", str(layout.checkpoint(head)),
+            "--data", str(layout.data), "--out", str(layout.report(head)), "--progress", str(progress).lower()]
+    if head == "ontime":
+        argv += ["--budget-head", str(layout.checkpoint("expected"))]
+    else:
+        argv += ["--reuse-runs", str(layout.report("ontime"))]
+    return Stage(f"eval_{head}", f"evaluate the {HEADS[head]}", tuple(argv))
 
 
 def export_stage(layout: Layout, head: str) -> Stage:
-    """Write the head folder with its tuned decision rule and model card."""
-    argv = ("export", "--ckpt", str(layout.checkpoint(head)), "--out", str(layout.exported(head)),
-            "--report", str(layout.report(head)), "--overwrite")
-    return Stage(f"export_{head}", f"export the {HEADS[head]}", argv)
+    """Write the head folder with its decision rule (from its eval report, where it has one) and model card."""
+    argv = ["export", "--ckpt", str(layout.checkpoint(head)), "--out", str(layout.exported(head)), "--overwrite"]
+    if head in EVALUATED:
+        argv += ["--report", str(layout.report(head))]
+    return Stage(f"export_{head}", f"export the {HEADS[head]}", tuple(argv))

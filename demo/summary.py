@@ -27,9 +27,26 @@ def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
                               "measured_ratio_ci": decoding["measured_costs"].get("ratio_ci"),
                               "measured_ratio_reliable": decoding["measured_costs"].get("reliable", False),
                               "test_prompts": decoding["prompts"]["test"], "max_new_tokens": decoding["max_new_tokens"]}
+        if decoding.get("serving"):
+            result["serving"] = serving_summary(decoding["serving"], decoding["t_draft_over_t_target"])
     if report.sprinter:
         result["tv_distance"] = report.sprinter["tv_distance"]
     return result
+
+
+FIELD_RULES = ("svip", "vllm_online", "transformers", "transformers_heuristic", "sv_companion")
+"""The free rules of the field (AdaEDL with a fixed λ is SVIP) beside constant K and draft confidence."""
+
+
+def serving_summary(serving: dict[str, Any], cost_ratio: float) -> dict[str, Any]:
+    """The verify budget's live rows in the view with the draft at `cost_ratio` × the target: per batch size, its
+    change against constant K and against the best per-request rule, with paired intervals."""
+    view = f"draft at {cost_ratio:g} × target"
+    rows = {row["batch_size"]: row for row in serving["rows"] if row["policy"] == "budget" and row["costs"] == view}
+    return {"view": view, "left_out": serving.get("left_out", {}).get("budget"),
+            "budget": {size: {key: row.get(key) for key in ("vs_constant_k", "vs_constant_k_ci", "best_per_request",
+                                                             "vs_best_per_request", "vs_best_per_request_ci")}
+                       for size, row in sorted(rows.items())}}
 
 
 def summarise(layout: Layout, manifest: dict[str, Any], reports: dict[str, Report], seconds: dict[str, float],
@@ -43,7 +60,7 @@ def summarise(layout: Layout, manifest: dict[str, Any], reports: dict[str, Repor
         "data": {"path": str(layout.data), "fingerprint": manifest["fingerprint"], "rows": counts["rows"],
                  "prompts": counts["prompts"], "labelled_tokens": counts["labelled_tokens"],
                  "mean_accept": manifest["mean_accept"]},
-        "heads": {head: head_summary(reports[head], layout, head) for head in HEADS},
+        "heads": {head: head_summary(reports[head], layout, head) for head in reports},
         "seconds": seconds, "commands": commands,
     }
 
@@ -72,13 +89,15 @@ def decoding_line(figures: dict[str, Any]) -> str:
     else:
         line = (f"{d['tokens_per_target_call']:.2f} tokens/target call, modelled {d['modelled_speedup']:.3f}x "
                 f"at τ-threshold {d['threshold']:g}")
-    if "constant_k_speedup" in d:
-        line += (f" vs best constant K {d['constant_k_speedup']:.3f}x (K = {d['constant_k_threshold']:g}): "
-                 f"{d['gain_vs_constant_k'] * 100:+.1f} %" + percent_interval(d.get("gain_vs_constant_k_ci")))
-    strongest = d.get("strongest_baseline")
-    if strongest and strongest != "constant_k":
-        line += (f"; vs the strongest free rule, {strongest} {d['strongest_baseline_speedup']:.3f}x: "
-                 f"{d['gain_vs_strongest_baseline'] * 100:+.1f} %" + percent_interval(d.get("gain_vs_strongest_baseline_ci")))
+    named = [("constant_k", f"best constant K (K = {d.get('constant_k_threshold', 0):g})"), ("confidence", "confidence")]
+    field = max((b for b in FIELD_RULES if f"{b}_speedup" in d), key=lambda b: d[f"{b}_speedup"], default=None)
+    if field:
+        named.append((field, f"the strongest field rule, {field}"))
+    gains = [f"{what} {d[f'{baseline}_speedup']:.3f}x: {d[f'gain_vs_{baseline}'] * 100:+.1f} %"
+             + percent_interval(d.get(f"gain_vs_{baseline}_ci"))
+             for baseline, what in named if f"gain_vs_{baseline}" in d]
+    if gains:
+        line += " vs " + "; vs ".join(gains)
     if "oracle_speedup" in d:
         line += f"; oracle {d['oracle_speedup']:.3f}x"
         if d.get("beat_the_oracle"):
@@ -89,6 +108,23 @@ def decoding_line(figures: dict[str, Any]) -> str:
     if d.get("indicative"):
         line += f"; indicative only, not a finding: fewer than {MIN_TEST_PROMPTS} test prompts"
     return line
+
+
+def serving_line(figures: dict[str, Any]) -> str | None:
+    """The verify budget at each serving batch size in one line, or None without a serving table."""
+    serving = figures.get("serving")
+    if not serving:
+        return None
+    if not serving["budget"]:
+        return f"serving: no verify budget ({serving['left_out'] or 'not decoded'})"
+    cells = []
+    for size, row in serving["budget"].items():
+        cell = f"B = {size} {row['vs_constant_k'] * 100:+.1f} %" + percent_interval(row["vs_constant_k_ci"])
+        if row.get("best_per_request"):
+            cell += (f" (vs {row['best_per_request']} {row['vs_best_per_request'] * 100:+.1f} %"
+                     + percent_interval(row["vs_best_per_request_ci"]) + ")")
+        cells.append(cell)
+    return f"serving ({serving['view']}): verify budget vs constant K " + "; ".join(cells)
 
 
 def percent_interval(interval: list[float] | None) -> str:
@@ -104,9 +140,15 @@ def unresolved(figures: dict[str, Any]) -> list[str]:
     if margin is None or margin[0] <= 0 <= margin[1]:
         open_questions.append(f"whether it ranks tokens better than {figures['best_baseline']}")
     d = figures.get("decoding") or {}
+    rivals = []
     gain = d.get("gain_vs_constant_k_ci")
     if d and (d.get("indicative") or gain is None or gain[0] <= 0 <= gain[1]):
-        open_questions.append("whether it decodes faster than the best constant K")
+        rivals.append("the best constant K")
+    strongest, ci = d.get("strongest_baseline"), d.get("gain_vs_strongest_baseline_ci")
+    if strongest and strongest != "constant_k" and (d.get("indicative") or ci is None or ci[0] <= 0):
+        rivals.append(strongest)
+    if rivals:
+        open_questions.append(f"whether it decodes faster than {' or '.join(rivals)}")
     return open_questions
 
 
@@ -120,15 +162,17 @@ def scale_lines(summary: dict[str, Any]) -> list[str]:
             lines.append(f"  scale    {figures['title']}: {figures['held_out_tokens']:,} held-out tokens and "
                          f"{count(tested, 'test prompt')} do not settle {' or '.join(questions)}")
     if lines:
-        lines.append("           the demo shows the pipeline working; docs/results.md has the heads' standing on "
-                     "larger data and 160 test prompts")
+        lines.append(f"           a head trained on {summary['data']['labelled_tokens']:,} labelled tokens reads little "
+                     "beyond the draft's own signals; docs/results.md has the heads' standing on 66 k tokens and 160 "
+                     "test prompts")
     return lines
 
 
 def summary_text(summary: dict[str, Any]) -> str:
     """The one-screen summary printed at the end of the demo."""
     data, pair = summary["data"], summary["pair"]
-    lines = [f"specheads demo ({summary['size']}) finished in {duration(summary['seconds']['total'])}",
+    size = "quick: a smoke run of every stage, too small to rank anything" if summary["size"] == "quick" else summary["size"]
+    lines = [f"specheads demo ({size}) finished in {duration(summary['seconds']['total'])}",
              f"  pair     target {pair['target']}, draft {pair['draft']}, temperature {pair['sampling']['temperature']:g}",
              f"  data     {data['labelled_tokens']:,} labelled tokens, {data['rows']} rows from {data['prompts']} built-in "
              f"prompts (mean acceptance {data['mean_accept']:.3f})  {relative(data['path'])}"]
@@ -140,6 +184,7 @@ def summary_text(summary: dict[str, Any]) -> str:
                   f"{signed_interval(figures['auc_margin_ci'])}",
                   f"    binary KL {figures['binary_kl']:.3f} vs constant predictor {figures['binary_kl_constant']:.3f}",
                   f"    {decoding_line(figures)}",
+                  *([f"    {serving_line(figures)}"] if serving_line(figures) else []),
                   f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]
     lines += scale_lines(summary)
     stages = " · ".join(f"{key} {duration(value)}" for key, value in summary["seconds"].items() if key != "total")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInterval, PositiveInt
 
 from specheads.errors import UsageError
 from specheads.report_file import REPORT_FILE
 
+FIXED_POLICIES = ("constant_k", "svip", "confidence", "vllm_online", "transformers", "transformers_heuristic",
+                  "sv_companion", "head", "sprinter", "oracle")
+"""The policies --fixed-thresholds may name: the sweep's, in its order."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
@@ -25,6 +29,9 @@ class EvalConfig:
         out: the report folder (metrics.json, PNG plots, report.md, report.html); while decoding, finished runs are
             journalled to `runs.partial.jsonl` there, and the same command resumes from it (eval.journal).
         decode_prompts: JSONL of prompts to decode; default: the data's held-out prompts.
+        unseen_prompts_only: decode only prompts the evaluated data holds none of (not even its held-out rows), so
+            that heads trained on different splits of one dataset decode the same prompts (and one eval can take the
+            other's head-free runs with --reuse-runs).
         num_decode_prompts: how many held-out prompts to decode (half tune thresholds, half are reported).
         max_new_tokens: tokens generated per decoding run.
         max_draft: cap on a round's candidates (K_max) for the adaptive policies and the oracle.
@@ -63,12 +70,20 @@ class EvalConfig:
         tuned_from: an earlier report of this head whose tuned thresholds are decoded, one per policy, with every
             prompt here a test prompt (none may be one of its dev prompts; checked); to confirm a tuning on
             fresh prompts.
+        fixed_thresholds: `{policy: threshold}` (K for constant_k, K_max for the oracle) tuned elsewhere: each
+            policy is decoded at its threshold alone and every prompt here is a test prompt, nothing is tuned (the
+            demo takes the values docs/results.md tuned on dev prompts, so that all its prompts report).
+        serving_batch_policies: the batch policies decoded live in the serving table (`budget`, `smartspec`).
+        prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
+            that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
+            0 turns it off. Counted forwards are the same either way.
     """
 
     head: str
     data: str
     out: str = "runs/eval"
     decode_prompts: str | None = None
+    unseen_prompts_only: bool = False
     num_decode_prompts: NonNegativeInt = 16
     max_new_tokens: PositiveInt = 48
     max_draft: PositiveInt = 8
@@ -91,6 +106,14 @@ class EvalConfig:
     sv_companion_skip_layers: list[NonNegativeInt] | None = None
     reuse_runs: str | None = None
     tuned_from: str | None = None
+    fixed_thresholds: dict[str, float] | None = None
+    serving_batch_policies: list[Literal["budget", "smartspec"]] = field(default_factory=lambda: ["budget", "smartspec"])
+    prompt_cache_mb: NonNegativeInt = 2048
+
+    @property
+    def tunes_here(self) -> bool:
+        """Whether thresholds are tuned on dev prompts here (not taken from --tuned-from or --fixed-thresholds)."""
+        return not (self.tuned_from or self.fixed_thresholds)
 
     def validate(self) -> None:
         """Refuse combinations that cannot work, before anything is loaded (each field's own range is in its type,
@@ -103,18 +126,27 @@ class EvalConfig:
                              "{draft: {tokens: [...], seconds: [...]}, target: {...}} or leave it out to measure")
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
-        if self.tuned_from:
-            self.validate_tuned_from()
+        if self.tuned_from and self.fixed_thresholds:
+            raise UsageError("--tuned-from and --fixed-thresholds both say which thresholds to decode; give one")
+        if self.tuned_from or self.fixed_thresholds:
+            self.validate_given_thresholds()
 
-    def validate_tuned_from(self) -> None:
-        """`tuned_from` names a report that decoded, and no grid is given beside it."""
-        require_report_files("--tuned-from", self.tuned_from, (REPORT_FILE, "runs.json"))
+    def validate_given_thresholds(self) -> None:
+        """`tuned_from` names a report that decoded, or `fixed_thresholds` names known policies; no grid is given
+        beside either."""
+        option = "--tuned-from" if self.tuned_from else "--fixed-thresholds"
+        if self.tuned_from:
+            require_report_files("--tuned-from", self.tuned_from, (REPORT_FILE, "runs.json"))
+        else:
+            unknown = sorted(set(self.fixed_thresholds) - set(FIXED_POLICIES))
+            if unknown:
+                raise UsageError(f"--fixed-thresholds names unknown policies {', '.join(unknown)}; use "
+                                 f"{', '.join(FIXED_POLICIES)}")
         grids = [name for name in sorted(set(GRID_FIELDS.values())) if getattr(self, name) is not None]
         if grids:
-            raise UsageError(f"--tuned-from decodes only the thresholds {self.tuned_from} tuned; drop "
-                             f"{', '.join(flag(name) for name in grids)}")
+            raise UsageError(f"{option} decodes only the thresholds it gives; drop {', '.join(flag(name) for name in grids)}")
         if self.num_decode_prompts < 1:
-            raise UsageError("--tuned-from needs prompts to decode: give --num-decode-prompts of at least 2")
+            raise UsageError(f"{option} needs prompts to decode: give --num-decode-prompts of at least 2")
 
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""

@@ -44,7 +44,8 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
     c = decoding["t_draft_over_t_target"]
     if learned == "head":
-        lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, tuned on dev prompts) "
+        where = "given in the config" if (decoding.get("tuned_from") or {}).get("report", "") is None else "tuned on dev prompts"
+        lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, {where}) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
         for baseline, what in DECODING_BASELINES.items():
             if f"gain_vs_{baseline}" in result:
@@ -345,6 +346,8 @@ def measured_costs_note(costs: dict[str, Any]) -> str:
 def tuning_note(decoding: dict[str, Any]) -> str:
     """Where the thresholds were tuned."""
     earlier = decoding.get("tuned_from")
+    if earlier and earlier["report"] is None:
+        return "each policy at a threshold given in the config (--fixed-thresholds, tuned elsewhere), none tuned here"
     if earlier:
         return (f"each policy at the threshold tuned on the {earlier['dev_prompts']} dev prompts of `{earlier['report']}`, "
                 "none of them decoded here")

@@ -15,6 +15,7 @@ from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
 from specheads.eval.companion import sv_companion_scores
@@ -58,7 +59,7 @@ from specheads.eval.sweep import (
     signal_thresholds,
     tune,
 )
-from specheads.eval.tuned import load_tuning
+from specheads.eval.tuned import given_tuning, load_tuning
 from specheads.files import write_json_atomic
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
@@ -114,7 +115,8 @@ def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_
 def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: set[str],
                      tokenizer: Any) -> tuple[list[DecodePrompt], int]:
     """The decode prompts (alternately dev and test; all test when the thresholds were tuned elsewhere) and how many
-    were dropped because the head trained on them (`trained_on`: `prompt_digest`s). They come from
+    were dropped because the head trained on them (`trained_on`: `prompt_digest`s; with `unseen_prompts_only`, every
+    prompt of the data). They come from
     `config.decode_prompts`, else from the evaluated data's prompt source."""
     if config.decode_prompts:
         prompts = load_prompts(config.decode_prompts)
@@ -128,7 +130,7 @@ def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: s
             dropped += 1
             continue
         if len(chosen) < config.num_decode_prompts:
-            split = "dev" if len(chosen) % 2 == 0 and not config.tuned_from else "test"
+            split = "dev" if len(chosen) % 2 == 0 and config.tunes_here else "test"
             chosen.append(DecodePrompt(prompt.id, ids, split))
     return chosen, dropped
 
@@ -209,8 +211,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
-    tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio)
-              if config.tuned_from else None)
+    tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from
+              else given_tuning(config.fixed_thresholds) if config.fixed_thresholds else None)
     place(pair.target, device)
     place(pair.draft, device)
     trained.head.to(device)
@@ -219,10 +221,13 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
     if companion is None and any(s.policy == "sv_companion" for s in settings):
-        raise UsageError(f"{config.tuned_from} tuned SV's companion rule; give --sv-companion-skip-layers as that eval did")
+        raise UsageError(f"{config.tuned_from or '--fixed-thresholds'} names SV's companion rule; give "
+                         "--sv-companion-skip-layers")
     journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
-    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion)
+    prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
+    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
+                         prompt_cache)
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
     costs = measure_costs(records)
@@ -279,8 +284,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         costs = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
         source = f"measured on {device_name(device)}"
     budget_head, left_out = expected_head(config, trained, device)
-    batch_policies = {"smartspec": float(config.max_draft)}
-    if budget_head is not None:
+    batch_policies = {"smartspec": float(config.max_draft)} if "smartspec" in config.serving_batch_policies else {}
+    if budget_head is not None and "budget" in config.serving_batch_policies:
         batch_policies["budget"] = config.budget_floor
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
@@ -328,12 +333,14 @@ def device_name(device: torch.device) -> str:
 
 
 def decision_rule(trained: TrainedHead, threshold: float | None, config: EvalConfig) -> DecisionRule:
-    """The rule export carries: the dev-tuned threshold, or the untuned default when no decoding ran."""
+    """The rule export carries: the dev-tuned threshold, or the untuned default when no decoding ran; a threshold given
+    by --fixed-thresholds was tuned for another head, so it is marked untuned."""
     if threshold is None:
         return DecisionRule.untuned(trained.purpose)
+    tuned = not config.fixed_thresholds
     if trained.purpose in STOP_PURPOSES:
-        return DecisionRule(STOP_RULE, threshold, tuned=True, max_draft=config.max_draft, cost_ratio=config.cost_ratio)
-    return DecisionRule(VERIFY_RULE, threshold, tuned=True, cost_ratio=config.cost_ratio)
+        return DecisionRule(STOP_RULE, threshold, tuned=tuned, max_draft=config.max_draft, cost_ratio=config.cost_ratio)
+    return DecisionRule(VERIFY_RULE, threshold, tuned=tuned, cost_ratio=config.cost_ratio)
 
 
 def head_identity(trained: TrainedHead) -> EvaluatedHead:
@@ -384,8 +391,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
     decoding = None
     if config.num_decode_prompts:
-        prompts, dropped = held_out_prompts(config, manifest, trained_on, pair.tokenizer)
-        if len({p.split for p in prompts}) < (1 if config.tuned_from else 2):
+        skipped = ({digest for split in data.splits for digest in data.prompt_digests(split)}
+                   if config.unseen_prompts_only else trained_on)
+        prompts, dropped = held_out_prompts(config, manifest, skipped, pair.tokenizer)
+        if len({p.split for p in prompts}) < (2 if config.tunes_here else 1):
             raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
                              "prompts); give --decode-prompts or data with more prompts")
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"], companion)

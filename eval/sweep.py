@@ -174,9 +174,9 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
     taken = {**(finished or {}), **(reused or {})}
     records: list[RunRecord] = []
     real = decoded_settings(settings, max_draft)
-    # the target log-likelihood is the quality proxy of an approximate rule (SPRINTER) against exact SD; a sweep of
-    # exact rules only would spend a target forward per batch on the target's own distribution
-    likelihood = any(s.policy in APPROXIMATE_POLICIES for s in real)
+    # the target log-likelihood is the quality proxy of an approximate rule (SPRINTER) against exact SD with constant K;
+    # the constant-K runs are always scored (one target forward a batch), so that a verifier's eval that takes them
+    # from a stop head's (--reuse-runs) still has the exact reference; other exact rules' text is the target's own
     oracle_wanted = any(s.policy == "oracle" for s in settings)
     bar = tqdm(total=len(real) * len(prompts), desc="decoding runs", unit="run", disable=not progress)
     for setting in real:
@@ -194,7 +194,8 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             runs = decode_runs(engine, setting, [prompts[n] for n in chunk], [seed * 1_000_003 + n for n in chunk],
-                               head, max_new_tokens, max_draft, planner, likelihood)
+                               head, max_new_tokens, max_draft, planner,
+                               setting.policy in ("constant_k", *APPROXIMATE_POLICIES))
             decoded.update(zip(chunk, runs))
             if on_batch is not None:
                 on_batch(runs)

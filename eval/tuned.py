@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
+from specheads.eval.config import FIXED_POLICIES
 from specheads.eval.reuse import saved_runs
 from specheads.eval.sweep import FIXED_SETTINGS, Setting
 from specheads.report_file import EvaluatedHead, read_report
 
-POLICY_ORDER = (*BASELINES, "head", "sprinter", "oracle")
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")
 
 
@@ -26,17 +25,22 @@ MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "account
 class EarlierTuning:
     """The thresholds a report tuned, and on how many dev prompts."""
 
-    report: str
+    report: str | None
     thresholds: dict[str, float]
     dev_prompts: int
 
     def settings(self) -> list[Setting]:
         """One setting per tuned policy, in the sweep's order."""
-        return [Setting(policy, self.thresholds[policy]) for policy in POLICY_ORDER if policy in self.thresholds]
+        return [Setting(policy, self.thresholds[policy]) for policy in FIXED_POLICIES if policy in self.thresholds]
 
     def as_dict(self) -> dict[str, Any]:
-        """What metrics.json records under `decoding.tuned_from`."""
+        """What metrics.json records under `decoding.tuned_from` (`report` None: thresholds given in the config)."""
         return {"report": self.report, "dev_prompts": self.dev_prompts}
+
+
+def given_tuning(thresholds: dict[str, float]) -> EarlierTuning:
+    """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known)."""
+    return EarlierTuning(None, {policy: float(value) for policy, value in thresholds.items()}, 0)
 
 
 def head_differences(earlier: dict[str, Any], head: dict[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.decoding import BatchCache, RoundEngine, make_policy
+from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.sampling import SamplingTransform
@@ -59,6 +60,37 @@ def test_every_row_of_a_batch_equals_the_row_decoded_alone_in_float64(pair64, st
             if stop_ids and temperature == 1.0:  # rows end at different times, some on a stop token
                 lengths = {len(row.tokens) for row in batch}
                 assert len(lengths) > 1 and any(row.tokens and row.tokens[-1] in STOPS for row in batch), name
+
+
+def test_decodes_that_start_from_the_prompt_cache_equal_decodes_that_prefill_in_float64(pair64):
+    target, draft = pair64
+    heads = heads64()
+    plain = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=STOPS)
+    cached = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=STOPS, prompt_cache=PromptCache(1 << 30))
+    seeds = [40 + i for i in range(len(PROMPTS))]
+    for name, threshold, head_name in SETTINGS[:6]:
+        policy, head = make_policy(name, threshold, max_draft=4), heads.get(head_name)
+        wanted = plain.decode(PROMPTS, policy, 10, seeds, head)
+        for size in (None, 4, 1):  # the first decode fills the cache; refilled rows load it mid-batch
+            got = cached.decode(PROMPTS, policy, 10, seeds, head, batch_size=size)
+            assert [(r.tokens, r.draft_forwards, r.target_calls) for r in got] == \
+                   [(r.tokens, r.draft_forwards, r.target_calls) for r in wanted], (name, size)
+    prefixes = {tuple(prompt[:-1]) for prompt in PROMPTS if len(prompt) > 1}  # [6] has nothing before its last token
+    assert set(cached.prompt_cache.entries) == {(model, p) for model in ("draft", "target") for p in prefixes}
+    assert cached.prompt_cache.hits == (6 * 3 - 1) * len(prefixes) * 2  # every decode but the first loads each prompt
+
+
+def test_the_prompt_cache_keeps_to_its_bound_dropping_the_least_recently_used():
+    keys = torch.zeros(1, 4, 2)  # 32 bytes a tensor, 64 an entry
+    store = PromptCache(max_bytes=150)
+    for prefix in ((1,), (2,), (3,)):
+        store.put("draft", prefix, [(keys, keys)])
+    assert [p for _, p in store.entries] == [(2,), (3,)] and store.bytes == 128
+    assert store.get("draft", (2,)) is not None and store.get("target", (2,)) is None
+    store.put("draft", (4,), [(keys, keys)])
+    assert [p for _, p in store.entries] == [(2,), (4,)]  # (3,) was the least recently used
+    store.put("draft", (5,), [(torch.zeros(1, 40, 2),) * 2])  # larger than the whole bound: not stored
+    assert (("draft", (5,))) not in store.entries
 
 
 def test_sprinter_rows_of_a_batch_equal_the_rows_decoded_alone_in_float64(pair64):

@@ -216,7 +216,7 @@ def test_the_verdict_and_the_demo_summary_name_the_strongest_free_rule_and_the_h
     assert any("strongest free rule on the test prompts is vllm_online" in line and "a free rule does as well" in line
                for line in lines)  # its interval includes zero
     line = decoding_line({"decoding": {**result, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
-    assert "vs the strongest free rule, vllm_online 1.460x: +2.7 % [-1.0, +6.0 %]" in line
+    assert "vs the strongest field rule, vllm_online 1.460x: +2.7 % [-1.0, +6.0 %]" in line
 
 
 def test_a_decoding_verdict_on_few_test_prompts_is_called_indicative():
@@ -662,6 +662,33 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
     longer = [a if a != "6" else "7" for a in confirm]
     longer[longer.index("--out") + 1] = str(tmp_path / "longer")
     refused(longer, "tuned with another max_new_tokens")
+
+
+def test_eval_decodes_fixed_thresholds_with_every_prompt_a_test_prompt(trained, tmp_path, capsys):
+    data, root = trained
+    head = root / "specdecpp" / "checkpoints" / "last.ckpt"
+    fixed = {"constant_k": 2, "confidence": 0.3, "head": 0.55}
+    args = ["eval", "--head", str(head), "--data", str(data), "--out", str(tmp_path / "fixed"), "--num-decode-prompts",
+            "3", "--max-new-tokens", "6", "--max-draft", "4", "--bootstrap", "20", "--progress", "false",
+            "--fixed-thresholds", json.dumps(fixed), "--serving-batch-sizes", "[2]", "--serving-batch-policies",
+            "[smartspec]", "--prompt-cache-mb", "64"]
+    assert main(args) == 0
+    metrics = json.loads((tmp_path / "fixed" / "metrics.json").read_text())
+    decoding = metrics["decoding"]
+    assert decoding["prompts"] == {"dev": 0, "test": 3} and decoding["tuned_thresholds"] == fixed
+    runs = json.loads((tmp_path / "fixed" / "runs.json").read_text())["runs"]
+    assert {(r["policy"], r["threshold"]) for r in runs} == set(fixed.items()) and {r["split"] for r in runs} == {"test"}
+    # a threshold tuned for another head is not this head's tuned rule
+    assert metrics["decision_rule"]["threshold"] == 0.55 and not metrics["decision_rule"]["tuned"]
+    assert "given in the config" in (tmp_path / "fixed" / "report.md").read_text()
+    assert {r["policy"] for r in decoding["serving"]["rows"] if r["decoded"] == "live"} == {"smartspec"}
+    capsys.readouterr()
+    for extra, reason in ((["--fixed-thresholds", '{"bogus": 1}'], "names unknown policies bogus"),
+                          (["--head-thresholds", "[0.5]"], "drop --head-thresholds"),
+                          (["--tuned-from", str(tmp_path / "fixed")], "give one")):
+        out = tmp_path / "refused"
+        assert main(args[: args.index("--out") + 1] + [str(out)] + args[args.index("--out") + 2:] + extra) == 2
+        assert reason in capsys.readouterr().err and not out.exists()
 
 
 def test_an_earlier_tuning_is_matched_to_its_head_by_weights_then_source_and_config():

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specheads.signals import output_logits
 from specheads.states import cache_argument, decoder_forward, returned_cache
@@ -31,6 +33,8 @@ class BatchCache:
         self.forwards = [0] * rows  # the forwards each row took part in
         self.passes = 0  # forward passes of the whole batch
         self.forward_seconds = 0.0
+        layers = getattr(DynamicCache(config=model.config), "layers", None)
+        self.plain_config = bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     @property
     def lengths(self) -> list[int]:
@@ -97,12 +101,48 @@ class BatchCache:
         if self.cache is not None and max(self.lengths, default=0) * 2 < self.mask.shape[1]:
             self.compact()
 
+    def plain_layers(self) -> bool:
+        """Whether the cache is one [B, heads, slots, dim] tensor per layer, the layout `compact`, `snapshot` and `load`
+        rewrite (sliding-window and recurrent caches are left alone); before the first forward, whether the model's
+        config gives that layout."""
+        if self.cache is None:
+            return self.plain_config
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+    def snapshot(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, a copy of the keys and values of `row`'s first `length` tokens, [heads, length, dim] each."""
+        index = torch.tensor(self.slots[row][:length], dtype=torch.long, device=self.device)
+        return [(layer.keys[row].index_select(1, index).clone(), layer.values[row].index_select(1, index).clone())
+                for layer in self.cache.layers]
+
+    def load(self, stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Give each row of `stored`, which holds nothing, the tokens of a `snapshot` as new slots, without a forward,
+        all in one extension of the cache (their keys keep the positions they were computed at, 0 onwards, as
+        `compact` relies on)."""
+        lengths = {row: layers[0][0].shape[1] for row, layers in stored.items()}
+        rows, used, width = len(self.slots), self.mask.shape[1], max(lengths.values())
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        first = next(iter(stored.values()))
+        for index in range(len(first)):
+            keys, values = (first[index][part].new_zeros(rows, first[index][part].shape[0], width,
+                                                         first[index][part].shape[2]) for part in (0, 1))
+            for row, layers in stored.items():
+                keys[row, :, : lengths[row]], values[row, :, : lengths[row]] = layers[index]
+            self.cache.update(keys, values, index)
+        new_mask = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        for row, length in lengths.items():
+            new_mask[row, :length] = 1
+            self.slots[row] = list(range(used, used + length))
+        self.mask = torch.cat([self.mask, new_mask], dim=1)
+
     def compact(self) -> None:
         """Move each row's slots to the front of the cache, in order (keys keep the positions they were computed at,
         since every feed passes positions explicitly)."""
-        layers = getattr(self.cache, "layers", None)
-        if not layers or not all(getattr(layer, "keys", None) is not None and layer.keys.dim() == 4 for layer in layers):
+        if not self.plain_layers():
             return  # a cache of another layout (sliding, recurrent): left as it is
+        layers = self.cache.layers
         width = max(self.lengths)
         index = torch.zeros(len(self.slots), width, dtype=torch.long)
         mask = torch.zeros(len(self.slots), width, dtype=torch.long)

@@ -31,6 +31,7 @@ from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion
 from specheads.decoding.costs import RoundRecord, ServingCosts
 from specheads.decoding.online import Outcome
+from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
@@ -100,9 +101,10 @@ class ServedBatch:
     request finished takes the next prompt of the queue (its cache rows are cleared; continuous batching)."""
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
-                 target: BatchCache, companion: BatchCache | None = None):
+                 target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
         self.draft, self.target, self.companion = draft, target, companion
+        self.prompt_cache = prompt_cache
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
         self.queue = deque(range(len(prompts)))
         rows = len(draft.slots)
@@ -112,15 +114,23 @@ class ServedBatch:
         self.generators: list[torch.Generator | None] = [None] * rows
         self.first_forward = [0] * rows
         self.first_companion_forward = [0] * rows
+        self.remembered: list[set[str]] = [set() for _ in range(rows)]  # the models whose prompt cache has the row's prompt
+        self.loads: dict[str, dict[int, Any]] = {}  # per model, the stored prompts admitted rows take at `load_prompts`
         self.on_admit: Any = None
         self.finished: list[int] = []
         for row in range(rows):
             self.admit(row)
+        self.load_prompts()
 
     @property
     def caches(self) -> list[BatchCache]:
         """Every model's cache: the draft's, the target's and the companion's where one runs."""
         return [self.draft, self.target, *([self.companion] if self.companion is not None else [])]
+
+    @property
+    def named_caches(self) -> dict[str, BatchCache]:
+        """Every model's cache by the name the prompt cache keeps its entries under."""
+        return {"draft": self.draft, "target": self.target, **({"companion": self.companion} if self.companion else {})}
 
     @property
     def live(self) -> list[int]:
@@ -144,6 +154,7 @@ class ServedBatch:
             for cache in self.caches:
                 cache.crop_row(row, 0)
             self.request[row], self.tokens[row], self.generated[row] = request, list(self.prompts[request]), []
+            self.find_prompt(row)
             self.generators[row] = torch.Generator().manual_seed(self.seeds[request])
             self.first_forward[row] = self.draft.forwards[row]
             if self.companion is not None:
@@ -151,6 +162,37 @@ class ServedBatch:
             if self.on_admit is not None:
                 self.on_admit(row)
             return
+
+    def prefix(self, row: int) -> tuple[int, ...]:
+        """The row's prompt but its last token: what the prompt cache holds (the last is fed in the first round)."""
+        return tuple(self.prompts[self.request[row]][:-1])
+
+    def find_prompt(self, row: int) -> None:
+        """Note the stored keys and values of the row's prompt, per model, for `load_prompts`."""
+        self.remembered[row] = set()
+        if self.prompt_cache is None or not self.prefix(row):
+            return
+        for name, cache in self.named_caches.items():
+            stored = self.prompt_cache.get(name, self.prefix(row)) if cache.plain_layers() else None
+            if stored is not None:
+                self.loads.setdefault(name, {})[row] = stored
+                self.remembered[row].add(name)
+
+    def load_prompts(self) -> None:
+        """Load the prompts `find_prompt` found into the rows just admitted, one cache extension per model."""
+        for name, stored in self.loads.items():
+            self.named_caches[name].load(stored)
+        self.loads = {}
+
+    def remember_prompt(self, row: int) -> None:
+        """Store the row's prompt in the prompt cache for each model that has read all of it and has no entry yet."""
+        if self.prompt_cache is None:
+            return
+        prefix = self.prefix(row)
+        for name, cache in self.named_caches.items():
+            if prefix and name not in self.remembered[row] and cache.length(row) >= len(prefix) and cache.plain_layers():
+                self.prompt_cache.put(name, prefix, cache.snapshot(row, len(prefix)))
+                self.remembered[row].add(name)
 
     def emit(self, row: int, emitted: list[int], ended: bool) -> None:
         """Add a round's tokens to the row's request; a request that `ended` (at a stop token or a stop check) or
@@ -170,6 +212,7 @@ class ServedBatch:
         """Give the rows whose requests finished this round the next prompts of the queue."""
         for row in self.finished:
             self.admit(row)
+        self.load_prompts()
         self.finished = []
 
 
@@ -177,9 +220,10 @@ class RoundEngine:
     """A draft/target pair and the sampling transform, ready to decode prompts under any rule."""
 
     def __init__(self, target: Any, draft: Any, transform: SamplingTransform, stop_ids: list[int],
-                 companion: Companion | None = None):
+                 companion: Companion | None = None, prompt_cache: PromptCache | None = None):
         self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
         self.companion = companion  # SV's companion predictor, for the rules that read it
+        self.prompt_cache = prompt_cache  # prompts' keys and values kept from one decode to the next
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
@@ -202,7 +246,7 @@ class RoundEngine:
         draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
         target = BatchCache(self.target, slots)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
-        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion)
+        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
             for row in batch.live:
@@ -248,6 +292,7 @@ class RoundEngine:
                 record.emitted.append(len(emitted))
                 for cache in batch.caches:
                     cache.crop_row(row, len(batch.tokens[row]) + accepted)
+                batch.remember_prompt(row)
                 if on_emit is not None and emitted:
                     on_emit(batch.request[row], emitted)
                 batch.emit(row, emitted, ended)
