@@ -34,14 +34,21 @@ def prepare_folder(root: Path, overwrite: bool) -> None:
 
 
 def evaluated(layout: Layout, head: str) -> bool:
-    """Whether the head's report folder holds an evaluation of this very checkpoint (by its weights digest)."""
+    """Whether the head's report folder holds an evaluation of this very checkpoint (by its weights digest), and of
+    the expected-acceptance head the on-time head's verify budget planned with."""
     if not ((layout.report(head) / REPORT_FILE).is_file() and layout.checkpoint(head).is_file()):
         return False
     try:
-        recorded = read_report(layout.report(head)).head.weights_digest
+        report = read_report(layout.report(head))
     except UsageError:  # a damaged report: evaluate again
         return False
-    return recorded == load_trained(str(layout.checkpoint(head))).head.weights_digest()
+    if report.head.weights_digest != load_trained(str(layout.checkpoint(head))).head.weights_digest():
+        return False
+    planner = ((report.decoding or {}).get("serving") or {}).get("budget") or {}
+    if head == "ontime" and planner.get("head"):
+        return (layout.checkpoint("expected").is_file() and planner.get("weights_digest")
+                == load_trained(str(layout.checkpoint("expected"))).head.weights_digest())
+    return True
 
 
 def run_stage(stage: Stage, number: int, total: int) -> float:

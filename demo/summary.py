@@ -145,7 +145,7 @@ def unresolved(figures: dict[str, Any]) -> list[str]:
     if d and (d.get("indicative") or gain is None or gain[0] <= 0 <= gain[1]):
         rivals.append("the best constant K")
     strongest, ci = d.get("strongest_baseline"), d.get("gain_vs_strongest_baseline_ci")
-    if strongest and strongest != "constant_k" and (d.get("indicative") or ci is None or ci[0] <= 0):
+    if strongest and strongest != "constant_k" and (d.get("indicative") or ci is None or ci[0] <= 0 <= ci[1]):
         rivals.append(strongest)
     if rivals:
         open_questions.append(f"whether it decodes faster than {' or '.join(rivals)}")
@@ -153,18 +153,25 @@ def unresolved(figures: dict[str, Any]) -> list[str]:
 
 
 def scale_lines(summary: dict[str, Any]) -> list[str]:
-    """What the figures rest on and, where that is too little to rank the policies, where the larger runs are."""
+    """What the figures rest on, where a free rule decodes faster than the head, and, where either holds, why and where
+    the larger runs are."""
     lines = []
     for figures in summary["heads"].values():
         questions = unresolved(figures)
+        tested = (figures.get("decoding") or {}).get("test_prompts", 0)
         if questions:
-            tested = (figures.get("decoding") or {}).get("test_prompts", 0)
             lines.append(f"  scale    {figures['title']}: {figures['held_out_tokens']:,} held-out tokens and "
                          f"{count(tested, 'test prompt')} do not settle {' or '.join(questions)}")
+        d = figures.get("decoding") or {}
+        ci = d.get("gain_vs_strongest_baseline_ci")
+        if ci is not None and ci[1] < 0 and not d.get("indicative"):
+            lines.append(f"  scale    {figures['title']}: {d['strongest_baseline']} decodes faster on these "
+                         f"{count(tested, 'test prompt')} ({d['gain_vs_strongest_baseline'] * 100:+.1f} %"
+                         f"{percent_interval(ci)})")
     if lines:
-        lines.append(f"           a head trained on {summary['data']['labelled_tokens']:,} labelled tokens reads little "
-                     "beyond the draft's own signals; docs/results.md has the heads' standing on 66 k tokens and 160 "
-                     "test prompts")
+        tokens = summary.get("data", {}).get("labelled_tokens", 0)
+        lines.append(f"           a head trained on {tokens:,} labelled tokens reads little beyond the draft's own "
+                     "signals; docs/results.md has the heads' standing on 66 k tokens and 160 test prompts")
     return lines
 
 

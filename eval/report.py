@@ -206,7 +206,7 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
              f"mean {data['mean_label']:.3f}.", "", f"{section} Verdict", ""]
     lines += [f"- {line}" for line in report.verdict["text"]]
     lines += ["", f"Decision rule: `{rule.rule}` at threshold {rule.threshold:g} "
-                  f"({'tuned on dev prompts' if rule.tuned else 'untuned default: no decoding runs'}).", "",
+                  f"({rule_origin(report)}).", "",
               f"{section} Offline metrics (held-out tokens)", "", *offline_table(report), "",
               "AUC is the expectation over soft labels; intervals are bootstrap over prompts. " + ceiling_caption(report), "",
               f"![ROC]({plot['roc']})", "", f"![Reliability diagram]({plot['reliability']})", ""]
@@ -341,6 +341,15 @@ def measured_costs_note(costs: dict[str, Any]) -> str:
     if not costs.get("reliable", True):
         note += f" That ratio is unreliable ({costs['caveat']}): do not use it to rank policies."
     return note
+
+
+def rule_origin(report: Report) -> str:
+    """Where the exported rule's threshold comes from, in a few words."""
+    if report.decision_rule.tuned:
+        return "tuned on dev prompts"
+    if report.decoding and (report.decoding.get("tuned_from") or {}).get("report", "") is None:
+        return "given in the config (--fixed-thresholds), tuned elsewhere: not tuned for this head"
+    return "untuned default: no decoding runs"
 
 
 def tuning_note(decoding: dict[str, Any]) -> str:

@@ -212,7 +212,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from
-              else given_tuning(config.fixed_thresholds) if config.fixed_thresholds else None)
+              else given_tuning(config.fixed_thresholds, "head" if trained.purpose in STOP_PURPOSES else "sprinter",
+                                config.max_draft) if config.fixed_thresholds else None)
     place(pair.target, device)
     place(pair.draft, device)
     trained.head.to(device)
@@ -228,6 +229,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
     engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
                          prompt_cache)
+    engine.store_prompts([list(p.ids) for p in prompts], config.decode_batch_size)  # no setting times the prefill
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
     costs = measure_costs(records)
@@ -304,7 +306,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             "cost_curves": {"draft": costs.draft.as_dict(), "target": costs.target.as_dict(), "source": source,
                             "scaled_draft_ratio": config.cost_ratio},
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
-                       "head": None if budget_head is None else (config.budget_head or trained.source)},
+                       "head": None if budget_head is None else (config.budget_head or trained.source),
+                       "weights_digest": None if budget_head is None else budget_head.weights_digest()},
             "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
 
 
@@ -391,7 +394,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
     decoding = None
     if config.num_decode_prompts:
-        skipped = ({digest for split in data.splits for digest in data.prompt_digests(split)}
+        skipped = (trained_on | {digest for split in data.splits for digest in data.prompt_digests(split)}
                    if config.unseen_prompts_only else trained_on)
         prompts, dropped = held_out_prompts(config, manifest, skipped, pair.tokenizer)
         if len({p.split for p in prompts}) < (2 if config.tunes_here else 1):

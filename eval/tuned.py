@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from specheads.decoding.rules import STOP_POLICIES
 from specheads.errors import UsageError
 from specheads.eval.config import FIXED_POLICIES
 from specheads.eval.reuse import saved_runs
@@ -38,8 +39,21 @@ class EarlierTuning:
         return {"report": self.report, "dev_prompts": self.dev_prompts}
 
 
-def given_tuning(thresholds: dict[str, float]) -> EarlierTuning:
-    """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known)."""
+def given_tuning(thresholds: dict[str, float], learned: str, max_draft: int) -> EarlierTuning:
+    """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known),
+    refused where they name a rule the evaluated head's eval does not run, or leave out `learned`, its own rule."""
+    allowed = set(STOP_POLICIES) if learned == "head" else {"constant_k", "sprinter"}
+    wrong = sorted(set(thresholds) - allowed)
+    if wrong:
+        raise UsageError(f"--fixed-thresholds names {', '.join(wrong)}, which the eval of this head does not decode; "
+                         f"use {', '.join(sorted(allowed))}")
+    if learned not in thresholds:
+        raise UsageError(f"--fixed-thresholds gives no threshold for `{learned}`, the evaluated head's own rule; add one")
+    if "oracle" in thresholds and thresholds["oracle"] != max_draft:
+        raise UsageError(f"the oracle is read off the constant-K_max runs: give oracle: {max_draft} (--max-draft) in "
+                         "--fixed-thresholds, or leave it out")
+    if thresholds.get("constant_k", 1) > max_draft:
+        raise UsageError(f"--fixed-thresholds gives constant_k {thresholds['constant_k']:g}, above --max-draft {max_draft}")
     return EarlierTuning(None, {policy: float(value) for policy, value in thresholds.items()}, 0)
 
 
@@ -69,8 +83,9 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
         raise UsageError(f"{folder} holds no tuned thresholds (its eval decoded nothing); give a report that ran "
                          "decoding with --num-decode-prompts")
     if decoding.get("tuned_from"):
-        raise UsageError(f"{folder} tuned nothing itself: it took its thresholds from {decoding['tuned_from']['report']}; "
-                         "give that report to --tuned-from")
+        source = decoding["tuned_from"]["report"] or "its config (--fixed-thresholds)"
+        raise UsageError(f"{folder} tuned nothing itself: it took its thresholds from {source}; give a report that "
+                         "tuned on dev prompts to --tuned-from")
     differs = head_differences(asdict(report.head), asdict(head))
     if differs:
         raise UsageError(f"{folder} tuned its thresholds for another head (differs in {', '.join(differs)}); give a "

@@ -76,21 +76,46 @@ def test_decodes_that_start_from_the_prompt_cache_equal_decodes_that_prefill_in_
             assert [(r.tokens, r.draft_forwards, r.target_calls) for r in got] == \
                    [(r.tokens, r.draft_forwards, r.target_calls) for r in wanted], (name, size)
     prefixes = {tuple(prompt[:-1]) for prompt in PROMPTS if len(prompt) > 1}  # [6] has nothing before its last token
-    assert set(cached.prompt_cache.entries) == {(model, p) for model in ("draft", "target") for p in prefixes}
+    assert {(name, p) for name, _, p in cached.prompt_cache.entries} == {(m, p) for m in ("draft", "target") for p in prefixes}
     assert cached.prompt_cache.hits == (6 * 3 - 1) * len(prefixes) * 2  # every decode but the first loads each prompt
 
 
-def test_the_prompt_cache_keeps_to_its_bound_dropping_the_least_recently_used():
+def test_the_companion_loads_its_prompts_with_the_draft_or_not_at_all_and_a_warmed_cache_changes_nothing(pair64):
+    """SV's companion is fed the draft's tokens in lockstep: a prompt stored for the draft by an earlier rule but not yet
+    for the companion is prefilled by both, never loaded by one alone; `store_prompts` fills the cache up front."""
+    import numpy as np
+
+    from specheads.decoding.companion import BinTable, Companion
+
+    target, draft = pair64
+    companion = Companion(tiny_lm(seed=13, vocab=VOCAB, init=0.5).double(),
+                          BinTable(np.array([0.5]), np.array([0.5]), np.array([[0.2, 0.6], [0.5, 0.9]])))
+    seeds = [60 + i for i in range(len(PROMPTS))]
+    rule = make_policy("sv_companion", 0.5, max_draft=4)
+    plain = RoundEngine(target, draft, SamplingTransform(1.0), STOPS, companion).decode(PROMPTS, rule, 10, seeds)
+    cached = RoundEngine(target, draft, SamplingTransform(1.0), STOPS, companion, PromptCache(1 << 30))
+    cached.decode(PROMPTS, make_policy("constant_k", 2), 10, seeds)  # stores the draft's and the target's prompts only
+    for _ in range(2):  # the companion's prompts are stored on the first pass and loaded on the second
+        got = cached.decode(PROMPTS, rule, 10, seeds, batch_size=4)
+        assert [(r.tokens, r.draft_forwards, r.companion_forwards) for r in got] == \
+               [(r.tokens, r.draft_forwards, r.companion_forwards) for r in plain]
+    warmed = RoundEngine(target, draft, SamplingTransform(1.0), STOPS, companion, PromptCache(1 << 30))
+    warmed.store_prompts(PROMPTS, batch_size=4)
+    assert len(warmed.prompt_cache.entries) == 3 * 5 and warmed.prompt_cache.hits == 0  # 5 prompts of 2+ tokens
+    got = warmed.decode(PROMPTS, rule, 10, seeds)
+    assert [r.tokens for r in got] == [r.tokens for r in plain] and warmed.prompt_cache.hits == 3 * 5
+
+
+def test_the_prompt_cache_keeps_to_its_bound_and_keys_entries_by_model():
     keys = torch.zeros(1, 4, 2)  # 32 bytes a tensor, 64 an entry
     store = PromptCache(max_bytes=150)
+    model, other = object(), object()
     for prefix in ((1,), (2,), (3,)):
-        store.put("draft", prefix, [(keys, keys)])
-    assert [p for _, p in store.entries] == [(2,), (3,)] and store.bytes == 128
-    assert store.get("draft", (2,)) is not None and store.get("target", (2,)) is None
-    store.put("draft", (4,), [(keys, keys)])
-    assert [p for _, p in store.entries] == [(2,), (4,)]  # (3,) was the least recently used
-    store.put("draft", (5,), [(torch.zeros(1, 40, 2),) * 2])  # larger than the whole bound: not stored
-    assert (("draft", (5,))) not in store.entries
+        store.put("draft", model, prefix, [(keys, keys)])
+    assert [p for _, _, p in store.entries] == [(1,), (2,)] and store.bytes == 128  # full: (3,) was not stored
+    assert store.get("draft", model, (2,)) is not None and store.get("target", model, (2,)) is None
+    assert store.get("draft", other, (2,)) is None  # another model under the same name never gets these keys
+    assert store.hits == 1 and store.holds("draft", model, (1,)) and store.hits == 1
 
 
 def test_sprinter_rows_of_a_batch_equal_the_rows_decoded_alone_in_float64(pair64):

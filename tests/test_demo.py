@@ -79,6 +79,12 @@ def test_the_summary_says_what_the_demo_is_too_small_to_settle():
     assert "a head trained on 3,600 labelled tokens" in small
     few = "\n".join(scale_lines({"data": data, "heads": {"ontime": figures([0.01, 0.04], [0.02, 0.09], 3)}}))
     assert "3 test prompts do not settle whether it decodes faster than the best constant K" in few
+    slower = figures([0.01, 0.04], [0.02, 0.09], 40)
+    slower["decoding"] |= {"strongest_baseline": "confidence", "gain_vs_strongest_baseline": -0.06,
+                           "gain_vs_strongest_baseline_ci": [-0.1, -0.02]}
+    lost = "\n".join(scale_lines({"data": data, "heads": {"ontime": slower}}))
+    assert "confidence decodes faster on these 40 test prompts (-6.0 % [-10.0, -2.0 %])" in lost
+    assert "whether it decodes faster than confidence" not in lost and "reads little beyond" in lost
 
 
 def test_the_headline_names_constant_k_confidence_and_the_strongest_field_rule_and_the_serving_line_the_budget():

@@ -685,6 +685,9 @@ def test_eval_decodes_fixed_thresholds_with_every_prompt_a_test_prompt(trained, 
     capsys.readouterr()
     for extra, reason in ((["--fixed-thresholds", '{"bogus": 1}'], "names unknown policies bogus"),
                           (["--head-thresholds", "[0.5]"], "drop --head-thresholds"),
+                          (["--fixed-thresholds", '{"constant_k": 2, "sprinter": 0.5}'], "names sprinter, which the eval"),
+                          (["--fixed-thresholds", '{"constant_k": 2}'], "no threshold for `head`"),
+                          (["--fixed-thresholds", '{"head": 0.5, "oracle": 3}'], "give oracle: 4"),
                           (["--tuned-from", str(tmp_path / "fixed")], "give one")):
         out = tmp_path / "refused"
         assert main(args[: args.index("--out") + 1] + [str(out)] + args[args.index("--out") + 2:] + extra) == 2

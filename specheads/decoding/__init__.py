@@ -2,13 +2,15 @@
 
 `RoundEngine(target, draft, transform, stop_ids).decode(prompts, rule, max_new_tokens, seeds, head)` runs any rule
 of `specheads.decoding.rules` (`make_policy(name, threshold, max_draft)`); eval's sweep, its serving table and the
-integrations use it, and a new rule is one class in `rules.py`.
+integrations use it, and a new rule is one class in `rules.py`. `PromptCache` keeps prompts' keys and values from one
+decode to the next (eval decodes the same prompts under every setting).
 """
 
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.engine import RoundEngine, acceptance_batch, candidate_signals
+from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import RULES, STOP_POLICIES, Drafted, SprinterRule, StopPolicy, make_policy
 
-__all__ = ["RULES", "STOP_POLICIES", "BatchCache", "DecodeResult", "Drafted", "RoundEngine", "SprinterRule", "StopPolicy",
+__all__ = ["RULES", "STOP_POLICIES", "BatchCache", "DecodeResult", "Drafted", "PromptCache", "RoundEngine", "SprinterRule", "StopPolicy",
            "acceptance_batch", "candidate_signals", "make_policy"]

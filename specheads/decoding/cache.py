@@ -113,7 +113,7 @@ class BatchCache:
     def snapshot(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, a copy of the keys and values of `row`'s first `length` tokens, [heads, length, dim] each."""
         index = torch.tensor(self.slots[row][:length], dtype=torch.long, device=self.device)
-        return [(layer.keys[row].index_select(1, index).clone(), layer.values[row].index_select(1, index).clone())
+        return [(layer.keys[row].index_select(1, index), layer.values[row].index_select(1, index))  # copies
                 for layer in self.cache.layers]
 
     def load(self, stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:

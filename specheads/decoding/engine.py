@@ -10,6 +10,9 @@ A round, for every row still generating:
 3. **emit**: the standing candidates and the target's token, ended at the first stop token and at max_new_tokens;
    both caches are cropped to what stands; counts of forwards, calls and tokens per row.
 
+With a prompt cache (`specheads.decoding.prompt_cache`) a row whose prompt was read before starts from the stored keys
+and values instead of a prefill; the forwards counted per request are the same either way.
+
 Every row draws from its own generator in the same order whatever the batch, so under a per-row rule a row's tokens do
 not depend on the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie). Under
 a rule with a planner (the verify budget, SmartSpec's K, the rules that adapt at run time) the realised tokens do
@@ -168,15 +171,19 @@ class ServedBatch:
         return tuple(self.prompts[self.request[row]][:-1])
 
     def find_prompt(self, row: int) -> None:
-        """Note the stored keys and values of the row's prompt, per model, for `load_prompts`."""
+        """Note the stored keys and values of the row's prompt, per model, for `load_prompts`. The draft and SV's
+        companion are fed the same tokens in lockstep, so they load the prompt together or not at all."""
         self.remembered[row] = set()
         if self.prompt_cache is None or not self.prefix(row):
             return
-        for name, cache in self.named_caches.items():
-            stored = self.prompt_cache.get(name, self.prefix(row)) if cache.plain_layers() else None
-            if stored is not None:
-                self.loads.setdefault(name, {})[row] = stored
-                self.remembered[row].add(name)
+        found = {name: self.prompt_cache.get(name, cache.model, self.prefix(row))
+                 for name, cache in self.named_caches.items() if cache.plain_layers()}
+        found = {name: stored for name, stored in found.items() if stored is not None}
+        if self.companion is not None and ("draft" in found) != ("companion" in found):
+            found.pop("draft", None), found.pop("companion", None)
+        for name, stored in found.items():
+            self.loads.setdefault(name, {})[row] = stored
+            self.remembered[row].add(name)
 
     def load_prompts(self) -> None:
         """Load the prompts `find_prompt` found into the rows just admitted, one cache extension per model."""
@@ -191,7 +198,7 @@ class ServedBatch:
         prefix = self.prefix(row)
         for name, cache in self.named_caches.items():
             if prefix and name not in self.remembered[row] and cache.length(row) >= len(prefix) and cache.plain_layers():
-                self.prompt_cache.put(name, prefix, cache.snapshot(row, len(prefix)))
+                self.prompt_cache.put(name, cache.model, prefix, cache.snapshot(row, len(prefix)))
                 self.remembered[row].add(name)
 
     def emit(self, row: int, emitted: list[int], ended: bool) -> None:
@@ -304,6 +311,27 @@ class RoundEngine:
             for cache in batch.caches:
                 cache.trim()
         return self._finish(batch.results, start, draft, target)
+
+    @torch.no_grad()
+    def store_prompts(self, prompts: list[list[int]], batch_size: int) -> None:
+        """Prefill `prompts` (all but their last tokens) into the prompt cache for every model, `batch_size` at a time,
+        before any decode: untimed and uncounted, so the decodes that follow all start from stored prompts and none of
+        them carries the prefill in its measured time (without a prompt cache, nothing to do)."""
+        if self.prompt_cache is None:
+            return
+        models = {"draft": self.draft, "target": self.target,
+                  **({"companion": self.companion.model} if self.companion is not None else {})}
+        for name, model in models.items():
+            todo = list(dict.fromkeys(tuple(p[:-1]) for p in prompts if len(p) > 1))
+            todo = [prefix for prefix in todo if not self.prompt_cache.holds(name, model, prefix)]
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start : start + batch_size]
+                cache = BatchCache(model, len(chunk))
+                if not cache.plain_layers():
+                    break
+                cache.feed({row: list(prefix) for row, prefix in enumerate(chunk)})
+                for row, prefix in enumerate(chunk):
+                    self.prompt_cache.put(name, model, prefix, cache.snapshot(row, len(prefix)))
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:
