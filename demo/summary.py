@@ -191,7 +191,7 @@ def summary_text(summary: dict[str, Any]) -> str:
                   f"{signed_interval(figures['auc_margin_ci'])}",
                   f"    binary KL {figures['binary_kl']:.3f} vs constant predictor {figures['binary_kl_constant']:.3f}",
                   f"    {decoding_line(figures)}",
-                  *([f"    {serving_line(figures)}"] if serving_line(figures) else []),
+                  *[f"    {line}" for line in [serving_line(figures)] if line],
                   f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]
     lines += scale_lines(summary)
     stages = " · ".join(f"{key} {duration(value)}" for key, value in summary["seconds"].items() if key != "total")

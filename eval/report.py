@@ -44,7 +44,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
     c = decoding["t_draft_over_t_target"]
     if learned == "head":
-        where = "given in the config" if (decoding.get("tuned_from") or {}).get("report", "") is None else "tuned on dev prompts"
+        where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
         lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, {where}) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
         for baseline, what in DECODING_BASELINES.items():
@@ -343,11 +343,17 @@ def measured_costs_note(costs: dict[str, Any]) -> str:
     return note
 
 
+def given_thresholds(decoding: dict[str, Any]) -> bool:
+    """Whether the decoding ran at thresholds given in the config (--fixed-thresholds), not tuned on dev prompts."""
+    earlier = decoding.get("tuned_from")
+    return bool(earlier) and earlier["report"] is None
+
+
 def rule_origin(report: Report) -> str:
     """Where the exported rule's threshold comes from, in a few words."""
     if report.decision_rule.tuned:
         return "tuned on dev prompts"
-    if report.decoding and (report.decoding.get("tuned_from") or {}).get("report", "") is None:
+    if report.decoding and given_thresholds(report.decoding):
         return "given in the config (--fixed-thresholds), tuned elsewhere: not tuned for this head"
     return "untuned default: no decoding runs"
 
@@ -355,7 +361,7 @@ def rule_origin(report: Report) -> str:
 def tuning_note(decoding: dict[str, Any]) -> str:
     """Where the thresholds were tuned."""
     earlier = decoding.get("tuned_from")
-    if earlier and earlier["report"] is None:
+    if given_thresholds(decoding):
         return "each policy at a threshold given in the config (--fixed-thresholds, tuned elsewhere), none tuned here"
     if earlier:
         return (f"each policy at the threshold tuned on the {earlier['dev_prompts']} dev prompts of `{earlier['report']}`, "

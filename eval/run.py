@@ -211,9 +211,9 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
+    learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"  # the evaluated head's own rule
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from
-              else given_tuning(config.fixed_thresholds, "head" if trained.purpose in STOP_PURPOSES else "sprinter",
-                                config.max_draft) if config.fixed_thresholds else None)
+              else given_tuning(config.fixed_thresholds, learned, config.max_draft) if config.fixed_thresholds else None)
     place(pair.target, device)
     place(pair.draft, device)
     trained.head.to(device)
@@ -239,7 +239,6 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                                                              config.sprinter_max_tv)
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
-    learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}

@@ -113,6 +113,7 @@ def test_the_prompt_cache_keeps_to_its_bound_and_keys_entries_by_model():
     for prefix in ((1,), (2,), (3,)):
         store.put("draft", model, prefix, [(keys, keys)])
     assert [p for _, _, p in store.entries] == [(1,), (2,)] and store.bytes == 128  # full: (3,) was not stored
+    assert not store.put("draft", model, (4,), [(keys, keys)]) and store.put("draft", model, (1,), [(keys, keys)])
     assert store.get("draft", model, (2,)) is not None and store.get("target", model, (2,)) is None
     assert store.get("draft", other, (2,)) is None  # another model under the same name never gets these keys
     assert store.hits == 1 and store.holds("draft", model, (1,)) and store.hits == 1

@@ -316,7 +316,8 @@ class RoundEngine:
     def store_prompts(self, prompts: list[list[int]], batch_size: int) -> None:
         """Prefill `prompts` (all but their last tokens) into the prompt cache for every model, `batch_size` at a time,
         before any decode: untimed and uncounted, so the decodes that follow all start from stored prompts and none of
-        them carries the prefill in its measured time (without a prompt cache, nothing to do)."""
+        them carries the prefill in its measured time (without a prompt cache, nothing to do; once it is full, the
+        rest prefill in their decodes)."""
         if self.prompt_cache is None:
             return
         models = {"draft": self.draft, "target": self.target,
@@ -330,8 +331,10 @@ class RoundEngine:
                 if not cache.plain_layers():
                     break
                 cache.feed({row: list(prefix) for row, prefix in enumerate(chunk)})
-                for row, prefix in enumerate(chunk):
-                    self.prompt_cache.put(name, model, prefix, cache.snapshot(row, len(prefix)))
+                stored = [self.prompt_cache.put(name, model, prefix, cache.snapshot(row, len(prefix)))
+                          for row, prefix in enumerate(chunk)]
+                if not all(stored):  # full: prefilling more here would be work no decode gets back
+                    break
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:

@@ -37,14 +37,18 @@ class PromptCache:
             self.hits += 1
         return layers
 
-    def put(self, name: str, model: Any, prefix: tuple[int, ...], layers: Layers) -> None:
-        """Store `layers` as `model`'s keys and values of `prefix`, unless that would pass the bound."""
+    def put(self, name: str, model: Any, prefix: tuple[int, ...], layers: Layers) -> bool:
+        """Store `layers` as `model`'s keys and values of `prefix`, unless that would pass the bound; whether the
+        entry is held now."""
         size = nbytes(layers)
         key = (name, id(model), prefix)
-        if key in self.entries or self.bytes + size > self.max_bytes:
-            return
+        if key in self.entries:
+            return True
+        if self.bytes + size > self.max_bytes:
+            return False
         self.entries[key] = layers
         self.bytes += size
+        return True
 
     def holds(self, name: str, model: Any, prefix: tuple[int, ...]) -> bool:
         """Whether `prefix` is stored for `model` (not counted as a hit)."""
