@@ -114,6 +114,9 @@ class GenConfig:
     """the stored states' dtype: float16, or bfloat16 where they exceed float16's 65 504."""
     state_layer: PositiveInt | None = None
     """store the draft's residual stream after its first L decoder layers; default: its last layer after the final norm."""
+    target_states: bool = False
+    """also store the target's last-layer states (after the final norm) on the same prompt + mixed tokens, column
+    `target_features`: a head may read the state the target computed at the last position it verified."""
     long_prompts: Literal["skip", "fail"] = "skip"
     """a prompt too long for the context: `skip` it (counted, its id kept in the manifest) or `fail`."""
     max_prompt_tokens: PositiveInt | None = None
@@ -152,6 +155,9 @@ class GenConfig:
         if not self.store_features and (self.features_at != "all" or self.features_dtype != "float16"):
             raise UsageError(f"features_at ({self.features_at}) and features_dtype ({self.features_dtype}) choose how "
                              "stored states are kept, but store_features is false; drop them or set store_features true")
+        if self.target_states and (not self.store_features or self.features_at != "all"):
+            raise UsageError("target_states stores the target's states beside the draft's at every position; it needs "
+                             "store_features true and features_at all (drop target_states, or set those)")
         self.check_generation()
         check_placement(self)
         self.sampling.transform()

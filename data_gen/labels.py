@@ -75,10 +75,10 @@ def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: 
 def label_batch(
     target: Any, draft: Any, items: list[WorkItem], responses: list[list[int]], transform: SamplingTransform,
     global_seed: int, pad_id: int, chunk: int, store_features: bool, device: torch.device,
-    state_layer: int | None = None, storage: FeatureStorage = DEFAULT_STORAGE,
+    state_layer: int | None = None, storage: FeatureStorage = DEFAULT_STORAGE, store_target_states: bool = False,
 ) -> dict[str, list]:
     """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`, the rows and
-    dtype `storage` names)."""
+    dtype `storage` names; `target_features`, the target's last-layer states on the same tokens, with `store_target_states`)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
     target_states = decoder_states(target, sequences, pad_id, device)
     draft_states = decoder_states(draft, sequences, pad_id, device)
@@ -104,6 +104,9 @@ def label_batch(
     if store_features:
         columns["features"] = mixed_features(draft, items, columns["mixed_ids"], pad_id, device, state_layer,
                                              storage, columns["is_draft"])
+    if store_target_states:
+        columns["target_features"] = mixed_features(target, items, columns["mixed_ids"], pad_id, device, None, storage,
+                                                    columns["is_draft"])
     return columns
 
 

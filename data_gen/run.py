@@ -172,6 +172,8 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         "draft_hidden_size": int(pair.draft.config.hidden_size),
         # only when set, so that data made before the option keeps its fingerprint
         **({"state_layer": config.state_layer} if config.state_layer is not None else {}),
+        **({"target_states": True, "target_hidden_size": int(pair.target.config.hidden_size)}
+           if config.target_states else {}),
         **feature_storage(config).identity(),  # likewise only the options that differ from the default
         "long_prompts": config.long_prompts,
         "max_prompt_tokens": config.max_prompt_tokens,
@@ -380,9 +382,10 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
                              config.store_features, config.state_layer, fingerprint, feature_storage(config),
                              engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
-                                                  config.generation))
+                                                  config.generation), target_states=config.target_states)
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
-                         fingerprint, config.features_dtype)
+                         fingerprint, config.features_dtype,
+                         int(pair.target.config.hidden_size) if config.target_states else None)
     trainer.callbacks.append(writer)
     trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0

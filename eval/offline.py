@@ -19,7 +19,7 @@ from specheads.checkpoint import TrainedHead
 from specheads.data import AcceptanceDataModule
 from specheads.decoding.online import Outcome, VllmEstimator
 from specheads.decoding.rules import Drafted
-from specheads.heads import STORED_SIGNALS, PositionCalibration
+from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
 from specheads.metrics import (
     baseline_scores,
@@ -32,7 +32,7 @@ from specheads.metrics import (
     soft_auc,
     soft_pr_auc,
 )
-from specheads.targets import draft_features, head_inputs
+from specheads.targets import draft_features, head_inputs, stale_target_states
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "sv_companion")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
@@ -110,7 +110,8 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
     prompt_index: dict[str, int] = {}
     rows = data.splits[split]["prompt_id"]
     start = 0
-    for batch in data.ordered_batches(split, with_features=True):
+    data.with_target_states = bool(head.target_state_size)
+    for index, batch in enumerate(data.ordered_batches(split, with_features=True)):
         size = len(batch["valid"])
         ids = rows[start : start + size]
         start += size
@@ -118,7 +119,9 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, trained.purpose,
                                                               head.extra_features, trained.tau, trained.contexts, embeddings,
                                                               realised=True)
-        logit = (head(hidden, signals, embedding) + head.logit_correction).double().cpu()
+        target = (stale_target_states(batch, mask, TARGET_STALENESS, torch.Generator().manual_seed(index))
+                  if head.target_state_size else (None, None))
+        logit = (head(hidden, signals, embedding, *target) + head.logit_correction).double().cpu()
         columns["logit"].append(logit.numpy())
         columns["prediction"].append(torch.sigmoid(logit).numpy())
         columns["label"].append(label.numpy())

@@ -1,6 +1,6 @@
 """Acceptance heads (SpecDec++ ResNet head, its on-time and expected-acceptance variants, SPRINTER verifier)."""
 
-from specheads.heads.base import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, AcceptanceHead, with_derived_signals
+from specheads.heads.base import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, with_derived_signals
 from specheads.heads.calibration import PositionCalibration
 from specheads.heads.linear import LinearVerifier
 from specheads.heads.loading import DecisionRule, load_head
@@ -9,5 +9,5 @@ from specheads.heads.resnet import PRE_DRAW_SIGNALS, ExpectedAcceptanceHead, OnT
 
 __all__ = ["AcceptanceHead", "ResNetAcceptanceHead", "OnTimeAcceptanceHead", "ExpectedAcceptanceHead", "PRE_DRAW_SIGNALS",
            "STOP_PURPOSES", "PositionCalibration", "LinearVerifier",
-           "SIGNALS", "STORED_SIGNALS", "HEADS",
+           "SIGNALS", "STORED_SIGNALS", "TARGET_STALENESS", "HEADS",
            "build_head", "head_class", "load_head", "DecisionRule", "with_derived_signals"]

@@ -40,6 +40,10 @@ def with_derived_signals(columns: dict[str, Any]) -> dict[str, Any]:
 STOP_PURPOSES = ("stop", "expect")
 """The purposes of heads whose survival product Π â feeds a stop rule (and a verify budget)."""
 
+TARGET_STALENESS = 6
+"""A head reading the target's state is told how stale it is, k = 1..TARGET_STALENESS (one-hot; 0: fresh), k being
+the candidate's position in its round: the target last verified the position k before the state that produced q."""
+
 MIN_SIGNAL_STD = 1e-3
 """Floor on a signal's std: a signal constant in training still standardises to finite fp16 values."""
 
@@ -87,7 +91,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     def __init__(self, hidden_size: int, extra_features: list[str] | None = None,
                  candidate_embedding_size: int = 0, state_dropout: float = 0.0, state_layer: int | None = None,
-                 calibration: dict[str, Any] | None = None) -> None:
+                 calibration: dict[str, Any] | None = None, target_state_size: int = 0) -> None:
         super().__init__()
         self.hidden_size = check_count("hidden_size", hidden_size, minimum=1)
         self.state_layer = None if state_layer is None else check_count("state_layer", state_layer, minimum=1)
@@ -96,6 +100,10 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         self.state_dropout = float(state_dropout)
         self.candidate_embedding_size = check_count("candidate_embedding_size", candidate_embedding_size, minimum=0)
         self.extra_features = check_signals(extra_features)
+        self.target_state_size = check_count("target_state_size", target_state_size, minimum=0)
+        if self.target_state_size:  # only then, so that heads saved before the option load strictly
+            self.register_buffer("target_mean", torch.zeros(self.target_state_size))
+            self.register_buffer("target_std", torch.ones(self.target_state_size))
         self.register_buffer("signal_mean", torch.zeros(len(self.extra_features)))
         self.register_buffer("signal_std", torch.ones(len(self.extra_features)))
         # a draft's last-layer states have a few outlier dimensions (|x| ~ 50 where most are ~ 1); standardising
@@ -145,7 +153,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     @property
     def input_size(self) -> int:
         """Width of the concatenated input the head scores."""
-        return self.hidden_size + self.candidate_embedding_size + len(self.extra_features)
+        target = self.target_state_size + TARGET_STALENESS + 1 if self.target_state_size else 0
+        return self.hidden_size + self.candidate_embedding_size + target + len(self.extra_features)
 
     def num_parameters(self) -> int:
         """Number of trainable scalars (the signal statistics are buffers and not counted)."""
@@ -187,6 +196,10 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         """Set the hidden state's per-dimension standardisation from the training split (std floored)."""
         self._set_statistics("hidden", mean, std, self.hidden_size, "one per hidden dimension")
 
+    def set_target_statistics(self, mean: Tensor, std: Tensor) -> None:
+        """Set the target state's per-dimension standardisation from the training split (std floored)."""
+        self._set_statistics("target", mean, std, self.target_state_size, "one per target hidden dimension")
+
     def _set_statistics(self, kind: str, mean: Tensor, std: Tensor, size: int, why: str) -> None:
         for name, value in (("mean", mean), ("std", std)):
             if tuple(value.shape) != (size,):
@@ -201,10 +214,11 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         """Logits [...] from input features [..., input_size]; implemented by each head."""
         raise NotImplementedError
 
-    def forward(self, hidden: Tensor, signals: Tensor | None = None,
-                candidate_embedding: Tensor | None = None) -> Tensor:
-        """Acceptance logits with the leading dims of `hidden` ([..., hidden_size] -> [...])."""
-        return self.score(self.features(hidden, signals, candidate_embedding))
+    def forward(self, hidden: Tensor, signals: Tensor | None = None, candidate_embedding: Tensor | None = None,
+                target_state: Tensor | None = None, staleness: Tensor | None = None) -> Tensor:
+        """Acceptance logits with the leading dims of `hidden` ([..., hidden_size] -> [...]); a head with
+        `target_state_size` also reads the target's state at the last verified position and its `staleness` k."""
+        return self.score(self.features(hidden, signals, candidate_embedding, target_state, staleness))
 
     @torch.no_grad()
     def predict(self, hidden: Tensor, signals: Tensor | None = None, candidate_embedding: Tensor | None = None,
@@ -226,8 +240,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         with torch.no_grad():
             self.logit_correction.fill_(math.log(w_rej / w_acc))
 
-    def features(self, hidden: Tensor, signals: Tensor | None = None,
-                 candidate_embedding: Tensor | None = None) -> Tensor:
+    def features(self, hidden: Tensor, signals: Tensor | None = None, candidate_embedding: Tensor | None = None,
+                 target_state: Tensor | None = None, staleness: Tensor | None = None) -> Tensor:
         """The checked, concatenated input [..., input_size], in the head's parameter dtype."""
         dtype = next(self.parameters()).dtype
         hidden = self._checked("hidden", hidden, hidden, self.hidden_size, "the head's hidden_size")
@@ -243,6 +257,18 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         elif candidate_embedding is not None:
             raise UsageError(f"this {self.head_type} head reads no candidate embedding "
                              "(candidate_embedding_size=0); pass candidate_embedding=None")
+        if self.target_state_size:
+            if target_state is None or staleness is None:
+                raise UsageError(f"this {self.head_type} head reads the target's state at the last verified position "
+                                 f"(target_state_size={self.target_state_size}); pass target_state and staleness")
+            target = self._checked("target_state", target_state, hidden, self.target_state_size,
+                                   "the head's target_state_size")
+            parts.append(nn.functional.dropout((target.to(dtype) - self.target_mean) / self.target_std,
+                                               self.state_dropout, self.training))
+            parts.append(nn.functional.one_hot(staleness.long().clamp(0, TARGET_STALENESS), TARGET_STALENESS + 1))
+        elif target_state is not None:
+            raise UsageError(f"this {self.head_type} head reads no target state (target_state_size=0); pass "
+                             "target_state=None")
         if self.extra_features:
             if signals is None:
                 raise UsageError(f"this head reads the draft signals {self.extra_features}; pass signals "

@@ -36,11 +36,12 @@ class ResNetAcceptanceHead(AcceptanceHead):
 
     def __init__(self, hidden_size: int, depth: int = 3, extra_features: list[str] | None = None,
                  state_dropout: float = 0.0, state_layer: int | None = None, candidate_embedding_size: int = 0,
-                 calibration: dict[str, Any] | None = None) -> None:
+                 calibration: dict[str, Any] | None = None, target_state_size: int = 0) -> None:
         super().__init__(hidden_size, extra_features, candidate_embedding_size, state_dropout=state_dropout,
-                         state_layer=state_layer, calibration=calibration)
+                         state_layer=state_layer, calibration=calibration, target_state_size=target_state_size)
         self.depth = check_count("depth", depth, minimum=0)
-        self._record_config(depth=self.depth, candidate_embedding_size=self.candidate_embedding_size)
+        self._record_config(depth=self.depth, candidate_embedding_size=self.candidate_embedding_size,
+                            **({"target_state_size": self.target_state_size} if self.target_state_size else {}))
         width = self.input_size
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(self.depth))
         for block in self.blocks:
@@ -50,10 +51,14 @@ class ResNetAcceptanceHead(AcceptanceHead):
 
     def score(self, features: Tensor) -> Tensor:
         """Logits [...] from features [..., d]."""
+        return self.out(self.trunk(features)).squeeze(-1)
+
+    def trunk(self, features: Tensor) -> Tensor:
+        """The representation [..., d] the output layer reads (an auxiliary target may read it too)."""
         x = features
         for block in self.blocks:
             x = x + torch.nn.functional.silu(block(x))
-        return self.out(x).squeeze(-1)
+        return x
 
 
 class OnTimeAcceptanceHead(ResNetAcceptanceHead):

@@ -57,9 +57,11 @@ class RowDataset(Dataset):
     A batch is read in one go (`__getitems__`, which torch's DataLoader calls with a batch's indices): one
     Arrow take per batch instead of one per row, and the states stay views of the taken table."""
 
-    def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all"):
+    def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all",
+                 with_target_states: bool = False):
         self.rows = rows.with_format("numpy", columns=list(SMALL_COLUMNS))
         self.features = rows.with_format("arrow", columns=["features"]) if with_features else None
+        self.targets = rows.with_format("arrow", columns=["target_features"]) if with_features and with_target_states else None
         self.features_at = features_at
 
     def __len__(self) -> int:
@@ -77,13 +79,16 @@ class RowDataset(Dataset):
                 row["features"] = states
                 if self.features_at != "all":
                     row["state_rows"] = kept_rows(row["is_draft"], self.features_at)
+        if self.targets is not None:
+            for row, states in zip(rows, feature_rows(self.targets[indices], "target_features")):
+                row["target_features"] = states
         return rows
 
 
-def feature_rows(table: pa.Table) -> list[np.ndarray]:
-    """Each row's [positions, hidden] states from an Arrow table holding the `features` column (Array2D); a row
-    that kept no state gets [0, hidden]."""
-    column = table.column("features")
+def feature_rows(table: pa.Table, name: str = "features") -> list[np.ndarray]:
+    """Each row's [positions, hidden] states from an Arrow table holding the `features` column (or `name`, an Array2D
+    too); a row that kept no state gets [0, hidden]."""
+    column = table.column(name)
     storage = column.combine_chunks().storage  # list<list<halffloat or uint16>>: rows, positions, hidden
     lengths = np.diff(storage.offsets.to_numpy())
     values = storage.flatten().flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.shape[-1])
@@ -103,24 +108,27 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
             padded[name][index, :n] = row[name]
     if "features" in rows[0]:
         padded.update(padded_states(rows, width))
+    if "target_features" in rows[0]:
+        padded["target_features"] = padded_states(rows, width, "target_features")["target_features"]
     batch: dict[str, Any] = {name: torch.from_numpy(values) for name, values in padded.items()}
-    if "features" in batch:
-        batch["features"] = as_tensor(padded["features"])  # bfloat16 travels as its uint16 bits until here
+    for name in ("features", "target_features"):
+        if name in batch:
+            batch[name] = as_tensor(padded[name])  # bfloat16 travels as its uint16 bits until here
     if "features" not in rows[0]:
         batch["prompt_ids"] = [row["prompt_ids"].tolist() for row in rows]
         batch["mixed_ids"] = [row["mixed_ids"].tolist() for row in rows]
     return with_derived_signals(batch)
 
 
-def padded_states(rows: list[dict[str, Any]], width: int) -> dict[str, np.ndarray]:
-    """`features` [B, width + 1, hidden], each row's states at their positions (zero elsewhere), and, when the rows
-    keep only some positions (`state_rows`), `state_kept` [B, width + 1] marking them."""
-    hidden = rows[0]["features"].shape[-1]
-    features = np.zeros((len(rows), width + 1, hidden), dtype=rows[0]["features"].dtype)
-    if "state_rows" not in rows[0]:
+def padded_states(rows: list[dict[str, Any]], width: int, name: str = "features") -> dict[str, np.ndarray]:
+    """`features` (or `name`) [B, width + 1, hidden], each row's states at their positions (zero elsewhere), and, when
+    the rows keep only some positions (`state_rows`), `state_kept` [B, width + 1] marking them."""
+    hidden = rows[0][name].shape[-1]
+    features = np.zeros((len(rows), width + 1, hidden), dtype=rows[0][name].dtype)
+    if "state_rows" not in rows[0] or name != "features":
         for index, row in enumerate(rows):
-            features[index, : len(row["features"])] = row["features"]
-        return {"features": features}
+            features[index, : len(row[name])] = row[name]
+        return {name: features}
     kept = np.zeros((len(rows), width + 1), dtype=bool)
     for index, row in enumerate(rows):
         features[index, row["state_rows"]] = row["features"]
@@ -187,10 +195,13 @@ class AcceptanceDataModule(L.LightningDataModule):
         split_seed: seed of the prompt split.
         batch_size: rows per batch and process (SpecDec++: 32).
         num_workers: DataLoader workers.
+        train_rows: train on this many rows of the training split (a seeded choice; each smaller subset lies inside
+            every larger one), for learning curves; the validation and calibration prompts stay the same. Null: all.
     """
 
     def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,
-                 split_seed: int = 0, batch_size: int = 32, num_workers: int = 0, calibration_fraction: float = 0.0):
+                 split_seed: int = 0, batch_size: int = 32, num_workers: int = 0, calibration_fraction: float = 0.0,
+                 train_rows: int | None = None):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise UsageError(f"data.val_fraction must lie in (0, 1), got {val_fraction}")
@@ -199,6 +210,8 @@ class AcceptanceDataModule(L.LightningDataModule):
                              f"got {calibration_fraction}; the rest of the prompts train the head")
         if batch_size < 1:
             raise UsageError(f"data.batch_size must be at least 1, got {batch_size}")
+        if train_rows is not None and train_rows < 1:
+            raise UsageError(f"data.train_rows must be at least 1 (or null for the whole training split), got {train_rows}")
         manifest = read_manifest(Path(path))
         if manifest is None:
             raise UsageError(f"{path} holds no labelled dataset (no manifest.json); run `specheads gen --out {path}` first")
@@ -216,6 +229,8 @@ class AcceptanceDataModule(L.LightningDataModule):
         self.split_seed = split_seed
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.train_rows = train_rows
+        self.with_target_states = False  # set by a head that reads the target's state
         self.splits: dict[str, datasets.Dataset] = {}
 
     @property
@@ -254,12 +269,36 @@ class AcceptanceDataModule(L.LightningDataModule):
         rows = load_labelled(self.path)
         self.assign_splits(rows, [prompt_split(p, self.split_seed, self.val_fraction, self.calibration_fraction)
                                   for p in rows["prompt_id"]])
+        self.training_prompts = self.prompt_digests("train")  # the training split's prompts, before any subset
+        if self.train_rows is not None:
+            self.take_training_subset(self.train_rows)
         wanted = ("train", "val", "calibration") if self.calibration_fraction else ("train", "val")
         if not all(len(self.splits.get(name, [])) for name in wanted):
             counts = ", ".join(f"{len(self.splits.get(name, []))} {name}" for name in wanted)
             self.splits = {}
             raise UsageError(f"the prompt split leaves {counts} rows; give more prompts or change data.val_fraction"
                              + (" or data.calibration_fraction" if self.calibration_fraction else ""))
+
+    def take_training_subset(self, count: int) -> None:
+        """Keep `count` rows of the training split, the first of a permutation seeded by `split_seed` (nested: a
+        smaller subset lies inside a larger one)."""
+        rows = self.splits["train"]
+        if count > len(rows):
+            raise UsageError(f"data.train_rows is {count} but the training split of {self.path} holds {len(rows)} rows; "
+                             f"ask for at most {len(rows)} or null")
+        order = np.random.default_rng(self.split_seed).permutation(len(rows))[:count]
+        self.splits["train"] = rows.select(sorted(order.tolist()))
+        self._digests.pop("train", None)
+
+    @property
+    def target_states(self) -> bool:
+        """Whether the data stores the target's states (`specheads gen --target_states true`)."""
+        return bool(self.manifest["identity"].get("target_states"))
+
+    @property
+    def target_hidden_size(self) -> int:
+        """The target's hidden size, when the data stores its states."""
+        return int(self.manifest["identity"]["target_hidden_size"])
 
     def split_by_trained_prompts(self, trained: set[str]) -> None:
         """Eval's split, for any data of the head's models: rows whose prompt (by `prompt_digest` of its token ids)
@@ -301,7 +340,8 @@ class AcceptanceDataModule(L.LightningDataModule):
         trainer = self.trainer
         sampler = RankBatchSampler(lengths, self.batch_size, shuffle, self.split_seed,
                                    trainer.global_rank if trainer else 0, trainer.world_size if trainer else 1)
-        return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at), batch_sampler=sampler,
+        return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at, self.with_target_states),
+                          batch_sampler=sampler,
                           collate_fn=collate_rows, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
@@ -313,6 +353,7 @@ class AcceptanceDataModule(L.LightningDataModule):
     def ordered_batches(self, split: str, with_features: bool, rows_per_batch: int | None = None) -> DataLoader:
         """The whole split in a fixed order (every rank sees the same), for statistics; per-position columns only
         unless `with_features` (stored features in offline mode, token ids for the draft in online mode)."""
-        return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline", self.features_at),
+        return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline", self.features_at,
+                                     self.with_target_states),
                           batch_size=rows_per_batch or self.batch_size, collate_fn=collate_rows,
                           num_workers=self.num_workers)

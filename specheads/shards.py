@@ -133,6 +133,7 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "logp": (lambda v: v <= 0, "not a log-probability (−inf is allowed where the transform gives p = 0)"),
     "entropy": (lambda v: np.isfinite(v) & (v >= 0), "not a finite entropy"),
     "features": (lambda v: np.isfinite(float_values(v)), "not finite"),
+    "target_features": (lambda v: np.isfinite(float_values(v)), "not finite"),
 }
 """Each stored column's valid values (NaN fails every test), and what a bad value is."""
 

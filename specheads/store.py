@@ -37,8 +37,10 @@ PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1")
 PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
 
-def row_features(hidden_size: int | None, features_dtype: str = "float16") -> datasets.Features:
-    """The Arrow schema of one row; `features` only when hidden states are stored (bfloat16 as its uint16 bits)."""
+def row_features(hidden_size: int | None, features_dtype: str = "float16",
+                 target_hidden_size: int | None = None) -> datasets.Features:
+    """The Arrow schema of one row; `features` only when hidden states are stored (bfloat16 as its uint16 bits),
+    `target_features` only when the target's states are stored too (`target_states`)."""
     ints = datasets.List(datasets.Value("int32"))
     floats = datasets.List(datasets.Value("float32"))
     schema: dict[str, Any] = {
@@ -52,6 +54,8 @@ def row_features(hidden_size: int | None, features_dtype: str = "float16") -> da
     }
     if hidden_size:
         schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype=ARROW_DTYPES[features_dtype])
+    if target_hidden_size:
+        schema["target_features"] = datasets.Array2D(shape=(None, target_hidden_size), dtype=ARROW_DTYPES[features_dtype])
     return datasets.Features(schema)
 
 

@@ -68,6 +68,22 @@ def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: s
     return hidden, signals, embedding, label[mask], mask
 
 
+def stale_target_states(batch: dict[str, torch.Tensor], mask: torch.Tensor, max_staleness: int,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target state [tokens, h_target], staleness k [tokens]) for a batch's labelled positions (`mask`): the target's
+    stored state at row j − k for the candidate at position j, as a decoder has it when that candidate is the k-th of
+    its round (the target last verified the position k before the state that produced q). k is drawn uniformly from
+    1..`max_staleness` (from `generator`, for a fixed draw) and cut to j: rows before the prompt's last are not stored."""
+    rows, positions = mask.nonzero(as_tuple=True)
+    if "target_features" not in batch:
+        raise UsageError("the head reads the target's state but the batch holds none; label the data with "
+                         "`specheads gen --target_states true` (offline mode)")
+    drawn = torch.randint(1, max_staleness + 1, positions.shape, generator=generator).to(positions.device)
+    staleness = torch.minimum(drawn, positions)
+    states = batch["target_features"].to(mask.device)[rows, positions - staleness]
+    return states, staleness
+
+
 def head_states(features: torch.Tensor, reads: str) -> torch.Tensor:
     """The states aligned with positions [B, n, h] from features [B, n + 1, h] (row 0 = prompt's last)."""
     return features[:, 1:] if reads == CANDIDATE_STATE else features[:, :-1]

@@ -20,12 +20,12 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.checkpoint import head_from_hyperparameters
 from specheads.errors import UsageError
-from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, AcceptanceHead, head_class
+from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
 from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
 from specheads.states import describe_state
-from specheads.targets import Contexts, draft_features, head_inputs, token_targets
+from specheads.targets import Contexts, draft_features, head_inputs, stale_target_states, token_targets
 from specheads.train.calibration import fit_position_calibration
-from specheads.train.loss import weighted_bce
+from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe
 
 VALIDATION_COLUMNS = ("prediction", "label", *STORED_SIGNALS)
@@ -52,6 +52,12 @@ class AcceptanceModule(L.LightningModule):
         calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`train.calibration`),
             fitted after every validation on the data's calibration prompts (`data.calibration_fraction`) and
             stored with the weights; 0 fits none.
+        target_state: a head deciding at draft also reads the target's state at the last position it verified and
+            how stale it is (data from `specheads gen --target_states true`; `targets.stale_target_states`).
+        position_gamma: weigh each token's loss by DSpark's w_k = exp(−(k − 1)/γ), k its position in its run of
+            drafted tokens (`train.loss.run_positions`); null weighs every position alike.
+        alpha_weight: weight of an auxiliary BCE of a second output (on the head's last representation) against the
+            analytic α = Σ min(p, q) at the same tokens; the auxiliary output is dropped when the head is saved.
     """
 
     def __init__(self, head: str = "specdecpp_resnet", head_args: dict[str, Any] | None = None,
@@ -59,13 +65,22 @@ class AcceptanceModule(L.LightningModule):
                  hidden_size: int | None = None, draft: str | None = None, w_acc: float = 1.0, w_rej: float = 6.0,
                  tau: float = 1.0, contexts: Contexts = "consistent", optimizer: Literal["adamw", "adam"] = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_ratio: float = 0.05, ece_bins: int = 10,
-                 embedding_size: int = 0, start_from_signals: bool = True, calibrate_positions: int = 0):
+                 embedding_size: int = 0, start_from_signals: bool = True, calibrate_positions: int = 0,
+                 target_state: bool = False, position_gamma: float | None = None, alpha_weight: float = 0.0):
         super().__init__()
         if calibrate_positions and head_class(head).purpose not in STOP_PURPOSES:
             raise UsageError(f"model.calibrate_positions calibrates a stop head's cumulative acceptance; a {head} head "
                              "has none: set it to 0")
         if calibrate_positions < 0:
             raise UsageError(f"model.calibrate_positions must be >= 0, got {calibrate_positions}")
+        if target_state and head != "specdecpp_ontime":
+            raise UsageError(f"model.target_state feeds the target's last verified state to a head that decides at "
+                             f"draft (specdecpp_ontime); a {head} head cannot read it: set it false")
+        if position_gamma is not None and position_gamma <= 0:
+            raise UsageError(f"model.position_gamma must be positive (or null for no position weights), got {position_gamma}")
+        if alpha_weight < 0 or (alpha_weight and head_class(head).purpose != "stop"):
+            raise UsageError(f"model.alpha_weight ({alpha_weight}) weighs an auxiliary α target of a stop head; give a "
+                             "value >= 0 with a stop head (specdecpp_ontime, specdecpp_resnet), or 0")
         if tau <= 0 or w_acc <= 0 or w_rej <= 0:
             raise UsageError(f"model.tau, model.w_acc and model.w_rej must be positive, got {tau}, {w_acc}, {w_rej}")
         self.save_hyperparameters()
@@ -73,6 +88,7 @@ class AcceptanceModule(L.LightningModule):
         self.signal_index = [SIGNALS.index(name) for name in (extra_features or [])]
         self.draft_model: list[torch.nn.Module] = []  # a list keeps the frozen draft out of the state dict
         self.embeddings: torch.nn.Embedding | None = None
+        self.alpha_out: torch.nn.Linear | None = None
         self.validation = torch.nn.ModuleDict({name: CatMetric(nan_strategy="disable") for name in VALIDATION_COLUMNS})
         self.constant = float("nan")
         if hidden_size is not None:
@@ -90,9 +106,11 @@ class AcceptanceModule(L.LightningModule):
         return head_class(self.hparams.head).purpose
 
     def build(self, hidden_size: int, embedding_size: int) -> None:
-        """Create the head (once the hidden size and embedding size are known)."""
+        """Create the head (once the hidden size and embedding size are known), and the auxiliary α output."""
         self.head = head_from_hyperparameters({**self.hparams, "hidden_size": hidden_size, "embedding_size": embedding_size})
         self.hparams.embedding_size = embedding_size
+        if self.hparams.alpha_weight:
+            self.alpha_out = torch.nn.Linear(self.head.input_size, 1)
 
     # ---- setup: match the data, load what online training and embeddings need, signal statistics
 
@@ -107,6 +125,7 @@ class AcceptanceModule(L.LightningModule):
             raise UsageError(f"the config names draft {self.hparams.draft!r} but {data.path} was labelled with draft "
                              f"{data.draft_name!r}; fix model.draft or use data from that draft")
         self.match_state_layer(data)
+        self.match_target_states(data)
         data.require_states(self.hparams.head, self.reads, self.purpose)
         self.hparams.hidden_size = found
         self.hparams.draft = data.draft_name
@@ -115,8 +134,10 @@ class AcceptanceModule(L.LightningModule):
         self.hparams.data_identity = data.manifest["identity"]
         self.hparams.target = data.manifest.get("target_name")
         # the prompts it trains on travel with the head: eval holds out every other prompt, whatever data it reads
+        # every prompt of the training split, also those a `data.train_rows` subset leaves out: eval holds out the rest
         self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
-                                   "train_prompts": data.prompt_digests("train")}
+                                   "train_prompts": data.training_prompts,
+                                   **({"train_rows": data.train_rows} if data.train_rows is not None else {})}
         if self.hparams.calibrate_positions:
             if "calibration" not in data.splits:
                 raise UsageError(f"model.calibrate_positions is {self.hparams.calibrate_positions} but the data holds no "
@@ -162,6 +183,18 @@ class AcceptanceModule(L.LightningModule):
         if self.head is not None and self.head.state_layer != layer:
             self.head = None  # built from the config before the data said which state it holds
 
+    def match_target_states(self, data: Any) -> None:
+        """With `target_state`: the data must hold the target's states; the head reads them at the target's width."""
+        if not self.hparams.target_state:
+            return
+        if not data.target_states or data.mode != "offline":
+            raise UsageError(f"model.target_state reads the target's stored states, but {data.path} holds none (or is "
+                             "read online); label it with `specheads gen --target_states true`, or set it false")
+        data.with_target_states = True
+        self.hparams.head_args = {**dict(self.hparams.head_args or {}), "target_state_size": data.target_hidden_size}
+        if self.head is not None and self.head.target_state_size != data.target_hidden_size:
+            self.head = None
+
     def fit_statistics(self, data: Any) -> None:
         """Input standardisation and the constant predictor, from the training split's labelled tokens."""
         signals, labels = [], []
@@ -178,6 +211,8 @@ class AcceptanceModule(L.LightningModule):
         if self.signal_index:
             self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
         self.head.set_hidden_statistics(*self.hidden_statistics(data))
+        if self.head.target_state_size:
+            self.head.set_target_statistics(*self.hidden_statistics(data, target=True))
         self.head.set_class_weights(self.hparams.w_acc, self.hparams.w_rej)
         self.constant = float(labels_all.double().mean())
         if self.hparams.start_from_signals:
@@ -187,13 +222,14 @@ class AcceptanceModule(L.LightningModule):
                 self.head.start_at_signal_probe(*probe)
 
     @torch.no_grad()
-    def hidden_statistics(self, data: Any, max_batches: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-dimension mean and std of the head's input states over (up to `max_batches` of) the training split."""
+    def hidden_statistics(self, data: Any, max_batches: int = 64, target: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension mean and std of the head's input states (the target's, with `target`) over (up to
+        `max_batches` of) the training split."""
         total = squares = count = 0
         for index, batch in enumerate(data.ordered_batches("train", with_features=True)):
             if index == max_batches:
                 break
-            states = self.batch_inputs(batch)[0].double().cpu()
+            states = self.batch_inputs(batch)[5 if target else 0].double().cpu()
             total, squares, count = total + states.sum(0), squares + (states**2).sum(0), count + len(states)
         mean = total / count
         std = (squares / count - mean**2).clamp_min(0).sqrt()
@@ -201,28 +237,53 @@ class AcceptanceModule(L.LightningModule):
 
     # ---- steps
 
-    def head_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def head_inputs(self, batch: dict[str, Any], generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, labels, mask) over the batch's labelled positions."""
-        hidden, signals, embedding, label, mask = self.batch_inputs(batch)
-        return self.head(hidden, signals, embedding), label, mask
+        hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, generator)
+        return self.head(hidden, signals, embedding, target, staleness), label, mask
 
-    def batch_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """(hidden, signals, candidate embedding, label, mask) of the batch's labelled positions (`head_inputs`)."""
+    def batch_inputs(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """(hidden, signals, candidate embedding, label, mask, target state, staleness) of the batch's labelled
+        positions (`head_inputs`); the last two are None unless the head reads the target's state, whose staleness
+        is drawn from `generator` (the global one while training)."""
         features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
-        return head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
-                           self.hparams.contexts, self.embeddings)
+        inputs = head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
+                             self.hparams.contexts, self.embeddings)
+        if not self.head.target_state_size:
+            return (*inputs, None, None)
+        return (*inputs, *stale_target_states(batch, inputs[4], TARGET_STALENESS, generator))
+
+    def fixed_draw(self, batch_idx: int) -> torch.Generator:
+        """The staleness draw of evaluation batch `batch_idx`: the same every epoch and run."""
+        return torch.Generator().manual_seed(batch_idx)
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
         return draft_features(self.draft_model[0], batch, width, self.head.state_layer)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        logits, labels, _ = self.head_inputs(batch)
-        loss = weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
+        loss, tokens = self.objective(batch)
         if not torch.isfinite(loss):
             self.stop_on_nan(f"the training loss became {loss.item()}")
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
+        self.log("train/loss", loss, prog_bar=True, batch_size=tokens)
         return loss
+
+    def objective(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """(the training loss of a batch, its labelled tokens): the weighted BCE (position-weighted with
+        `position_gamma`), plus `alpha_weight` × the auxiliary output's BCE against α at the same tokens."""
+        hidden, signals, embedding, labels, mask, target, staleness = self.batch_inputs(batch)
+        features = self.head.features(hidden, signals, embedding, target, staleness)
+        weights = None
+        if self.hparams.position_gamma is not None:
+            weights = position_weights(run_positions(batch["is_draft"])[mask], self.hparams.position_gamma)
+        if self.alpha_out is None:
+            return weighted_bce(self.head.score(features), labels, self.hparams.w_acc, self.hparams.w_rej, weights), len(labels)
+        trunk = self.head.trunk(features)
+        loss = weighted_bce(self.head.out(trunk).squeeze(-1), labels, self.hparams.w_acc, self.hparams.w_rej, weights)
+        alpha = batch["beta"][mask].float()
+        auxiliary = weighted_bce(self.alpha_out(trunk).squeeze(-1), alpha, 1.0, 1.0, weights)
+        return loss + self.hparams.alpha_weight * auxiliary, len(labels)
 
     def stop_on_nan(self, what: str) -> None:
         """Stop the run with a message that names the step and the likely cause."""
@@ -232,7 +293,7 @@ class AcceptanceModule(L.LightningModule):
                          "regenerate the data or train online)")
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        logits, labels, mask = self.head_inputs(batch)
+        logits, labels, mask = self.head_inputs(batch, self.fixed_draw(batch_idx))
         self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
                  batch_size=len(labels), sync_dist=True)
         values = {"prediction": self.head.probabilities(logits.float()), "label": labels,
@@ -268,10 +329,11 @@ class AcceptanceModule(L.LightningModule):
         map from the same ordered rows."""
         data = self.trainer.datamodule
         logits, accept, rows, positions, offset = [], [], [], [], 0
-        for batch in data.ordered_batches("calibration", with_features=True):
+        for index, batch in enumerate(data.ordered_batches("calibration", with_features=True)):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            hidden, signals, embedding, label, mask = self.batch_inputs(batch)
-            logits.append((self.head(hidden, signals, embedding) + self.head.logit_correction).double().cpu())
+            hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, self.fixed_draw(index))
+            logits.append((self.head(hidden, signals, embedding, target, staleness)
+                           + self.head.logit_correction).double().cpu())
             accept.append(label.double().cpu())
             row, position = mask.nonzero(as_tuple=True)
             rows.append((row + offset).cpu())
@@ -286,7 +348,8 @@ class AcceptanceModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer_class = torch.optim.AdamW if self.hparams.optimizer == "adamw" else torch.optim.Adam
-        optimizer = optimizer_class(self.head.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        parameters = [*self.head.parameters(), *(self.alpha_out.parameters() if self.alpha_out is not None else [])]
+        optimizer = optimizer_class(parameters, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         schedule = get_cosine_schedule_with_warmup(optimizer, int(self.hparams.warmup_ratio * total), total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
