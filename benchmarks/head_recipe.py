@@ -92,7 +92,7 @@ class RecipeBenchmark:
     gen_flags: str = ""
     val_fraction: float = 0.1
     calibration_fraction: float = 0.1
-    resamples: int = 500
+    resamples: int = 200
     jobs: int = 1
 
 
@@ -296,9 +296,24 @@ def curve(args: RecipeBenchmark) -> dict[str, Any]:
         lines.append(f"| {figures['train_rows']} | {figures['train_tokens']:,} | {figures['auc']:.3f} | "
                      f"{figures['margin_q']:+.3f} {span(figures['margin_q_ci'])} | {figures['binary_kl']:.3f} "
                      f"({figures['binary_kl_constant']:.3f}) | {ece_cells(figures)} |")
+    results["trend"] = trend(results["runs"].values())
+    lines.append(f"\nlog-linear trend of the margin: {results['trend']['per_doubling']:+.4f} per doubling of the training "
+                 f"tokens; +0.05 predicted at {results['trend']['tokens_for_goal']} training tokens")
     results["table"] = lines
     plot_curve(results, Path(args.out) / "learning_curve.png")
     return results
+
+
+def trend(runs: Any, goal: float = 0.05) -> dict[str, Any]:
+    """The margin over q(ŷ) fitted as a + b·log2(training tokens) (least squares over the curve's sizes), and the
+    training tokens at which that line reaches `goal` (None when it does not rise)."""
+    runs = list(runs)
+    x = np.log2([run["train_tokens"] for run in runs])
+    y = np.array([run["margin_q"] for run in runs])
+    slope, intercept = np.polyfit(x, y, 1)
+    tokens = None if slope <= 0 else float(2 ** ((goal - intercept) / slope))
+    return {"per_doubling": float(slope), "intercept": float(intercept), "goal": goal,
+            "tokens_for_goal": None if tokens is None else round(tokens)}
 
 
 def plot_curve(results: dict[str, Any], path: Path) -> None:

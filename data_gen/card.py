@@ -17,6 +17,7 @@ LABELS_TABLE = """\
 | `beta` | Σ_v min(p(v), q(v)): expected acceptance at i whatever is drafted |
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
 | `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.storage.kept_rows`) |
+| `target_features` (with `target_states`) | the target's last-layer states (after the final norm) on the same tokens and rows: what the target computed at the positions it verified |
 """
 
 

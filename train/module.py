@@ -134,7 +134,7 @@ class AcceptanceModule(L.LightningModule):
         self.hparams.data_identity = data.manifest["identity"]
         self.hparams.target = data.manifest.get("target_name")
         # the prompts it trains on travel with the head: eval holds out every other prompt, whatever data it reads
-        # every prompt of the training split, also those a `data.train_rows` subset leaves out: eval holds out the rest
+        # (every prompt of the training split, also those a `data.train_rows` subset leaves out)
         self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
                                    "train_prompts": data.training_prompts,
                                    **({"train_rows": data.train_rows} if data.train_rows is not None else {})}
