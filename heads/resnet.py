@@ -41,7 +41,9 @@ class ResNetAcceptanceHead(AcceptanceHead):
                          state_layer=state_layer, calibration=calibration, target_state_size=target_state_size)
         self.depth = check_count("depth", depth, minimum=0)
         self._record_config(depth=self.depth, candidate_embedding_size=self.candidate_embedding_size,
-                            **({"target_state_size": self.target_state_size} if self.target_state_size else {}))
+                            target_state_size=self.target_state_size)
+        if not self.target_state_size:  # configs of heads that read no target state stay as they were
+            self._hub_mixin_config.pop("target_state_size", None)
         width = self.input_size
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(self.depth))
         for block in self.blocks:

@@ -116,3 +116,22 @@ def test_training_subsets_are_nested_and_a_subset_larger_than_the_split_is_refus
 def test_a_target_state_head_on_data_without_target_states_is_refused_in_one_line(trained, tmp_path):
     data, _ = trained
     assert fit(data, tmp_path / "head", "--model.target_state", "true") == 2
+
+
+def test_a_head_reading_the_target_state_round_trips_and_refuses_a_call_without_it(tmp_path):
+    from specheads.heads import OnTimeAcceptanceHead
+
+    head = OnTimeAcceptanceHead(8, depth=1, extra_features=["q"], target_state_size=5).eval()
+    head.set_target_statistics(torch.full((5,), 2.0), torch.full((5,), 3.0))
+    head.save_pretrained(tmp_path)
+    loaded = OnTimeAcceptanceHead.from_pretrained(tmp_path).eval()
+    assert loaded.config["target_state_size"] == 5 and torch.equal(loaded.target_mean, torch.full((5,), 2.0))
+    hidden, signals, target = torch.randn(4, 8), torch.rand(4, 1), torch.randn(4, 5)
+    staleness = torch.tensor([1, 2, 6, 9])  # beyond TARGET_STALENESS counts as the last class
+    assert torch.equal(head(hidden, signals, target_state=target, staleness=staleness),
+                       loaded(hidden, signals, target_state=target, staleness=staleness))
+    assert not torch.equal(head(hidden, signals, target_state=target, staleness=staleness),
+                           head(hidden, signals, target_state=target, staleness=torch.ones(4, dtype=torch.long)))
+    with pytest.raises(UsageError, match="pass target_state and staleness"):
+        head(hidden, signals)
+    assert "target_state_size" not in OnTimeAcceptanceHead(8).config  # unchanged configs without it
