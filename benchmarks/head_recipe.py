@@ -139,9 +139,10 @@ def check_same_labels(first: str, second: str) -> None:
 
 
 def fit(name: str, data: str, folder: Path, flags: list[str], args: RecipeBenchmark, threads: int) -> Path:
-    """Train one head (skipped when its last checkpoint exists); returns the checkpoint."""
-    checkpoint = folder / "checkpoints" / "last.ckpt"
-    if checkpoint.is_file():
+    """Train one head (skipped when the run finished before: last.ckpt is written every epoch, so a `finished` file
+    marks the end); returns the checkpoint."""
+    checkpoint, log, finished = folder / "checkpoints" / "last.ckpt", folder / "train.log", folder / "finished"
+    if checkpoint.is_file() and finished.is_file():
         return checkpoint
     command = ["specheads", "train", "fit", "--config", str(CONFIG), "--data.path", data, "--data.split_seed",
                str(args.split_seed), "--data.val_fraction", str(args.val_fraction), "--data.calibration_fraction",
@@ -150,8 +151,9 @@ def fit(name: str, data: str, folder: Path, flags: list[str], args: RecipeBenchm
     folder.mkdir(parents=True, exist_ok=True)
     print(f"[{name}] {' '.join(command)}", flush=True)
     env = {**os.environ, **({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if threads == 1 else {})}
-    with open(folder / "train.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log, "w") as output:
+        subprocess.run(command, check=True, stdout=output, stderr=subprocess.STDOUT, env=env)
+    finished.write_text(" ".join(command) + "\n")
     return checkpoint
 
 
