@@ -17,8 +17,9 @@ LABELS_TABLE = """\
 | `beta` | Σ_v min(p(v), q(v)): expected acceptance at i whatever is drafted |
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
 | `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.storage.kept_rows`) |
-| `target_features` (with `target_states`) | the target's last-layer states (after the final norm) on the same tokens and rows: what the target computed at the positions it verified |
 """
+TARGET_STATES_ROW = ("| `target_features` | the target's own states (after its final norm) on the same tokens and rows as `features`: "
+                     "what the target computed at the positions it verified |\n")
 
 
 def storage_line(manifest: dict) -> str:
@@ -70,7 +71,7 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
-{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}
+{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}
 Load it with `specheads.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

@@ -58,6 +58,7 @@ def test_gen_stores_the_targets_last_layer_states_on_the_mixed_tokens(target_sta
     rows = load_labelled(target_state_data)
     manifest = json.loads((target_state_data / "manifest.json").read_text())
     assert manifest["identity"]["target_states"] is True
+    assert "`target_features`" in (target_state_data / "README.md").read_text()  # the card names the column
     row = rows.with_format("numpy")[0]
     target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     ids = torch.tensor([list(row["prompt_ids"]) + list(row["mixed_ids"])])
