@@ -336,11 +336,14 @@ def plot_curve(results: dict[str, Any], path: Path) -> None:
     left.set(xscale="log", xlabel="training tokens", ylabel="AUC margin over q(ŷ)", title="held-out ranking")
     left.legend()
     for k in (1, 2, 3):
-        ece = np.array([run["ece"][k][0] for run in runs])
+        ece = np.array([(run["ece"].get(k) or run["ece"][str(k)])[0] for run in runs])  # str keys once read back
         right.plot(tokens, ece, marker="o", label=f"k = {k}")
     right.axhline(0.03, color="grey", linestyle="--", label="goal 0.03")
     right.set(xscale="log", xlabel="training tokens", ylabel="cumulative ECE (calibrated)", title="calibration")
     right.legend()
+    for axes in (left, right):
+        axes.minorticks_off()
+        axes.set_xticks(tokens, [f"{t / 1000:.1f}k" for t in tokens])
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
