@@ -119,7 +119,7 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         hidden, signals, embedding, label, mask = head_inputs(batch, features, trained.reads, trained.purpose,
                                                               head.extra_features, trained.tau, trained.contexts, embeddings,
                                                               realised=True)
-        target = (stale_target_states(batch, mask, TARGET_STALENESS, torch.Generator().manual_seed(index))
+        target = (stale_target_states(batch, mask, TARGET_STALENESS, seed=index)
                   if head.target_state_size else (None, None))
         logit = (head(hidden, signals, embedding, *target) + head.logit_correction).double().cpu()
         columns["logit"].append(logit.numpy())

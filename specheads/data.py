@@ -60,8 +60,8 @@ class RowDataset(Dataset):
     def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all",
                  with_target_states: bool = False):
         self.rows = rows.with_format("numpy", columns=list(SMALL_COLUMNS))
-        self.features = rows.with_format("arrow", columns=["features"]) if with_features else None
-        self.targets = rows.with_format("arrow", columns=["target_features"]) if with_features and with_target_states else None
+        self.state_columns = ["features", *(["target_features"] if with_target_states else [])] if with_features else []
+        self.features = rows.with_format("arrow", columns=self.state_columns) if with_features else None
         self.features_at = features_at
 
     def __len__(self) -> int:
@@ -75,13 +75,13 @@ class RowDataset(Dataset):
         columns = self.rows[indices]
         rows = [{name: columns[name][i] for name in SMALL_COLUMNS} for i in range(len(indices))]
         if self.features is not None:
-            for row, states in zip(rows, feature_rows(self.features[indices])):
-                row["features"] = states
-                if self.features_at != "all":
+            table = self.features[indices]  # one take for every state column
+            for name in self.state_columns:
+                for row, states in zip(rows, feature_rows(table, name)):
+                    row[name] = states
+            if self.features_at != "all":
+                for row in rows:
                     row["state_rows"] = kept_rows(row["is_draft"], self.features_at)
-        if self.targets is not None:
-            for row, states in zip(rows, feature_rows(self.targets[indices], "target_features")):
-                row["target_features"] = states
         return rows
 
 

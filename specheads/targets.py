@@ -69,15 +69,17 @@ def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: s
 
 
 def stale_target_states(batch: dict[str, torch.Tensor], mask: torch.Tensor, max_staleness: int,
-                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(target state [tokens, h_target], staleness k [tokens]) for a batch's labelled positions (`mask`): the target's
     stored state at row j − k for the candidate at position j, as a decoder has it when that candidate is the k-th of
     its round (the target last verified the position k before the state that produced q). k is drawn uniformly from
-    1..`max_staleness` (from `generator`, for a fixed draw) and cut to j: rows before the prompt's last are not stored."""
+    1..`max_staleness` (from the global generator while training; a fixed draw for a `seed`, for validation and
+    evaluation) and cut to j: rows before the prompt's last are not stored."""
     rows, positions = mask.nonzero(as_tuple=True)
     if "target_features" not in batch:
         raise UsageError("the head reads the target's state but the batch holds none; label the data with "
                          "`specheads gen --target_states true` (offline mode)")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     drawn = torch.randint(1, max_staleness + 1, positions.shape, generator=generator).to(positions.device)
     staleness = torch.minimum(drawn, positions)
     states = batch["target_features"].to(mask.device)[rows, positions - staleness]

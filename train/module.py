@@ -210,9 +210,10 @@ class AcceptanceModule(L.LightningModule):
         chosen = signals_all[:, self.signal_index].double()
         if self.signal_index:
             self.head.set_signal_statistics(chosen.mean(0).float(), chosen.std(0).nan_to_num(1.0).float())
-        self.head.set_hidden_statistics(*self.hidden_statistics(data))
+        statistics = self.input_statistics(data)
+        self.head.set_hidden_statistics(*statistics[0])
         if self.head.target_state_size:
-            self.head.set_target_statistics(*self.hidden_statistics(data, target=True))
+            self.head.set_target_statistics(*statistics[1])
         self.head.set_class_weights(self.hparams.w_acc, self.hparams.w_rej)
         self.constant = float(labels_all.double().mean())
         if self.hparams.start_from_signals:
@@ -222,41 +223,43 @@ class AcceptanceModule(L.LightningModule):
                 self.head.start_at_signal_probe(*probe)
 
     @torch.no_grad()
-    def hidden_statistics(self, data: Any, max_batches: int = 64, target: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-dimension mean and std of the head's input states (the target's, with `target`) over (up to
-        `max_batches` of) the training split."""
-        total = squares = count = 0
+    def input_statistics(self, data: Any, max_batches: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-dimension (mean, std) of the head's input states over (up to `max_batches` of) the training split: the
+        draft's, then the target's when the head reads it, in one pass."""
+        sums: list[list[Any]] = []
         for index, batch in enumerate(data.ordered_batches("train", with_features=True)):
             if index == max_batches:
                 break
-            states = self.batch_inputs(batch)[5 if target else 0].double().cpu()
-            total, squares, count = total + states.sum(0), squares + (states**2).sum(0), count + len(states)
-        mean = total / count
-        std = (squares / count - mean**2).clamp_min(0).sqrt()
-        return mean.float(), std.float()
+            inputs = self.batch_inputs(batch)
+            states = [inputs[0]] + ([inputs[5]] if self.head.target_state_size else [])
+            sums = sums or [[0, 0, 0] for _ in states]
+            for total, part in zip(sums, states):
+                part = part.double().cpu()
+                total[0], total[1], total[2] = total[0] + part.sum(0), total[1] + (part**2).sum(0), total[2] + len(part)
+        result = []
+        for total, squares, count in sums:
+            mean = total / count
+            result.append((mean.float(), (squares / count - mean**2).clamp_min(0).sqrt().float()))
+        return result
 
     # ---- steps
 
-    def head_inputs(self, batch: dict[str, Any], generator: torch.Generator | None = None
+    def head_inputs(self, batch: dict[str, Any], seed: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, labels, mask) over the batch's labelled positions."""
-        hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, generator)
+        hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, seed)
         return self.head(hidden, signals, embedding, target, staleness), label, mask
 
-    def batch_inputs(self, batch: dict[str, Any], generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    def batch_inputs(self, batch: dict[str, Any], seed: int | None = None) -> tuple[torch.Tensor, ...]:
         """(hidden, signals, candidate embedding, label, mask, target state, staleness) of the batch's labelled
         positions (`head_inputs`); the last two are None unless the head reads the target's state, whose staleness
-        is drawn from `generator` (the global one while training)."""
+        is drawn at random while training and fixed by `seed` (the batch's index) for validation and calibration."""
         features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
         inputs = head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
                              self.hparams.contexts, self.embeddings)
         if not self.head.target_state_size:
             return (*inputs, None, None)
-        return (*inputs, *stale_target_states(batch, inputs[4], TARGET_STALENESS, generator))
-
-    def fixed_draw(self, batch_idx: int) -> torch.Generator:
-        """The staleness draw of evaluation batch `batch_idx`: the same every epoch and run."""
-        return torch.Generator().manual_seed(batch_idx)
+        return (*inputs, *stale_target_states(batch, inputs[4], TARGET_STALENESS, seed))
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
@@ -293,7 +296,7 @@ class AcceptanceModule(L.LightningModule):
                          "regenerate the data or train online)")
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        logits, labels, mask = self.head_inputs(batch, self.fixed_draw(batch_idx))
+        logits, labels, mask = self.head_inputs(batch, seed=batch_idx)
         self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
                  batch_size=len(labels), sync_dist=True)
         values = {"prediction": self.head.probabilities(logits.float()), "label": labels,
@@ -331,7 +334,7 @@ class AcceptanceModule(L.LightningModule):
         logits, accept, rows, positions, offset = [], [], [], [], 0
         for index, batch in enumerate(data.ordered_batches("calibration", with_features=True)):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, self.fixed_draw(index))
+            hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, seed=index)
             logits.append((self.head(hidden, signals, embedding, target, staleness)
                            + self.head.logit_correction).double().cpu())
             accept.append(label.double().cpu())
