@@ -82,6 +82,42 @@ class BatchCache:
         self.forward_seconds += time.perf_counter() - start
         return result
 
+    @torch.no_grad()
+    def feed_tree(self, tokens: list[int], positions: list[int], sees: list[list[int]], logits_from: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """One forward of a one-row cache over tokens the row does not hold yet (a draft tree's nodes, or the tokens
+        a tree round verifies): token i sits at `positions[i]` and attends to the row's held slots, to the slots
+        `sees[i]` (its ancestors, fed earlier or earlier in this call) and to itself, through a 4D mask. Returns the
+        float32 logits and `state_layer` states of the tokens from `logits_from` on, and the slots all took; `hold` makes some of them the
+        row's, the others stay masked and `trim` drops them."""
+        if len(self.slots) != 1:
+            raise ValueError("feed_tree decodes one row (B = 1); build the cache with rows=1")
+        start = time.perf_counter()
+        used, width = self.mask.shape[1], len(tokens)
+        taken = list(range(used, used + width))
+        allowed = torch.zeros(width, used + width, dtype=torch.bool, device=self.device)
+        allowed[:, :used] = self.mask[0].bool()
+        for index, seen in enumerate(sees):
+            allowed[index, seen + [used + index]] = True
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(1, 1, width, used + width, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        self.mask = torch.cat([self.mask, torch.zeros(1, width, dtype=torch.long, device=self.device)], dim=1)
+        output, states = decoder_forward(self.model, self.state_layer, input_ids=torch.tensor([tokens], device=self.device),
+                                         attention_mask=mask, position_ids=torch.tensor([positions], device=self.device),
+                                         use_cache=True, **{self.cache_argument: self.cache})
+        self.cache = returned_cache(output)
+        logits = output_logits(self.model, output.last_hidden_state[0, logits_from:])
+        self.forwards[0] += 1
+        self.passes += 1
+        self.forward_seconds += time.perf_counter() - start
+        return logits, states[0, logits_from:], taken
+
+    def hold(self, row: int, slots: list[int]) -> None:
+        """Make slots `feed_tree` took the row's next tokens, in order (a tree round's accepted path)."""
+        self.slots[row].extend(slots)
+        self.mask[row, slots] = 1
+
     def crop_row(self, row: int, length: int) -> None:
         """Forget `row`'s tokens beyond `length`: their slots are masked for every later query."""
         dropped = self.slots[row][length:]

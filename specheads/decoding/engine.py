@@ -336,6 +336,13 @@ class RoundEngine:
                 if not all(stored):  # full: prefilling more here would be work no decode gets back
                     break
 
+    def decode_tree(self, prompts: list[list[int]], rule: Any, max_new_tokens: int, seeds: list[int],
+                    head: AcceptanceHead | None = None, nodes_per_round: list[int] | None = None) -> list[DecodeResult]:
+        """`decode` with tree drafts under a `specheads.decoding.tree.TreeRule`, each prompt alone (B = 1)."""
+        from specheads.decoding.tree import decode_tree
+
+        return decode_tree(self, prompts, rule, max_new_tokens, seeds, head, nodes_per_round)
+
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:
         """`decode` of a single prompt (B = 1)."""

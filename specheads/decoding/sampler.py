@@ -25,12 +25,32 @@ def accepts(logp: float, logq: float, generator: torch.Generator) -> bool:
     return float(uniforms(generator, 1)[0]) <= min(1.0, math.exp(logp - logq))
 
 
-def residual_draw(logp_all: torch.Tensor, logq_all: torch.Tensor, generator: torch.Generator) -> int:
-    """A draw from norm(max(0, p − q)), the distribution that makes a rejection exact."""
-    residual = (logp_all.exp() - logq_all.exp()).clamp_min(0)
-    if float(residual.sum()) <= 0:  # p == q: a rejection has probability 0, keep the draw valid anyway
-        residual = logp_all.exp()
-    return draw(residual.log(), generator)
+def residual(probs: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)), the distribution that makes a rejection exact (p itself where p == q: a rejection then
+    has probability 0, and the draw stays valid anyway)."""
+    left = (probs - proposal).clamp_min(0)
+    total = float(left.sum())
+    return probs if total <= 0 else left / total
+
+
+def verify_siblings(logp_all: torch.Tensor, candidates: list[tuple[int, torch.Tensor | None]],
+                    generator: torch.Generator) -> tuple[int | None, int | None]:
+    """Recursive rejection sampling of the candidates for one position (the siblings of a tree node, in the order
+    they were drafted; a chain has one). Candidate i is (token, the log-probs q_i it was drawn from: q without the
+    earlier siblings, renormalised; None for a token chosen rather than drawn, whose q_i is the one-hot of it).
+    With p_1 = p, candidate i is accepted with min(1, p_i(x)/q_i(x)); a rejection leaves p_{i+1} = norm(max(0,
+    p_i − q_i)); when all are rejected the position's token is drawn from the last p. The token follows p whatever
+    the candidates, provided each drawn one was drawn from its q_i and whether it was drafted at all was settled
+    before its draw (docs/method.md, "Tree drafts"). Returns (the accepted candidate's index, None) or (None, the
+    token drawn)."""
+    log_probs = logp_all
+    for index, (token, proposal) in enumerate(candidates):
+        if accepts(float(log_probs[token]), 0.0 if proposal is None else float(proposal[token]), generator):
+            return index, None
+        drawn_from = (torch.zeros_like(logp_all).index_fill_(0, torch.tensor([token], device=logp_all.device), 1.0)
+                      if proposal is None else proposal.exp())
+        log_probs = residual(log_probs.exp(), drawn_from).log()
+    return None, draw(log_probs, generator)
 
 
 def verify(logits: torch.Tensor, candidates: list[int], logq_rows: list[torch.Tensor], first: int, bonus: bool,
@@ -38,12 +58,12 @@ def verify(logits: torch.Tensor, candidates: list[int], logq_rows: list[torch.Te
     """Check `candidates[first:]` against the target's logits at their positions (row i of `logits` is the position
     of candidate `first + i`; one more row when `bonus`): (how many candidates stand — the unchecked `first` ones
     and the accepted checked ones —, the token that follows them: a residual draw at the first rejection, a bonus
-    draw from p when all were accepted and `bonus`, else None)."""
+    draw from p when all were accepted and `bonus`, else None). Each position is `verify_siblings` of one candidate."""
     for row, index in enumerate(range(first, len(candidates))):
-        logp_all = transform.log_probs(logits[row])
-        token = candidates[index]
-        if not accepts(float(logp_all[token]), float(logq_rows[index][token]), generator):
-            return index, residual_draw(logp_all, logq_rows[index], generator)
+        accepted, token = verify_siblings(transform.log_probs(logits[row]), [(candidates[index], logq_rows[index])],
+                                          generator)
+        if accepted is None:
+            return index, token
     if not bonus:
         return len(candidates), None
     return len(candidates), draw(transform.log_probs(logits[len(candidates) - first]), generator)

@@ -1,0 +1,137 @@
+"""Tree drafts: the tree mask's cache, recursive rejection sampling, exactness under sampling, greedy identity, and the
+chain as the tree of width 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
+
+from specheads.decoding import BatchCache, RoundEngine, make_policy
+from specheads.decoding.sampler import verify_siblings
+from specheads.decoding.tree import TreeRule
+from specheads.errors import UsageError
+from specheads.heads import OnTimeAcceptanceHead
+from specheads.sampling import SamplingTransform
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_lm(seed=1), tiny_lm(seed=2)
+
+
+def at_draft_head() -> OnTimeAcceptanceHead:
+    """A random on-time head (at_draft) whose scores vary with the state and the candidate."""
+    torch.manual_seed(3)
+    head = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"], candidate_embedding_size=16).eval()
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=1.0)
+    return head
+
+
+def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path_and_holds_the_accepted_one(tiny_pair):
+    """Nodes fed together through the tree mask see only their ancestors; after `hold` the path is the row's sequence
+    and the next token's logits equal a fresh forward over it."""
+    target, _ = tiny_pair
+    cache = BatchCache(target, 1)
+    cache.feed({0: [0, 1, 2]})
+    # tail [1], then a tree: a=2 (child of the root), b=0 (child of the root), c=1 (child of a)
+    first = cache.mask.shape[1]
+    logits, _, slots = cache.feed_tree([1, 2, 0, 1], [3, 4, 4, 5], [[], [first], [first], [first, first + 1]])
+    for row, path in ((1, [1, 2]), (2, [1, 0]), (3, [1, 2, 1])):
+        fresh = target(torch.tensor([[0, 1, 2] + path])).logits[0, -1].float()
+        assert torch.allclose(logits[row], fresh, atol=1e-5), path
+    cache.hold(0, [slots[0], slots[2]])  # the path 1, 0
+    cache.trim()
+    after, _ = cache.feed({0: [2]})[0]
+    fresh = target(torch.tensor([[0, 1, 2, 1, 0, 2]])).logits[0, -1].float()
+    assert cache.length(0) == 6 and torch.allclose(after[-1], fresh, atol=1e-5)
+
+
+@pytest.mark.parametrize("kinds", ["drawn", "chosen", "mixed"])
+def test_recursive_rejection_sampling_returns_the_target_distribution(kinds: str):
+    """Siblings drawn from q without replacement, tokens chosen outright, or both: the position's token follows p."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.4, 0.3, 0.2, 0.05])
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])
+    counts = np.zeros(5)
+    runs = 6000
+    for _ in range(runs):
+        left, candidates = q.log(), []
+        for index in range(3):
+            if kinds == "chosen" or (kinds == "mixed" and index == 2):
+                token = [0, 4, 1][index]
+                if any(t == token for t, _ in candidates):
+                    continue
+                candidates.append((token, None))
+                left[token] = -float("inf")
+            else:
+                token = int(torch.multinomial(left.exp(), 1, generator=generator))
+                candidates.append((token, left.clone()))
+                left[token] = -float("inf")
+            left = left.log_softmax(-1)
+        accepted, token = verify_siblings(p.log(), candidates, generator)
+        counts[candidates[accepted][0] if accepted is not None else token] += 1
+    expected = p.double().numpy()
+    assert chisquare(counts, expected / expected.sum() * runs).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("values", ["confidence", "head"])
+def test_trees_sample_the_target_distribution(tiny_pair, values: str):
+    """Trees whose shape follows the values (up to 3 children a node, 5 nodes, a floor that prunes) decode the
+    target's distribution, and their shapes do vary."""
+    target, draft = tiny_pair
+    transform = SamplingTransform(1.0)
+    exact = sequence_probabilities(target, transform)
+    engine = RoundEngine(target, draft, transform, stop_ids=[])
+    sizes: list[int] = []
+    runs = 600
+    results = engine.decode_tree([PROMPT] * runs, TreeRule(values, floor=0.15, budget=5, width=3, expand=2), LENGTH,
+                                 list(range(runs)), at_draft_head() if values == "head" else None, nodes_per_round=sizes)
+    assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
+    assert len(set(sizes)) > 2
+    assert max(sizes) > LENGTH or values == "head"  # confidence: wider than a chain could be in some rounds
+    assert all(r.emitted == LENGTH and r.target_calls == len(r.accepted_per_round) for r in results)
+
+
+def test_a_greedy_tree_decodes_the_targets_greedy_tokens():
+    """Under greedy decoding (children: the draft's top tokens) the output is the target's argmax chain, with several
+    candidates accepted in some rounds."""
+    target, draft = tiny_lm(seed=1, vocab=40, init=0.5), tiny_lm(seed=1, vocab=40, init=0.5)
+    with torch.no_grad():
+        draft.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # a draft close to the target, not equal
+    prompt, expected = [0, 1, 2, 2, 1], []
+    with torch.no_grad():
+        for _ in range(16):
+            expected.append(int(target(torch.tensor([prompt + expected])).logits[0, -1].argmax()))
+    engine = RoundEngine(target, draft, SamplingTransform(0.0), stop_ids=[])
+    for values, head in (("confidence", None), ("head", at_draft_head())):
+        result = engine.decode_tree([prompt], TreeRule(values, floor=0.0, budget=6, width=2), 16, [0], head)[0]
+        assert result.tokens == expected, values
+        assert max(result.accepted_per_round) > 1 and result.drafted_per_round[0] == 6  # floor 0: the budget filled
+
+
+def test_the_tree_of_width_one_is_the_chain_with_the_heads_stop_rule(tiny_pair):
+    """Floor 1 − h and width 1: the same tokens and the same counts as SpecDec++'s stop rule at h."""
+    target, draft = tiny_pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    head = at_draft_head()
+    prompts, seeds = [PROMPT, [2, 2, 0, 1]] * 5, list(range(10))
+    chain = [engine.decode_one(prompt, make_policy("head", 0.6, max_draft=4), 10, seed, head)
+             for prompt, seed in zip(prompts, seeds)]
+    tree = engine.decode_tree(prompts, TreeRule("head", floor=0.4, budget=4, width=1), 10, seeds, head)
+    for a, b in zip(chain, tree):
+        assert (a.tokens, a.accepted_per_round, a.drafted_per_round, a.draft_forwards) == (
+            b.tokens, b.accepted_per_round, b.drafted_per_round, b.draft_forwards)
+    assert len({d for r in tree for d in r.drafted_per_round}) > 1
+
+
+def test_bad_tree_settings_are_refused_in_one_line():
+    with pytest.raises(UsageError, match="values must be one of"):
+        TreeRule("oracle", 0.1, 8)
+    with pytest.raises(UsageError, match="budget must be at least 1"):
+        TreeRule("confidence", 0.1, 0)
+    with pytest.raises(UsageError, match="needs an acceptance head"):
+        TreeRule("head", 0.1, 8).check_head(None)
