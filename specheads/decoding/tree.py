@@ -207,9 +207,10 @@ class TreeDrafter:
 
 
 def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: DraftTree,
-                generator: torch.Generator) -> tuple[list[int], int, list[int]]:
+                generator: torch.Generator, tested: list[tuple[int, bool]] | None = None) -> tuple[list[int], int, list[int]]:
     """One target forward over `tail` and every node (module docstring, step 2): (the accepted path's nodes, the
-    token after them, the target slots of the tail and of the path's nodes in order)."""
+    token after them, the target slots of the tail and of the path's nodes in order). `tested`, when given,
+    receives (node, accepted) for every node the walk checked."""
     base, first = target.length(0), target.mask.shape[1]  # the tail and the nodes take the slots from `first` on
     tail_slots = list(range(first, first + len(tail)))
     node_slot = [first + len(tail) + i for i in range(len(tree.nodes))]
@@ -227,6 +228,9 @@ def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: 
             break
         accepted, token = verify_siblings(logp, [(tree.nodes[c].token, tree.nodes[c].proposal) for c in children],
                                           generator)
+        if tested is not None:
+            tested += [(child, k == accepted) for k, child in enumerate(children[: len(children) if accepted is None
+                                                                                 else accepted + 1])]
         if accepted is None:
             break
         at = children[accepted]
@@ -236,10 +240,12 @@ def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: 
 
 @torch.no_grad()
 def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
-                head: AcceptanceHead | None = None, nodes_per_round: list[int] | None = None) -> list[DecodeResult]:
+                head: AcceptanceHead | None = None, nodes_per_round: list[int] | None = None,
+                checked: list[tuple[int, float, bool]] | None = None) -> list[DecodeResult]:
     """Each prompt decoded alone (B = 1) with tree drafts under `rule`; the counts are those of `RoundEngine.decode`
     (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting once).
-    `nodes_per_round`, when given, receives each round's tree size."""
+    `nodes_per_round`, when given, receives each round's tree size; `checked`, (its place among its siblings,
+    1-based; its score; accepted) for every node the target checked."""
     rule.check_head(head)
     head = head if rule.reads_head else None
     results = []
@@ -252,7 +258,10 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         while len(generated) < max_new_tokens:
             room = max_new_tokens - len(generated)
             tree = drafter.grow(draft, tokens[draft.length(0):], min(rule.budget, room))
-            path, token, target_slots = verify_tree(engine, target, tokens[target.length(0):], tree, generator)
+            tested: list[tuple[int, bool]] = []
+            path, token, target_slots = verify_tree(engine, target, tokens[target.length(0):], tree, generator, tested)
+            if checked is not None:
+                checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok) for i, ok in tested]
             standing, emitted, ended = engine._standing([tree.nodes[i].token for i in path], len(path), token, room)
             target.hold(0, target_slots[: len(target_slots) - len(path) + standing])
             read = [tree.nodes[i].draft_slot for i in path[:standing]]

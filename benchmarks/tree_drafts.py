@@ -1,0 +1,227 @@
+"""Tree drafts against the chain at equal verify budgets (issue 38): the chain with the head's stop rule, a tree with
+draft-confidence values (EAGLE-2's) and a tree with the head's values, at N = 4, 8, 16 tokens per target forward.
+
+Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
+settings between processes (two on the 2-core machine, one torch thread each):
+
+    # the trees' floors, tuned on dev prompts (the even-numbered half of heldout_decode.jsonl) at N = 8
+    python benchmarks/tree_drafts.py --step tune --head H --out runs/tree --shard 0/2 & ... --shard 1/2
+    # the 160 confirmation prompts at N = 4, 8, 16 with the tuned floors
+    python benchmarks/tree_drafts.py --step confirm --head H --out runs/tree --shard 0/2 & ... --shard 1/2
+    # the table: tokens per target forward and modelled speedup at c, with paired 95 % intervals over prompts
+    python benchmarks/tree_drafts.py --step report --out runs/tree
+
+The chain's stop threshold h is the one tuned on the same dev prompts for eval's head rule (docs/results.md); its
+tree twin has floor 1 − h. Counts, not times: the modelled speedup is tokens ÷ (c · draft forwards + target
+forwards), a tree forward of the draft counting as one forward, as EAGLE-2's top-k expansion does on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specheads.dataclass_cli import parse_script  # noqa: E402
+from specheads.files import write_json_atomic  # noqa: E402
+
+
+@dataclass
+class Config:
+    """What to decode.
+
+    Args:
+        step: tune (the trees' floors on dev prompts), confirm (the reported runs) or report (the table).
+        head: the trained on-time head (`.ckpt` or head folder).
+        out: folder of the records and results.json.
+        shard: `i/n`: this process decodes every n-th setting from the i-th.
+        threads: torch CPU threads (0: torch's default).
+        dev_file: JSONL of the dev prompts (its even-numbered lines are used).
+        dev_prompts: dev prompts decoded per tuning setting.
+        test_file: JSONL of the confirmation prompts.
+        test_prompts: confirmation prompts decoded per setting.
+        max_new_tokens: tokens per run.
+        budgets: N, the most tokens a target forward verifies.
+        tune_budget: N the floors are tuned at.
+        chain_threshold: the chain's stop threshold h (eval's dev-tuned head rule).
+        confidence_floors: floors tried for the confidence-valued tree.
+        head_floors: floors tried for the head-valued tree.
+        width: most children per node.
+        expand: most nodes the draft reads per forward.
+        cost_ratio: c = t_draft / t_target of the modelled speedup.
+        resamples: bootstrap resamples of the paired intervals.
+    """
+
+    step: Literal["tune", "confirm", "report"] = "report"
+    head: str | None = None
+    out: str = "runs/tree"
+    shard: str = "0/1"
+    threads: int = 0
+    dev_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_decode.jsonl")
+    dev_prompts: int = 24
+    test_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
+    test_prompts: int = 160
+    max_new_tokens: int = 24
+    budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    tune_budget: int = 8
+    chain_threshold: float = 0.6
+    confidence_floors: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.25])
+    head_floors: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.45])
+    width: int = 4
+    expand: int = 4
+    cost_ratio: float = 0.2
+    resamples: int = 2000
+
+
+KINDS = ("chain", "tree_confidence", "tree_head")
+
+
+def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """The settings a step decodes: kind, budget N and knob (h for the chain, the floor for a tree)."""
+    if step == "tune":
+        return ([{"kind": "tree_confidence", "budget": config.tune_budget, "knob": f} for f in config.confidence_floors]
+                + [{"kind": "tree_head", "budget": config.tune_budget, "knob": f} for f in config.head_floors])
+    assert tuned is not None
+    return [{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
+            for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain")]
+
+
+def setting_name(setting: dict[str, Any]) -> str:
+    return f"{setting['kind']}-N{setting['budget']}-{setting['knob']:g}"
+
+
+def tuned_floors(folder: Path) -> dict[str, float]:
+    """Per tree kind, the dev floor of the highest modelled speedup."""
+    rows = json.loads((folder / "tune.json").read_text())["rows"]
+    return {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["speedup"])["knob"]
+            for kind in ("tree_confidence", "tree_head")}
+
+
+def decode(config: Config, step: str) -> None:
+    """Decode this shard's settings of `step`, writing one records file per setting."""
+    import torch
+
+    from specheads.checkpoint import load_trained
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.decoding.tree import TreeRule
+    from specheads.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.sampling import SamplingTransform
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.out)
+    index, count = (int(part) for part in config.shard.split("/"))
+    tuned = tuned_floors(out) if step == "confirm" else None
+    todo = [s for i, s in enumerate(settings(config, step, tuned)) if i % count == index
+            and not (out / step / f"{setting_name(s)}.json").exists()]
+    if not todo:
+        return
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    head = load_trained(config.head).head
+    source = load_prompts(config.dev_file)[::2][: config.dev_prompts] if step == "tune" else \
+        load_prompts(config.test_file)[: config.test_prompts]
+    prompts = [encode_prompt(pair.tokenizer, p) for p in source]
+    seeds = list(range(len(prompts)))
+    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    for setting in todo:
+        if setting["kind"] == "chain":
+            rule = make_policy("head", setting["knob"], max_draft=setting["budget"])
+            results = [r for first in range(0, len(prompts), 16)
+                       for r in engine.decode(prompts[first : first + 16], rule, config.max_new_tokens,
+                                              seeds[first : first + 16], head)]
+        else:
+            rule = TreeRule("head" if setting["kind"] == "tree_head" else "confidence", setting["knob"],
+                            setting["budget"], config.width, config.expand)
+            results = engine.decode_tree(prompts, rule, config.max_new_tokens, seeds, head)
+        records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
+                    "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
+        write_json_atomic(out / step / f"{setting_name(setting)}.json", {"setting": setting, "records": records})
+        print(setting_name(setting), summary(records, config.cost_ratio), flush=True)
+
+
+def totals(records: list[dict[str, Any]]) -> np.ndarray:
+    """[prompts, 4]: emitted, accepted, draft forwards, target forwards."""
+    return np.array([[r["emitted"], r["accepted"], r["draft_forwards"], r["target_calls"]] for r in records], dtype=float)
+
+
+def figures(table: np.ndarray, cost_ratio: float) -> dict[str, np.ndarray]:
+    """Tokens per target forward, accepted drafted tokens per target forward, modelled speedup (over summed rows;
+    `table` may carry a leading resample axis)."""
+    emitted, accepted, drafts, calls = (table[..., i].sum(-1) for i in range(4))
+    return {"tokens_per_target_forward": emitted / calls, "accepted_per_target_forward": accepted / calls,
+            "speedup": emitted / (cost_ratio * drafts + calls), "draft_forwards_per_target_forward": drafts / calls}
+
+
+def summary(records: list[dict[str, Any]], cost_ratio: float) -> dict[str, float]:
+    return {name: round(float(value), 3) for name, value in figures(totals(records), cost_ratio).items()}
+
+
+def report(config: Config) -> None:
+    """results.json and a markdown table: every setting's figures and the head tree's paired gains."""
+    out = Path(config.out)
+    rows = {}
+    for step in ("tune", "confirm"):
+        for path in sorted((out / step).glob("*.json")):
+            payload = json.loads(path.read_text())
+            rows.setdefault(step, []).append({**payload["setting"], **summary(payload["records"], config.cost_ratio),
+                                              "records": payload["records"]})
+    if "tune" in rows:
+        write_json_atomic(out / "tune.json", {"rows": [{k: v for k, v in r.items() if k != "records"} for r in rows["tune"]]})
+    results: dict[str, Any] = {"cost_ratio": config.cost_ratio, "settings": [], "gains": []}
+    confirm = {(r["kind"], r["budget"]): r for r in rows.get("confirm", [])}
+    draws = None
+    for (kind, n), row in sorted(confirm.items(), key=lambda item: (item[0][1], KINDS.index(item[0][0]))):
+        results["settings"].append({k: v for k, v in row.items() if k != "records"})
+        if kind != "tree_head":
+            continue
+        for other in ("chain", "tree_confidence"):
+            if (other, n) not in confirm:
+                continue
+            mine, theirs = totals(row["records"]), totals(confirm[(other, n)]["records"])
+            if draws is None:
+                draws = np.random.default_rng(0).integers(0, len(mine), (config.resamples, len(mine)))
+            a, b = figures(mine[draws], config.cost_ratio), figures(theirs[draws], config.cost_ratio)
+            point_a, point_b = figures(mine, config.cost_ratio), figures(theirs, config.cost_ratio)
+            gain = {"budget": n, "against": other}
+            for name in ("tokens_per_target_forward", "speedup"):
+                ratio = a[name] / b[name] - 1
+                gain[name] = [float(point_a[name] / point_b[name] - 1), float(np.percentile(ratio, 2.5)),
+                              float(np.percentile(ratio, 97.5))]
+            results["gains"].append(gain)
+    write_json_atomic(out / "results.json", results)
+    print("| N | drafting | knob | tokens / target forward | accepted / target forward | draft forwards / target forward | "
+          f"modelled speedup (c = {config.cost_ratio}) |")
+    print("|---|---|---|---|---|---|---|")
+    for row in results["settings"]:
+        print(f"| {row['budget']} | {row['kind']} | {row['knob']:g} | {row['tokens_per_target_forward']:.3f} | "
+              f"{row['accepted_per_target_forward']:.3f} | {row['draft_forwards_per_target_forward']:.2f} | {row['speedup']:.3f}× |")
+    print("\n| N | head tree against | tokens / target forward [95 % paired] | modelled speedup [95 % paired] |")
+    print("|---|---|---|---|")
+    for gain in results["gains"]:
+        cells = [f"{100 * g[0]:+.1f} % [{100 * g[1]:+.1f}, {100 * g[2]:+.1f}]"
+                 for g in (gain["tokens_per_target_forward"], gain["speedup"])]
+        print(f"| {gain['budget']} | {gain['against']} | {cells[0]} | {cells[1]} |")
+
+
+def main() -> None:
+    config = parse_script(Config, "tree_drafts.py", __doc__.splitlines()[0])
+    if config.step == "report":
+        report(config)
+        return
+    if config.head is None:
+        raise SystemExit("tree_drafts.py: --head is required for the tune and confirm steps; give the on-time head's .ckpt")
+    if config.step == "confirm" and not (Path(config.out) / "tune.json").exists():
+        raise SystemExit("tree_drafts.py: no tune.json in --out; run --step tune, then --step report, first")
+    decode(config, config.step)
+
+
+if __name__ == "__main__":
+    main()
