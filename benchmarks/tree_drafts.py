@@ -10,6 +10,8 @@ settings between processes (two on the 2-core machine, one torch thread each):
     python benchmarks/tree_drafts.py --step confirm --head H --out runs/tree --shard 0/2 & ... --shard 1/2
     # the table: tokens per target forward and modelled speedup at c, with paired 95 % intervals over prompts
     python benchmarks/tree_drafts.py --step report --out runs/tree
+    # the head's scores of first children and of later siblings against how often they were accepted (dev prompts)
+    python benchmarks/tree_drafts.py --step siblings --head H --out runs/tree
 
 The chain's stop threshold h is the one tuned on the same dev prompts for eval's head rule (docs/results.md); its
 tree twin has floor 1 − h. Counts, not times: the modelled speedup is tokens ÷ (c · draft forwards + target
@@ -38,7 +40,8 @@ class Config:
     """What to decode.
 
     Args:
-        step: tune (the trees' floors on dev prompts), confirm (the reported runs) or report (the table).
+        step: tune (the trees' floors on dev prompts), confirm (the reported runs), report (the table) or siblings
+            (the head's score by a child's place among its siblings against its acceptance, on the dev prompts).
         head: the trained on-time head (`.ckpt` or head folder).
         out: folder of the records and results.json.
         shard: `i/n`: this process decodes every n-th setting from the i-th.
@@ -59,7 +62,7 @@ class Config:
         resamples: bootstrap resamples of the paired intervals.
     """
 
-    step: Literal["tune", "confirm", "report"] = "report"
+    step: Literal["tune", "confirm", "report", "siblings"] = "report"
     head: str | None = None
     out: str = "runs/tree"
     shard: str = "0/1"
@@ -102,6 +105,45 @@ def tuned_floors(folder: Path) -> dict[str, float]:
     rows = json.loads((folder / "tune.json").read_text())["rows"]
     return {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["speedup"])["knob"]
             for kind in ("tree_confidence", "tree_head")}
+
+
+def siblings(config: Config) -> None:
+    """siblings.json and a table: per place among siblings, the checked children's mean head score, how often they
+    were accepted and a 95 % interval over prompts (head tree, tuned floor, N = tune_budget, dev prompts)."""
+    from specheads.checkpoint import load_trained
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.tree import TreeRule
+    from specheads.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.sampling import SamplingTransform
+
+    out = Path(config.out)
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    head = load_trained(config.head).head
+    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    rule = TreeRule("head", tuned_floors(out)["tree_head"], config.tune_budget, config.width, config.expand)
+    by_prompt = []
+    for index, prompt in enumerate(load_prompts(config.dev_file)[::2][: config.dev_prompts]):
+        checked: list[tuple[int, float, bool]] = []
+        engine.decode_tree([encode_prompt(pair.tokenizer, prompt)], rule, config.max_new_tokens, [index], head,
+                           checked=checked)
+        by_prompt.append(checked)
+    rows = []
+    for place in sorted({c[0] for checked in by_prompt for c in checked}):
+        table = np.array([[sum(c[1] for c in checked if c[0] == place), sum(c[2] for c in checked if c[0] == place),
+                           sum(1 for c in checked if c[0] == place)] for checked in by_prompt])
+        draws = np.random.default_rng(0).integers(0, len(table), (config.resamples, len(table)))
+        gap = (table[draws, 0].sum(1) - table[draws, 1].sum(1)) / np.maximum(table[draws, 2].sum(1), 1)
+        rows.append({"place": place, "checked": int(table[:, 2].sum()), "mean_score": table[:, 0].sum() / table[:, 2].sum(),
+                     "accepted": table[:, 1].sum() / table[:, 2].sum(),
+                     "score_minus_accepted_ci": [float(np.percentile(gap, 2.5)), float(np.percentile(gap, 97.5))]})
+    write_json_atomic(out / "siblings.json", {"floor": rule.floor, "budget": rule.budget, "rows": rows})
+    print("| place among siblings | checked | mean head score | accepted | score − accepted [95 %] |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        low, high = row["score_minus_accepted_ci"]
+        print(f"| {row['place']} | {row['checked']} | {row['mean_score']:.3f} | {row['accepted']:.3f} | "
+              f"{row['mean_score'] - row['accepted']:+.3f} [{low:+.3f}, {high:+.3f}] |")
 
 
 def decode(config: Config, step: str) -> None:
@@ -218,9 +260,9 @@ def main() -> None:
         return
     if config.head is None:
         raise SystemExit("tree_drafts.py: --head is required for the tune and confirm steps; give the on-time head's .ckpt")
-    if config.step == "confirm" and not (Path(config.out) / "tune.json").exists():
+    if config.step in ("confirm", "siblings") and not (Path(config.out) / "tune.json").exists():
         raise SystemExit("tree_drafts.py: no tune.json in --out; run --step tune, then --step report, first")
-    decode(config, config.step)
+    siblings(config) if config.step == "siblings" else decode(config, config.step)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,22 @@ def test_gen_on_the_embedded_pair(tmp_path):
         states = target.model(torch.tensor([list(row["prompt_ids"]) + list(row["mixed_ids"])]),
                               output_hidden_states=True).hidden_states[20][0, len(row["prompt_ids"]) - 1:]
     assert np.allclose(np.asarray(row["features"], dtype=np.float32), states.numpy(), atol=0.1, rtol=1e-2)
+
+
+def test_a_greedy_tree_on_the_embedded_pair_decodes_the_targets_greedy_tokens():
+    """The 4D tree mask through SmolLM2's attention: a tree of 8 nodes, 2 children a node, decodes exactly the
+    target's argmax chain, and some rounds accept several tokens."""
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.tree import TreeRule
+    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.sampling import SamplingTransform
+
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
+    prompt = encode_prompt(pair.tokenizer, load_prompts("benchmarks/prompts/heldout_confirm.jsonl")[1])
+    with torch.no_grad():
+        expected = pair.target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(0.0), stop_ids=[])
+    result = engine.decode_tree([prompt], TreeRule("confidence", floor=0.0, budget=8, width=2), 16, [0])[0]
+    assert result.tokens == expected
+    assert max(result.accepted_per_round) > 1 and result.target_calls < 16
