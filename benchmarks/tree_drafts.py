@@ -1,5 +1,6 @@
 """Tree drafts against the chain at equal verify budgets (issue 38): the chain with the head's stop rule, a tree with
-draft-confidence values (EAGLE-2's) and a tree with the head's values, at N = 4, 8, 16 tokens per target forward.
+draft-confidence values (EAGLE-2's) and a tree with the head's values, at N = 4, 8, 16 tokens per target forward;
+and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, values Π q).
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):
@@ -56,6 +57,8 @@ class Config:
         chain_threshold: the chain's stop threshold h (eval's dev-tuned head rule).
         confidence_floors: floors tried for the confidence-valued tree.
         head_floors: floors tried for the head-valued tree.
+        eagle_floors: floors tried for EAGLE-2's construction (fixed top children, confidence values).
+        eagle_budgets: N at which EAGLE-2's construction is confirmed.
         width: most children per node.
         expand: most nodes the draft reads per forward.
         cost_ratio: c = t_draft / t_target of the modelled speedup.
@@ -77,23 +80,29 @@ class Config:
     chain_threshold: float = 0.6
     confidence_floors: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.25])
     head_floors: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.45])
+    eagle_floors: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25])
+    eagle_budgets: list[int] = field(default_factory=lambda: [8])
     width: int = 4
     expand: int = 4
     cost_ratio: float = 0.2
     resamples: int = 2000
 
 
-KINDS = ("chain", "tree_confidence", "tree_head")
+KINDS = ("chain", "tree_eagle", "tree_confidence", "tree_head")
+TREE_KINDS = {"tree_confidence": ("confidence", "sampled"), "tree_head": ("head", "sampled"), "tree_eagle": ("confidence", "top")}
 
 
 def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """The settings a step decodes: kind, budget N and knob (h for the chain, the floor for a tree)."""
     if step == "tune":
         return ([{"kind": "tree_confidence", "budget": config.tune_budget, "knob": f} for f in config.confidence_floors]
-                + [{"kind": "tree_head", "budget": config.tune_budget, "knob": f} for f in config.head_floors])
+                + [{"kind": "tree_head", "budget": config.tune_budget, "knob": f} for f in config.head_floors]
+                + [{"kind": "tree_eagle", "budget": config.tune_budget, "knob": f} for f in config.eagle_floors])
     assert tuned is not None
-    return [{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
-            for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain")]
+    return ([{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
+             for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain")]
+            + [{"kind": "tree_eagle", "budget": n, "knob": tuned["tree_eagle"]} for n in config.eagle_budgets
+               if "tree_eagle" in tuned])
 
 
 def setting_name(setting: dict[str, Any]) -> str:
@@ -104,7 +113,7 @@ def tuned_floors(folder: Path) -> dict[str, float]:
     """Per tree kind, the dev floor of the highest modelled speedup."""
     rows = json.loads((folder / "tune.json").read_text())["rows"]
     return {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["speedup"])["knob"]
-            for kind in ("tree_confidence", "tree_head")}
+            for kind in TREE_KINDS if any(r["kind"] == kind for r in rows)}
 
 
 def siblings(config: Config) -> None:
@@ -180,8 +189,8 @@ def decode(config: Config, step: str) -> None:
                        for r in engine.decode(prompts[first : first + 16], rule, config.max_new_tokens,
                                               seeds[first : first + 16], head)]
         else:
-            rule = TreeRule("head" if setting["kind"] == "tree_head" else "confidence", setting["knob"],
-                            setting["budget"], config.width, config.expand)
+            values, children = TREE_KINDS[setting["kind"]]
+            rule = TreeRule(values, setting["knob"], setting["budget"], config.width, config.expand, children)
             results = engine.decode_tree(prompts, rule, config.max_new_tokens, seeds, head)
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
                     "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
@@ -224,7 +233,7 @@ def report(config: Config) -> None:
         results["settings"].append({k: v for k, v in row.items() if k != "records"})
         if kind != "tree_head":
             continue
-        for other in ("chain", "tree_confidence"):
+        for other in ("chain", "tree_confidence", "tree_eagle"):
             if (other, n) not in confirm:
                 continue
             mine, theirs = totals(row["records"]), totals(confirm[(other, n)]["records"])

@@ -77,10 +77,10 @@ def test_recursive_rejection_sampling_returns_the_target_distribution(kinds: str
     assert chisquare(counts, expected / expected.sum() * runs).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("values", ["confidence", "head"])
-def test_trees_sample_the_target_distribution(tiny_pair, values: str):
-    """Trees whose shape follows the values (up to 3 children a node, 5 nodes, a floor that prunes) decode the
-    target's distribution, and their shapes do vary."""
+@pytest.mark.parametrize(("values", "children"), [("confidence", "sampled"), ("head", "sampled"), ("confidence", "top")])
+def test_trees_sample_the_target_distribution(tiny_pair, values: str, children: str):
+    """Trees whose shape follows the values (up to 3 children a node, 5 nodes, a floor that prunes), with children
+    drawn or taken as q's best tokens, decode the target's distribution, and their shapes do vary."""
     target, draft = tiny_pair
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
@@ -88,7 +88,7 @@ def test_trees_sample_the_target_distribution(tiny_pair, values: str):
     sizes: list[int] = []
     checked: list[tuple[int, float, bool]] = []
     runs = 600
-    results = engine.decode_tree([PROMPT] * runs, TreeRule(values, floor=0.15, budget=5, width=3, expand=2), LENGTH,
+    results = engine.decode_tree([PROMPT] * runs, TreeRule(values, 0.15, 5, 3, 2, children), LENGTH,
                                  list(range(runs)), at_draft_head() if values == "head" else None, sizes, checked)
     assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
     assert any(place > 1 and accepted for place, _, accepted in checked)  # later siblings were checked and stood

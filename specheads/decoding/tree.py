@@ -5,9 +5,11 @@ A round:
    children; a slot's **reach** is the estimated chance that verification gets to it: the node's value times
    Π (1 − s) over the children already drawn there. The slot of highest reach is filled next, while it is at least
    the rule's `floor` and the tree has fewer than `budget` nodes. Filling a slot draws a child from the node's q
-   without replacement (q without the earlier children, renormalised; under greedy decoding, where q is one-hot, the
-   next-best token of the untempered draft); the child's score s is its draft confidence q(x) (EAGLE-2's value) or
-   a head's acceptance â(x), and its value is reach × s. When the best slot is the first child of a node the
+   without replacement (q without the earlier children, renormalised), or, for fixed children (`children: top`,
+   EAGLE's sampling mode, and always under greedy decoding, where q is one-hot), takes the next-best token of q (of
+   the untempered draft under greedy). The child's score s is its draft confidence q(x) (for a fixed child, q(x)
+   over the mass its earlier siblings left, so that a value is Π q along the path, EAGLE-2's) or a head's
+   acceptance â(x), and its value is reach × s. When the best slot is the first child of a node the
    draft has not read, the draft reads up to `expand` such nodes, best first, in one forward with a tree mask
    (EAGLE-2's top-k expansion). Stop tokens are not expanded.
 2. **verify**: one target forward over the context's new tokens and every node, each attending to its ancestors
@@ -41,27 +43,34 @@ from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead
+from specheads.signals import signal_log_probs
 
 TREE_VALUES = ("confidence", "head")
+TREE_CHILDREN = ("sampled", "top")
 
 
 @dataclass(frozen=True)
 class TreeRule:
     """How a round's tree grows: `values` ("confidence": draft confidence q(x), EAGLE-2's; "head": an acceptance
     head's â), `floor` (the least reach a slot is filled at), `budget` (N, the most nodes the target verifies per
-    forward), `width` (most children per node) and `expand` (most nodes the draft reads per forward)."""
+    forward), `width` (most children per node), `expand` (most nodes the draft reads per forward) and `children`
+    ("sampled": drawn from q without replacement; "top": q's best tokens, checked as fixed tokens, EAGLE's sampling
+    mode; greedy decoding always takes the untempered draft's best tokens)."""
 
     values: str
     floor: float
     budget: int
     width: int = 4
     expand: int = 4
+    children: str = "sampled"
 
     name: ClassVar[str] = "tree"
 
     def __post_init__(self) -> None:
         if self.values not in TREE_VALUES:
             raise UsageError(f"tree values must be one of {', '.join(TREE_VALUES)}, got {self.values!r}")
+        if self.children not in TREE_CHILDREN:
+            raise UsageError(f"tree children must be one of {', '.join(TREE_CHILDREN)}, got {self.children!r}")
         if not 0 <= self.floor <= 1:
             raise UsageError(f"the tree's floor is a probability in [0, 1], got {self.floor}")
         for knob in ("budget", "width", "expand"):
@@ -108,8 +117,9 @@ class Opened:
     state: torch.Tensor
     reach: float
     sees: list[int]
-    left: torch.Tensor  # q without the children drawn so far (log, renormalised); unused under greedy
-    order: list[int] = field(default_factory=list)  # greedy: the untempered draft's tokens, best first
+    left: torch.Tensor  # q without the children drawn so far (log, renormalised); unused for fixed children
+    order: list[int] = field(default_factory=list)  # fixed children: the tokens to take, best first
+    taken: float = 0.0  # fixed children: the draft probability of those already taken
 
 
 @dataclass
@@ -137,6 +147,7 @@ class TreeDrafter:
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
         self.transform = engine.transform
+        self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
@@ -163,12 +174,14 @@ class TreeDrafter:
     def _has_room(self, tree: DraftTree, index: int, opened: Opened) -> bool:
         if len(tree.children(index)) >= self.rule.width:
             return False
-        return len(opened.order) > len(tree.children(index)) if self.transform.greedy else bool(
-            torch.isfinite(opened.left).any())
+        return len(opened.order) > len(tree.children(index)) if self.fixed else bool(torch.isfinite(opened.left).any())
 
     def _open(self, logits: torch.Tensor, state: torch.Tensor, reach: float, sees: list[int]) -> Opened:
         logq = self.transform.log_probs(logits)
-        order = logits.float().topk(min(self.rule.width, logits.shape[-1])).indices.tolist() if self.transform.greedy else []
+        order = []
+        if self.fixed:  # the draft's best tokens (untempered under greedy decoding, where q is one-hot)
+            best = signal_log_probs(logits, logq, self.transform).topk(min(self.rule.width, logits.shape[-1]))
+            order = best.indices[torch.isfinite(best.values)].tolist()
         return Opened(logits, logq, state, reach, sees, logq.clone(), order)
 
     def _read(self, draft: BatchCache, tree: DraftTree, opened: dict[int, Opened], chosen: list[int]) -> None:
@@ -186,7 +199,7 @@ class TreeDrafter:
         """Draw the next child of `parent` (without replacement), score it and add it to the tree."""
         at = opened[parent]
         siblings = tree.children(parent)
-        if self.transform.greedy:
+        if self.fixed:
             token, proposal = at.order[len(siblings)], None
         else:
             proposal = at.left.clone()
@@ -196,6 +209,9 @@ class TreeDrafter:
         depth = 1 if parent < 0 else tree.nodes[parent].depth + 1
         signals = candidate_signals(at.logits, at.logq, token, self.transform)
         score = min(max(self._score(at, signals, token, depth), 0.0), 1.0)
+        if self.fixed and self.head is None:  # the chance it is the target's token once the earlier ones were not:
+            score, at.taken = min(signals["prob"] / max(1.0 - at.taken, 1e-9), 1.0), at.taken + signals["prob"]
+            # so a node's value is the product of q along its path, EAGLE-2's value
         tree.nodes.append(Node(token, parent, depth, proposal, score, at.reach * score))
         siblings.append(len(tree.nodes) - 1)
         at.reach *= 1.0 - score
