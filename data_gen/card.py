@@ -18,6 +18,11 @@ LABELS_TABLE = """\
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
 | `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.storage.kept_rows`) |
 """
+SIBLING_ROWS = ("| `sibling_ids` | a tree's second child: drawn from q without `draft_ids`' candidate (−1 where q "
+                "has no other token) |\n"
+                "| `sibling_accept` | its acceptance once the drafted candidate was rejected, min(1, p₂/q₂), p₂ = "
+                "norm(max(0, p − q)), q₂ = q without the candidate (recursive rejection sampling) |\n"
+                "| `sibling_beta` | the same known before it is drawn, Σ min(p₂, q₂) |\n")
 TARGET_STATES_ROW = ("| `target_features` | the target's own states (after its final norm) on the same tokens and rows as `features`: "
                      "what the target computed at the positions it verified |\n")
 
@@ -71,7 +76,7 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
-{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}
+{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}{SIBLING_ROWS if identity.get('sibling_labels') else ''}
 Load it with `specheads.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

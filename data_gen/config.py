@@ -117,6 +117,10 @@ class GenConfig:
     target_states: bool = False
     """also store the target's last-layer states (after the final norm) on the same prompt + mixed tokens, column
     `target_features`: a head may read the state the target computed at the last position it verified."""
+    sibling_labels: bool = False
+    """also label a tree's second child at each position: `sibling_ids` drawn from q without the drafted candidate,
+    its acceptance `sibling_accept` = min(1, p₂/q₂) once the drafted candidate was rejected (p₂ = norm(max(0, p −
+    q)), recursive rejection sampling) and `sibling_beta` = Σ min(p₂, q₂) (docs/data.md)."""
     long_prompts: Literal["skip", "fail"] = "skip"
     """a prompt too long for the context: `skip` it (counted, its id kept in the manifest) or `fail`."""
     max_prompt_tokens: PositiveInt | None = None
@@ -158,6 +162,10 @@ class GenConfig:
         if self.target_states and (not self.store_features or self.features_at != "all"):
             raise UsageError("target_states stores the target's states beside the draft's at every position; it needs "
                              "store_features true and features_at all (drop target_states, or set those)")
+        if self.sibling_labels and self.sampling.temperature == 0:
+            raise UsageError("sibling_labels label a second child drawn from q, but at temperature 0 q is one-hot and "
+                             "a tree takes the draft's best tokens instead; drop sibling_labels or sample with "
+                             "temperature > 0")
         self.check_generation()
         check_placement(self)
         self.sampling.transform()

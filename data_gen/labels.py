@@ -1,4 +1,5 @@
-"""Per-position labels (docs/data.md "Rows"): candidates from q, log p, log q, acceptance, beta, entropy.
+"""Per-position labels (docs/data.md "Rows"): candidates from q, log p, log q, acceptance, beta, entropy, and, on
+request, a tree's second child (`sibling_*`).
 
 Vocabulary-sized tensors only ever exist for `chunk` positions of one row at a time, so peak memory
 is bounded by one batch of hidden states plus a few [chunk, vocab] tensors.
@@ -29,12 +30,39 @@ class PositionLabels:
     beta: torch.Tensor
     entropy: torch.Tensor
     top1: torch.Tensor
+    sibling_ids: torch.Tensor | None = None
+    sibling_accept: torch.Tensor | None = None
+    sibling_beta: torch.Tensor | None = None
+
+
+SIBLING_COLUMNS = ("sibling_ids", "sibling_accept", "sibling_beta")
+
+
+def sibling_labels(logp_all: torch.Tensor, logq_all: torch.Tensor, candidates: torch.Tensor,
+                   draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree's second child at each position, as recursive rejection sampling checks it once the drafted candidate
+    ŷ was rejected: x₂ drawn from q₂ = q without ŷ (renormalised), accepted with min(1, p₂(x₂)/q₂(x₂)), where
+    p₂ = norm(max(0, p − q)); and the acceptance known before x₂ is drawn, Σ min(p₂, q₂). Returns (x₂, its
+    acceptance, Σ min(p₂, q₂)); where q has no other token, x₂ is −1 and both are 0."""
+    rest = logq_all.scatter(-1, candidates.unsqueeze(-1), float("-inf"))
+    has_rest = torch.isfinite(rest).any(-1)
+    rest = torch.where(has_rest.unsqueeze(-1), rest, logq_all).log_softmax(-1)
+    left = (logp_all.exp() - logq_all.exp()).clamp_min(0)
+    total = left.sum(-1, keepdim=True)
+    p_rest = torch.where(total > 0, left / total.clamp_min(1e-30), logp_all.exp())  # p == q: a rejection never happens
+    second = draw_from_log_probs(rest, draws)
+    q_second = rest.gather(-1, second.unsqueeze(-1)).squeeze(-1).exp()
+    accept = (p_rest.gather(-1, second.unsqueeze(-1)).squeeze(-1) / q_second).clamp(max=1.0)
+    beta = torch.minimum(p_rest, rest.exp()).sum(-1).clamp(max=1.0)
+    return (torch.where(has_rest, second, -1), torch.where(has_rest, accept, 0.0), torch.where(has_rest, beta, 0.0))
 
 
 def label_positions(
-    target_logits: torch.Tensor, draft_logits: torch.Tensor, transform: SamplingTransform, draws: torch.Tensor
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, transform: SamplingTransform, draws: torch.Tensor,
+    sibling_draws: torch.Tensor | None = None,
 ) -> PositionLabels:
-    """Labels for a chunk of positions from raw logits [n, V]: candidate ŷ ~ q, then p and q statistics."""
+    """Labels for a chunk of positions from raw logits [n, V]: candidate ŷ ~ q, then p and q statistics; with
+    `sibling_draws`, a second child's labels too (`sibling_labels`)."""
     logp_all = transform.log_probs(target_logits)
     logq_all = transform.log_probs(draft_logits)
     candidates = draw_from_log_probs(logq_all, draws)
@@ -42,19 +70,23 @@ def label_positions(
     logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
     entropy, top1 = signal_statistics(signal_log_probs(draft_logits, logq_all, transform))
+    siblings = ([t.cpu() for t in sibling_labels(logp_all, logq_all, candidates, sibling_draws)]
+                if sibling_draws is not None else [None, None, None])
     return PositionLabels(
         draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
-        entropy=entropy.cpu(), top1=top1.cpu(),
+        entropy=entropy.cpu(), top1=top1.cpu(), sibling_ids=siblings[0], sibling_accept=siblings[1],
+        sibling_beta=siblings[2],
     )
 
 
 def label_row(
     target: Any, draft: Any, target_states: torch.Tensor, draft_states: torch.Tensor,
     prompt_length: int, response_length: int, transform: SamplingTransform,
-    generator: torch.Generator, chunk: int,
+    generator: torch.Generator, chunk: int, sibling_generator: torch.Generator | None = None,
 ) -> PositionLabels:
-    """Labels for one row: positions prompt_length-1 .. prompt_length+n-2 predict response tokens 1..n."""
+    """Labels for one row: positions prompt_length-1 .. prompt_length+n-2 predict response tokens 1..n; a second
+    child's too when `sibling_generator` (a stream of its own, so the other columns do not move) is given."""
     parts = []
     for start in range(0, response_length, chunk):
         stop = min(start + chunk, response_length)
@@ -62,8 +94,10 @@ def label_row(
         parts.append(label_positions(
             output_logits(target, target_states[rows]), output_logits(draft, draft_states[rows]),
             transform, uniforms(generator, stop - start),
+            None if sibling_generator is None else uniforms(sibling_generator, stop - start),
         ))
-    return PositionLabels(*(torch.cat([getattr(p, name) for p in parts]) for name in PositionLabels.__dataclass_fields__))
+    return PositionLabels(*(None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+                            for name in PositionLabels.__dataclass_fields__))
 
 
 def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: float, generator: torch.Generator):
@@ -76,19 +110,23 @@ def label_batch(
     target: Any, draft: Any, items: list[WorkItem], responses: list[list[int]], transform: SamplingTransform,
     global_seed: int, pad_id: int, chunk: int, store_features: bool, device: torch.device,
     state_layer: int | None = None, storage: FeatureStorage = DEFAULT_STORAGE, store_target_states: bool = False,
+    siblings: bool = False,
 ) -> dict[str, list]:
     """Label one batch of rows; returns columns ready for the Arrow writer (`features` at `state_layer`, the rows and
-    dtype `storage` names; `target_features`, the target's last-layer states on the same tokens, with `store_target_states`)."""
+    dtype `storage` names; `target_features`, the target's last-layer states on the same tokens, with `store_target_states`;
+    the `sibling_*` columns with `siblings`)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
     target_states = decoder_states(target, sequences, pad_id, device)
     draft_states = decoder_states(draft, sequences, pad_id, device)
     columns: dict[str, list] = {name: [] for name in (
         "prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",
-        "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1")}
+        "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS if siblings else ()))}
     for row, (item, response) in enumerate(zip(items, responses)):
         generator = row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "label"))
+        sibling_generator = (row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "sibling"))
+                             if siblings else None)
         labels = label_row(target, draft, target_states[row], draft_states[row], len(item.prompt_ids),
-                           len(response), transform, generator, chunk)
+                           len(response), transform, generator, chunk, sibling_generator)
         target_ids = torch.tensor(response)
         mixed_ids, is_draft = mix_tokens(target_ids, labels.draft_ids, item.target_ratio, generator)
         columns["prompt_id"].append(item.prompt_id)
@@ -98,7 +136,7 @@ def label_batch(
         columns["target_ids"].append(response)
         columns["mixed_ids"].append(mixed_ids.tolist())
         columns["is_draft"].append(is_draft.tolist())
-        for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1"):
+        for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS if siblings else ())):
             columns[name].append(getattr(labels, name).numpy())
     del target_states, draft_states
     if store_features:

@@ -33,7 +33,7 @@ class LabellingModule(L.LightningModule):
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
                  transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
                  state_layer: int | None, run: str, storage: FeatureStorage = DEFAULT_STORAGE,
-                 engine: BuiltinEngine | None = None, target_states: bool = False):
+                 engine: BuiltinEngine | None = None, target_states: bool = False, siblings: bool = False):
         super().__init__()
         # Out of the module tree: Lightning would move (and under DDP broadcast) registered models whole, undoing a
         # target spread over the rank's GPUs. load_pair has put both on this rank's devices (data_gen.placement).
@@ -50,6 +50,7 @@ class LabellingModule(L.LightningModule):
         self.run = run  # the data fingerprint: a shard another run wrote is labelled again
         self.storage = storage
         self.target_states = target_states
+        self.siblings = siblings
         self.engine = engine or BuiltinEngine(tokenizer, transform, max_new_tokens, seed)  # responses not imported
 
     @property
@@ -80,7 +81,7 @@ class LabellingModule(L.LightningModule):
         for items in shard.batches:
             batch = label_batch(self.target, self.draft, items, [next(responses) for _ in items], self.transform, self.seed,
                                 self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
-                                self.state_layer, self.storage, self.target_states)
+                                self.state_layer, self.storage, self.target_states, self.siblings)
             for name, values in batch.items():
                 columns.setdefault(name, []).extend(values)
         return shard, columns
@@ -94,11 +95,11 @@ class ShardWriter(BasePredictionWriter):
     """Writes each finished shard atomically; when every rank is done, rank 0 runs `on_complete`."""
 
     def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None], run: str,
-                 features_dtype: str = "float16", target_hidden_size: int | None = None):
+                 features_dtype: str = "float16", target_hidden_size: int | None = None, siblings: bool = False):
         super().__init__(write_interval="batch")
         self.out = out
         self.run = run
-        self.schema = row_features(hidden_size, features_dtype, target_hidden_size)
+        self.schema = row_features(hidden_size, features_dtype, target_hidden_size, siblings)
         self.on_complete = on_complete
         self.tokens_written = 0
         self.started = time.perf_counter()

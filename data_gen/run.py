@@ -174,6 +174,7 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         **({"state_layer": config.state_layer} if config.state_layer is not None else {}),
         **({"target_states": True, "target_hidden_size": int(pair.target.config.hidden_size)}
            if config.target_states else {}),
+        **({"sibling_labels": True} if config.sibling_labels else {}),
         **feature_storage(config).identity(),  # likewise only the options that differ from the default
         "long_prompts": config.long_prompts,
         "max_prompt_tokens": config.max_prompt_tokens,
@@ -382,10 +383,11 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
                              config.store_features, config.state_layer, fingerprint, feature_storage(config),
                              engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
-                                                  config.generation), target_states=config.target_states)
+                                                  config.generation), target_states=config.target_states,
+                             siblings=config.sibling_labels)
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
                          fingerprint, config.features_dtype,
-                         int(pair.target.config.hidden_size) if config.target_states else None)
+                         int(pair.target.config.hidden_size) if config.target_states else None, config.sibling_labels)
     trainer.callbacks.append(writer)
     trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0

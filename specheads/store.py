@@ -38,9 +38,10 @@ PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
 
 def row_features(hidden_size: int | None, features_dtype: str = "float16",
-                 target_hidden_size: int | None = None) -> datasets.Features:
+                 target_hidden_size: int | None = None, siblings: bool = False) -> datasets.Features:
     """The Arrow schema of one row; `features` only when hidden states are stored (bfloat16 as its uint16 bits),
-    `target_features` only when the target's states are stored too (`target_states`)."""
+    `target_features` only when the target's states are stored too (`target_states`), the `sibling_*` columns only
+    with `sibling_labels`."""
     ints = datasets.List(datasets.Value("int32"))
     floats = datasets.List(datasets.Value("float32"))
     schema: dict[str, Any] = {
@@ -52,6 +53,8 @@ def row_features(hidden_size: int | None, features_dtype: str = "float16",
         "is_draft": datasets.List(datasets.Value("bool")),
         **{name: floats for name in PER_POSITION_FLOATS},
     }
+    if siblings:
+        schema.update(sibling_ids=ints, sibling_accept=floats, sibling_beta=floats)
     if hidden_size:
         schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype=ARROW_DTYPES[features_dtype])
     if target_hidden_size:

@@ -3,6 +3,8 @@ chain as the tree of width 1."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -87,7 +89,7 @@ def test_trees_sample_the_target_distribution(tiny_pair, values: str, children: 
     engine = RoundEngine(target, draft, transform, stop_ids=[])
     sizes: list[int] = []
     checked: list[tuple[int, float, bool]] = []
-    runs = 600
+    runs = 500
     results = engine.decode_tree([PROMPT] * runs, TreeRule(values, 0.15, 5, 3, 2, children), LENGTH,
                                  list(range(runs)), at_draft_head() if values == "head" else None, sizes, checked)
     assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
@@ -136,3 +138,55 @@ def test_bad_tree_settings_are_refused_in_one_line():
         TreeRule("confidence", 0.1, 0)
     with pytest.raises(UsageError, match="needs an acceptance head"):
         TreeRule("head", 0.1, 8).check_head(None)
+
+
+def test_the_sibling_label_is_what_recursive_rejection_sampling_accepts_after_the_drafted_candidate():
+    """Brute force against gen's `sibling_labels`: Σ min(p₂, q₂) enumerated by hand; the second children drawn are
+    q without the candidate; and the decoder's sampler, fed those children after the candidate, accepts them as
+    often as their labels say once the candidate was rejected."""
+    from specheads.data_gen.labels import sibling_labels
+
+    p = torch.tensor([0.05, 0.4, 0.3, 0.2, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2], dtype=torch.float64)
+    drafted, runs = 0, 8000
+    left = [max(a - b, 0.0) for a, b in zip(p.tolist(), q.tolist())]
+    p_rest = [x / sum(left) for x in left]
+    q_rest = [0.0 if v == drafted else x / (1 - q[drafted].item()) for v, x in enumerate(q.tolist())]
+    by_hand = sum(min(a, b) for a, b in zip(p_rest, q_rest))
+    generator = torch.Generator().manual_seed(1)
+    second, accept, beta = sibling_labels(p.log().expand(runs, -1), q.log().expand(runs, -1),
+                                          torch.full((runs,), drafted), torch.rand(runs, generator=generator, dtype=torch.float64))
+    assert torch.allclose(beta, torch.tensor(by_hand, dtype=torch.float64)) and (second != drafted).all()
+    counts = torch.bincount(second, minlength=5).double().numpy()
+    assert chisquare(counts[1:], np.array(q_rest[1:]) * runs).pvalue > 1e-3
+    rest = torch.tensor(q_rest, dtype=torch.float64).log()
+    rejected = accepted = 0
+    for x2 in second.tolist():
+        outcome, _ = verify_siblings(p.log(), [(drafted, q.log()), (x2, rest)], generator)
+        rejected += outcome != 0
+        accepted += outcome == 1
+    expected = float(accept.mean())
+    assert abs(accepted / rejected - expected) < 4 * math.sqrt(expected * (1 - expected) / rejected)
+    assert abs(expected - by_hand) < 0.03  # the labels of the drawn children average to Σ min(p₂, q₂)
+
+
+def test_gen_labels_a_second_child_on_its_own_stream(tiny_model, prompts_file, tmp_path):
+    """`--sibling_labels true` adds the sibling columns and leaves every other column as it was."""
+    from conftest import tiny_args
+
+    from specheads.cli import main
+    from specheads.data_gen.config import GenConfig, SamplingConfig
+    from specheads.store import load_labelled, read_manifest
+
+    for name, extra in (("plain", ()), ("siblings", ("--sibling_labels", "true"))):
+        assert main(tiny_args(tiny_model, prompts_file, tmp_path / name, "--store_features", "false", *extra)) == 0
+    plain, siblings = load_labelled(tmp_path / "plain"), load_labelled(tmp_path / "siblings")
+    for column in ("mixed_ids", "draft_ids", "accept", "beta"):
+        assert plain[column] == siblings[column], column
+    assert read_manifest(tmp_path / "siblings")["identity"]["sibling_labels"] is True
+    for row in siblings:
+        assert len(row["sibling_ids"]) == len(row["draft_ids"]) == len(row["sibling_accept"])
+        assert all(s != d for s, d in zip(row["sibling_ids"], row["draft_ids"]) if s >= 0)
+        assert all(0 <= a <= 1 and 0 <= b <= 1 for a, b in zip(row["sibling_accept"], row["sibling_beta"]))
+    with pytest.raises(UsageError, match="at temperature 0 q is one-hot"):
+        GenConfig(sibling_labels=True, sampling=SamplingConfig(temperature=0.0)).validate()
