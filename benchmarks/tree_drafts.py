@@ -80,7 +80,7 @@ class Config:
     chain_threshold: float = 0.6
     confidence_floors: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.25])
     head_floors: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.45])
-    eagle_floors: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25])
+    eagle_floors: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.4, 0.6])
     eagle_budgets: list[int] = field(default_factory=lambda: [8])
     width: int = 4
     expand: int = 4
