@@ -129,6 +129,8 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "accept": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "beta": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "top1": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
+    "sibling_accept": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
+    "sibling_beta": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "logq": (lambda v: np.isfinite(v) & (v <= 0), "not a finite log-probability"),
     "logp": (lambda v: v <= 0, "not a log-probability (−inf is allowed where the transform gives p = 0)"),
     "entropy": (lambda v: np.isfinite(v) & (v >= 0), "not a finite entropy"),

@@ -13,7 +13,7 @@ from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny
 
 from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.decoding.sampler import verify_siblings
-from specheads.decoding.tree import TreeRule
+from specheads.decoding.tree import TreeDrafter, TreeRule
 from specheads.errors import UsageError
 from specheads.heads import OnTimeAcceptanceHead
 from specheads.sampling import SamplingTransform
@@ -49,6 +49,21 @@ def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path_and_holds_the
     after, _ = cache.feed({0: [2]})[0]
     fresh = target(torch.tensor([[0, 1, 2, 1, 0, 2]])).logits[0, -1].float()
     assert cache.length(0) == 6 and torch.allclose(after[-1], fresh, atol=1e-5)
+
+
+def test_nodes_the_draft_reads_together_each_see_their_own_path(tiny_pair):
+    """The draft reads up to `expand` nodes per forward: each node's q equals a fresh forward over its own path."""
+    target, draft = tiny_pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    cache = BatchCache(draft, 1)
+    tree = TreeDrafter(engine, TreeRule("confidence", floor=0.0, budget=12, width=3, expand=3), None,
+                       torch.Generator().manual_seed(0)).grow(cache, list(PROMPT), depth_cap=4)
+    read = [i for i in tree.opened if i >= 0]
+    assert len(tree.nodes) == 12 and cache.passes < len(read) + 1  # some forward read several nodes
+    for index in read:
+        path = [tree.nodes[i].token for i in tree.path(index)]
+        fresh = draft(torch.tensor([PROMPT + path])).logits[0, -1].float()
+        assert torch.allclose(tree.opened[index].logits, fresh, atol=1e-5), path
 
 
 @pytest.mark.parametrize("kinds", ["drawn", "chosen", "mixed"])
@@ -138,6 +153,13 @@ def test_bad_tree_settings_are_refused_in_one_line():
         TreeRule("confidence", 0.1, 0)
     with pytest.raises(UsageError, match="needs an acceptance head"):
         TreeRule("head", 0.1, 8).check_head(None)
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    sliding = Gemma2ForCausalLM(Gemma2Config(vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4))
+    with pytest.raises(UsageError, match="one tensor per layer"):  # a tree mask would bypass the window
+        RoundEngine(sliding, sliding, SamplingTransform(1.0), []).decode_tree([[0, 1]], TreeRule("confidence", 0.1, 4),
+                                                                               3, [0])
 
 
 def test_the_sibling_label_is_what_recursive_rejection_sampling_accepts_after_the_drafted_candidate():

@@ -99,7 +99,7 @@ class BatchCache:
         allowed[:, :used] = self.mask[0].bool()
         for index, seen in enumerate(sees):
             allowed[index, seen + [used + index]] = True
-        dtype = next(self.model.parameters()).dtype
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
         mask = torch.zeros(1, 1, width, used + width, dtype=dtype, device=self.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         self.mask = torch.cat([self.mask, torch.zeros(1, width, dtype=torch.long, device=self.device)], dim=1)

@@ -128,6 +128,7 @@ class DraftTree:
 
     nodes: list[Node] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
+    opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
 
     def children(self, index: int) -> list[int]:
         return self.roots if index < 0 else self.nodes[index].children
@@ -154,7 +155,8 @@ class TreeDrafter:
         paths of at most `depth_cap` nodes."""
         logits, states = draft.feed({0: tail})[0]
         tree = DraftTree()
-        opened: dict[int, Opened] = {-1: self._open(logits[-1], states[-1], 1.0, [])}
+        opened = tree.opened
+        opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         budget = self.rule.budget
         while len(tree.nodes) < budget:
             slot = max(((index, o.reach) for index, o in opened.items() if self._has_room(tree, index, o)),
@@ -269,6 +271,10 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
         draft, target = BatchCache(engine.draft, 1, head.state_layer if head else None), BatchCache(engine.target, 1)
+        for name, cache in (("draft", draft), ("target", target)):
+            if not cache.plain_layers():
+                raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer: a tree mask would "
+                                 "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
         drafter = TreeDrafter(engine, rule, head, generator)
         tokens, generated, result = list(prompt), [], DecodeResult(tokens=[])
         while len(generated) < max_new_tokens:
