@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specheads.dataclass_cli import parse_script  # noqa: E402
+from specheads.eval.offline import interval  # noqa: E402
+from specheads.eval.sweep import modelled_speedup  # noqa: E402
 from specheads.files import write_json_atomic  # noqa: E402
 
 
@@ -145,7 +147,7 @@ def siblings(config: Config) -> None:
         gap = (table[draws, 0].sum(1) - table[draws, 1].sum(1)) / np.maximum(table[draws, 2].sum(1), 1)
         rows.append({"place": place, "checked": int(table[:, 2].sum()), "mean_score": table[:, 0].sum() / table[:, 2].sum(),
                      "accepted": table[:, 1].sum() / table[:, 2].sum(),
-                     "score_minus_accepted_ci": [float(np.percentile(gap, 2.5)), float(np.percentile(gap, 97.5))]})
+                     "score_minus_accepted_ci": interval(list(gap))})
     write_json_atomic(out / "siblings.json", {"floor": rule.floor, "budget": rule.budget, "rows": rows})
     print("| place among siblings | checked | mean head score | accepted | score − accepted [95 %] |")
     print("|---|---|---|---|---|")
@@ -208,7 +210,7 @@ def figures(table: np.ndarray, cost_ratio: float) -> dict[str, np.ndarray]:
     `table` may carry a leading resample axis)."""
     emitted, accepted, drafts, calls = (table[..., i].sum(-1) for i in range(4))
     return {"tokens_per_target_forward": emitted / calls, "accepted_per_target_forward": accepted / calls,
-            "speedup": emitted / (cost_ratio * drafts + calls), "draft_forwards_per_target_forward": drafts / calls}
+            "speedup": modelled_speedup(emitted, drafts, calls, cost_ratio), "draft_forwards_per_target_forward": drafts / calls}
 
 
 def summary(records: list[dict[str, Any]], cost_ratio: float) -> dict[str, float]:
@@ -244,8 +246,7 @@ def report(config: Config) -> None:
             gain = {"budget": n, "against": other}
             for name in ("tokens_per_target_forward", "speedup"):
                 ratio = a[name] / b[name] - 1
-                gain[name] = [float(point_a[name] / point_b[name] - 1), float(np.percentile(ratio, 2.5)),
-                              float(np.percentile(ratio, 97.5))]
+                gain[name] = [float(point_a[name] / point_b[name] - 1), *interval(list(ratio))]
             results["gains"].append(gain)
     write_json_atomic(out / "results.json", results)
     print("| N | drafting | knob | tokens / target forward | accepted / target forward | draft forwards / target forward | "

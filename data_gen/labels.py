@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.decoding.sampler import residual
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.signals import output_logits, signal_log_probs, signal_statistics
 from specheads.states import decoder_states, mixed_states
@@ -47,9 +48,7 @@ def sibling_labels(logp_all: torch.Tensor, logq_all: torch.Tensor, candidates: t
     rest = logq_all.scatter(-1, candidates.unsqueeze(-1), float("-inf"))
     has_rest = torch.isfinite(rest).any(-1)
     rest = torch.where(has_rest.unsqueeze(-1), rest, logq_all).log_softmax(-1)
-    left = (logp_all.exp() - logq_all.exp()).clamp_min(0)
-    total = left.sum(-1, keepdim=True)
-    p_rest = torch.where(total > 0, left / total.clamp_min(1e-30), logp_all.exp())  # p == q: a rejection never happens
+    p_rest = residual(logp_all.exp(), logq_all.exp())
     second = draw_from_log_probs(rest, draws)
     q_second = rest.gather(-1, second.unsqueeze(-1)).squeeze(-1).exp()
     accept = (p_rest.gather(-1, second.unsqueeze(-1)).squeeze(-1) / q_second).clamp(max=1.0)

@@ -102,11 +102,11 @@ def test_trees_sample_the_target_distribution(tiny_pair, values: str, children: 
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
     engine = RoundEngine(target, draft, transform, stop_ids=[])
-    sizes: list[int] = []
     checked: list[tuple[int, float, bool]] = []
     runs = 500
     results = engine.decode_tree([PROMPT] * runs, TreeRule(values, 0.15, 5, 3, 2, children), LENGTH,
-                                 list(range(runs)), at_draft_head() if values == "head" else None, sizes, checked)
+                                 list(range(runs)), at_draft_head() if values == "head" else None, checked)
+    sizes = [size for r in results for size in r.drafted_per_round]
     assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
     assert any(place > 1 and accepted for place, _, accepted in checked)  # later siblings were checked and stood
     assert len(set(sizes)) > 2

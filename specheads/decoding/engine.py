@@ -337,13 +337,13 @@ class RoundEngine:
                     break
 
     def decode_tree(self, prompts: list[list[int]], rule: Any, max_new_tokens: int, seeds: list[int],
-                    head: AcceptanceHead | None = None, nodes_per_round: list[int] | None = None,
-                    checked: list[tuple[int, float, bool]] | None = None) -> list[DecodeResult]:
-        """`decode` with tree drafts under a `specheads.decoding.tree.TreeRule`, each prompt alone (B = 1); the
-        lists, when given, receive each round's tree size and every checked node's (sibling place, score, accepted)."""
+                    head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None
+                    ) -> list[DecodeResult]:
+        """`decode` with tree drafts under a `specheads.decoding.tree.TreeRule`, each prompt alone (B = 1); `checked`,
+        when given, receives every checked node's (sibling place, score, accepted)."""
         from specheads.decoding.tree import decode_tree
 
-        return decode_tree(self, prompts, rule, max_new_tokens, seeds, head, nodes_per_round, checked)
+        return decode_tree(self, prompts, rule, max_new_tokens, seeds, head, checked)
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:

@@ -26,11 +26,11 @@ def accepts(logp: float, logq: float, generator: torch.Generator) -> bool:
 
 
 def residual(probs: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)), the distribution that makes a rejection exact (p itself where p == q: a rejection then
-    has probability 0, and the draw stays valid anyway)."""
+    """norm(max(0, p − q)) over the last axis, the distribution that makes a rejection exact (p itself where p == q:
+    a rejection then has probability 0, and the draw stays valid anyway)."""
     left = (probs - proposal).clamp_min(0)
-    total = float(left.sum())
-    return probs if total <= 0 else left / total
+    total = left.sum(-1, keepdim=True)
+    return torch.where(total > 0, left / total.clamp_min(torch.finfo(left.dtype).tiny), probs)
 
 
 def verify_siblings(logp_all: torch.Tensor, candidates: list[tuple[int, torch.Tensor | None]],

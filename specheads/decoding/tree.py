@@ -65,6 +65,7 @@ class TreeRule:
     children: str = "sampled"
 
     name: ClassVar[str] = "tree"
+    hindsight: ClassVar[bool] = False  # counts every node as drafted (`RoundEngine._count`)
 
     def __post_init__(self) -> None:
         if self.values not in TREE_VALUES:
@@ -211,17 +212,22 @@ class TreeDrafter:
         depth = 1 if parent < 0 else tree.nodes[parent].depth + 1
         signals = candidate_signals(at.logits, at.logq, token, self.transform)
         score = min(max(self._score(at, signals, token, depth), 0.0), 1.0)
-        if self.fixed and self.head is None:  # the chance it is the target's token once the earlier ones were not:
-            score, at.taken = min(signals["prob"] / max(1.0 - at.taken, 1e-9), 1.0), at.taken + signals["prob"]
-            # so a node's value is the product of q along its path, EAGLE-2's value
         tree.nodes.append(Node(token, parent, depth, proposal, score, at.reach * score))
         siblings.append(len(tree.nodes) - 1)
         at.reach *= 1.0 - score
 
     def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int) -> float:
-        if self.head is None:
+        """The child's score: the head's â, or its draft confidence; for a fixed child, its confidence over the mass
+        the earlier siblings left (the chance it is the target's token once they were not), so that a node's value
+        is Π q along its path, EAGLE-2's value."""
+        if self.head is not None:
+            return acceptance_batch(self.head, [at.state], [signals], [self.engine._embedding(self.head, token)],
+                                    [depth])[0]
+        if not self.fixed:
             return signals["prob"]
-        return acceptance_batch(self.head, [at.state], [signals], [self.engine._embedding(self.head, token)], [depth])[0]
+        score = signals["prob"] / max(1.0 - at.taken, 1e-9)
+        at.taken += signals["prob"]
+        return score
 
 
 def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: DraftTree,
@@ -258,12 +264,12 @@ def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: 
 
 @torch.no_grad()
 def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
-                head: AcceptanceHead | None = None, nodes_per_round: list[int] | None = None,
-                checked: list[tuple[int, float, bool]] | None = None) -> list[DecodeResult]:
+                head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None
+                ) -> list[DecodeResult]:
     """Each prompt decoded alone (B = 1) with tree drafts under `rule`; the counts are those of `RoundEngine.decode`
     (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting once).
-    `nodes_per_round`, when given, receives each round's tree size; `checked`, (its place among its siblings,
-    1-based; its score; accepted) for every node the target checked."""
+    `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node the
+    target checked."""
     rule.check_head(head)
     head = head if rule.reads_head else None
     results = []
@@ -290,13 +296,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
             for cache in (draft, target):
                 cache.trim()
-            result.drafted += len(tree.nodes)
-            result.accepted += standing
-            result.target_calls += 1
-            result.accepted_per_round.append(standing)
-            result.drafted_per_round.append(len(tree.nodes))
-            if nodes_per_round is not None:
-                nodes_per_round.append(len(tree.nodes))
+            engine._count(result, rule, len(tree.nodes), standing, called=True)
             tokens += emitted
             generated += emitted
             if ended:
