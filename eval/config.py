@@ -11,10 +11,10 @@ from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInte
 from specheads.errors import UsageError
 from specheads.report_file import REPORT_FILE
 
-FIXED_POLICIES = ("constant_k", "svip", "confidence", "vllm_online", "transformers", "transformers_heuristic",
+FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "transformers", "transformers_heuristic",
                   "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
-GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares",
+GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
 
@@ -42,8 +42,8 @@ class EvalConfig:
         constant_ks: the constant-K baselines' draft lengths (default 1, 2, 3, 4, 6, 8 up to max_draft, and max_draft).
         head_thresholds: the stop head's thresholds to sweep (default 0.3, 0.5, 0.65, 0.8, 0.9).
         sprinter_thresholds: the SPRINTER verifier's thresholds to sweep (default 0.3, 0.5, 0.7, 0.85).
-        stop_shares: SVIP's and confidence's thresholds are the quantiles at which each stops after these
-            shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
+        stop_shares: SVIP's, confidence's and AdaEDL's (starting λ) thresholds are the quantiles at which each
+            signal stops after these shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per
             generated token (estimated on the held-out tokens) at or below this.
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.

@@ -17,7 +17,7 @@ import torch
 
 from specheads.checkpoint import TrainedHead
 from specheads.data import AcceptanceDataModule
-from specheads.decoding.online import Outcome, VllmEstimator
+from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator, adaedl_bound
 from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
@@ -34,11 +34,12 @@ from specheads.metrics import (
 )
 from specheads.targets import draft_features, head_inputs, stale_target_states
 
-BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "sv_companion")
+BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
-PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle", "label_ceiling",
+PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion", "beta_oracle", "label_ceiling",
                        "constant")
-READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True, "sv_companion": True,
+READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True, "adaedl": False,
+                     "sv_companion": True,
                      "beta_oracle": False, "label_ceiling": True, "constant": False}
 """Whether a signal's score of ŷ_k reads ŷ_k itself: only the scores that do not may rank drafted positions for a
 verify budget (docs/decoding-core.md "Verify budgets"); the head's own answer is its `decides`."""
@@ -74,7 +75,8 @@ class TokenTable:
         """Every signal's score per token (higher = more likely accepted)."""
         companion = {} if self.sv_companion is None else {"sv_companion": self.sv_companion}
         return {"head": self.prediction, **baseline_scores(self.logq, self.entropy, self.top1),
-                "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed), **companion,
+                "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed),
+                "adaedl": adaedl_scores(self.entropy, self.label, self.row, seed), **companion,
                 "beta_oracle": self.beta, "label_ceiling": self.label,
                 "constant": np.full_like(self.label, self.label.mean())}
 
@@ -96,6 +98,23 @@ def vllm_online_scores(prob: np.ndarray, label: np.ndarray, seed: int) -> np.nda
     for index, (q, accepted) in enumerate(zip(prob.tolist(), outcomes.tolist())):
         scores[index] = estimator.probability(Drafted(index=1, prob=q, entropy=0.0, acceptance=1.0))
         estimator.observe({0: [Outcome(1, q, accepted)]})
+    return scores
+
+
+def adaedl_scores(entropy: np.ndarray, label: np.ndarray, row: np.ndarray, seed: int) -> np.ndarray:
+    """AdaEDL's adapted bound (`specheads.decoding.online.AdaEdl`), bound + δ clipped to [0, 1], run causally along
+    each held-out response (δ starts at 0 for each, as for each request): a token is scored with the δ of the tokens
+    before it, then its outcome, a seeded Bernoulli draw of its soft label, moves δ."""
+    planner = AdaEdl(threshold=0.0)
+    outcomes = np.random.default_rng(seed).uniform(size=len(entropy)) < label
+    scores = np.empty(len(entropy))
+    previous = None
+    for index, (h, accepted, response) in enumerate(zip(entropy.tolist(), outcomes.tolist(), row.tolist())):
+        if response != previous:
+            planner.admit(0)
+            previous = response
+        scores[index] = min(max(adaedl_bound(h) + planner.slack[0], 0.0), 1.0)
+        planner.observe({0: [Outcome(1, 0.0, accepted, h)]})
     return scores
 
 

@@ -13,7 +13,7 @@ import torch
 from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.companion import Companion
+from specheads.decoding.companion import Companion, forward_cost
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
@@ -384,7 +384,8 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         model = without_layers(pair.target, list(config.sv_companion_skip_layers))
         table.sv_companion, bins = sv_companion_scores(pair.draft, model, transform, data.splits["train"],
                                                        data.splits["val"], table.row, table.position)
-        companion = Companion(model, bins) if trained.purpose in STOP_PURPOSES else None  # also decoded, as a stop rule
+        cost = forward_cost(model, pair.draft)
+        companion = Companion(model, bins, cost) if trained.purpose in STOP_PURPOSES else None  # also decoded, as a stop rule
     offline = offline_metrics(table, config.bootstrap, config.seed)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
@@ -401,6 +402,8 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                              "prompts); give --decode-prompts or data with more prompts")
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"], companion)
         decoding.section["prompts_dropped_as_seen_in_training"] = dropped
+        if companion is not None:
+            decoding.section["sv_companion_cost"] = companion.cost  # its forwards in draft forwards, as counted
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,
                                          seed=config.seed)

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
+from specheads.decoding.online import ADAEDL_GAMMA
 from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
@@ -65,7 +66,7 @@ class RunRecord:
     drafted: int
     accepted: int
     target_calls: int
-    draft_forwards: int
+    draft_forwards: float  # with SV's companion, `companion_forwards` × its cost in draft forwards too
     seconds: float
     forward_seconds: float
     accepted_per_round: list[int]
@@ -76,16 +77,19 @@ class RunRecord:
     target_seconds: float = 0.0
     draft_passes: float = 0.0  # forward passes of the draft (a batched run's share of its batch's)
     target_passes: float = 0.0
+    companion_forwards: int = 0  # SV's companion's forwards (0 in older reports)
 
 
 def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
                       shares: Iterable[float] | None = None) -> dict[str, list[float]]:
-    """SVIP and confidence thresholds at which each signal stops after about `shares` (default STOP_SHARES)
-    of drafted tokens."""
+    """SVIP, confidence and AdaEDL (its starting λ) thresholds at which each signal stops after about `shares`
+    (default STOP_SHARES) of drafted tokens."""
     shares = STOP_SHARES if shares is None else tuple(shares)
     root_entropy = np.sqrt(np.clip(entropy, 0, None))
+    bound = 1.0 - np.sqrt(ADAEDL_GAMMA) * root_entropy
     return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
-            "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares]}
+            "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares],
+            "adaedl": [round(float(np.quantile(bound, s)), 4) for s in shares]}
 
 
 APPROXIMATE_POLICIES = ("sprinter",)
@@ -111,6 +115,7 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     settings = [Setting("constant_k", float(k)) for k in ks]
     if purpose in STOP_PURPOSES:
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
+        settings += [Setting("adaedl", t) for t in signal_grid["adaedl"]]  # λ starts at SVIP's stop shares
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         if companion:
@@ -135,7 +140,8 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      result.accepted, result.target_calls, result.draft_forwards, result.seconds, result.forward_seconds,
                      list(result.accepted_per_round), logprob, drafted_per_round=list(result.drafted_per_round),
                      draft_seconds=result.draft_seconds, target_seconds=result.target_seconds,
-                     draft_passes=result.draft_passes, target_passes=result.target_passes)
+                     draft_passes=result.draft_passes, target_passes=result.target_passes,
+                     companion_forwards=result.companion_forwards)
 
 
 def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],

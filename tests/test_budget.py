@@ -120,7 +120,7 @@ def test_the_batch_and_run_time_rules_sample_the_target_distribution_at_batch_10
     smartspec_costs = ServingCosts(CostCurve((1, 8), (0.1, 0.16)), CostCurve((1, 5, 20), (1.0, 1.2, 2.0)))
     runs = 500
     for name, threshold, costs in (("budget", 0.05, budget_costs), ("smartspec", 3, smartspec_costs),
-                                   ("vllm_online", 0.4, None), ("transformers", 0.4, None),
+                                   ("vllm_online", 0.4, None), ("adaedl", 0.5, None), ("transformers", 0.4, None),
                                    ("transformers_heuristic", 2, None)):
         log: list[RoundRecord] = []
         results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), LENGTH, list(range(runs)),

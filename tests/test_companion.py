@@ -43,6 +43,31 @@ def test_equal_count_bins_predict_each_cells_mean_acceptance():
     assert len(edges) == 3  # 9 quantiles of two tied values: 0.5, the midpoint, 0.9
 
 
+def test_a_companion_forward_costs_the_weights_it_runs_beyond_the_prefix_it_shares_with_the_draft():
+    """On a self-speculative pair a companion that keeps the draft's first layers branches from the draft's state: it
+    pays its own later layers and its output head; another model pays all of its weights; the draft itself nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specheads.decoding.companion import forward_cost
+    from specheads.models import without_layers
+
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    head = target.lm_head.weight.numel()
+    draft = without_layers(target, [5, 6])  # layers 0-4, 7
+    companion = without_layers(target, [6, 7])  # layers 0-5: shares 0-4 with the draft, runs layer 5 and its head
+    assert forward_cost(companion, draft) == pytest.approx((layer + head) / (6 * layer + head))
+    early = without_layers(target, [0])  # differs from the first layer on: all of its 7 layers
+    assert forward_cost(early, draft) == pytest.approx((7 * layer + head) / (6 * layer + head))
+    assert forward_cost(without_layers(target, [5, 6]), draft) == 0.0
+    other = tiny_lm(seed=3, vocab=40)  # another model of 2 layers: no weight in common with the draft
+    other_weights = sum(p.numel() for p in other.model.layers.parameters()) + other.lm_head.weight.numel()
+    assert forward_cost(other, draft) == pytest.approx(other_weights / (6 * layer + head))
+
+
 # ---- SV's companion predictor as a stop rule in the round engine
 
 def test_a_companion_that_is_the_draft_agrees_at_every_step_so_the_rule_drafts_like_constant_k_max():
@@ -58,14 +83,14 @@ def test_a_companion_that_is_the_draft_agrees_at_every_step_so_the_rule_drafts_l
     target, draft = tiny_lm(seed=11, vocab=VOCAB, init=0.5).double(), tiny_lm(seed=12, vocab=VOCAB, init=0.5).double()
     twin = tiny_lm(seed=12, vocab=VOCAB, init=0.5).double()
     agree_only = BinTable(np.array([1 - 1e-5]), np.array([]), np.array([[0.0], [1.0]]))
-    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[5, 9], companion=Companion(twin, agree_only))
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[5, 9], companion=Companion(twin, agree_only, 0.25))
     seeds = [100 + i for i in range(len(PROMPTS))]
     constant = engine.decode(PROMPTS, make_policy("constant_k", 4, max_draft=4), 14, seeds)
     for batch_size in (None, 2):  # all rows together, and two rows refilled from the queue
         sv = engine.decode(PROMPTS, make_policy("sv_companion", 0.5, max_draft=4), 14, seeds, batch_size=batch_size)
         assert [r.tokens for r in sv] == [r.tokens for r in constant]
         assert [r.companion_forwards for r in sv] == [r.draft_forwards for r in constant]
-        assert [r.draft_forwards for r in sv] == [2 * r.draft_forwards for r in constant]  # companion priced as draft
+        assert [r.draft_forwards for r in sv] == [1.25 * r.draft_forwards for r in constant]  # companion at its cost
     pessimist = BinTable(np.array([]), np.array([]), np.array([[0.3]]))  # 1 − 0.3 > 0.5 after every candidate
     engine.companion = Companion(twin, pessimist)
     one = engine.decode(PROMPTS, make_policy("constant_k", 1, max_draft=4), 14, seeds)

@@ -432,12 +432,13 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     checkpoint_bytes = checkpoint.read_bytes()
     assert main(eval_args(checkpoint, data, out, "--sv-companion-skip-layers", "[1]")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle",
-                                       "label_ceiling", "constant"}
+    assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion",
+                                       "beta_oracle", "label_ceiling", "constant"}
     for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
         assert name in metrics["offline"]["head"]
     decoding = metrics["decoding"]
     assert decoding["t_draft_over_t_target"] == 0.2
+    assert 0 < decoding["sv_companion_cost"] <= 1  # the companion's forwards, in draft forwards, as counted
     assert {row["policy"] for row in decoding["policies"]} == {*BASELINES, "head", "oracle"}
     for row in decoding["policies"]:
         for name in ("threshold", "discard_rate", "verification_rate", "mean_accepted_length", "tokens_per_s",

@@ -159,3 +159,58 @@ def test_the_offline_online_estimator_scores_each_token_from_the_tokens_before_i
     assert np.allclose(scores[:100], 1 / (1 + math.exp(-1.5)))
     late = slice(800, None)
     assert np.mean(np.abs(scores[late] - label[late])) < 0.08
+
+
+def test_adaedl_starts_as_svip_and_moves_its_lambda_with_the_requests_own_acceptance():
+    """With no outcome yet AdaEDL's bound rule is SVIP's (1 − sqrt(0.2 H) < λ ⟺ sqrt(H) > (1 − λ)/sqrt(0.2)); a request
+    whose candidates the target keeps accepting above the bound lowers its λ (drafts longer), one that rejects raises
+    it, each request alone, and a new request starts again from λ."""
+    from specheads.decoding.online import AdaEdl, adaedl_bound
+
+    planner = make_policy("adaedl", 0.5).planner(None)
+    assert isinstance(planner, AdaEdl)
+    svip = make_policy("svip", (1 - 0.5) / math.sqrt(0.2))
+    planner.admit(0)
+    planner.admit(1)
+    for entropy in np.linspace(0.0, 3.0, 31):
+        seen = Drafted(index=1, prob=0.5, entropy=float(entropy), acceptance=1.0)
+        assert planner.stops(0, seen) == svip.signal_says_stop(seen)
+    entropy = 1.6  # bound 0.434: stops at λ = 0.5 before any outcome
+    seen = Drafted(index=1, prob=0.5, entropy=entropy, acceptance=1.0)
+    assert planner.stops(0, seen) and planner.stops(1, seen)
+    for _ in range(10):
+        planner.observe({0: [Outcome(1, 0.5, True, entropy)], 1: [Outcome(1, 0.5, False, entropy)]})
+    expected = 0.0
+    for _ in range(10):
+        expected += 0.1 * (1.0 - adaedl_bound(entropy) - expected)
+    assert planner.slack[0] == pytest.approx(expected) and planner.slack[1] < 0
+    assert not planner.stops(0, seen) and planner.stops(1, seen)
+    planner.admit(0)
+    assert planner.slack[0] == 0.0 and planner.stops(0, seen)
+
+
+def test_adaedl_never_reads_an_outcome_from_the_future():
+    """Two requests that share their first 40 outcomes have the same λ up to there; a later outcome moves it. The
+    offline score of a held-out token reads only the outcomes of its response before it, and restarts per response."""
+    from specheads.decoding.online import AdaEdl
+    from specheads.eval.offline import adaedl_scores
+
+    rng = np.random.default_rng(7)
+    shared = [Outcome(1, 0.5, bool(a), float(h)) for a, h in zip(rng.uniform(size=40) < 0.6, rng.uniform(0, 3, 40))]
+    first, second = AdaEdl(0.5), AdaEdl(0.5)
+    for planner in (first, second):
+        planner.admit(0)
+        for outcome in shared:
+            planner.observe({0: [outcome]})
+    assert first.slack == second.slack
+    first.observe({0: [Outcome(1, 0.5, True, 2.0)]})
+    second.observe({0: [Outcome(1, 0.5, False, 2.0)]})
+    assert first.slack[0] > second.slack[0]
+    entropy = rng.uniform(0, 3, 300)
+    label = rng.uniform(size=300)
+    row = np.repeat([0, 1, 2], 100)
+    scores = adaedl_scores(entropy, label, row, seed=0)
+    changed = label.copy()
+    changed[150:] = 1 - changed[150:]
+    assert np.array_equal(adaedl_scores(entropy, changed, row, seed=0)[:151], scores[:151])
+    assert scores[100] == pytest.approx(min(max(1 - math.sqrt(0.2 * entropy[100]), 0.0), 1.0))  # a new response: δ = 0

@@ -12,6 +12,12 @@ the mean acceptance of its (S, A) cell there (`BinTable`). eval profiles the bin
 
 A reads the drawn token, so the prediction may end a round's drafting (exact) but not rank drafted positions for a
 verify budget (docs/decoding-core.md "Verify budgets").
+
+A companion forward is counted as `Companion.cost` draft forwards (`forward_cost`): the weights it multiplies per token
+that the draft has not already multiplied, over the draft's. A companion that is another model of the draft's size
+costs 1; on a self-speculative pair, a companion that runs the draft's first layers and then layers of its own
+branches from the draft's state (SV's LayerSkip setting exits a few layers after the draft), so only its own layers
+and its output head count.
 """
 
 from __future__ import annotations
@@ -71,12 +77,36 @@ def agreement(q: torch.Tensor, c: torch.Tensor, token: torch.Tensor) -> tuple[to
     return s, a
 
 
+def layer_weights(layer: torch.nn.Module) -> list[int]:
+    """The storage addresses of a decoder layer's weights (layers of two models built on one backbone share them)."""
+    return [parameter.data_ptr() for parameter in layer.parameters()]
+
+
+def forward_cost(companion: torch.nn.Module, draft: torch.nn.Module) -> float:
+    """A companion forward in draft forwards: the parameters of the companion's decoder layers after the prefix it shares
+    with the draft (the same layer weights in the same order, run on the same tokens, give the same states) plus its
+    output head, over the draft's decoder layers plus its output head."""
+    ours, theirs = companion.get_decoder().layers, draft.get_decoder().layers
+    shared = 0
+    while shared < min(len(ours), len(theirs)) and layer_weights(ours[shared]) == layer_weights(theirs[shared]):
+        shared += 1
+
+    def weights(layers: list[torch.nn.Module], model: torch.nn.Module) -> int:
+        return sum(p.numel() for layer in layers for p in layer.parameters()) + model.get_output_embeddings().weight.numel()
+
+    if shared == len(ours) == len(theirs):
+        return 0.0  # the draft itself: its logits are the draft's
+    return weights(list(ours)[shared:], companion) / weights(list(theirs), draft)
+
+
 @dataclass
 class Companion:
-    """A companion model and the bins profiled for it: what the round engine needs to run SV's predictor."""
+    """A companion model, the bins profiled for it and what one of its forwards costs in draft forwards
+    (`forward_cost`): what the round engine needs to run SV's predictor."""
 
     model: Any
     table: BinTable
+    cost: float = 1.0
 
     def score(self, logq_all: torch.Tensor, logc_all: torch.Tensor, token: int) -> float:
         """SV's prediction for a drafted `token` from the draft's and the companion's log-probabilities at its step."""

@@ -104,9 +104,10 @@ class ServedBatch:
     request finished takes the next prompt of the queue (its cache rows are cleared; continuous batching)."""
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
-                 target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None):
+                 target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None,
+                 companion_cost: float = 1.0):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
-        self.draft, self.target, self.companion = draft, target, companion
+        self.draft, self.target, self.companion, self.companion_cost = draft, target, companion, companion_cost
         self.prompt_cache = prompt_cache
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
         self.queue = deque(range(len(prompts)))
@@ -210,9 +211,9 @@ class ServedBatch:
             result = self.result(row)
             result.emitted, result.tokens = len(self.generated[row]), list(self.generated[row])
             result.draft_forwards = self.draft.forwards[row] - self.first_forward[row]
-            if self.companion is not None:  # SV's companion is of the draft's size: its forwards are draft forwards
+            if self.companion is not None:  # SV's companion: each forward counts as `companion_cost` draft forwards
                 result.companion_forwards = self.companion.forwards[row] - self.first_companion_forward[row]
-                result.draft_forwards += result.companion_forwards
+                result.draft_forwards += result.companion_forwards * self.companion_cost
             self.finished.append(row)
 
     def refill(self) -> None:
@@ -253,7 +254,8 @@ class RoundEngine:
         draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
         target = BatchCache(self.target, slots)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
-        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache)
+        batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache,
+                            self.companion.cost if companion is not None else 1.0)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
             for row in batch.live:
@@ -286,7 +288,7 @@ class RoundEngine:
                 else:  # every candidate passed unverified
                     accepted, new_token = len(this.candidates), None
                 verified[row] = len(this.candidates) - checks[row] if row in logits else 0
-                outcomes[row] = [Outcome(d.index, d.prob, i < accepted)
+                outcomes[row] = [Outcome(d.index, d.prob, i < accepted, d.entropy)
                                  for i, d in enumerate(this.seen[checks[row]: accepted + 1], start=checks[row])] if row in logits else []
                 check = None if stop_check is None else (
                     lambda tokens, request=batch.request[row], before=batch.generated[row]: stop_check(request, before + tokens))

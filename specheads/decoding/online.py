@@ -12,13 +12,21 @@
   once they hold more than 5 tokens of both classes. History and threshold are the request's: transformers 5.x builds
   its candidate generator for each `generate` call and tunes a copy of the assistant's generation config, so every
   request starts again from 0.4.
+- `AdaEdl`: AdaEDL (Agrawal et al. 2024, arXiv 2410.18351): stop drafting once the entropy-based lower bound on
+  the candidate's acceptance, 1 − sqrt(γ · H(q)) with γ = 0.2, falls below λ, with λ adapted at run time from the
+  request's recent acceptance. The paper's own λ update is in no source this project can reach, so the adaptation
+  here is ours and named as such: λ_t = λ − δ_t, where δ_t is an exponential moving average (rate 0.1 per checked
+  candidate, from 0) of (accepted − bound) over the request's checked candidates, i.e. how loose the bound has been
+  on this request lately. A loose bound (a request the target accepts more often than the bound says) lowers λ and
+  drafts longer; δ = 0 is SVIP's rule under another name (1 − sqrt(γ H) < λ ⟺ sqrt(H) > (1 − λ)/sqrt(γ)).
 - `TransformersHeuristic`: transformers' older default schedule, `num_assistant_tokens_schedule="heuristic"` with
   `num_assistant_tokens=5` and no confidence threshold: draft K candidates (ending at a stop token, at most one fewer
   than the tokens left, as transformers drafts), K + 2 after a round whose candidates were all accepted (a round with
   none counts as such, as there), otherwise max(1, K − 1). K is the request's (the candidate generator's, made
   anew by each `generate` call, from 5 again).
 
-The first two scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
+H(q) is known before the candidate is drawn, so AdaEDL's bound could even rank positions; vLLM's and transformers'
+scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
 for a verify budget (docs/decoding-core.md "Verify budgets").
 """
 
@@ -39,12 +47,14 @@ LOGIT_CLAMP = 40.0
 
 @dataclass(frozen=True)
 class Outcome:
-    """A checked candidate: its 1-based position in the round, the draft's probability of it, and whether the target
-    accepted it (a round's outcomes end at its first rejection; later candidates have none)."""
+    """A checked candidate: its 1-based position in the round, the draft's probability of it, whether the target
+    accepted it and the entropy of the draft's distribution it was drawn from (a round's outcomes end at its first
+    rejection; later candidates have none)."""
 
     position: int
     prob: float
     accepted: bool
+    entropy: float = 0.0  # H(q) at the step that drafted it
 
 
 def drawn_logit(prob: float) -> float:
@@ -150,6 +160,37 @@ class TransformersConfidence(PassivePlanner):
             if len(probs) > 5 and {0, 1} <= set(matches):
                 fpr, tpr, thresholds = roc_curve(matches, probs)
                 self.threshold[row] = float(min(thresholds[np.argmin(fpr + 3 * (1 - tpr))], 1.0))
+
+
+ADAEDL_GAMMA = 0.2
+"""AdaEDL's γ in the bound 1 − sqrt(γ · H(q)) (the paper's default)."""
+
+
+def adaedl_bound(entropy: float, gamma: float = ADAEDL_GAMMA) -> float:
+    """AdaEDL's entropy-based lower bound on a candidate's acceptance, 1 − sqrt(γ · H(q))."""
+    return 1.0 - math.sqrt(gamma * max(entropy, 0.0))
+
+
+class AdaEdl(PassivePlanner):
+    """AdaEDL's stop rule with λ adapted from each request's recent acceptance (module docstring); every request
+    starts from `threshold` (λ) with δ = 0."""
+
+    def __init__(self, threshold: float, rate: float = 0.1, gamma: float = ADAEDL_GAMMA):
+        self.threshold, self.rate, self.gamma = threshold, rate, gamma
+        self.slack: dict[int, float] = {}
+
+    def admit(self, row: int) -> None:
+        self.slack[row] = 0.0
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        return adaedl_bound(drafted.entropy, self.gamma) + self.slack.get(row, 0.0) < self.threshold
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        for row, checked in outcomes.items():
+            slack = self.slack.get(row, 0.0)
+            for o in checked:
+                slack += self.rate * (float(o.accepted) - adaedl_bound(o.entropy, self.gamma) - slack)
+            self.slack[row] = slack
 
 
 class TransformersHeuristic(PassivePlanner):

@@ -15,7 +15,7 @@ class DecodeResult:
     drafted: int = 0  # candidates proposed (the oracle counts only those it keeps)
     accepted: int = 0  # candidates that stand in the output
     target_calls: int = 0
-    draft_forwards: int = 0  # with SV's companion, its forwards too (`companion_forwards` of them)
+    draft_forwards: float = 0  # with SV's companion, its forwards too, each at its cost in draft forwards
     companion_forwards: int = 0
     accepted_per_round: list[int] = field(default_factory=list)  # per round that called the target
     drafted_per_round: list[int] = field(default_factory=list)  # candidates each such round drafted

@@ -136,7 +136,7 @@ class SvCompanionStop(HeadStop):
     """SV's companion predictor as a stop rule (`specheads.decoding.companion`): the companion runs beside the draft
     and scores each candidate when it is drafted; the head's rule on those scores, stop when 1 − Π p̂ exceeds h. Its
     prediction reads the drawn token, so it ends drafting (exact) and never ranks drafted positions. Each companion
-    forward is counted as a draft forward (SV's companion is of the draft's size)."""
+    forward is counted at its cost in draft forwards (`specheads.decoding.companion.forward_cost`)."""
 
     name: ClassVar[str] = "sv_companion"
     reads_head: ClassVar[bool] = False
@@ -233,6 +233,19 @@ class VllmOnline(StopPolicy):
 
 
 @dataclass(frozen=True)
+class AdaEdlRule(StopPolicy):
+    """AdaEDL (`specheads.decoding.online.AdaEdl`): stop once the entropy bound 1 − sqrt(0.2 · H(q)) falls below λ
+    (`threshold`, where each request starts), λ adapted from the request's recent acceptance."""
+
+    name: ClassVar[str] = "adaedl"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.online import AdaEdl
+
+        return AdaEdl(self.threshold)
+
+
+@dataclass(frozen=True)
 class TransformersDefault(StopPolicy):
     """transformers' assisted generation as users get it (`specheads.decoding.online.TransformersConfidence`): the
     confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates."""
@@ -267,17 +280,19 @@ class TransformersHeuristicK(StopPolicy):
 
 
 RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
-                                                                 VerifyBudget, SmartSpecK, VllmOnline, TransformersDefault,
+                                                                 VerifyBudget, SmartSpecK, VllmOnline, AdaEdlRule, TransformersDefault,
                                                                  TransformersHeuristicK, SvCompanionStop)}
-STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "transformers",
+STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "adaedl", "transformers",
                  "transformers_heuristic", "sv_companion")
-ONLINE_POLICIES = ("vllm_online", "transformers", "transformers_heuristic")
+ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic")
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
              "confidence": "draft confidence at its best threshold",
              "vllm_online": "vLLM's online acceptance estimator at its best threshold",
+             "adaedl": "AdaEDL's entropy bound, λ adapted from recent acceptance, at its best starting λ",
              "transformers": "transformers' assisted-generation default (confidence 0.4, re-tuned by ROC)",
              "transformers_heuristic": "transformers' older heuristic schedule (K from 5, +2 / −1)",
-             "sv_companion": "SV's companion predictor at its best threshold (its forwards counted as draft forwards)"}
+             "sv_companion": "SV's companion predictor at its best threshold (its forwards counted at their cost in draft "
+                             "forwards)"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
 TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
 BATCH_POLICIES = ("budget", "smartspec")
