@@ -240,8 +240,10 @@ def speedup_basis(decoding: dict[str, Any]) -> str:
     """How the report's modelled speedups were computed, with the cost ratio; a report written before they were
     counted says that it used Eq. 5.1."""
     c = decoding["t_draft_over_t_target"]
+    companion = (f"; SV's companion forwards count as {decoding['sv_companion_cost']:.3g} draft forwards each"
+                 if "sv_companion_cost" in decoding else "")
     if decoding.get("speedup_from"):
-        return f"{decoding['speedup_from']} at c = t_draft/t_target = {c:g} (in target-forward units)"
+        return f"{decoding['speedup_from']} at c = t_draft/t_target = {c:g} (in target-forward units){companion}"
     return (f"SpecDec++ Eq. 5.1 at t_draft/t_target = {c:g} (this report predates counted speedups: Eq. 5.1 "
             "overstates SPRINTER; evaluate again)")
 

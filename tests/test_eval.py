@@ -455,6 +455,8 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     assert "| draft_prob | yes |" in (out / "report.md").read_text()  # which scores read the drawn token
     assert "| svip_entropy | no |" in (out / "report.md").read_text()
     assert "| sv_companion | yes |" in (out / "report.md").read_text()
+    assert "| adaedl | no |" in (out / "report.md").read_text()  # H(q) is known before the draw
+    assert "SV's companion forwards count as" in (out / "report.md").read_text()
     # the typed report round-trips: read back, it is what was written, and writing it again gives the same file
     report = read_report(out)
     assert report.as_dict() == metrics and Report.from_dict(report.as_dict(), "again") == report
