@@ -34,8 +34,8 @@ def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
     return result
 
 
-FIELD_RULES = ("svip", "vllm_online", "transformers", "transformers_heuristic", "sv_companion")
-"""The free rules of the field (AdaEDL with a fixed λ is SVIP) beside constant K and draft confidence."""
+FIELD_RULES = ("svip", "adaedl", "vllm_online", "transformers", "transformers_heuristic", "sv_companion")
+"""The free rules of the field beside constant K and draft confidence (SVIP is AdaEDL with a fixed λ)."""
 
 
 def serving_summary(serving: dict[str, Any], cost_ratio: float) -> dict[str, Any]:

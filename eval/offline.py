@@ -36,7 +36,7 @@ from specheads.targets import draft_features, head_inputs, stale_target_states
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
-PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion", "beta_oracle", "label_ceiling",
+PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle", "label_ceiling",
                        "constant")
 READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True, "adaedl": False,
                      "sv_companion": True,
@@ -102,9 +102,10 @@ def vllm_online_scores(prob: np.ndarray, label: np.ndarray, seed: int) -> np.nda
 
 
 def adaedl_scores(entropy: np.ndarray, label: np.ndarray, row: np.ndarray, seed: int) -> np.ndarray:
-    """AdaEDL's adapted bound (`specheads.decoding.online.AdaEdl`), bound + δ clipped to [0, 1], run causally along
-    each held-out response (δ starts at 0 for each, as for each request): a token is scored with the δ of the tokens
-    before it, then its outcome, a seeded Bernoulli draw of its soft label, moves δ."""
+    """AdaEDL's adapted bound (`specheads.decoding.online.AdaEdl`), bound + δ, run causally along each held-out
+    response (δ starts at 0 for each, as for each request): a token is scored with the δ of the tokens before it,
+    then its outcome, a seeded Bernoulli draw of its soft label, moves δ. A score to rank by, not a probability (it
+    may leave [0, 1]), so it enters AUC but not ECE or binary KL."""
     planner = AdaEdl(threshold=0.0)
     outcomes = np.random.default_rng(seed).uniform(size=len(entropy)) < label
     scores = np.empty(len(entropy))
@@ -113,7 +114,7 @@ def adaedl_scores(entropy: np.ndarray, label: np.ndarray, row: np.ndarray, seed:
         if response != previous:
             planner.admit(0)
             previous = response
-        scores[index] = min(max(adaedl_bound(h) + planner.slack[0], 0.0), 1.0)
+        scores[index] = adaedl_bound(h) + planner.slack[0]
         planner.observe({0: [Outcome(1, 0.0, accepted, h)]})
     return scores
 

@@ -32,9 +32,10 @@ def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: 
             "seed": seed, "device": device, "accounting": ACCOUNTING, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
 
 
-def context_differences(earlier: dict[str, Any], context: dict[str, Any]) -> list[str]:
-    """What besides the prompts differs between an earlier decoding context and this one."""
-    return [name for name in context if name != "prompts" and earlier.get(name) != context[name]]
+def context_differences(earlier: dict[str, Any], context: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
+    """What besides the prompts (and the fields `ignore`) differs between an earlier decoding context and this one."""
+    names = set(context) | set(earlier)
+    return sorted(name for name in names if name not in ("prompts", *ignore) and earlier.get(name) != context.get(name))
 
 
 def same_position_prompts(earlier: dict[str, Any], context: dict[str, Any]) -> set[str]:
@@ -68,7 +69,7 @@ def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecor
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
     earlier, runs = saved_runs(folder, "its runs", "drop --reuse-runs to decode them again")
-    differs = context_differences(earlier, context)
+    differs = context_differences(earlier, context, ignore=("sv_companion",))  # the runs taken read no companion
     if differs:
         raise UsageError(f"{Path(folder) / 'runs.json'} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")

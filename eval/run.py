@@ -210,6 +210,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     `config.tuned_from` tuned), and report on test. `identity` is the data manifest's."""
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
+    if companion is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
+        context["sv_companion"] = {"skip_layers": list(config.sv_companion_skip_layers), "cost": round(companion.cost, 6)}
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"  # the evaluated head's own rule
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from

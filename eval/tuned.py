@@ -94,6 +94,11 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
     differs = [name for name in MATCHED_CONTEXT if earlier.get(name) != context[name]]
     if decoding.get("t_draft_over_t_target") != cost_ratio:
         differs.append("cost_ratio")
+    if "sv_companion" in decoding["tuned_thresholds"] and "sv_companion" in context:
+        then = earlier.get("sv_companion") or {"skip_layers": report.config.get("sv_companion_skip_layers"),
+                                               "cost": round(decoding.get("sv_companion_cost", 1.0), 6)}
+        if then != context["sv_companion"]:  # reports from before the cost was recorded counted it as 1
+            differs.append("SV companion (its layers or the cost its forwards are counted at)")
     if differs:
         raise UsageError(f"{folder} tuned with another {', '.join(differs)} than this run; give the same settings, "
                          "or drop --tuned-from to tune on dev prompts here")

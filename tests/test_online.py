@@ -213,4 +213,4 @@ def test_adaedl_never_reads_an_outcome_from_the_future():
     changed = label.copy()
     changed[150:] = 1 - changed[150:]
     assert np.array_equal(adaedl_scores(entropy, changed, row, seed=0)[:151], scores[:151])
-    assert scores[100] == pytest.approx(min(max(1 - math.sqrt(0.2 * entropy[100]), 0.0), 1.0))  # a new response: δ = 0
+    assert scores[100] == pytest.approx(1 - math.sqrt(0.2 * entropy[100]))  # a new response starts again at δ = 0

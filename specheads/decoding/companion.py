@@ -14,10 +14,12 @@ A reads the drawn token, so the prediction may end a round's drafting (exact) bu
 verify budget (docs/decoding-core.md "Verify budgets").
 
 A companion forward is counted as `Companion.cost` draft forwards (`forward_cost`): the weights it multiplies per token
-that the draft has not already multiplied, over the draft's. A companion that is another model of the draft's size
-costs 1; on a self-speculative pair, a companion that runs the draft's first layers and then layers of its own
-branches from the draft's state (SV's LayerSkip setting exits a few layers after the draft), so only its own layers
-and its output head count.
+that the draft has not already multiplied, over the draft's. Another model of the draft's size costs 1 (one 10× the
+draft's size, 10). On a self-speculative pair a companion that runs the draft's first layers and then layers of its
+own could branch from the draft's state, as in SV's LayerSkip setting (its evaluation, "Performance on SD Variants":
+the draft exits after 4 or 20 layers, the companion takes the next 4 or 5), so only its own layers and its output
+head are counted. The round engine runs the companion whole, with its own cache (the same outputs), so measured
+times do not show that saving: the count is what a branching deployment would pay.
 """
 
 from __future__ import annotations
@@ -77,26 +79,29 @@ def agreement(q: torch.Tensor, c: torch.Tensor, token: torch.Tensor) -> tuple[to
     return s, a
 
 
-def layer_weights(layer: torch.nn.Module) -> list[int]:
-    """The storage addresses of a decoder layer's weights (layers of two models built on one backbone share them)."""
-    return [parameter.data_ptr() for parameter in layer.parameters()]
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two modules hold the very same parameters (models built on one backbone by `without_layers` share
+    them; compared as objects, since offloaded weights have no storage address)."""
+    ours, theirs = list(a.parameters()), list(b.parameters())
+    return len(ours) == len(theirs) and all(x is y for x, y in zip(ours, theirs))
 
 
 def forward_cost(companion: torch.nn.Module, draft: torch.nn.Module) -> float:
     """A companion forward in draft forwards: the parameters of the companion's decoder layers after the prefix it shares
-    with the draft (the same layer weights in the same order, run on the same tokens, give the same states) plus its
-    output head, over the draft's decoder layers plus its output head."""
-    ours, theirs = companion.get_decoder().layers, draft.get_decoder().layers
+    with the draft (the same embeddings and the same layers in the same order, run on the same tokens, give the same
+    states) plus its output head, over the draft's decoder layers plus its output head."""
+    ours, theirs = list(companion.get_decoder().layers), list(draft.get_decoder().layers)
     shared = 0
-    while shared < min(len(ours), len(theirs)) and layer_weights(ours[shared]) == layer_weights(theirs[shared]):
-        shared += 1
+    if same_weights(companion.get_input_embeddings(), draft.get_input_embeddings()):
+        while shared < min(len(ours), len(theirs)) and same_weights(ours[shared], theirs[shared]):
+            shared += 1
 
     def weights(layers: list[torch.nn.Module], model: torch.nn.Module) -> int:
         return sum(p.numel() for layer in layers for p in layer.parameters()) + model.get_output_embeddings().weight.numel()
 
-    if shared == len(ours) == len(theirs):
+    if shared == len(ours) == len(theirs) and same_weights(companion.get_output_embeddings(), draft.get_output_embeddings()):
         return 0.0  # the draft itself: its logits are the draft's
-    return weights(list(ours)[shared:], companion) / weights(list(theirs), draft)
+    return weights(ours[shared:], companion) / weights(theirs, draft)
 
 
 @dataclass
