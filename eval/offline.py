@@ -43,6 +43,9 @@ READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": T
                      "beta_oracle": False, "label_ceiling": True, "constant": False}
 """Whether a signal's score of ŷ_k reads ŷ_k itself: only the scores that do not may rank drafted positions for a
 verify budget (docs/decoding-core.md "Verify budgets"); the head's own answer is its `decides`."""
+BOUND_SIGNALS = ("adaedl",)
+"""Scores that claim a lower bound on the acceptance probability but may leave [0, 1]: ranked as they are (AUC),
+clipped to [0, 1] for the probability metrics (Brier, ECE, binary KL)."""
 SPRINTER_TAUS = (1.0, 1.2, 1.5)
 POSITION_COLUMNS = ("logp", *STORED_SIGNALS, "beta", "accept")
 """The per-position data columns a token table keeps beside the label and the head's prediction."""
@@ -105,7 +108,7 @@ def adaedl_scores(entropy: np.ndarray, label: np.ndarray, row: np.ndarray, seed:
     """AdaEDL's adapted bound (`specheads.decoding.online.AdaEdl`), bound + δ, run causally along each held-out
     response (δ starts at 0 for each, as for each request): a token is scored with the δ of the tokens before it,
     then its outcome, a seeded Bernoulli draw of its soft label, moves δ. A score to rank by, not a probability (it
-    may leave [0, 1]), so it enters AUC but not ECE or binary KL."""
+    may leave [0, 1]): AUC ranks it as it is, the probability metrics take it clipped (`BOUND_SIGNALS`)."""
     planner = AdaEdl(threshold=0.0)
     outcomes = np.random.default_rng(seed).uniform(size=len(entropy)) < label
     scores = np.empty(len(entropy))
@@ -158,9 +161,12 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
 
 
 def signal_metrics(name: str, label: np.ndarray, score: np.ndarray, bins: int, seed: int) -> dict[str, float | None]:
-    """The metrics of one signal; probability metrics only for signals that are probabilities."""
+    """The metrics of one signal; probability metrics only for signals that are probabilities (or bound one)."""
     if name in PROBABILITY_SIGNALS:
         metrics: dict[str, float | None] = classification_metrics(label, score, bins)
+    elif name in BOUND_SIGNALS:
+        metrics = {**classification_metrics(label, np.clip(score, 0.0, 1.0), bins), "auc": soft_auc(label, score),
+                   "pr_auc": soft_pr_auc(label, score)}
     else:
         metrics = {"auc": soft_auc(label, score), "pr_auc": soft_pr_auc(label, score), "brier": None, "ece": None,
                    "binary_kl": None}
@@ -195,8 +201,8 @@ def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins
         for name in names:
             score = scores[name][index] if name != "constant" else np.full(len(index), label.mean())
             samples[name]["auc"].append(soft_auc(label, score))
-            if name in PROBABILITY_SIGNALS:
-                samples[name]["binary_kl"].append(binary_kl(label, score))
+            if name in PROBABILITY_SIGNALS or name in BOUND_SIGNALS:
+                samples[name]["binary_kl"].append(binary_kl(label, np.clip(score, 0.0, 1.0)))
         margins.append(samples["head"]["auc"][-1] - samples[best]["auc"][-1])
     for name in names:
         result[name]["auc_ci"] = interval(samples[name]["auc"])

@@ -436,6 +436,7 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
                                        "beta_oracle", "label_ceiling", "constant"}
     for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
         assert name in metrics["offline"]["head"]
+    assert metrics["offline"]["adaedl"]["ece"] is not None  # AdaEDL's bound claims a probability: calibration scored
     decoding = metrics["decoding"]
     assert decoding["t_draft_over_t_target"] == 0.2
     assert 0 < decoding["sv_companion_cost"] <= 1  # the companion's forwards, in draft forwards, as counted
