@@ -75,7 +75,8 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
 
 def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     """Name the free rule with the highest test speedup (the hardest one for the head to beat) and the head's margin
-    over it, recorded in `result` as `strongest_baseline` and `gain_vs_strongest_baseline` (with `_ci`)."""
+    over it, recorded in `result` as `strongest_baseline` and `gain_vs_strongest_baseline` (with `_ci`), and the free
+    rules this eval did not decode (`baselines_not_decoded`: not asked for, or left out of the thresholds it took)."""
     speedups = {b: result[f"{b}_speedup"] for b in DECODING_BASELINES if f"{b}_speedup" in result}
     if not speedups:
         return []
@@ -84,10 +85,15 @@ def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     result.update(strongest_baseline=strongest, strongest_baseline_speedup=speedups[strongest],
                   gain_vs_strongest_baseline=gain, gain_vs_strongest_baseline_ci=ci)
     beats = gain > 0 and ci is not None and ci[0] > 0
-    return [f"The strongest free rule on the test prompts is {strongest} ({speedups[strongest]:.3f}×): the head is "
-            f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f} %]" if ci else "")
-            + (", above it with the interval above zero." if beats else
-               ", not above it with the interval above zero: a free rule does as well here.")]
+    missing = [b for b in DECODING_BASELINES if b not in speedups]
+    result["baselines_not_decoded"] = missing
+    lines = [f"The strongest free rule on the test prompts is {strongest} ({speedups[strongest]:.3f}×): the head is "
+             f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f} %]" if ci else "")
+             + (", above it with the interval above zero." if beats else
+                ", not above it with the interval above zero: a free rule does as well here.")]
+    if missing:
+        lines.append(f"Not decoded here, so not among the rules compared: {', '.join(missing)}.")
+    return lines
 
 
 def logprob_difference(difference: float) -> str:

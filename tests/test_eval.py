@@ -215,6 +215,8 @@ def test_the_verdict_and_the_demo_summary_name_the_strongest_free_rule_and_the_h
     assert result["gain_vs_strongest_baseline"] == pytest.approx(1.5 / 1.46 - 1)
     assert any("strongest free rule on the test prompts is vllm_online" in line and "a free rule does as well" in line
                for line in lines)  # its interval includes zero
+    assert "adaedl" in result["baselines_not_decoded"] and "vllm_online" not in result["baselines_not_decoded"]
+    assert any(line.startswith("Not decoded here") and "svip" in line for line in lines)
     line = decoding_line({"decoding": {**result, "t_draft_over_t_target": 0.2, "max_new_tokens": 24}})
     assert "vs the strongest field rule, vllm_online 1.460x: +2.7 % [-1.0, +6.0 %]" in line
 
