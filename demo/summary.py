@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.demo.stages import HEADS, Layout, relative
 from specheads.eval.report import MIN_TEST_PROMPTS, interval_cell, logprob_difference
 from specheads.report_file import REPORT_FILE, Report
@@ -34,7 +35,7 @@ def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
     return result
 
 
-FIELD_RULES = ("svip", "adaedl", "vllm_online", "transformers", "transformers_heuristic", "sv_companion")
+FIELD_RULES = tuple(rule for rule in DECODING_BASELINES if rule not in ("constant_k", "confidence"))
 """The free rules of the field beside constant K and draft confidence (SVIP is AdaEDL with a fixed λ)."""
 
 

@@ -17,7 +17,7 @@ import torch
 
 from specheads.checkpoint import TrainedHead
 from specheads.data import AcceptanceDataModule
-from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator, adaedl_bound
+from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator
 from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
@@ -117,7 +117,7 @@ def adaedl_scores(entropy: np.ndarray, label: np.ndarray, row: np.ndarray, seed:
         if response != previous:
             planner.admit(0)
             previous = response
-        scores[index] = adaedl_bound(h) + planner.slack[0]
+        scores[index] = planner.estimate(0, h)
         planner.observe({0: [Outcome(1, 0.0, accepted, h)]})
     return scores
 
@@ -160,12 +160,18 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
     return TokenTable(**arrays, prompts=len(prompt_index))
 
 
+def as_probability(name: str, score: np.ndarray) -> np.ndarray:
+    """A signal's scores as the probability metrics take them: a bound clipped to [0, 1] (`BOUND_SIGNALS`), else as
+    they are."""
+    return np.clip(score, 0.0, 1.0) if name in BOUND_SIGNALS else score
+
+
 def signal_metrics(name: str, label: np.ndarray, score: np.ndarray, bins: int, seed: int) -> dict[str, float | None]:
     """The metrics of one signal; probability metrics only for signals that are probabilities (or bound one)."""
     if name in PROBABILITY_SIGNALS:
         metrics: dict[str, float | None] = classification_metrics(label, score, bins)
     elif name in BOUND_SIGNALS:
-        metrics = {**classification_metrics(label, np.clip(score, 0.0, 1.0), bins), "auc": soft_auc(label, score),
+        metrics = {**classification_metrics(label, as_probability(name, score), bins), "auc": soft_auc(label, score),
                    "pr_auc": soft_pr_auc(label, score)}
     else:
         metrics = {"auc": soft_auc(label, score), "pr_auc": soft_pr_auc(label, score), "brier": None, "ece": None,
@@ -202,7 +208,7 @@ def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins
             score = scores[name][index] if name != "constant" else np.full(len(index), label.mean())
             samples[name]["auc"].append(soft_auc(label, score))
             if name in PROBABILITY_SIGNALS or name in BOUND_SIGNALS:
-                samples[name]["binary_kl"].append(binary_kl(label, np.clip(score, 0.0, 1.0)))
+                samples[name]["binary_kl"].append(binary_kl(label, as_probability(name, score)))
         margins.append(samples["head"]["auc"][-1] - samples[best]["auc"][-1])
     for name in names:
         result[name]["auc_ci"] = interval(samples[name]["auc"])

@@ -32,6 +32,12 @@ def decoding_context(models: dict[str, Any], sampling: dict[str, Any], prompts: 
             "seed": seed, "device": device, "accounting": ACCOUNTING, "prompts": [[p.prompt_id, prompt_digest(p.ids)] for p in prompts]}
 
 
+def companion_context(skip_layers: list[int] | None, cost: float) -> dict[str, Any]:
+    """SV's companion as a decoding context records it (`sv_companion`): which layers it skips and the cost its
+    forwards are counted at, in draft forwards."""
+    return {"skip_layers": None if skip_layers is None else list(skip_layers), "cost": round(cost, 6)}
+
+
 def context_differences(earlier: dict[str, Any], context: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
     """What besides the prompts (and the fields `ignore`) differs between an earlier decoding context and this one."""
     names = set(context) | set(earlier)

@@ -40,7 +40,7 @@ from specheads.eval.plots import (
     serving_plot,
 )
 from specheads.eval.report import verdict, write_report
-from specheads.eval.reuse import decoding_context, load_reusable
+from specheads.eval.reuse import companion_context, decoding_context, load_reusable
 from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
 from specheads.eval.sweep import (
     COUNTED,
@@ -211,7 +211,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     if companion is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
-        context["sv_companion"] = {"skip_layers": list(config.sv_companion_skip_layers), "cost": round(companion.cost, 6)}
+        context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion.cost)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"  # the evaluated head's own rule
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from

@@ -15,7 +15,7 @@ from typing import Any
 from specheads.decoding.rules import STOP_POLICIES
 from specheads.errors import UsageError
 from specheads.eval.config import FIXED_POLICIES
-from specheads.eval.reuse import saved_runs
+from specheads.eval.reuse import companion_context, saved_runs
 from specheads.eval.sweep import FIXED_SETTINGS, Setting
 from specheads.report_file import EvaluatedHead, read_report
 
@@ -95,8 +95,8 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
     if decoding.get("t_draft_over_t_target") != cost_ratio:
         differs.append("cost_ratio")
     if "sv_companion" in decoding["tuned_thresholds"] and "sv_companion" in context:
-        then = earlier.get("sv_companion") or {"skip_layers": report.config.get("sv_companion_skip_layers"),
-                                               "cost": round(decoding.get("sv_companion_cost", 1.0), 6)}
+        then = earlier.get("sv_companion") or companion_context(report.config.get("sv_companion_skip_layers"),
+                                                                decoding.get("sv_companion_cost", 1.0))
         if then != context["sv_companion"]:  # reports from before the cost was recorded counted it as 1
             differs.append("SV companion (its layers or the cost its forwards are counted at)")
     if differs:

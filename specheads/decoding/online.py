@@ -182,8 +182,12 @@ class AdaEdl(PassivePlanner):
     def admit(self, row: int) -> None:
         self.slack[row] = 0.0
 
+    def estimate(self, row: int, entropy: float) -> float:
+        """The bound adapted to `row`'s request, 1 − sqrt(γ · H) + δ, for a candidate drawn from q of entropy H."""
+        return adaedl_bound(entropy, self.gamma) + self.slack.get(row, 0.0)
+
     def stops(self, row: int, drafted: Drafted) -> bool:
-        return adaedl_bound(drafted.entropy, self.gamma) + self.slack.get(row, 0.0) < self.threshold
+        return self.estimate(row, drafted.entropy) < self.threshold
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
         for row, checked in outcomes.items():
