@@ -15,7 +15,7 @@ from specheads.data_gen.plan import WorkItem
 from specheads.errors import UsageError
 from specheads.models import stop_token_ids
 from specheads.private_apis import compile_on_every_device
-from specheads.prompts import read_jsonl
+from specheads.prompts import encodable, read_jsonl
 from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
@@ -88,7 +88,7 @@ def generate_responses(
         attention_mask[row, width - len(item.prompt_ids):] = 1
     stop_ids = stop_token_ids(model, tokenizer)
     config = decoding_config(stop_ids, pad_id, max_new_tokens, compile, device)
-    extra = {"past_key_values": StaticCache(model.config, static_cache_length(width, max_new_tokens))} if cache == "static" else {}
+    extra = {"cache": StaticCache(model.config, static_cache_length(width, max_new_tokens))} if cache == "static" else {}
     output = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
         logits_processor=LogitsProcessorList([RowSeededSampler(transform, response_seeds, max_new_tokens)]), **extra,
@@ -124,7 +124,7 @@ def read_imported_responses(path: Path, tokenizer: Any, known_ids: set[str]) -> 
         where = f"{path}:{number}"
         if not isinstance(record, dict) or "id" not in record:
             raise UsageError(f"{where}: expected an object with the prompt `id` and `response` or `response_ids`")
-        prompt_id = str(record["id"])
+        prompt_id = encodable(str(record["id"]), where, "the prompt id")
         if prompt_id not in known_ids:
             unknown.append(prompt_id)
             continue
@@ -135,7 +135,8 @@ def read_imported_responses(path: Path, tokenizer: Any, known_ids: set[str]) -> 
                                  "(no booleans, floats or strings); fix that line")
             response = ImportedResponse(list(ids))
         elif isinstance(record.get("response"), str):
-            response = ImportedResponse(list(tokenizer(record["response"], add_special_tokens=False)["input_ids"]),
+            text = encodable(record["response"], where, "the response")
+            response = ImportedResponse(list(tokenizer(text, add_special_tokens=False)["input_ids"]),
                                         stopped=record.get("finish_reason", "stop") == "stop")
         else:
             raise UsageError(f"{where}: no `response` text or `response_ids`; add one")

@@ -29,7 +29,7 @@ from specheads.data_gen.responses import ImportedResponses, finish_imported, rea
 from specheads.data_gen.vllm_engine import require_vllm, shards_with_vllm_responses
 from specheads.embedded import file_sha256
 from specheads.errors import UsageError
-from specheads.files import write_json_atomic, write_text_atomic
+from specheads.files import check_output_folder, write_json_atomic, write_text_atomic
 from specheads.lock import folder_lock, lock_files
 from specheads.models import (
     ModelPair,
@@ -43,7 +43,7 @@ from specheads.models import (
     weights_identity,
 )
 from specheads.placement import rank_devices
-from specheads.prompts import Prompt, encode_prompt, load_prompts, prompts_hash
+from specheads.prompts import Prompt, encode_prompt, load_prompts, prompt_token_limit, prompts_hash
 from specheads.shards import SHARDS, read_record, record_path, shard_path, shard_problem
 from specheads.states import check_state_layer
 from specheads.storage import FeatureStorage
@@ -117,9 +117,7 @@ def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], impor
                  max_context: int) -> Selection:
     """Encode prompts, drop (or refuse) those too long for the context, and make one work item per row (none for a
     prompt without an imported response)."""
-    limit = max_context - config.sampling.max_new_tokens
-    if config.max_prompt_tokens:
-        limit = min(limit, config.max_prompt_tokens)
+    limit = prompt_token_limit(max_context, config.sampling.max_new_tokens, config.max_prompt_tokens)
     ratios = config.mixing.ratios()
     items: list[WorkItem] = []
     skipped: list[str] = []
@@ -234,7 +232,9 @@ def run(config: GenConfig) -> Summary | None:
     if config.responses_engine == "vllm":
         require_vllm()
     out = Path(config.out)
-    all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column)
+    check_output_folder(out)
+    all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column,
+                               column_flag="--prompts-column")
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
     tokenizer = load_tokenizers(config.target, config.draft)
     read = (read_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts})

@@ -37,8 +37,9 @@ def companion_signals(draft: torch.nn.Module, companion: torch.nn.Module, transf
             ids[row, : len(context)] = torch.tensor(context)
         logq = transform.log_probs(output_logits(draft, draft.get_decoder()(input_ids=ids.to(device)).last_hidden_state))
         logc = transform.log_probs(output_logits(companion, companion.get_decoder()(input_ids=ids.to(device)).last_hidden_state))
+        logc = logc.to(logq.device)  # a split draft's and companion's last layers may sit on different devices
         for row, (prompt, drafted) in enumerate(zip(chunk["prompt_ids"], chunk["draft_ids"])):
-            steps = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(drafted))
+            steps = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(drafted), device=logq.device)
             s, a = agreement(logq[row, steps].exp(), logc[row, steps].exp(),
                              torch.tensor(list(drafted), device=logq.device))
             result.append((s.double().cpu().numpy(), a.double().cpu().numpy()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -14,6 +15,12 @@ from specheads.report_file import REPORT_FILE
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "transformers", "transformers_heuristic",
                   "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
+WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
+FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "svip": NON_NEGATIVE,
+                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "transformers", "sv_companion",
+                                               "head", "sprinter")}}
+"""The values each policy's threshold may take: a draft length (K, K_max, the heuristic's first K), SVIP's bound on
+sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â)."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
@@ -28,7 +35,10 @@ class EvalConfig:
         data: the labelled dataset (`specheads gen --out`); its held-out prompts give the offline tokens.
         out: the report folder (metrics.json, PNG plots, report.md, report.html); while decoding, finished runs are
             journalled to `runs.partial.jsonl` there, and the same command resumes from it (eval.journal).
-        decode_prompts: JSONL of prompts to decode; default: the data's held-out prompts.
+        decode_prompts: JSONL of prompts to decode; default: the data's held-out prompts. Prompts that leave no room
+            in the models' context for max_new_tokens are skipped, and said so (as gen's `long_prompts: skip`).
+        decode_prompts_column: the field of each --decode-prompts record that holds its prompt; default: the first of
+            messages, prompt, instruction, question, text that it has.
         unseen_prompts_only: decode only prompts the evaluated data holds none of (not even its held-out rows), so
             that heads trained on different splits of one dataset decode the same prompts (and one eval can take the
             other's head-free runs with --reuse-runs).
@@ -83,6 +93,7 @@ class EvalConfig:
     data: str
     out: str = "runs/eval"
     decode_prompts: str | None = None
+    decode_prompts_column: str | None = None
     unseen_prompts_only: bool = False
     num_decode_prompts: NonNegativeInt = 16
     max_new_tokens: PositiveInt = 48
@@ -118,6 +129,9 @@ class EvalConfig:
     def validate(self) -> None:
         """Refuse combinations that cannot work, before anything is loaded (each field's own range is in its type,
         checked when the config is parsed)."""
+        if self.decode_prompts_column and not self.decode_prompts:
+            raise UsageError("--decode-prompts-column names the prompt field of --decode-prompts; give --decode-prompts "
+                             "too, or drop it (the data's own prompts are read as gen read them)")
         if self.num_decode_prompts == 1:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
@@ -142,6 +156,10 @@ class EvalConfig:
             if unknown:
                 raise UsageError(f"--fixed-thresholds names unknown policies {', '.join(unknown)}; use "
                                  f"{', '.join(FIXED_POLICIES)}")
+            for policy, value in self.fixed_thresholds.items():
+                if not in_range(value, FIXED_RANGES[policy]):
+                    raise UsageError(f"--fixed-thresholds gives {policy} {value!r}, outside its range: {policy}'s "
+                                     f"threshold is {FIXED_RANGES[policy]}; give one in that range")
         grids = [name for name in sorted(set(GRID_FIELDS.values())) if getattr(self, name) is not None]
         if grids:
             raise UsageError(f"{option} decodes only the thresholds it gives; drop {', '.join(flag(name) for name in grids)}")
@@ -151,6 +169,15 @@ class EvalConfig:
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""
         return asdict(self)
+
+
+def in_range(value: float, kind: str) -> bool:
+    """Whether `value` is a threshold of `kind` (WHOLE, NON_NEGATIVE or UNIT); NaN never is."""
+    if kind == WHOLE:
+        return math.isfinite(value) and value >= 1 and value == int(value)
+    if kind == NON_NEGATIVE:
+        return 0 <= value < math.inf
+    return 0 <= value <= 1
 
 
 def flag(field: str) -> str:

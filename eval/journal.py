@@ -106,6 +106,15 @@ def still_valid(header: dict[str, Any], batches: list[list[dict[str, Any]]], con
     return [batch for batch in kept if batch], note
 
 
+def discard_empty_journal(folder: Path) -> None:
+    """Remove the eval folder's journal when it holds no finished run (a run refused after opening it made it, and
+    there is nothing in it to resume)."""
+    path = folder / JOURNAL_FILE
+    header, batches = read_journal(path)
+    if header is not None and not batches:
+        path.unlink(missing_ok=True)
+
+
 def open_journal(folder: Path, context: dict[str, Any], head: dict[str, Any]) -> RunJournal:
     """The journal of the eval folder `folder` for runs of `context` (eval.reuse.decoding_context) and `head`
     (the evaluated head as the report records it), holding the runs an interrupted eval of the same context and

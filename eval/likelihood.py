@@ -28,5 +28,5 @@ def target_log_likelihoods(target: Any, prompts: list[list[int]], generated: lis
             results.append(float("nan"))
             continue
         log_probs = output_logits(target, states[index, len(prompt) - 1 : len(prompt) + len(tokens) - 1]).log_softmax(-1)
-        results.append(float(log_probs.gather(-1, torch.tensor(tokens, device=device).unsqueeze(-1)).mean()))
+        results.append(float(log_probs.gather(-1, torch.tensor(tokens, device=log_probs.device).unsqueeze(-1)).mean()))
     return results

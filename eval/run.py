@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +15,13 @@ from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
 from specheads.errors import UsageError
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import EvalConfig
-from specheads.eval.journal import RunJournal, open_journal
+from specheads.eval.journal import RunJournal, discard_empty_journal, open_journal
 from specheads.eval.offline import (
     TokenTable,
     calibration_table,
@@ -60,16 +61,17 @@ from specheads.eval.sweep import (
     tune,
 )
 from specheads.eval.tuned import given_tuning, load_tuning
-from specheads.files import write_json_atomic
+from specheads.files import check_output_folder, write_json_atomic
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
 from specheads.lock import folder_lock
-from specheads.models import ModelPair, ModelSpec, load_pair, stop_token_ids, without_layers
-from specheads.prompts import encode_prompt, load_prompts, prompt_digest
+from specheads.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
+from specheads.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
 from specheads.report_file import EvaluatedHead, Report
 from specheads.sampling import SamplingTransform
 from specheads.states import describe_state
 from specheads.store import read_manifest
+from specheads.text import count
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
@@ -112,27 +114,51 @@ def check_data(trained: TrainedHead, manifest: dict[str, Any], path: str, allow_
                      f"(fingerprint {trained.data_fingerprint}): differs in {what}; {hint}")
 
 
+@dataclass
+class LeftOut:
+    """The decode prompts left out: how many the head trained on, and those too long for the models' context."""
+
+    seen_in_training: int = 0
+    too_long: list[tuple[str, int]] = field(default_factory=list)  # (prompt id, tokens)
+    limit: int = 0
+
+    def too_long_line(self, context: int, max_new_tokens: int) -> str | None:
+        """The line saying which prompts were skipped as too long, or None."""
+        if not self.too_long:
+            return None
+        first, tokens = self.too_long[0]
+        return (f"skipped {count(len(self.too_long), 'decode prompt')} too long for the models' context "
+                f"(over {self.limit} tokens: {context} positions minus --max-new-tokens {max_new_tokens}; first "
+                f"{first!r}, {tokens:,} tokens); shorten them, or lower --max-new-tokens, to decode them")
+
+
 def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: set[str],
-                     tokenizer: Any) -> tuple[list[DecodePrompt], int]:
-    """The decode prompts (alternately dev and test; all test when the thresholds were tuned elsewhere) and how many
-    were dropped because the head trained on them (`trained_on`: `prompt_digest`s; with `unseen_prompts_only`, every
-    prompt of the data). They come from
-    `config.decode_prompts`, else from the evaluated data's prompt source."""
+                     tokenizer: Any, max_context: int) -> tuple[list[DecodePrompt], LeftOut]:
+    """The decode prompts (alternately dev and test; all test when the thresholds were tuned elsewhere) and those left
+    out: the head trained on them (`trained_on`: `prompt_digest`s; with `unseen_prompts_only`, every prompt of the
+    data), or they leave no room in the models' context (`max_context` positions) for `config.max_new_tokens`, the
+    limit gen's `long_prompts` policy applies. They come from `config.decode_prompts`, else from the evaluated data's
+    prompt source."""
     if config.decode_prompts:
-        prompts = load_prompts(config.decode_prompts)
+        prompts = load_prompts(config.decode_prompts, column=config.decode_prompts_column,
+                               column_flag="--decode-prompts-column")
     else:
         source = manifest["config"]
         prompts = load_prompts(source["prompts"], source["prompts_split"], source["prompts_column"])
-    chosen, dropped = [], 0
+    left_out = LeftOut(limit=prompt_token_limit(max_context, config.max_new_tokens))
+    chosen = []
     for prompt in prompts:
         ids = tuple(encode_prompt(tokenizer, prompt))
         if prompt_digest(ids) in trained_on:
-            dropped += 1
+            left_out.seen_in_training += 1
+            continue
+        if len(ids) > left_out.limit:
+            left_out.too_long.append((prompt.id, len(ids)))
             continue
         if len(chosen) < config.num_decode_prompts:
             split = "dev" if len(chosen) % 2 == 0 and config.tunes_here else "test"
             chosen.append(DecodePrompt(prompt.id, ids, split))
-    return chosen, dropped
+    return chosen, left_out
 
 
 def held_out_data(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any]) -> tuple[AcceptanceDataModule, set[str]]:
@@ -358,6 +384,7 @@ def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
     checkpoint); returns the report. One eval at a time writes a folder (`specheads.lock`)."""
     config.validate()
+    check_output_folder(Path(config.out))
     device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
     if manifest is None or not manifest.get("complete"):
@@ -366,11 +393,17 @@ def evaluate(config: EvalConfig) -> Report:
     trained = load_trained(config.head)
     check_data(trained, manifest, config.data, config.allow_other_data)
     with folder_lock(Path(config.out), "eval"):
-        return evaluate_locked(config, device, manifest, trained)
+        try:
+            return evaluate_locked(config, device, manifest, trained)
+        except UsageError:  # refused: leave nothing behind (the lock then removes a folder it made)
+            discard_empty_journal(Path(config.out))
+            raise
 
 
 def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str, Any], trained: TrainedHead) -> Report:
     """`evaluate` once the report folder is held."""
+    if config.num_decode_prompts:
+        check_decodable_head(trained.head)  # before any forward, not mid-sweep
     data, trained_on = held_out_data(config, trained, manifest)
     need_models = (config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
                    or config.sv_companion_skip_layers)
@@ -398,12 +431,18 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if config.num_decode_prompts:
         skipped = (trained_on | {digest for split in data.splits for digest in data.prompt_digests(split)}
                    if config.unseen_prompts_only else trained_on)
-        prompts, dropped = held_out_prompts(config, manifest, skipped, pair.tokenizer)
+        max_context = min(context_length(pair.target), context_length(pair.draft))
+        prompts, left_out = held_out_prompts(config, manifest, skipped, pair.tokenizer, max_context)
+        too_long = left_out.too_long_line(max_context, config.max_new_tokens)
+        if too_long:
+            print(too_long, flush=True)
         if len({p.split for p in prompts}) < (2 if config.tunes_here else 1):
-            raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({dropped} dropped as training "
-                             "prompts); give --decode-prompts or data with more prompts")
+            raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({left_out.seen_in_training} dropped "
+                             f"as training prompts, {len(left_out.too_long)} too long for the context); give "
+                             "--decode-prompts or data with more prompts")
         decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"], companion)
-        decoding.section["prompts_dropped_as_seen_in_training"] = dropped
+        decoding.section["prompts_dropped_as_seen_in_training"] = left_out.seen_in_training
+        decoding.section["prompts_skipped_as_too_long"] = [prompt_id for prompt_id, _ in left_out.too_long]
         if companion is not None:
             decoding.section["sv_companion_cost"] = companion.cost  # its forwards in draft forwards, as counted
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)

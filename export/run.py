@@ -13,11 +13,10 @@ from specheads.checkpoint import TrainedHead, load_trained
 from specheads.errors import UsageError
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
-from specheads.files import replace_folder, usual_permissions
-from specheads.heads.loading import DecisionRule
+from specheads.files import check_output_folder, replace_folder, usual_permissions
+from specheads.heads.loading import HEAD_FORMAT, HEAD_FORMAT_VERSION, DecisionRule
 from specheads.report_file import Report, read_report
 
-FORMAT_VERSION = 1
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
                  "optimizer", "lr", "weight_decay", "warmup_ratio")
 
@@ -43,7 +42,7 @@ def report_of_this_head(folder: Path, trained: TrainedHead) -> tuple[Report, Pat
 def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
     """config.json: the head's constructor arguments plus the export contract's fields (docs/decoding-core.md)."""
     identity = trained.data_identity or {}
-    config = {**trained.head.config, "format": "specheads-head", "format_version": FORMAT_VERSION,
+    config = {**trained.head.config, "format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION,
               "specheads_version": __version__, "depth": trained.head.config.get("depth", 0),
               "draft": {"name": trained.draft, "weights": identity.get("draft")},
               "target": {"name": trained.target, "weights": identity.get("target")},
@@ -125,6 +124,7 @@ def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any
 
 def export(config: ExportConfig) -> dict[str, Any]:
     """Export the checkpoint's head; returns config.json's content."""
+    check_output_folder(Path(config.out))
     trained = load_trained(config.ckpt)
     report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)
     if report:

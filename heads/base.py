@@ -70,6 +70,15 @@ def check_signals(extra_features: list[str] | tuple[str, ...] | None) -> list[st
     return names
 
 
+def decision_timing(purpose: str, reads: str) -> str:
+    """When a decoder has the score of candidate ŷ_k of a head of `purpose` reading `reads`: `before_draw` (from q_k's
+    state and signals alone, before ŷ_k is drawn), `at_draft` (from the state that produced q for it and ŷ_k itself,
+    the moment it is drafted) or `one_step_late` (from the state that has read it, after the next draft forward)."""
+    if purpose == "expect":
+        return "before_draw"
+    return "one_step_late" if reads == "candidate_state" else "at_draft"
+
+
 class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
                      tags=["speculative-decoding", "acceptance-prediction"]):
     """A learned acceptance predictor: input features -> one logit per position.
@@ -121,12 +130,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     @property
     def decides(self) -> str:
-        """When a decoder has the head's score of candidate ŷ_k: `before_draw` (from q_k's state and signals alone,
-        before ŷ_k is drawn), `at_draft` (from the state that produced q for it and ŷ_k itself, the moment it is
-        drafted) or `one_step_late` (from the state that has read it, after the next draft forward)."""
-        if self.purpose == "expect":
-            return "before_draw"
-        return "one_step_late" if self.reads == "candidate_state" else "at_draft"
+        """When a decoder has the head's score of candidate ŷ_k (`decision_timing`)."""
+        return decision_timing(self.purpose, self.reads)
 
     def set_calibration(self, calibration: PositionCalibration | None) -> None:
         """Use (and record in the config) a per-position calibration of the acceptance; None removes it."""

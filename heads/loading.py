@@ -14,8 +14,9 @@ from typing import Any
 
 from safetensors import safe_open
 
+from specheads import __version__
 from specheads.errors import UsageError
-from specheads.heads.base import AcceptanceHead
+from specheads.heads.base import AcceptanceHead, decision_timing
 from specheads.heads.registry import head_class
 from specheads.hub import hub_unreachable, reach_fix
 
@@ -24,6 +25,12 @@ CONFIG_FILE = "config.json"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 STOP_RULE = "stop_drafting_when_rejection_risk_above"
 VERIFY_RULE = "call_target_when_acceptance_below"
+HEAD_FORMAT = "specheads-head"
+HEAD_FORMAT_VERSION = 1
+"""The `format` and `format_version` config.json declares (written by `specheads export`); a folder saved by
+`save_pretrained` alone declares neither."""
+TIMING_FIELDS = ("reads", "decides", "purpose")
+"""The fields of config.json that declare when a head decides; each must be what its `head_type`'s class does."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,21 @@ class DecisionRule:
     max_draft: int | None = None
     cost_ratio: float | None = None  # the t_draft/t_target the threshold was tuned for
 
+    def __post_init__(self) -> None:
+        fix = "tune it again with `specheads eval`"
+        if self.rule not in (STOP_RULE, VERIFY_RULE):
+            raise UsageError(f"unknown decision rule {self.rule!r} (known: {STOP_RULE}, {VERIFY_RULE}); {fix}")
+        # both rules compare a probability (1 − Π â, or â) with the threshold: outside [0, 1] it never or always acts
+        if not (is_number(self.threshold) and 0.0 <= self.threshold <= 1.0):
+            raise UsageError(f"the {self.rule} threshold must be a number in [0, 1], got {self.threshold!r}; {fix}")
+        if not isinstance(self.tuned, bool):
+            raise UsageError(f"the decision rule's `tuned` must be true or false, got {self.tuned!r}; {fix}")
+        if self.max_draft is not None and (isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int)
+                                           or self.max_draft < 1):
+            raise UsageError(f"the decision rule's max_draft must be a whole number >= 1, got {self.max_draft!r}; {fix}")
+        if self.cost_ratio is not None and not (is_number(self.cost_ratio) and 0.0 < self.cost_ratio < 1.0):
+            raise UsageError(f"the decision rule's cost_ratio must be in (0, 1), got {self.cost_ratio!r}; {fix}")
+
     @classmethod
     def untuned(cls, purpose: str) -> DecisionRule:
         """The default rule for a head of `purpose` (`stop`, `expect` or `verify`), marked untuned."""
@@ -53,6 +75,11 @@ class DecisionRule:
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for config.json."""
         return asdict(self)
+
+
+def is_number(value: Any) -> bool:
+    """Whether `value` is an int or float (not a bool) and not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
@@ -115,6 +142,59 @@ def check_weights_shape(folder: Path, config: dict[str, Any]) -> None:
                          f"made for hidden size {found}; the files do not belong together, re-export the head")
 
 
+def check_format(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse a config.json of another format, or of a format version this specheads does not know."""
+    where = folder / CONFIG_FILE
+    found, version = config.get("format", HEAD_FORMAT), config.get("format_version", HEAD_FORMAT_VERSION)
+    if found != HEAD_FORMAT:
+        raise UsageError(f"{where} declares format {found!r}, not {HEAD_FORMAT!r}; it is not a specheads head config")
+    if type(version) is not int or version < 1:
+        raise UsageError(f"{where} declares format_version {version!r}, not a version number; re-export the head "
+                         "with `specheads export`")
+    if version != HEAD_FORMAT_VERSION:
+        raise UsageError(f"{where} declares head format_version {version}, which specheads {__version__} does not "
+                         f"read (it reads {HEAD_FORMAT_VERSION}); upgrade specheads, or re-export the head with this one")
+
+
+def check_declared_timing(folder: Path, config: dict[str, Any], cls: type[AcceptanceHead]) -> None:
+    """Refuse a config.json whose `reads`, `decides` or `purpose` contradicts its `head_type`: a decoder times its
+    stop decisions by the class, so a head of one timing loaded as another decodes with scores it does not have yet.
+    `reads` is written by every specheads version; `decides` and `purpose` are checked where present."""
+    expected = {"reads": cls.reads, "decides": decision_timing(cls.purpose, cls.reads), "purpose": cls.purpose}
+    declared = {name: config.get(name) for name in TIMING_FIELDS}
+    differs = [f"{name} {declared[name]!r}" for name in TIMING_FIELDS
+               if declared[name] != expected[name] and (declared[name] is not None or name == "reads")]
+    if differs:
+        does = ", ".join(f"{name} {value!r}" for name, value in expected.items())
+        raise UsageError(f"{folder / CONFIG_FILE} says head_type {cls.head_type!r} but {', '.join(differs)}, and a "
+                         f"{cls.head_type} head has {does}: the config was edited or belongs to another head; "
+                         "re-export the head with `specheads export`")
+
+
+def decision_rule_of(folder: Path, config: dict[str, Any], purpose: str) -> DecisionRule:
+    """The config's decision rule (checked: known rule, the rule of a head of `purpose`, values in range), or the
+    untuned default where it records none."""
+    values = config.get("decision_rule")
+    untuned = DecisionRule.untuned(purpose)
+    if not values:
+        return untuned
+    where = folder / CONFIG_FILE
+    if not isinstance(values, dict):
+        raise UsageError(f"{where}: decision_rule must be an object {{rule, threshold, tuned, ...}}, got "
+                         f"{json.dumps(values)[:80]}; re-export the head with `specheads export`")
+    try:
+        rule = DecisionRule(**values)
+    except TypeError as error:  # a field missing or unknown
+        raise UsageError(f"{where}: decision_rule is malformed ({error}); re-export the head with "
+                         "`specheads export`") from None
+    except UsageError as error:
+        raise UsageError(f"{where}: {error}") from None
+    if rule.rule != untuned.rule:
+        raise UsageError(f"{where}: a {purpose} head acts by the rule {untuned.rule}, but decision_rule names "
+                         f"{rule.rule}; re-export the head with `specheads export`")
+    return rule
+
+
 def flattened(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested dict as dotted keys (`weights.spec.skip_layers`)."""
     if not isinstance(value, dict):
@@ -145,7 +225,10 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
     """
     folder = resolve_folder(path_or_repo_id, revision)
     config = read_head_config(folder)
+    check_format(folder, config)
     cls = head_class(config["head_type"])
+    check_declared_timing(folder, config, cls)
+    rule = decision_rule_of(folder, config, cls.purpose)
     check_weights_shape(folder, config)
     trained_for = {**(config.get("draft") or {}), "state_layer": config.get("state_layer"),
                    "target_weights": (config.get("target") or {}).get("weights")}
@@ -162,5 +245,4 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
                          "files do not belong together, re-export the head") from None
     head.eval()
     head.trained_for = {"draft": trained_for, "sampling": config.get("sampling"), "purpose": cls.purpose}
-    rule = config.get("decision_rule")
-    return head, (DecisionRule(**rule) if rule else DecisionRule.untuned(cls.purpose))
+    return head, rule

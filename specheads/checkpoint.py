@@ -60,15 +60,22 @@ class TrainedHead:
         return self.decision or DecisionRule.untuned(self.purpose)
 
 
+def unpickling_reason(error: Exception) -> str:
+    """What torch's weights-only unpickler refused (`Unsupported global: GLOBAL builtins.exec`), without its advice
+    to allowlist the object or to load the file with weights_only=False: both would run the file's code."""
+    found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+    found = found.split(" was not an allowed global")[0].split(". Please use")[0].removeprefix("WeightsUnpickler error: ")
+    return found or "an object weights_only does not allow"
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The raw checkpoint dict, unpickled with `weights_only=True`: tensors, numbers, strings and plain containers
     only, so a downloaded file cannot run code. A one-line refusal for anything else."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        found = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                     "not allowed by weights_only")
-        raise UsageError(f"refused {path}: it pickles Python objects beyond tensors and plain containers ({found}), "
+        raise UsageError(f"refused {path}: it pickles Python objects beyond tensors and plain containers "
+                         f"({unpickling_reason(error)}), "
                          "which could run code when loaded; specheads loads checkpoints with torch.load(weights_only=True): "
                          "give a .ckpt from `specheads train` or a head folder from `specheads export`") from None
     except Exception as error:  # torch raises several types for a corrupt or foreign file

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import importlib
 import os
+import pickle
 import sys
 import textwrap
 
@@ -35,8 +36,18 @@ def failure_line(error: BaseException) -> str:
         where = f" writing {error.filename}" if error.filename else ""
         return (f"the disk is full{where} (No space left on device); free space or choose another --out, then run the "
                 "same command again: finished work is kept")
+    if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        what = {errno.EROFS: "is on a read-only file system", errno.ENOTDIR: "has a file where a folder should be",
+                errno.EEXIST: "exists and is not a folder", errno.EISDIR: "is a folder where a file should be"}[error.errno]
+        return (f"{error.filename or error} {what}; choose an output path you can write to, or fix that path, "
+                "then run the same command again")
     if isinstance(error, PermissionError):
         return f"permission denied: {error.filename or error}; choose a folder you can write to, or fix its permissions"
+    if isinstance(error, pickle.UnpicklingError):  # torch's message advises loading the file unsafely: never shown
+        from specheads.checkpoint import unpickling_reason
+
+        return (f"refused to load a file that pickles Python objects beyond tensors ({unpickling_reason(error)}), which "
+                "could run code when loaded; give a checkpoint that `specheads train` wrote")
     if isinstance(error, (MemoryError, torch_out_of_memory())):
         return ("out of memory; lower the batch size (--batch-size, --data.batch_size) or the sequence lengths, "
                 "or use a device with more memory")

@@ -35,12 +35,26 @@ def resolve_config(value: str, kind: str) -> str:
                      + (f" ({', '.join(known)})" if known else "") + "; give a path to a YAML file or one of those names")
 
 
+def refuse_empty(path: str) -> str:
+    """`path`, refused when the YAML file holds no options (empty, or only blank lines, comments and document
+    markers): the parsers would say only "Unexpected config"."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return path  # unreadable: the parser names the problem
+    if all(not line.strip() or line.strip().startswith("#") or line.strip() in ("---", "...") for line in lines):
+        raise UsageError(f"--config {path} is empty (no options, only blanks or comments); write the options in it "
+                         "(see a config under configs/), or leave --config out")
+    return path
+
+
 def with_configs_resolved(argv: list[str], kind: str) -> list[str]:
-    """`argv` with the value of every `--config` (or `--config=`) resolved by `resolve_config`."""
+    """`argv` with the value of every `--config` (or `--config=`) resolved by `resolve_config`, an empty file
+    refused."""
     resolved = list(argv)
     for position, arg in enumerate(argv):
         if arg == "--config" and position + 1 < len(argv):
-            resolved[position + 1] = resolve_config(argv[position + 1], kind)
+            resolved[position + 1] = refuse_empty(resolve_config(argv[position + 1], kind))
         elif arg.startswith("--config="):
-            resolved[position] = "--config=" + resolve_config(arg.split("=", 1)[1], kind)
+            resolved[position] = "--config=" + refuse_empty(resolve_config(arg.split("=", 1)[1], kind))
     return resolved

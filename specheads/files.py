@@ -11,6 +11,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from specheads.errors import UsageError
+
+
+def check_output_folder(folder: Path, flag: str = "--out") -> None:
+    """Refuse, before anything runs, an output folder that cannot be written: a file where the folder or one of its
+    parents should be, or a folder (or the nearest existing parent it would be made in) that this process may not
+    write to (permissions, a read-only file system)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {folder} is a file, not a folder; give a folder path (it is made when missing)")
+    existing = folder.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {folder} cannot be made: {existing} is a file, not a folder; give a path under a "
+                         "folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == folder.absolute() else f" (its parent {existing}, where it would be made)"
+        raise UsageError(f"{flag} {folder} is not writable{where}: permission denied or a read-only file system; "
+                         "choose a folder you can write to, or fix its permissions")
+
 
 def current_umask() -> int:
     """The process's umask (read by setting it and putting it back)."""

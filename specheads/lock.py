@@ -28,10 +28,13 @@ def lock_files(command: str) -> tuple[str, str]:
 
 @contextmanager
 def folder_lock(folder: Path, command: str) -> Iterator[None]:
-    """Hold `folder`'s lock for `command` for the block; refuse at once, naming the holder, when another run holds it."""
+    """Hold `folder`'s lock for `command` for the block; refuse at once, naming the holder, when another run holds it.
+    A block that ends refused (UsageError) takes away the lock's files it made, and the folder too when it made it."""
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     lock_name, holder_name = lock_files(command)
+    fresh = not (folder / lock_name).exists() and not (folder / holder_name).exists()
+    refused = False
     try:
         lock: FileLock | SoftFileLock = FileLock(folder / lock_name, timeout=0)
         lock.acquire()
@@ -48,10 +51,16 @@ def folder_lock(folder: Path, command: str) -> Iterator[None]:
             "pid": os.getpid(), "host": socket.gethostname(),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
         yield
+    except UsageError:
+        refused = True
+        raise
     finally:
         lock.release()
         if created:
             forget_if_unused(folder, (lock_name, holder_name))
+        elif fresh and refused:
+            for name in (lock_name, holder_name):
+                (folder / name).unlink(missing_ok=True)
 
 
 def forget_if_unused(folder: Path, lock_names: tuple[str, str]) -> None:

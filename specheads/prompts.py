@@ -34,13 +34,25 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """The roles of the chat format (OpenAI's and Hugging Face chat templates'); any other is refused."""
 
 
+def encodable(text: str, where: str, what: str = "the prompt") -> str:
+    """`text`, refused (naming `where`) when it holds a lone surrogate: JSON's `\\ud800` escape decodes to one, but
+    no tokenizer or file can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UsageError(f"{where}: {what} holds a lone surrogate (\\u{ord(text[error.start]):04x} at character "
+                         f"{error.start + 1}), which is not text; fix that escape (a character beyond U+FFFF is a "
+                         "high and low surrogate pair, \\ud83d\\ude00)") from None
+    return text
+
+
 def _content(value: Any, where: str) -> str:
     """A message's text: a string, or OpenAI-style content parts `[{"type": "text", "text": ...}]` joined."""
     if isinstance(value, str):
-        return value
+        return encodable(value, where)
     if isinstance(value, list) and value and all(isinstance(p, dict) and p.get("type") == "text"
                                                  and isinstance(p.get("text"), str) for p in value):
-        return "\n".join(part["text"] for part in value)
+        return encodable("\n".join(part["text"] for part in value), where)
     raise UsageError(f"{where}: a message's content must be text or a list of "
                      f'{{"type": "text", "text": ...}} parts, got {json.dumps(value)[:80]}; fix that message')
 
@@ -49,7 +61,7 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     if isinstance(value, str):
         if not value.strip():
             raise UsageError(f"{where}: the prompt is empty; give it some text")
-        return (("user", value),)
+        return (("user", encodable(value, where)),)
     if not (isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
                                                       for m in value)):
         raise UsageError(f"{where}: expected prompt text or a list of chat messages with `role` and `content`")
@@ -62,14 +74,15 @@ def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(messages)
 
 
-def _record_to_prompt(record: Any, index: int, where: str, column: str | None) -> Prompt:
+def _record_to_prompt(record: Any, index: int, where: str, column: str | None, column_flag: str | None) -> Prompt:
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object with `prompt` or `messages`")
     keys = (column,) if column else PROMPT_COLUMNS
     key = next((k for k in keys if k in record), None)
     if key is None:
-        raise UsageError(f"{where}: no {' or '.join(f'`{k}`' for k in keys)} field; add one (or pass --prompts_column)")
-    prompt_id = str(record.get("id", index))
+        hint = f" (or name the field that holds the prompt with {column_flag})" if column_flag else ""
+        raise UsageError(f"{where}: no {' or '.join(f'`{k}`' for k in keys)} field; add one{hint}")
+    prompt_id = encodable(str(record.get("id", index)), where, "the prompt id")
     return Prompt(prompt_id, _messages(record[key], where))
 
 
@@ -97,8 +110,8 @@ def read_jsonl(path: Path) -> list[tuple[int, Any]]:
     return records
 
 
-def _from_jsonl(path: Path, column: str | None) -> list[Prompt]:
-    return [_record_to_prompt(record, index, f"{path}:{line}", column)
+def _from_jsonl(path: Path, column: str | None, column_flag: str | None = None) -> list[Prompt]:
+    return [_record_to_prompt(record, index, f"{path}:{line}", column, column_flag)
             for index, (line, record) in enumerate(read_jsonl(path))]
 
 
@@ -122,7 +135,7 @@ def refuse_unreachable_dataset(source: str) -> None:
                          "before, set HF_HUB_OFFLINE=1 to read the cached copy")
 
 
-def _from_hf_dataset(source: str, split: str, column: str | None) -> list[Prompt]:
+def _from_hf_dataset(source: str, split: str, column: str | None, column_flag: str | None) -> list[Prompt]:
     import datasets
 
     path = Path(source)
@@ -146,17 +159,19 @@ def _from_hf_dataset(source: str, split: str, column: str | None) -> list[Prompt
             f"cannot load prompts dataset {source!r} split {split!r} ({type(error).__name__}: {reason}); "
             "give a local folder or file, or check the name, split and network"
         ) from error
-    return [_record_to_prompt(dict(r), i, f"{source}[{i}]", column) for i, r in enumerate(data)]
+    return [_record_to_prompt(dict(r), i, f"{source}[{i}]", column, column_flag) for i, r in enumerate(data)]
 
 
-def load_prompts(source: str, split: str = "train", column: str | None = None, limit: int | None = None) -> list[Prompt]:
-    """Load prompts from `builtin`, a `.jsonl` file, or a datasets name/path; the first `limit` are kept."""
+def load_prompts(source: str, split: str = "train", column: str | None = None, limit: int | None = None,
+                 column_flag: str | None = None) -> list[Prompt]:
+    """Load prompts from `builtin`, a `.jsonl` file, or a datasets name/path; the first `limit` are kept.
+    `column_flag` is the caller's option that names the prompt's field, suggested where a record has none."""
     if source == BUILTIN:
         prompts = _builtin()
     elif source.endswith(".jsonl"):
-        prompts = _from_jsonl(Path(source), column)
+        prompts = _from_jsonl(Path(source), column, column_flag)
     else:
-        prompts = _from_hf_dataset(source, split, column)
+        prompts = _from_hf_dataset(source, split, column, column_flag)
     if not prompts:
         raise UsageError(f"prompt source {source!r} is empty; give at least one prompt")
     seen: set[str] = set()
@@ -164,6 +179,14 @@ def load_prompts(source: str, split: str = "train", column: str | None = None, l
     if duplicates:
         raise UsageError(f"prompt ids repeat in {source!r} (first: {duplicates[0]!r}); give every prompt a unique `id`")
     return prompts[:limit] if limit else prompts
+
+
+def prompt_token_limit(max_context: int, max_new_tokens: int, max_prompt_tokens: int | None = None) -> int:
+    """The most tokens a prompt may have: the model's context (`max_context` positions) less the `max_new_tokens`
+    generated after it, and at most `max_prompt_tokens` where given. gen and eval skip (or refuse) longer prompts: a
+    model run past its context decodes garbage, and slowly."""
+    limit = max_context - max_new_tokens
+    return min(limit, max_prompt_tokens) if max_prompt_tokens else limit
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:

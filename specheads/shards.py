@@ -2,9 +2,10 @@
 
 Beside `shards/shard-NNNNN.arrow` the writer keeps `shard-NNNNN.json`: the run (data fingerprint) that wrote
 it, its rows, bytes and sha256. The Arrow file carries the run in its own metadata too. `specheads gen`
-copies the records into the manifest when it finishes; readers compare each shard with its record (cheap:
-size, rows, run) and range-check its values once per file version; gen re-verifies the sha256 of every shard
-before it trusts one, and relabels exactly the shards that fail. Only a shard proven bad fails: a file that cannot
+copies the records into the manifest when it finishes; readers (train, eval: `store.load_labelled`) compare each
+shard with its record (size, rows, run and the sha256 of its bytes: a byte changed in place keeps the size) and
+range-check its values once per file version; gen re-verifies the sha256 of every shard before it trusts one, and
+relabels exactly the shards that fail. Only a shard proven bad fails: a file that cannot
 be read at all (an I/O error, a permission) stops the check with an error and nothing is deleted.
 """
 
@@ -120,7 +121,20 @@ def _shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | Non
     written_by = shard_run(table)
     if written_by != run:
         return f"carries run {written_by} in its Arrow metadata, not {run}"
-    if deep and file_sha256(path) != record.get("sha256"):
+    return _changed_bytes(path, record) if deep else None
+
+
+def changed_bytes(path: Path, record: dict[str, Any]) -> str | None:
+    """Why the shard at `path` cannot be trusted when its bytes no longer hash to `record`'s sha256 (a byte changed in
+    place keeps the size, rows and run), or None. Raises UsageError, naming the shard, when it cannot be read."""
+    try:
+        return _changed_bytes(path, record)
+    except OSError as error:
+        raise UsageError(unchecked(path, error)) from None
+
+
+def _changed_bytes(path: Path, record: dict[str, Any]) -> str | None:
+    if file_sha256(path) != record.get("sha256"):
         return "no longer has the sha256 recorded when it was written (changed on disk)"
     return None
 

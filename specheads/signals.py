@@ -1,19 +1,99 @@
-"""The draft's logits and the training-free signals read from them, one definition for labelling and decoding."""
+"""A model's logits, taken as its own forward takes them, and the training-free signals read from the draft's: one
+definition for labelling and decoding."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specheads.errors import UsageError
 from specheads.sampling import SamplingTransform
 
 
+@dataclass(frozen=True)
+class LogitRule:
+    """What a family's `forward` does around its LM head besides `lm_head(h)`, in this order: divide h by the config
+    field `states_divided_by`, apply the head, multiply by `multiplied_by`, divide by `divided_by`, soft-cap to
+    T·tanh(logits / T) with T = `softcap`, keep the first `vocab` columns (the rest pad the vocabulary). Each names a
+    field of the model's config (of its text config where `text`); a field the config leaves unset skips its step."""
+
+    states_divided_by: str | None = None
+    multiplied_by: str | None = None
+    divided_by: str | None = None
+    softcap: str | None = "final_logit_softcapping"
+    vocab: str | None = None
+    text: bool = False
+
+
+# Read from each family's ForCausalLM / ForConditionalGeneration forward in transformers 5.x (models/*/modeling_*.py);
+# a family not named applies its LM head alone, soft-capped where its config sets final_logit_softcapping (the Gemma
+# family, VaultGemma, NanoChat, Beam, Inkling2's text models).
+LOGIT_RULES: dict[str, LogitRule] = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), LogitRule(multiplied_by="logit_scale")),
+    "cohere_compass": LogitRule(multiplied_by="logit_scale", text=True),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+                    LogitRule(divided_by="logits_scaling")),
+    **dict.fromkeys(("granite4_vision", "granite_docling"), LogitRule(divided_by="logits_scaling", text=True)),
+    "hyperclovax": LogitRule(multiplied_by="logits_scaling"),
+    "hyperclovax_vision_v2": LogitRule(multiplied_by="logits_scaling", text=True),
+    "falcon_h1": LogitRule(multiplied_by="lm_head_multiplier"),
+    **dict.fromkeys(("muse_glimmer", "muse_spark"), LogitRule(multiplied_by="output_multiplier", text=True)),
+    "minicpm3": LogitRule(states_divided_by="logits_scaling"),
+    "inkling_text": LogitRule(states_divided_by="logits_mup_width_multiplier", vocab="unpadded_vocab_size"),
+    "inkling": LogitRule(states_divided_by="logits_mup_width_multiplier", vocab="unpadded_vocab_size", text=True),
+    "recurrent_gemma": LogitRule(softcap="logits_soft_cap"),
+    "xlstm": LogitRule(softcap="output_logit_soft_cap"),
+    **dict.fromkeys(("gemma3n", "gemma4", "gemma4_unified", "paligemma", "mistral_large4", "inkling2", "inkling2_loop"),
+                    LogitRule(text=True)),
+}
+HEADED_FAMILIES = frozenset((
+    "bert", "big_bird", "camembert", "chameleon", "clvp", "csm", "data2vec-text", "electra", "ernie", "gemma4_assistant",
+    "gemma4_unified_assistant", "megatron-bert", "modernbert-decoder", "musicgen", "musicgen_melody", "prophetnet",
+    "reformer", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm", "xlm-roberta",
+    "xlm-roberta-xl", "xmod",
+))
+"""Families whose forward turns the last hidden state into logits with more than their output embeddings (a
+prediction head with its own layers, several heads, masked token ranges): refused rather than approximated."""
+
+
+def logit_rule(model: Any) -> LogitRule:
+    """How `model`'s forward takes its logits (`LOGIT_RULES`); a UsageError for a family `output_logits` cannot follow."""
+    family = getattr(model.config, "model_type", None)
+    if family in HEADED_FAMILIES:
+        raise UsageError(f"{type(model).__name__} (model_type {family!r}) computes its logits with more than its output "
+                         "embeddings, which specheads cannot reproduce exactly; use a decoder-only causal LM")
+    return LOGIT_RULES.get(family, LogitRule())
+
+
 def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:
-    """The LM head on `states`, with the final soft-capping some families use; float32, on the device of `states`."""
-    logits = model.get_output_embeddings()(states).float().to(states.device)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
+    """`model`'s logits for `states` (its decoder's last hidden states), taken as its own forward takes them: the LM
+    head and the family's scaling, soft-capping and vocabulary trimming around it (`LOGIT_RULES`); float32, on the
+    device of `states`."""
+    rule = logit_rule(model)
+    config = model.config.get_text_config() if rule.text else model.config
+
+    def field(name: str | None) -> Any:
+        return None if name is None else getattr(config, name, None)
+
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    inputs = states
+    if weight is not None and weight.device.type != "meta":  # an offloaded head's hook brings its weight and the input
+        inputs = inputs.to(weight.device, weight.dtype if weight.is_floating_point() else inputs.dtype)
+    if field(rule.states_divided_by) is not None:
+        inputs = inputs / field(rule.states_divided_by)
+    logits = head(inputs).float().to(states.device)
+    if field(rule.multiplied_by) is not None:
+        logits = logits * field(rule.multiplied_by)
+    if field(rule.divided_by) is not None:
+        logits = logits / field(rule.divided_by)
+    if field(rule.softcap):
+        logits = torch.tanh(logits / field(rule.softcap)) * field(rule.softcap)
+    if field(rule.vocab) is not None:
+        logits = logits[..., : field(rule.vocab)]
+    return logits
 
 
 def signal_log_probs(draft_logits: torch.Tensor, logq_all: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:

@@ -110,11 +110,12 @@ def test_the_companion_stop_rule_leaves_the_target_distribution_unchanged_and_ne
     s, a = rng.uniform(size=2000), rng.uniform(size=2000)
     bins = profile(s, a, np.clip(s * a + rng.normal(0, 0.1, 2000), 0, 1), s_bins=5, a_bins=5)  # stops vary with S, A
     engine = RoundEngine(target, draft, transform, stop_ids=[], companion=Companion(companion, bins))
-    rule = make_policy("sv_companion", 0.5, max_draft=3)
+    rule = make_policy("sv_companion", 0.3, max_draft=3)  # at 0.3 it stops at the first candidate in some first rounds
     results = [r for first in range(0, 500, 100)
                for r in engine.decode([PROMPT] * 100, rule, LENGTH, list(range(first, first + 100)))]
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform)) > 1e-3
-    rounds = [d for r in results for d in r.drafted_per_round]
-    assert 1 in rounds and 3 in rounds  # the rule did stop early in some rounds and not in others
+    # the rule did stop early in some first rounds and not in others (there 2 is the cap: LENGTH − 1, the last slot
+    # being the target's token)
+    assert {r.drafted_per_round[0] for r in results} == {1, 2}
     with pytest.raises(UsageError, match="companion"):
         RoundEngine(target, draft, transform, stop_ids=[]).decode([PROMPT], rule, LENGTH, [0])

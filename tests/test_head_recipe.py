@@ -99,6 +99,10 @@ def test_a_head_reading_the_target_state_trains_with_position_weights_and_alpha_
                  "--out", str(out), "--num-decode-prompts", "0", "--max-draft", "3"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["head"]["config"]["target_state_size"] == 32 and metrics["offline"]["head"]["auc"] > 0
+    refused = tmp_path / "decode"  # decoding cannot feed it the target's state: refused before any work, not mid-sweep
+    assert main(["eval", "--head", str(root / "checkpoints" / "last.ckpt"), "--data", str(target_state_data),
+                 "--out", str(refused), "--num-decode-prompts", "2", "--max-draft", "3"]) == 2
+    assert not refused.exists()
 
 
 def test_training_subsets_are_nested_and_a_subset_larger_than_the_split_is_refused(target_state_data):

@@ -10,11 +10,14 @@ prints the resolved config, and `--ckpt_path last` resumes. The run folder is
 
 from __future__ import annotations
 
+import pickle
+import shutil
 import signal
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -23,7 +26,10 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from specheads.checkpoint import read_checkpoint
 from specheads.data import AcceptanceDataModule
+from specheads.errors import UsageError
+from specheads.files import check_output_folder
 from specheads.private_apis import HistoryWriter
 from specheads.train.module import AcceptanceModule
 
@@ -47,19 +53,66 @@ class HistoryCSVLogger(CSVLogger):
         return self._experiment
 
 
+class RunFolder:
+    """What a run folder held before the run, so that a refused run can take away what it made there (Lightning
+    writes `config.yaml`, `tensorboard/` and the CSV log before the module's checks refuse the data)."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.before: set[Path] | None = None  # None: the run made the folder
+        self.checkpoints: Path | None = None
+        self.checkpoints_before: set[Path] = set()
+
+    def note(self, root: Path, checkpoints: Path) -> None:
+        """Remember what `root` and the checkpoint folder hold now, before the run writes anything."""
+        self.root, self.checkpoints = root, checkpoints
+        self.before = set(root.iterdir()) if root.is_dir() else None
+        self.checkpoints_before = set(checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else set()
+
+    def undo(self) -> None:
+        """Remove what the run made in its folder (the folder too, when it made it), unless it saved a checkpoint:
+        then it trained, and what it wrote is kept."""
+        if self.root is None or not self.root.is_dir():
+            return
+        if self.checkpoints is not None and set(self.checkpoints.glob("*.ckpt")) - self.checkpoints_before:
+            return
+        made = [self.root] if self.before is None else sorted(set(self.root.iterdir()) - self.before)
+        for path in made:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
 class TrainCLI(LightningCLI):
     """LightningCLI with the checkpoint policy and loggers of a specheads run folder."""
+
+    def __init__(self, *args: Any, run_folder: RunFolder | None = None, **kwargs: Any) -> None:
+        self.run_folder = run_folder if run_folder is not None else RunFolder()
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.monitor": "val/binary_kl", "checkpoint.mode": "min",
                              "checkpoint.filename": "best-{epoch}-{step}", "checkpoint.auto_insert_metric_name": False})
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then refuse a `--ckpt_path` file that pickles more than tensors in one line (`read_checkpoint`)
+        before Lightning reads its hyperparameters (its refusal quotes torch's advice to load it unsafely)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        resume = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if resume and Path(resume).is_file():
+            read_checkpoint(Path(resume))
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir)
+        check_output_folder(root, "--trainer.default_root_dir")
         if config.checkpoint.dirpath is None:
             config.checkpoint.dirpath = str(root / "checkpoints")
+        check_output_folder(Path(config.checkpoint.dirpath), "--checkpoint.dirpath")
+        self.run_folder.note(root, Path(config.checkpoint.dirpath))
 
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
@@ -79,23 +132,30 @@ PARSER_KWARGS = {"prog": "specheads train", "description": "Fit an acceptance he
                  "--help` lists the options)."}
 
 
-def build_cli(argv: list[str], callbacks: Sequence[Callback] = ()) -> TrainCLI:
-    """Parse `argv` as `specheads train` does and run its subcommand; `callbacks` are added to the trainer's."""
+def build_cli(argv: list[str], callbacks: Sequence[Callback] = (), run_folder: RunFolder | None = None) -> TrainCLI:
+    """Parse `argv` as `specheads train` does and run its subcommand; `callbacks` are added to the trainer's, and
+    `run_folder` notes what the run folder held before the run."""
     defaults = {**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS
     with warnings.catch_warnings():
         # Lightning warns whenever the process has argv beside `args`: `specheads train` hands it its own on purpose
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         return TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=defaults, parser_kwargs=PARSER_KWARGS,
-                        save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
+                        save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
+                        run_folder=run_folder)
 
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 def main(argv: list[str]) -> int:
-    """Entry point for `specheads train`. A run stopped by SIGTERM (a scheduler's preemption) exits 143, never 0."""
+    """Entry point for `specheads train`. A run stopped by SIGTERM (a scheduler's preemption) exits 143, never 0; a
+    refused run leaves nothing it made in the run folder."""
+    run_folder = RunFolder()
     try:
-        build_cli(argv)
+        build_cli(argv, run_folder=run_folder)
+    except (UsageError, pickle.UnpicklingError):  # refused: the input, or a checkpoint that pickles code
+        run_folder.undo()
+        raise
     except SIGTERMException:  # Lightning stops the loop this way; as a bare SystemExit it would read as success
         print("specheads train: error: stopped by SIGTERM before the run finished; resume it with the same command "
               "and --ckpt_path last", file=sys.stderr)

@@ -19,6 +19,12 @@ from specheads.signals import output_logits
 from specheads.states import cache_argument, decoder_forward, returned_cache
 
 
+def pick(tensor: torch.Tensor, rows: list[int], columns: list[int]) -> torch.Tensor:
+    """`tensor[rows, columns]`, the index built on the tensor's own device (a split model's states are on its last
+    shard's, not its first parameter's)."""
+    return tensor[torch.tensor(rows, device=tensor.device), torch.tensor(columns, device=tensor.device)]
+
+
 class BatchCache:
     """A causal LM with one KV cache for B rows of different lengths: per-row slots, positions and a slot mask."""
 
@@ -70,10 +76,9 @@ class BatchCache:
         self.cache = returned_cache(output)
         wanted = {row: (logits_rows or {}).get(row, 1) for row in tokens}
         index = [(row, position) for row, fed in tokens.items() for position in range(len(fed) - wanted[row], len(fed))]
-        row_index = torch.tensor([r for r, _ in index], device=self.device)
-        column_index = torch.tensor([c for _, c in index], device=self.device)
-        logits = output_logits(self.model, output.last_hidden_state[row_index, column_index])
-        picked = states[row_index, column_index]
+        rows_at, columns_at = [r for r, _ in index], [c for _, c in index]
+        logits = output_logits(self.model, pick(output.last_hidden_state, rows_at, columns_at))
+        picked = pick(states, rows_at, columns_at)
         result, offset = {}, 0
         for row in tokens:
             result[row] = (logits[offset : offset + wanted[row]], picked[offset : offset + wanted[row]])
@@ -148,8 +153,9 @@ class BatchCache:
 
     def snapshot(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, a copy of the keys and values of `row`'s first `length` tokens, [heads, length, dim] each."""
-        index = torch.tensor(self.slots[row][:length], dtype=torch.long, device=self.device)
-        return [(layer.keys[row].index_select(1, index), layer.values[row].index_select(1, index))  # copies
+        index = torch.tensor(self.slots[row][:length], dtype=torch.long)
+        return [(layer.keys[row].index_select(1, index.to(layer.keys.device)),  # copies, on the layer's device
+                 layer.values[row].index_select(1, index.to(layer.values.device)))
                 for layer in self.cache.layers]
 
     def load(self, stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
@@ -185,9 +191,8 @@ class BatchCache:
         for row, slots in enumerate(self.slots):
             index[row, : len(slots)] = torch.tensor(slots, dtype=torch.long)
             mask[row, : len(slots)] = 1
-        index = index.to(self.device)
-        for layer in layers:
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        for layer in layers:  # each layer's keys on its own device (a split model's)
+            gather = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
         self.mask = mask.to(self.device)
         self.slots = [list(range(len(slots))) for slots in self.slots]

@@ -115,5 +115,5 @@ class Companion:
 
     def score(self, logq_all: torch.Tensor, logc_all: torch.Tensor, token: int) -> float:
         """SV's prediction for a drafted `token` from the draft's and the companion's log-probabilities at its step."""
-        s, a = agreement(logq_all.exp(), logc_all.exp(), torch.tensor(token, device=logq_all.device))
+        s, a = agreement(logq_all.exp(), logc_all.to(logq_all.device).exp(), torch.tensor(token, device=logq_all.device))
         return float(self.table.predict(np.array([float(s)]), np.array([float(a)]))[0])

@@ -13,6 +13,17 @@ A round, for every row still generating:
 With a prompt cache (`specheads.decoding.prompt_cache`) a row whose prompt was read before starts from the stored keys
 and values instead of a prefill; the forwards counted per request are the same either way.
 
+A draft whose output layer has another number of rows than the target's (padded vocabularies: Qwen2.5-0.5B predicts
+151 936 tokens, Qwen2.5-7B 152 064) decodes exactly, as transformers' assisted generation maps the assistant's logits
+onto the target's vocabulary: q is taken over the target's rows (`fit_vocabulary`). Rows the target has beyond the
+draft's get q = 0, so they are never drafted, while the target's p over them is real probability mass that the
+residual norm(max(0, p − q)) and the bonus draw honour; rows the draft has beyond the target's are dropped before the
+sampling transform, so they are never proposed and q is renormalised over the target's tokens. Speculative sampling
+is exact for any q computed from the prefix, provided the candidate is drawn from the q it is tested with, so the
+output is the target's distribution either way. A token the draft has no input row for (one the target drew from its
+extra rows) is read by the draft as a stand-in id (`RoundEngine.draft_reads`): the draft's later proposals are
+poorer, the output stays exact.
+
 Every row draws from its own generator in the same order whatever the batch, so under a per-row rule a row's tokens do
 not depend on the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie). Under
 a rule with a planner (the verify budget, SmartSpec's K, the rules that adapt at run time) the realised tokens do
@@ -59,12 +70,39 @@ def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: 
                      embeddings: list[torch.Tensor | None], positions: list[int]) -> list[float]:
     """The head's acceptance probabilities for several rows' candidates in one call; `positions` (1-based in the
     round) apply a stop head's per-position calibration."""
+    device = next(head.parameters()).device  # the head's inputs meet its weights (a split draft's state is elsewhere)
     columns = [[row[name] for name in head.extra_features] for row in signals]
-    signal_tensor = (torch.tensor(columns, dtype=torch.float32, device=states[0].device)
-                     if head.extra_features else None)
-    embedding = torch.cat(embeddings) if embeddings and embeddings[0] is not None else None
-    position = torch.tensor(positions, device=states[0].device)
-    return head.predict(torch.stack(states), signal_tensor, embedding, position).tolist()
+    signal_tensor = torch.tensor(columns, dtype=torch.float32, device=device) if head.extra_features else None
+    embedding = torch.cat(embeddings).to(device) if embeddings and embeddings[0] is not None else None
+    position = torch.tensor(positions, device=device)
+    return head.predict(torch.stack(states).to(device), signal_tensor, embedding, position).tolist()
+
+
+def predicted_tokens(model: Any) -> int | None:
+    """The rows of a model's output layer (the size of its p or q); None when it has none to read."""
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(layer, "weight", None)
+    return None if weight is None else int(weight.shape[0])
+
+
+def fit_vocabulary(logits: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """Draft logits over the target's `rows` tokens (module docstring): the draft's rows beyond them dropped, rows it
+    lacks at -inf (q = 0 there: never drafted); `logits` unchanged when the sizes agree or `rows` is unknown."""
+    width = logits.shape[-1]
+    if rows is None or rows == width:
+        return logits
+    if width > rows:
+        return logits[..., :rows]
+    return torch.cat([logits, logits.new_full((*logits.shape[:-1], rows - width), -math.inf)], dim=-1)
+
+
+def check_decodable_head(head: AcceptanceHead | None) -> None:
+    """Refuse, before any forward, a head the round engine cannot feed: one that reads the target's state."""
+    if head is not None and getattr(head, "target_state_size", 0):
+        raise UsageError(f"this {head.head_type} head reads the target's state at the last verified position "
+                         f"(target_state_size={head.target_state_size}), which decoding does not feed it; score it "
+                         "offline (specheads eval --num-decode-prompts 0), or decode with a head trained without target "
+                         "states")
 
 
 StopCheck = Callable[[int, list[int]], bool]
@@ -105,8 +143,9 @@ class ServedBatch:
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
                  target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None,
-                 companion_cost: float = 1.0):
+                 companion_cost: float = 1.0, hindsight: bool = False):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
+        self.hindsight = hindsight  # the oracle: it counts one draft forward per candidate it keeps
         self.draft, self.target, self.companion, self.companion_cost = draft, target, companion, companion_cost
         self.prompt_cache = prompt_cache
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
@@ -214,6 +253,8 @@ class ServedBatch:
             if self.companion is not None:  # SV's companion: each forward counts as `companion_cost` draft forwards
                 result.companion_forwards = self.companion.forwards[row] - self.first_companion_forward[row]
                 result.draft_forwards += result.companion_forwards * self.companion_cost
+            if self.hindsight:  # it would have drafted only the candidates the target accepts, one forward each
+                result.draft_forwards = result.accepted
             self.finished.append(row)
 
     def refill(self) -> None:
@@ -232,6 +273,19 @@ class RoundEngine:
         self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
         self.companion = companion  # SV's companion predictor, for the rules that read it
         self.prompt_cache = prompt_cache  # prompts' keys and values kept from one decode to the next
+        self.vocabulary = predicted_tokens(target)  # q is taken over the target's rows (`fit_vocabulary`)
+        self.draft_vocabulary = predicted_tokens(draft)
+        inputs = draft.get_input_embeddings() if hasattr(draft, "get_input_embeddings") else None
+        self.draft_inputs = getattr(inputs, "num_embeddings", None)  # the ids the draft can read
+        pad = getattr(draft.config, "pad_token_id", None) if hasattr(draft, "config") else None
+        self.stand_in = pad if isinstance(pad, int) and 0 <= pad < (self.draft_inputs or 1) else 0
+
+    def draft_reads(self, tokens: list[int]) -> list[int]:
+        """`tokens` as the draft reads them: an id it has no input row for (drawn from the target's extra rows) as
+        the stand-in id (module docstring)."""
+        if self.draft_inputs is None or (self.vocabulary is not None and self.vocabulary <= self.draft_inputs):
+            return tokens
+        return [token if token < self.draft_inputs else self.stand_in for token in tokens]
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], rule: StopPolicy, max_new_tokens: int, seeds: list[int],
@@ -246,6 +300,7 @@ class RoundEngine:
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
         rule.check_head(head)
+        check_decodable_head(head if rule.reads_head else None)
         if rule.reads_companion and self.companion is None:
             raise UsageError(f"the {rule.name} rule reads SV's companion predictor; build the engine with a companion "
                              "(eval: --sv-companion-skip-layers)")
@@ -255,7 +310,7 @@ class RoundEngine:
         target = BatchCache(self.target, slots)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
         batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache,
-                            self.companion.cost if companion is not None else 1.0)
+                            self.companion.cost if companion is not None else 1.0, rule.hindsight)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
             for row in batch.live:
@@ -288,11 +343,14 @@ class RoundEngine:
                 else:  # every candidate passed unverified
                     accepted, new_token = len(this.candidates), None
                 verified[row] = len(this.candidates) - checks[row] if row in logits else 0
-                outcomes[row] = [Outcome(d.index, d.prob, i < accepted, d.entropy)
-                                 for i, d in enumerate(this.seen[checks[row]: accepted + 1], start=checks[row])] if row in logits else []
                 check = None if stop_check is None else (
                     lambda tokens, request=batch.request[row], before=batch.generated[row]: stop_check(request, before + tokens))
-                accepted, emitted, ended = self._standing(this.candidates, accepted, new_token, batch.room(row), check)
+                checked = accepted
+                accepted, emitted, ended = self._standing(this.candidates, checked, new_token, batch.room(row), check)
+                # the checked candidates up to the first rejection, none past the token that ended the request
+                observed = min(checked + 1, len(emitted)) if ended else checked + 1
+                outcomes[row] = [Outcome(d.index, d.prob, i < checked, d.entropy)
+                                 for i, d in enumerate(this.seen[checks[row]: observed], start=checks[row])] if row in logits else []
                 result = batch.result(row)
                 self._count(result, rule, this.drafted, accepted, row in logits)
                 record.requests.append(batch.request[row])
@@ -332,7 +390,8 @@ class RoundEngine:
                 cache = BatchCache(model, len(chunk))
                 if not cache.plain_layers():
                     break
-                cache.feed({row: list(prefix) for row, prefix in enumerate(chunk)})
+                cache.feed({row: self.draft_reads(list(prefix)) if name == "draft" else list(prefix)
+                            for row, prefix in enumerate(chunk)})
                 stored = [self.prompt_cache.put(name, model, prefix, cache.snapshot(row, len(prefix)))
                           for row, prefix in enumerate(chunk)]
                 if not all(stored):  # full: prefilling more here would be work no decode gets back
@@ -344,6 +403,12 @@ class RoundEngine:
         """`decode` with tree drafts under a `specheads.decoding.tree.TreeRule`, each prompt alone (B = 1); `checked`,
         when given, receives every checked node's (sibling place, score, accepted)."""
         from specheads.decoding.tree import decode_tree
+
+        if self.vocabulary != self.draft_vocabulary:
+            raise UsageError(f"tree drafts need a draft that predicts the target's {self.vocabulary} tokens; this draft "
+                             f"predicts {self.draft_vocabulary}: decode chains (decode) with it, or pick a draft with the "
+                             "target's vocabulary")
+        check_decodable_head(head)
 
         return decode_tree(self, prompts, rule, max_new_tokens, seeds, head, checked)
 
@@ -365,7 +430,7 @@ class RoundEngine:
         one runs, reads what the draft reads, one forward per draft forward."""
         pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
         while pending:
-            drawn = self._draw_rows(draft.feed(pending), generators)
+            drawn = self._draw_rows(draft.feed({row: self.draft_reads(fed) for row, fed in pending.items()}), generators)
             # the companion's cache is fed and cropped with the draft's, so it takes the same tokens
             scores = (self._companion_scores(companion.feed(pending), drawn) if companion is not None
                       else self._head_scores(head, drawn, rounds))
@@ -390,16 +455,18 @@ class RoundEngine:
         """Each fed row's candidate from its last draft logits, drawn with the row's own generator."""
         drawn = {}
         for row, (logits, states) in outputs.items():
-            logq_all = self.transform.log_probs(logits[-1])
+            fitted = fit_vocabulary(logits[-1], self.vocabulary)
+            logq_all = self.transform.log_probs(fitted)
             token = draw(logq_all, generators[row])
-            drawn[row] = Drawn(token, candidate_signals(logits[-1], logq_all, token, self.transform), logq_all, states[-1])
+            drawn[row] = Drawn(token, candidate_signals(fitted, logq_all, token, self.transform), logq_all, states[-1])
         return drawn
 
     def _companion_scores(self, outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
                           drawn: dict[int, Drawn]) -> dict[int, float]:
         """SV's prediction per drafting row for the candidate just drawn, from the companion's logits at its step."""
         assert self.companion is not None
-        return {row: self.companion.score(candidate.logq_all, self.transform.log_probs(outputs[row][0][-1]),
+        return {row: self.companion.score(candidate.logq_all,
+                                          self.transform.log_probs(fit_vocabulary(outputs[row][0][-1], self.vocabulary)),
                                           candidate.token)
                 for row, candidate in drawn.items()}
 

@@ -7,7 +7,8 @@
   with full verification (drafting to the cap) during the first 3 refits. Here it drives a stop rule: end the round
   once 1 − Π p_k exceeds the threshold (tuned on dev prompts). A step is one row's round (vLLM's step at batch 1).
 - `TransformersConfidence`: transformers' assisted generation as users get it (5.x `candidate_generator.py`):
-  stop drafting when q(ŷ) falls below the confidence threshold (0.4 at first), at most 20 candidates; after every
+  stop drafting when q(ŷ) falls below the confidence threshold (0.4 at first) or at a stop token, at most 20
+  candidates and one fewer than the tokens left (`min(20, max_length − length − 1)` there); after every
   round the threshold is re-tuned from the request's drafted tokens and outcomes by an ROC with cost fpr + 3 · fnr,
   once they hold more than 5 tokens of both classes. History and threshold are the request's: transformers 5.x builds
   its candidate generator for each `generate` call and tunes a copy of the assistant's generation config, so every

@@ -15,7 +15,8 @@ class DecodeResult:
     drafted: int = 0  # candidates proposed (the oracle counts only those it keeps)
     accepted: int = 0  # candidates that stand in the output
     target_calls: int = 0
-    draft_forwards: float = 0  # with SV's companion, its forwards too, each at its cost in draft forwards
+    draft_forwards: float = 0  # with SV's companion, its forwards too, each at its cost in draft forwards; the
+    # oracle counts one per candidate it keeps (it would draft no other), as eval's accounting of it does
     companion_forwards: int = 0
     accepted_per_round: list[int] = field(default_factory=list)  # per round that called the target
     drafted_per_round: list[int] = field(default_factory=list)  # candidates each such round drafted

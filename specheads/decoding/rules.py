@@ -60,7 +60,10 @@ class StopPolicy:
             raise UsageError(f"max_draft must be at least 1, got {self.max_draft}")
 
     def cap(self, room: int) -> int:
-        """The most candidates a round may draft with `room` tokens left to generate."""
+        """The most candidates a round may draft with `room` tokens left to generate: one fewer under a rule with a
+        bonus token, which fills the last slot for free (a candidate there could only take the bonus token's place,
+        at the cost of a draft forward), as transformers' assisted generation drafts."""
+        room = max(room - 1, 0) if self.bonus else room
         return room if self.max_draft is None else min(self.max_draft, room)
 
     def stop(self, drafted: Drafted) -> bool:
@@ -147,8 +150,9 @@ class SvCompanionStop(HeadStop):
 class Oracle(StopPolicy):
     """The hindsight oracle of SpecDec++ Theorem 4.1: stop just before the first candidate the target rejects.
 
-    It drafts up to the cap and counts only the accepted candidates as drafted, so it never discards a
-    token; the target's call then yields the token at the first rejection (exact, as in a normal round).
+    It drafts up to the cap and counts only the accepted candidates as drafted, and one draft forward for each of
+    them (what it would have spent had it known), so it never discards a token; the target's call then yields the
+    token at the first rejection (exact, as in a normal round). eval reads the same accounting off constant K_max.
     """
 
     name: ClassVar[str] = "oracle"
@@ -248,9 +252,13 @@ class AdaEdlRule(StopPolicy):
 @dataclass(frozen=True)
 class TransformersDefault(StopPolicy):
     """transformers' assisted generation as users get it (`specheads.decoding.online.TransformersConfidence`): the
-    confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates."""
+    confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates and one
+    fewer than the tokens left (`cap`), ending at a stop token as its assistant does."""
 
     name: ClassVar[str] = "transformers"
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.ends_output  # the assistant stops drafting at EOS
 
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.online import TransformersConfidence
@@ -261,14 +269,11 @@ class TransformersDefault(StopPolicy):
 @dataclass(frozen=True)
 class TransformersHeuristicK(StopPolicy):
     """transformers' older default, the `heuristic` schedule (`specheads.decoding.online.TransformersHeuristic`):
-    `threshold` candidates at first (5), + 2 after a fully accepted round, else − 1 (at least 1); no cap but the
-    tokens left to generate."""
+    `threshold` candidates at first (5), + 2 after a fully accepted round, else − 1 (at least 1); no cap but one
+    fewer than the tokens left to generate (`cap`)."""
 
     max_draft: int | None = None
     name: ClassVar[str] = "transformers_heuristic"
-
-    def cap(self, room: int) -> int:
-        return max(room - 1, 0)  # transformers drafts at most one fewer than the tokens left: the target adds the last
 
     def signal_says_stop(self, drafted: Drafted) -> bool:
         return drafted.ends_output  # the assistant stops drafting at EOS

@@ -41,10 +41,11 @@ def verify_siblings(logp_all: torch.Tensor, candidates: list[tuple[int, torch.Te
     With p_1 = p, candidate i is accepted with min(1, p_i(x)/q_i(x)); a rejection leaves p_{i+1} = norm(max(0,
     p_i − q_i)); when all are rejected the position's token is drawn from the last p. The token follows p whatever
     the candidates, provided each drawn one was drawn from its q_i and whether it was drafted at all was settled
-    before its draw (docs/method.md, "Tree drafts"). Returns (the accepted candidate's index, None) or (None, the
-    token drawn)."""
+    before its draw (docs/method.md, "Tree drafts"). p may sit on another device than q (a split target's last
+    shard). Returns (the accepted candidate's index, None) or (None, the token drawn)."""
     log_probs = logp_all
     for index, (token, proposal) in enumerate(candidates):
+        proposal = None if proposal is None else proposal.to(logp_all.device)  # q meets p on p's device
         if accepts(float(log_probs[token]), 0.0 if proposal is None else float(proposal[token]), generator):
             return index, None
         drawn_from = (torch.zeros_like(logp_all).index_fill_(0, torch.tensor([token], device=logp_all.device), 1.0)

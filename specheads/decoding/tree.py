@@ -153,7 +153,9 @@ class TreeDrafter:
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
-        paths of at most `depth_cap` nodes."""
+        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot)."""
+        if depth_cap < 1:
+            return DraftTree()
         logits, states = draft.feed({0: tail})[0]
         tree = DraftTree()
         opened = tree.opened
@@ -285,7 +287,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         tokens, generated, result = list(prompt), [], DecodeResult(tokens=[])
         while len(generated) < max_new_tokens:
             room = max_new_tokens - len(generated)
-            tree = drafter.grow(draft, tokens[draft.length(0):], min(rule.budget, room))
+            tree = drafter.grow(draft, tokens[draft.length(0):], min(rule.budget, room - 1))  # the last slot: the target's token
             tested: list[tuple[int, bool]] = []
             path, token, target_slots = verify_tree(engine, target, tokens[target.length(0):], tree, generator, tested)
             if checked is not None:

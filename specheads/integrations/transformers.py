@@ -23,37 +23,55 @@ generator, seeded from torch's global RNG, so `torch.manual_seed` makes runs rep
 
 What transformers 5.x does not hand a `custom_generate` callable, and how to pass it instead:
 - `assistant_model` is dropped: pass the draft as `draft=`.
-- `streamer` is dropped (generate puts only the prompt into it): pass the streamer as `token_streamer=`.
+- `streamer` is dropped (generate puts only the prompt into it, then calls the callable without it): pass the
+  streamer as `token_streamer=`; a `streamer=` is refused (it is read off generate's frame, the one place it is).
 - `stop_strings` needs the tokenizer, which is dropped too: pass
   `stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, [...])])`.
 
+A draft whose vocabulary has another number of padded rows than the target's (Qwen2.5-0.5B drafting for
+Qwen2.5-7B: 151 936 and 152 064 rows) decodes exactly, as transformers' assisted generation accepts it: the round
+engine takes q over the target's rows (`specheads.decoding.engine.fit_vocabulary`): the target's extra rows keep
+their probability under p (the residual draw can give them), the draft's extra rows are never proposed.
+
 Refused with one line each: a logits processor other than temperature, top-k and top-p (repetition penalty, min
-length, suppressed tokens ... change p with the text and are not what the head was trained on), beam search,
-return_dict_in_generate and the output_* switches, a prefilled cache, a SPRINTER
-verifier (approximate by design), a head whose hidden size or state layer does not fit the draft.
+length, suppressed tokens ... change p with the text and are not what the head was trained on), beam search and the
+other decoding modes (contrastive search's `penalty_alpha`, DoLa's `dola_layers`, prompt lookup ...), inputs other
+than the prompt's ids (pixel values, encoder outputs, inputs_embeds), return_dict_in_generate and the output_*
+switches, a prefilled cache, a SPRINTER verifier (approximate by design), a head whose hidden size or state layer
+does not fit the draft or that reads the target's state, and a draft or target that is provably not the one the
+head was trained for (`check_trained_for`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.result import DecodeResult
+from specheads.embedded import EMBEDDED_NAME
 from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, load_head
 from specheads.heads.loading import STOP_RULE, DecisionRule
+from specheads.models import ModelSpec, resolve_source, weights_identity
 from specheads.sampling import SamplingTransform
 
 UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                         "output_hidden_states")
 """Generation-config switches that ask for per-step outputs a speculative round does not produce one token at a time."""
 TRANSFORM_FIELDS = ("temperature", "top_k", "top_p")
+PROMPT_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                           "cache_position"})
+"""The model kwargs generate prepares from a text prompt; the round engine rebuilds each from the prompt's ids."""
 
 
 def sampling_of(processors: LogitsProcessorList, do_sample: bool) -> SamplingTransform:
@@ -126,10 +144,94 @@ def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -
                          "train a head for yours")
 
 
-def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool) -> None:
+def loaded_from(model: Any) -> Path | None:
+    """The local folder `model` was loaded from (its config's name_or_path), None for a Hub id or a model built in
+    memory."""
+    name = getattr(getattr(model, "config", None), "name_or_path", None)
+    folder = Path(name).expanduser() if isinstance(name, str) and name else None
+    return folder.resolve() if folder is not None and folder.is_dir() else None
+
+
+def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
+    """What provably differs between `model` and the weights a head's config.json records for it
+    (`specheads.models.weights_identity`), or None. Provable: another model class, or the very folder the head's
+    data was made from whose files no longer hash as recorded. Not provable, so let through: a model from the Hub (the
+    revision it was loaded at is not on the model), from another folder (the same weights can be laid out in other
+    files), or built in memory."""
+    if not recorded:
+        return None
+    here = type(getattr(model, "_orig_mod", model)).__name__  # a torch.compile'd model is its module
+    if recorded.get("class") and recorded["class"] != here:
+        return f"it is a {here}, the head was trained on a {recorded['class']}"
+    spec = recorded.get("spec") or {}
+    path, folder = spec.get("path"), loaded_from(model)
+    if not recorded.get("weights_sha256") or folder is None or not isinstance(path, str) or path == EMBEDDED_NAME:
+        return None
+    if not Path(path).expanduser().exists():
+        return None
+    named = ModelSpec(path=path, revision=spec.get("revision"), gguf_file=spec.get("gguf_file"))
+    source = resolve_source(named)
+    if not source.is_local or Path(source.location).resolve() != folder:
+        return None
+    if weights_identity(named, model).get("weights_sha256") != recorded["weights_sha256"]:
+        return f"the files of {folder} have changed since the head's data was made from them"
+    return None
+
+
+def check_trained_for(head: AcceptanceHead, draft: Any, target: Any) -> None:
+    """Refuse a draft (or, for a draft derived from the target, a target) that is provably not the one the head was
+    trained for (`trained_for`, as `load_head` reads it from config.json); where its identity cannot be determined
+    from the model, nothing is refused (`load_head(..., expect_draft=)` checks a draft identity you give)."""
+    recorded = (getattr(head, "trained_for", None) or {}).get("draft") or {}
+    weights = recorded.get("weights") or {}
+    name = recorded.get("name") or "its draft"
+    if weights.get("derived_from_target"):
+        skipped = len(weights.get("skip_layers") or [])
+        layers = [getattr(model.config, "num_hidden_layers", None) for model in (draft, target)]
+        differs = (f"it has {layers[0]} layers, the target minus {skipped} has {layers[1] - skipped}"
+                   if None not in layers and layers[0] != layers[1] - skipped
+                   else weights_mismatch(recorded.get("target_weights"), target))
+    else:
+        differs = weights_mismatch(weights, draft)
+    if differs:
+        raise UsageError(f"this draft is not the one the head was trained for ({name}): {differs}; pass that draft "
+                         "(and its target), or train a head for this one")
+
+
+def generate_streamer() -> Any:
+    """The `streamer=` of the `generate` call running this callable (None when none was given or there is no such
+    call): transformers 5.x puts the prompt into it and does not hand it to a custom_generate callable, so it is read
+    off generate's frame."""
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        return None if frame is None else frame.f_locals.get("streamer")
+    finally:
+        del frame
+
+
+def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool, streamer: Any = None) -> None:
     """Refuse the generate options a speculative round cannot honour, one line each."""
+    if streamer is not None:
+        raise UsageError("transformers 5.x never hands generate's streamer= to a custom_generate callable (it would get "
+                         "the prompt only); pass your streamer as token_streamer= instead")
     if getattr(generation_config, "num_beams", 1) > 1:
         raise UsageError("speculative_generate does not support beam search (num_beams > 1); use num_beams=1")
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        options = [name for name in ("penalty_alpha", "dola_layers", "constraints", "force_words_ids",
+                                     "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+                   if getattr(generation_config, name, None) not in (None, False, 0)]
+        many = len(options) != 1
+        raise UsageError(f"speculative_generate decodes by greedy search or sampling; {', '.join(options) or 'your options'} "
+                         f"ask{'' if many else 's'} for {mode.value.replace('_', ' ')}, which it cannot honour: drop "
+                         f"{'them' if many else 'it'}")
+    inputs = sorted(name for name, value in model_kwargs.items() if value is not None and name not in PROMPT_KWARGS)
+    if inputs:
+        raise UsageError(f"speculative_generate decodes from the prompt's token ids alone and cannot honour "
+                         f"{', '.join(inputs)}; use the target's own generate for those inputs")
     asked = [name for name in UNSUPPORTED_SWITCHES if getattr(generation_config, name, False)]
     if asked:
         raise UsageError(f"speculative_generate returns the token ids only; drop {', '.join(asked)}")
@@ -179,9 +281,11 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     (module docstring). Returns the sequences as `generate` does (prompt, new tokens, then pad ids where a row ended
     early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens)."""
     module, rule = resolve_head(head)
-    check_options(generation_config, model_kwargs, synced_gpus)
+    check_options(generation_config, model_kwargs, synced_gpus, streamer if streamer is not None else generate_streamer())
     transform = sampling_of(logits_processor, bool(generation_config.do_sample))
     check_pair(module, draft, transform)
+    check_decodable_head(module)
+    check_trained_for(module, draft, model)
     if token_streamer is not None and input_ids.shape[0] > 1:
         raise UsageError("token_streamer streams one sequence; generate one prompt at a time to stream")
     prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))

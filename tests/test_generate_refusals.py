@@ -1,0 +1,120 @@
+"""`target.generate(custom_generate=speculative_generate)` refuses in one line, before any forward, what it cannot
+honour and would otherwise drop silently: generate's own streamer, contrastive search and DoLa, inputs other than the
+prompt's ids, a head that reads the target's state, and a draft that is provably not the one the head was trained
+for; a draft whose identity cannot be determined is let through."""
+
+import pytest
+import torch
+from test_eval import PROMPT, tiny_lm
+from test_integration_transformers import Collect, head_for
+from transformers import LlamaForCausalLM
+
+from specheads.decoding import RoundEngine, make_policy
+from specheads.errors import UsageError
+from specheads.heads import OnTimeAcceptanceHead
+from specheads.integrations.transformers import speculative_generate
+from specheads.models import ModelSpec, draft_identity, weights_identity, without_layers
+from specheads.sampling import SamplingTransform
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
+    for model in (target, draft):
+        model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+        model.generation_config.bos_token_id = None
+    return target, draft
+
+
+def generate(target, draft, head, **options):
+    options = {"max_new_tokens": 2, "do_sample": False, **options}
+    return target.generate(torch.tensor([PROMPT]), custom_generate=speculative_generate, draft=draft, head=head, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"penalty_alpha": 0.6, "top_k": 2}, "penalty_alpha asks for contrastive search"),
+    ({"dola_layers": "high"}, "dola_layers asks for dola generation"),
+    ({"prompt_lookup_num_tokens": 2}, "prompt_lookup_num_tokens asks for assisted generation"),
+    ({"mm_encoder_outputs": torch.zeros(1, 4)}, "cannot honour mm_encoder_outputs"),
+])
+def test_options_generate_would_drop_silently_are_refused_in_one_line(pair, options, message):
+    target, draft = pair
+    with pytest.raises(UsageError, match=message) as refused:
+        generate(target, draft, head_for(SamplingTransform(0.0)), **options)
+    assert "\n" not in str(refused.value)
+
+
+def test_generates_own_streamer_is_refused_pointing_to_token_streamer(pair):
+    """transformers 5.x puts the prompt into generate's streamer and calls the callable without it: refused (the
+    prompt is all it ever gets), before any token is decoded."""
+    target, draft = pair
+    streamer = Collect()
+    with pytest.raises(UsageError, match="pass your streamer as token_streamer= instead"):
+        generate(target, draft, head_for(SamplingTransform(0.0)), streamer=streamer)
+    assert streamer.tokens == PROMPT and not streamer.ended
+
+
+def test_inputs_embeds_instead_of_ids_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(UsageError, match="cannot honour inputs_embeds"):
+        target.generate(inputs_embeds=torch.zeros(1, 2, 16), max_new_tokens=2, do_sample=False,
+                        custom_generate=speculative_generate, draft=draft, head=head_for(SamplingTransform(0.0)))
+
+
+def counted(model) -> list[int]:
+    """A list that grows by one at each forward of `model`'s decoder (what the round engine runs)."""
+    calls: list[int] = []
+    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_a_head_that_reads_the_targets_state_is_refused_before_any_forward():
+    target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
+    forwards = counted(draft), counted(target)
+    head = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq"], target_state_size=16).eval()
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    with pytest.raises(UsageError, match="reads the target's state"):
+        engine.decode([PROMPT], make_policy("head", 0.5), 4, [0], head)
+    with pytest.raises(UsageError, match="reads the target's state"):
+        generate(target, draft, (head, head_for(None)[1]))
+    assert forwards == ([], [])
+
+
+def saved(model, folder) -> LlamaForCausalLM:
+    model.save_pretrained(folder)
+    return LlamaForCausalLM.from_pretrained(folder).eval()
+
+
+def trained_for(draft_id: dict, target_weights: dict | None = None) -> OnTimeAcceptanceHead:
+    """A head whose `trained_for` is what load_head reads from an export's config.json for this draft identity."""
+    head, _ = head_for(SamplingTransform(0.0))
+    head.trained_for = {**head.trained_for, "draft": {**draft_id, "target_weights": target_weights}}
+    return head
+
+
+def test_a_draft_that_is_provably_not_the_heads_is_refused_and_an_undetermined_one_is_not(tmp_path, pair):
+    target, _ = pair
+    draft = saved(tiny_lm(seed=2), tmp_path / "draft")
+    head = trained_for(draft_identity(ModelSpec(path=str(tmp_path / "draft")), draft))
+    assert generate(target, draft, head).shape == (1, len(PROMPT) + 2)  # the very draft
+    assert generate(target, tiny_lm(seed=5), head).shape == (1, len(PROMPT) + 2)  # built in memory: undetermined
+    assert generate(target, saved(tiny_lm(seed=2), tmp_path / "copy"), head) is not None  # another folder: undetermined
+    changed = saved(tiny_lm(seed=5), tmp_path / "draft")  # a fine-tune saved over the folder the head's data came from
+    with pytest.raises(UsageError, match=r"not the one the head was trained for .*files of .*draft have changed"):
+        generate(target, changed, head)
+    other_class = {**head.trained_for["draft"], "weights": {**head.trained_for["draft"]["weights"],
+                                                              "class": "MistralForCausalLM"}}
+    with pytest.raises(UsageError, match="it is a LlamaForCausalLM, the head was trained on a MistralForCausalLM"):
+        generate(target, draft, trained_for(other_class))
+
+
+def test_a_draft_derived_from_the_target_is_checked_against_the_layers_it_skipped(tmp_path):
+    target = saved(tiny_lm(seed=1), tmp_path / "target")  # two layers
+    spec = ModelSpec(path=None, skip_layers=[1])
+    head = trained_for(draft_identity(spec, without_layers(target, [1]), target=(ModelSpec(path=str(tmp_path / "target")), target)),
+                       weights_identity(ModelSpec(path=str(tmp_path / "target")), target))
+    for model in (target,):
+        model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    assert generate(target, without_layers(target, [1]), head).shape == (1, len(PROMPT) + 2)
+    with pytest.raises(UsageError, match="it has 2 layers, the target minus 1 has 1"):
+        generate(target, tiny_lm(seed=2), head)
