@@ -99,6 +99,9 @@ def decoding_line(figures: dict[str, Any]) -> str:
              for baseline, what in named if f"gain_vs_{baseline}" in d]
     if gains:
         line += " vs " + "; vs ".join(gains)
+    if "head_cost_speedup" in d:
+        line += (f"; its rule read from the costs (tuned nowhere) {d['head_cost_speedup']:.3f}x"
+                 + (f", {d['head_cost_gain_vs_head'] * 100:+.1f} % against h" if "head_cost_gain_vs_head" in d else ""))
     if "oracle_speedup" in d:
         line += f"; oracle {d['oracle_speedup']:.3f}x"
         if d.get("beat_the_oracle"):

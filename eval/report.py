@@ -56,6 +56,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                              + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
                                 else "."))
         lines += strongest_baseline_lines(result)
+        lines += cost_rule_lines(decoding, result)
         if "oracle_speedup" in result:
             lines += oracle_lines(decoding, result)
     else:
@@ -94,6 +95,28 @@ def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     if missing:
         lines.append(f"Not decoded here, so not among the rules compared: {', '.join(missing)}.")
     return lines
+
+
+def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[str]:
+    """The head's rule read from the costs (decoded at the stated c, tuned nowhere) against the head's tuned threshold
+    and the strongest free rule, recorded in `result` as `head_cost_speedup` and `head_cost_gain_vs_*`."""
+    row = tuned_row(decoding, "head_cost")
+    if row is None:
+        return []
+    intervals = decoding.get("head_cost_gain_intervals") or {}
+    result["head_cost_speedup"] = row["modelled_speedup"]
+    parts = []
+    for other, what in (("head", "the head's tuned threshold"),
+                        (result.get("strongest_baseline"), f"the strongest free rule, {result.get('strongest_baseline')}")):
+        if other is None or f"{other}_speedup" not in result and other != "head":
+            continue
+        theirs = result["modelled_speedup"] if other == "head" else result[f"{other}_speedup"]
+        gain, ci = row["modelled_speedup"] / theirs - 1, intervals.get(other)
+        result[f"head_cost_gain_vs_{other}"], result[f"head_cost_gain_vs_{other}_ci"] = gain, ci
+        parts.append(f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
+                     + f" against {what}")
+    return [f"The head's rule read from the costs (c = {row['threshold']:g}, tuned nowhere) reaches "
+            f"{row['modelled_speedup']:.3f}× on the test prompts: " + "; ".join(parts) + "."]
 
 
 def logprob_difference(difference: float) -> str:

@@ -63,7 +63,7 @@ from specheads.eval.sweep import (
 from specheads.eval.tuned import given_tuning, load_tuning
 from specheads.files import check_output_folder, write_json_atomic
 from specheads.heads import STOP_PURPOSES
-from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule
+from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_rule_head_refusal
 from specheads.lock import folder_lock
 from specheads.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
 from specheads.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
@@ -249,6 +249,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
+    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere
+        settings.append(Setting("head_cost", config.cost_ratio))
     if companion is None and any(s.policy == "sv_companion" for s in settings):
         raise UsageError(f"{config.tuned_from or '--fixed-thresholds'} names SV's companion rule; give "
                          "--sv-companion-skip-layers")
@@ -270,10 +272,15 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}
+    cost_rule = Setting("head_cost", config.cost_ratio)
+    cost_rule_intervals = {other: paired_gain_interval(records, cost_rule, Setting(other, tuned[other]), config.cost_ratio,
+                                                       config.bootstrap, config.seed)
+                           for other in (learned, *BASELINE_POLICIES) if "head_cost" in tuned and other in tuned}
     section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
-               "gain_intervals": intervals, "policies": test, "dev_policies": dev,
+               "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals, "policies": test,
+               "dev_policies": dev,
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}

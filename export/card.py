@@ -92,8 +92,16 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
     layer = config.get("state_layer")
     state = "last hidden state" if layer is None else f"hidden state after decoder layer {layer} (`state_layer`)"
     what = describe_head(config, state)
-    threshold = (f"{rule['threshold']:g} (tuned on dev prompts for t_draft/t_target = {rule.get('cost_ratio')})"
-                 if rule["tuned"] else f"{rule['threshold']:g} (untuned default: run `specheads eval` and re-export)")
+    choice = config.get("rule_choice") or {}
+    if rule["rule"] == "draft_while_the_next_candidate_pays":
+        threshold = (f"t_draft/t_target = {rule['threshold']:g}, tuned nowhere: draft one more candidate while its "
+                     "expected token S_k · μ pays for its cost at the request's rate (docs/method.md of specheads, \"A "
+                     "stop rule read from the costs\"); give your own ratio as `cost_ratio=` to `generate`")
+    else:
+        threshold = (f"{rule['threshold']:g} (tuned on dev prompts for t_draft/t_target = {rule.get('cost_ratio')})"
+                     if rule["tuned"] else f"{rule['threshold']:g} (untuned default: run `specheads eval` and re-export)")
+    if choice.get("why"):
+        threshold += f". Why this rule: {choice['why']}"
     body = [f"# {config['head_type']} acceptance head for `{draft}` → `{target}`", "",
             f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
             "## Use", "", "```python", "from specheads.heads import load_head", "",

@@ -14,7 +14,7 @@ from specheads.errors import UsageError
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.files import check_output_folder, replace_folder, usual_permissions
-from specheads.heads.loading import HEAD_FORMAT, HEAD_FORMAT_VERSION, DecisionRule
+from specheads.heads.loading import COST_RULE, HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, DecisionRule, cost_rule_refusal
 from specheads.report_file import Report, read_report
 
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
@@ -37,6 +37,26 @@ def report_of_this_head(folder: Path, trained: TrainedHead) -> tuple[Report, Pat
                          f"`specheads eval --head {trained.source}` for one")
     roc = folder / "roc.png"
     return report, roc if roc.is_file() else None
+
+
+def default_rule(trained: TrainedHead, report: Report) -> tuple[DecisionRule, dict[str, Any]]:
+    """The rule the head carries, and why (config.json's `rule_choice`): for a stop head whose calibration eval found
+    good enough (`cost_rule_refusal`), the rule read from the costs at the report's c; otherwise the report's rule
+    (a tuned threshold)."""
+    rule = report.decision_rule
+    if rule.rule != STOP_RULE:
+        return rule, {"rule": rule.rule, "why": "a SPRINTER verifier's rule"}
+    max_draft = rule.max_draft or int(report.config.get("max_draft") or 8)
+    refusal = cost_rule_refusal(trained.head, report.cumulative, max_draft)
+    tuned = rule.threshold if rule.tuned else None
+    if refusal:
+        return rule, {"rule": rule.rule, "why": f"a tuned threshold: {refusal}", "tuned_threshold": tuned}
+    cost_ratio = float(rule.cost_ratio or report.config.get("cost_ratio") or 0.2)
+    worst = max(row["ece"] for row in report.cumulative or () if row["stage"] == "calibrated" and row["k"] <= max_draft)
+    return (DecisionRule(COST_RULE, cost_ratio, tuned=False, max_draft=max_draft, cost_ratio=cost_ratio),
+            {"rule": COST_RULE, "why": f"its calibrated survival product is within ECE {worst:.3f} of the realised one "
+                                       f"at every round position up to {max_draft} on held-out prompts, so the rule "
+                                       "is read from the costs, tuned nowhere", "tuned_threshold": tuned})
 
 
 def head_config(trained: TrainedHead, rule: DecisionRule, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -127,11 +147,14 @@ def export(config: ExportConfig) -> dict[str, Any]:
     check_output_folder(Path(config.out))
     trained = load_trained(config.ckpt)
     report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)
+    choice = None
     if report:
-        rule, metrics = report.decision_rule, report.headline()
+        (rule, choice), metrics = default_rule(trained, report), report.headline()
     else:  # an exported folder keeps its own rule and headline; a checkpoint without a report is untuned
         rule, metrics = trained.rule, dict(trained.evaluation or {})
     config_json = head_config(trained, rule, metrics)
+    if choice is not None:
+        config_json["rule_choice"] = choice
     out = Path(config.out)
     if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json)):
         write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite)

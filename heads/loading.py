@@ -24,7 +24,13 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 STOP_RULE = "stop_drafting_when_rejection_risk_above"
+COST_RULE = "draft_while_the_next_candidate_pays"
 VERIFY_RULE = "call_target_when_acceptance_below"
+STOP_RULES = (STOP_RULE, COST_RULE)
+"""The rules of a stop head: a tuned threshold on 1 − Π â, or the rule read from the costs (docs/method.md)."""
+COST_RULE_MAX_ECE = 0.05
+"""The largest calibrated ECE of the survival product Π_{j≤k} â_j, at any round position k up to the rule's max_draft
+on held-out prompts, at which export gives a head the cost rule: the rule takes Π â as a probability."""
 HEAD_FORMAT = "specheads-head"
 HEAD_FORMAT_VERSION = 1
 """The `format` and `format_version` config.json declares (written by `specheads export`); a folder saved by
@@ -40,6 +46,8 @@ class DecisionRule:
     `stop_drafting_when_rejection_risk_above` (SpecDec++ stop heads): end the round once 1 − Π â_j over the
     round's scored candidates exceeds `threshold`, or at `max_draft` candidates (an `at_draft` head has scored
     the candidate just drafted, a `one_step_late` head the ones before it; docs/decoding-core.md).
+    `draft_while_the_next_candidate_pays` (calibrated stop heads, `specheads.decoding.cost_rule`): draft one more
+    candidate while S_k · μ exceeds ρ · (c + Δv); `threshold` is c = t_draft/t_target, nothing tuned.
     `call_target_when_acceptance_below` (SPRINTER verifiers): send the drafted token to the target
     when its â is below `threshold`; otherwise keep it unverified.
     """
@@ -52,10 +60,16 @@ class DecisionRule:
 
     def __post_init__(self) -> None:
         fix = "tune it again with `specheads eval`"
-        if self.rule not in (STOP_RULE, VERIFY_RULE):
-            raise UsageError(f"unknown decision rule {self.rule!r} (known: {STOP_RULE}, {VERIFY_RULE}); {fix}")
-        # both rules compare a probability (1 − Π â, or â) with the threshold: outside [0, 1] it never or always acts
-        if not (is_number(self.threshold) and 0.0 <= self.threshold <= 1.0):
+        if self.rule not in (*STOP_RULES, VERIFY_RULE):
+            raise UsageError(f"unknown decision rule {self.rule!r} (known: {', '.join((*STOP_RULES, VERIFY_RULE))}); "
+                             f"{fix}")
+        if self.rule == COST_RULE:
+            if self.tuned or not (is_number(self.threshold) and 0.0 < self.threshold < 1.0):
+                raise UsageError(f"the {COST_RULE} rule's value is the cost ratio t_draft/t_target in (0, 1) and is "
+                                 f"tuned nowhere, got {self.threshold!r} (tuned: {self.tuned!r}); re-export the head "
+                                 "with `specheads export`")
+        # the other rules compare a probability (1 − Π â, or â) with the threshold: outside [0, 1] never or always acts
+        elif not (is_number(self.threshold) and 0.0 <= self.threshold <= 1.0):
             raise UsageError(f"the {self.rule} threshold must be a number in [0, 1], got {self.threshold!r}; {fix}")
         if not isinstance(self.tuned, bool):
             raise UsageError(f"the decision rule's `tuned` must be true or false, got {self.tuned!r}; {fix}")
@@ -75,6 +89,36 @@ class DecisionRule:
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for config.json."""
         return asdict(self)
+
+
+def cost_rule_head_refusal(head: Any) -> str | None:
+    """Why this head cannot take the rule read from the costs whatever its calibration measures (None: it can): the
+    rule needs a stop head that scores each candidate when drafted and carries a per-position calibration."""
+    if getattr(head, "purpose", None) not in ("stop", "expect"):
+        return "it is not a stop head"
+    if getattr(head, "decides", None) not in ("at_draft", "before_draw"):
+        return f"a head that decides {getattr(head, 'decides', None)} knows the survival product a candidate late"
+    if head.calibration is None:
+        return "its survival product is not calibrated per round position"
+    return None
+
+
+def cost_rule_refusal(head: Any, cumulative: list[dict[str, Any]] | None, max_draft: int) -> str | None:
+    """Why a stop head keeps a tuned threshold rather than the rule read from the costs (None: the calibration allows
+    that rule): `cost_rule_head_refusal`, and its calibrated survival product within COST_RULE_MAX_ECE of the realised
+    one at every round position up to `max_draft` on held-out prompts (`cumulative`: eval's `cumulative_calibration`
+    rows)."""
+    refusal = cost_rule_head_refusal(head)
+    if refusal:
+        return refusal
+    rows = [row for row in cumulative or () if row["stage"] == "calibrated" and row["k"] <= max_draft]
+    if not rows:
+        return "no calibrated survival product was measured on held-out prompts (run `specheads eval`)"
+    worst = max(rows, key=lambda row: row["ece"])
+    if worst["ece"] > COST_RULE_MAX_ECE:
+        return (f"its calibrated survival product is off by ECE {worst['ece']:.3f} at round position {worst['k']} "
+                f"(the rule needs <= {COST_RULE_MAX_ECE})")
+    return None
 
 
 def is_number(value: Any) -> bool:
@@ -189,7 +233,7 @@ def decision_rule_of(folder: Path, config: dict[str, Any], purpose: str) -> Deci
                          "`specheads export`") from None
     except UsageError as error:
         raise UsageError(f"{where}: {error}") from None
-    if rule.rule != untuned.rule:
+    if rule.rule != untuned.rule and not (rule.rule in STOP_RULES and untuned.rule in STOP_RULES):
         raise UsageError(f"{where}: a {purpose} head acts by the rule {untuned.rule}, but decision_rule names "
                          f"{rule.rule}; re-export the head with `specheads export`")
     return rule

@@ -14,6 +14,7 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.errors import UsageError
 from specheads.heads import OnTimeAcceptanceHead, PositionCalibration, ResNetAcceptanceHead, load_head
 from specheads.heads.calibration import cumulative_products, round_windows, window_starts
+from specheads.heads.loading import COST_RULE, STOP_RULE, cost_rule_refusal
 from specheads.metrics import expected_calibration_error, soft_auc
 from specheads.sampling import SamplingTransform
 from specheads.targets import head_inputs
@@ -213,6 +214,11 @@ def test_trained_calibration_travels_from_checkpoint_to_report_and_export(traine
     config = json.loads((exported / "config.json").read_text())
     assert config["decides"] == "at_draft" and config["reads"] == "context_state"
     assert config["calibration"] == head.head.calibration.as_dict()
+    # the rule read from the costs was decoded beside the others at the stated c, and export chose by the calibration
+    assert any(r["policy"] == "head_cost" and r["threshold"] == 0.2 for r in metrics["decoding"]["policies"])
+    refusal = cost_rule_refusal(head.head, metrics["cumulative"], 3)
+    assert config["decision_rule"]["rule"] == (STOP_RULE if refusal else COST_RULE)
+    assert config["rule_choice"]["why"].endswith(refusal) if refusal else "tuned nowhere" in config["rule_choice"]["why"]
     loaded, _ = load_head(str(exported))
     hidden, signals, embedding = torch.randn(3, 32), torch.randn(3, 4), torch.randn(3, 32)
     assert torch.equal(loaded.predict(hidden, signals, embedding, 2), head.head.predict(hidden, signals, embedding, 2))

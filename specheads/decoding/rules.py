@@ -135,6 +135,34 @@ class HeadStop(StopPolicy):
 
 
 @dataclass(frozen=True)
+class HeadCostStop(StopPolicy):
+    """A calibrated head's stop rule read from the costs (`specheads.decoding.cost_rule`): draft one more candidate
+    while its expected token, S_k · μ, is worth its cost at the request's rate, ρ · (c + Δv). `threshold` is c =
+    t_draft/t_target, not a tuned value; with serving costs, Δv follows the target's curve (flat otherwise)."""
+
+    name: ClassVar[str] = "head_cost"
+    reads_head: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.threshold < 1.0:
+            raise UsageError(f"the head_cost rule's value is the cost ratio t_draft/t_target, in (0, 1); got "
+                             f"{self.threshold}")
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.cost_rule import CostPlanner
+
+        return CostPlanner(self.threshold, None if costs is None else costs.target)
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        if head.decides not in ("at_draft", "before_draw"):
+            raise UsageError(f"the head_cost rule reads the survival product of the candidates drafted so far; a "
+                             f"{head.head_type} head decides {head.decides} (a candidate behind); use an on-time "
+                             "(specdecpp_ontime) or expected_acceptance head")
+
+
+@dataclass(frozen=True)
 class SvCompanionStop(HeadStop):
     """SV's companion predictor as a stop rule (`specheads.decoding.companion`): the companion runs beside the draft
     and scores each candidate when it is drafted; the head's rule on those scores, stop when 1 − Π p̂ exceeds h. Its
@@ -284,10 +312,10 @@ class TransformersHeuristicK(StopPolicy):
         return TransformersHeuristic(int(self.threshold))
 
 
-RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, Oracle, SprinterRule,
+RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, HeadCostStop, Oracle, SprinterRule,
                                                                  VerifyBudget, SmartSpecK, VllmOnline, AdaEdlRule, TransformersDefault,
                                                                  TransformersHeuristicK, SvCompanionStop)}
-STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "oracle", "vllm_online", "adaedl", "transformers",
+STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "head_cost", "oracle", "vllm_online", "adaedl", "transformers",
                  "transformers_heuristic", "sv_companion")
 ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic")
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",

@@ -10,7 +10,9 @@
 `generate` prepares the inputs, the logits processors and the stopping criteria from its arguments and the
 generation config, then calls `speculative_generate`, which runs the decoding core's round engine
 (`specheads.decoding`) with the head's exported decision rule: the draft proposes candidates until
-1 − Π â exceeds the rule's threshold (or its `max_draft`), the target checks them in one forward, and the p/q test
+1 − Π â exceeds the rule's threshold, or, for a head exported with the rule read from the costs, until the next
+candidate no longer pays for itself at the stated t_draft/t_target (`cost_ratio=` gives yours), or its `max_draft`;
+the target checks them in one forward, and the p/q test
 keeps the output the target's own distribution (greedy: token for token what `target.generate(do_sample=False)`
 gives).
 
@@ -61,7 +63,7 @@ from specheads.decoding.result import DecodeResult
 from specheads.embedded import EMBEDDED_NAME
 from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, load_head
-from specheads.heads.loading import STOP_RULE, DecisionRule
+from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule
 from specheads.models import ModelSpec, resolve_source, weights_identity
 from specheads.sampling import SamplingTransform
 
@@ -116,10 +118,22 @@ def resolve_head(head: Any) -> tuple[AcceptanceHead, DecisionRule]:
     if not (isinstance(head, tuple) and len(head) == 2 and isinstance(head[0], AcceptanceHead)):
         raise UsageError(f"head= must be what load_head returns, a head folder or Hub id; got {type(head).__name__}")
     module, rule = head
-    if rule.rule != STOP_RULE:
+    if rule.rule not in STOP_RULES:
         raise UsageError(f"this head's rule is {rule.rule} (a SPRINTER verifier: approximate decoding); "
                          "speculative_generate runs exact speculative decoding with a stop head")
     return module, rule
+
+
+def rule_policy(rule: DecisionRule, cost_ratio: float | None) -> Any:
+    """The decoding rule of a head's exported rule: its tuned stop threshold, or the rule read from the costs at the
+    exported c or at `cost_ratio` (the caller's hardware), which only that rule can take."""
+    if rule.rule == COST_RULE:
+        return make_policy("head_cost", rule.threshold if cost_ratio is None else cost_ratio, rule.max_draft or 8)
+    if cost_ratio is not None:
+        raise UsageError(f"this head carries a threshold tuned for t_draft/t_target = {rule.cost_ratio} (its calibration "
+                         "did not allow the rule read from the costs); drop cost_ratio=, or tune it again for yours "
+                         "with `specheads eval --cost-ratio`")
+    return make_policy("head", rule.threshold, rule.max_draft or 8)
 
 
 def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -> None:
@@ -276,11 +290,14 @@ def stop_check_of(stopping_criteria: StoppingCriteriaList, stop_ids: set[int], p
 def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
                          stopping_criteria: StoppingCriteriaList, generation_config: Any, synced_gpus: bool = False,
                          streamer: Any = None, draft: Any = None, head: Any = None, token_streamer: Any = None,
-                         stats: list[DecodeResult] | None = None, **model_kwargs: Any) -> torch.LongTensor:
+                         stats: list[DecodeResult] | None = None, cost_ratio: float | None = None,
+                         **model_kwargs: Any) -> torch.LongTensor:
     """A `custom_generate` callable for `target.generate`: speculative decoding with `draft` and the exported `head`
     (module docstring). Returns the sequences as `generate` does (prompt, new tokens, then pad ids where a row ended
-    early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens)."""
+    early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens). `cost_ratio`:
+    your t_draft/t_target, for a head whose rule is read from the costs (`rule_policy`)."""
     module, rule = resolve_head(head)
+    policy = rule_policy(rule, cost_ratio)
     check_options(generation_config, model_kwargs, synced_gpus, streamer if streamer is not None else generate_streamer())
     transform = sampling_of(logits_processor, bool(generation_config.do_sample))
     check_pair(module, draft, transform)
@@ -297,7 +314,6 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
         stop_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
     seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # torch's global RNG: torch.manual_seed repeats a run
     engine = RoundEngine(model, draft, transform, stop_ids)
-    policy = make_policy("head", rule.threshold, rule.max_draft or 8)
 
     def emit(request: int, tokens: list[int]) -> None:
         token_streamer.put(torch.tensor(tokens))

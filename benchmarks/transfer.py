@@ -1,0 +1,273 @@
+"""Decisions that transfer (issue 53): the on-time head's stop rule read from the costs (`head_cost`, tuned nowhere)
+against the free rules with thresholds tuned on one prompt family and tested on the others, per family, at
+c = 0.05, 0.2 and 0.5.
+
+Steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's settings
+between processes (two on the 2-core machine, one torch thread each):
+
+    # every free rule's grid (and the head's tuned rule) on the dev prompts, `--dev-per-family` of each family
+    python benchmarks/transfer.py --step tune --head H --out runs/transfer
+    # on the confirmation prompts: each threshold some family's tuning chose at some c, transformers' default, and
+    # head_cost at each c
+    python benchmarks/transfer.py --step confirm --head H --out runs/transfer
+    # the tables: per c and held-out family, head_cost against each free rule tuned on every other family
+    python benchmarks/transfer.py --step report --out runs/transfer
+
+A family is a prompt's `category` (chat, explanation, code, math, summarisation). Thresholds are tuned per family
+and c on the dev prompts (heldout_decode.jsonl) by the modelled speedup; the figures are on the confirmation prompts
+(heldout_confirm.jsonl), which nothing was tuned on. Prompt i of a file is decoded with seed i under every setting,
+so every comparison is paired by prompt. Counts, not times: speedup = tokens ÷ (c · draft forwards + target calls).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specheads.dataclass_cli import parse_script  # noqa: E402
+from specheads.eval.offline import interval  # noqa: E402
+from specheads.eval.sweep import modelled_speedup  # noqa: E402
+from specheads.files import write_json_atomic  # noqa: E402
+
+FREE_RULES = ("constant_k", "confidence", "adaedl")
+"""The free rules tuned per family (the strongest of issue 34's table, with AdaEDL as the run-time adapted one)."""
+
+
+@dataclass
+class Config:
+    """What to decode.
+
+    Args:
+        step: tune (grids on dev prompts), confirm (the reported runs) or report (the tables).
+        head: the trained on-time head (`.ckpt` or head folder), calibrated per position.
+        out: folder of the records and results.json.
+        shard: `i/n`: this process decodes every n-th setting from the i-th.
+        threads: torch CPU threads (0: torch's default).
+        dev_file: JSONL of the dev prompts, with a `category` per prompt.
+        dev_per_family: dev prompts per family that tune.
+        test_file: JSONL of the confirmation prompts, with a `category` per prompt.
+        max_new_tokens: tokens per run.
+        max_draft: the most candidates of a round, for every rule.
+        batch_size: rows decoded together (continuous batching).
+        cost_ratios: the c at which rules are tuned and judged (head_cost is decoded at each).
+        constant_ks: constant K's grid.
+        confidence: draft confidence's grid (stop when q(ŷ) < h).
+        adaedl: AdaEDL's grid of starting λ.
+        head: the head's tuned stop rule's grid (1 − Π â > h), for reference.
+        transformers_default: decode transformers' untuned default (confidence 0.4, ROC-retuned) on the test prompts.
+        resamples: bootstrap resamples of the paired intervals.
+    """
+
+    step: Literal["tune", "confirm", "report"] = "report"
+    head: str | None = None
+    out: str = "runs/transfer"
+    shard: str = "0/1"
+    threads: int = 0
+    dev_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_decode.jsonl")
+    dev_per_family: int = 10
+    test_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
+    max_new_tokens: int = 24
+    max_draft: int = 8
+    batch_size: int = 32
+    cost_ratios: list[float] = field(default_factory=lambda: [0.05, 0.2, 0.5])
+    constant_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
+    confidence: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.34, 0.5, 0.7])
+    adaedl: list[float] = field(default_factory=lambda: [0.2, 0.36, 0.5, 0.6, 0.7])
+    head_thresholds: list[float] = field(default_factory=lambda: [0.45, 0.6, 0.75])
+    transformers_default: bool = True
+    resamples: int = 2000
+
+
+def grid(config: Config) -> list[tuple[str, float]]:
+    """The tuned rules' settings: policy and threshold (K for constant K)."""
+    return ([("constant_k", float(k)) for k in config.constant_ks] + [("confidence", t) for t in config.confidence]
+            + [("adaedl", t) for t in config.adaedl] + [("head", t) for t in config.head_thresholds])
+
+
+def setting_name(policy: str, threshold: float) -> str:
+    return f"{policy}-{threshold:g}"
+
+
+def prompt_rows(path: str) -> list[dict[str, Any]]:
+    """The JSONL's rows (id, category, prompt), in file order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def dev_rows(config: Config) -> list[dict[str, Any]]:
+    """The first `dev_per_family` dev prompts of each family, with their index in the file (their seed)."""
+    taken: dict[str, int] = {}
+    rows = []
+    for index, row in enumerate(prompt_rows(config.dev_file)):
+        if taken.get(row["category"], 0) < config.dev_per_family:
+            taken[row["category"]] = taken.get(row["category"], 0) + 1
+            rows.append({**row, "seed": index})
+    return rows
+
+
+def test_rows(config: Config) -> list[dict[str, Any]]:
+    return [{**row, "seed": index} for index, row in enumerate(prompt_rows(config.test_file))]
+
+
+def load_records(folder: Path) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """Every decoded setting's records in `folder`."""
+    found = {}
+    for path in sorted(folder.glob("*.json")):
+        payload = json.loads(path.read_text())
+        found[(payload["policy"], float(payload["threshold"]))] = payload["records"]
+    return found
+
+
+def totals(records: list[dict[str, Any]]) -> np.ndarray:
+    """[prompts, 3]: emitted, draft forwards, target calls."""
+    return np.array([[r["emitted"], r["draft_forwards"], r["target_calls"]] for r in records], dtype=float)
+
+
+def speedup(table: np.ndarray, cost_ratio: float) -> np.ndarray:
+    """Modelled speedup over summed prompts (`table` may carry a leading resample axis)."""
+    return modelled_speedup(table[..., 0].sum(-1), table[..., 1].sum(-1), table[..., 2].sum(-1), cost_ratio)
+
+
+def family_of(records: list[dict[str, Any]], family: str) -> list[dict[str, Any]]:
+    return sorted((r for r in records if r["family"] == family), key=lambda r: r["prompt"])
+
+
+def tuned_thresholds(config: Config) -> dict[str, dict[str, dict[str, float]]]:
+    """{c: {policy: {family: the dev threshold of the highest modelled speedup on that family's dev prompts}}}."""
+    decoded = load_records(Path(config.out) / "tune")
+    families = sorted({r["category"] for r in dev_rows(config)})
+    tuned: dict[str, dict[str, dict[str, float]]] = {}
+    for c in config.cost_ratios:
+        for policy in (*FREE_RULES, "head"):
+            options = [(threshold, records) for (p, threshold), records in decoded.items() if p == policy]
+            if not options:
+                continue
+            tuned.setdefault(f"{c:g}", {})[policy] = {
+                family: max(options, key=lambda item: float(speedup(totals(family_of(item[1], family)), c)))[0]
+                for family in families}
+    return tuned
+
+
+def settings(config: Config, step: str) -> list[tuple[str, float]]:
+    """The settings a step decodes."""
+    if step == "tune":
+        return grid(config)
+    chosen = {(policy, threshold) for by_policy in tuned_thresholds(config).values()
+              for policy, by_family in by_policy.items() for threshold in by_family.values()}
+    extra = [("head_cost", c) for c in config.cost_ratios]
+    if config.transformers_default:
+        extra.append(("transformers", 0.4))
+    return sorted(chosen) + extra
+
+
+def decode(config: Config, step: str) -> None:
+    """Decode this shard's settings of `step`, one records file per setting."""
+    import torch
+
+    from specheads.checkpoint import load_trained
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.sampling import SamplingTransform
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.out) / step
+    index, count = (int(part) for part in config.shard.split("/"))
+    todo = [s for i, s in enumerate(settings(config, step)) if i % count == index
+            and not (out / f"{setting_name(*s)}.json").exists()]
+    if not todo:
+        return
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    head = load_trained(config.head).head
+    rows = dev_rows(config) if step == "tune" else test_rows(config)
+    by_id = {p.id: p for p in load_prompts(config.dev_file if step == "tune" else config.test_file)}
+    prompts = [encode_prompt(pair.tokenizer, by_id[row["id"]]) for row in rows]
+    seeds = [row["seed"] for row in rows]
+    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    for policy, threshold in todo:
+        rule = make_policy(policy, threshold, max_draft=config.max_draft)
+        results = engine.decode(prompts, rule, config.max_new_tokens, seeds, head if rule.reads_head else None,
+                                batch_size=config.batch_size)
+        records = [{"prompt": row["id"], "family": row["category"], "emitted": r.emitted, "accepted": r.accepted,
+                    "drafted": r.drafted, "draft_forwards": r.draft_forwards, "target_calls": r.target_calls}
+                   for row, r in zip(rows, results)]
+        write_json_atomic(out / f"{setting_name(policy, threshold)}.json",
+                          {"policy": policy, "threshold": threshold, "records": records})
+        print(step, setting_name(policy, threshold), round(float(speedup(totals(records), 0.2)), 3), flush=True)
+
+
+def gain(mine: np.ndarray, theirs: np.ndarray, cost_ratio: float, draws: np.ndarray) -> list[float]:
+    """[point, low, high] of mine's modelled speedup over theirs, minus 1, paired over prompts."""
+    point = float(speedup(mine, cost_ratio) / speedup(theirs, cost_ratio) - 1)
+    return [point, *interval(list(speedup(mine[draws], cost_ratio) / speedup(theirs[draws], cost_ratio) - 1))]
+
+
+def report(config: Config) -> None:
+    """results.json and the tables (module docstring)."""
+    out = Path(config.out)
+    tuned = tuned_thresholds(config)
+    test = load_records(out / "confirm")
+    families = sorted({r["category"] for r in test_rows(config)})
+    results: dict[str, Any] = {"tuned": tuned, "rows": []}
+    rng = np.random.default_rng(0)
+    for c in config.cost_ratios:
+        key = f"{c:g}"
+        print(f"\n### c = {key}\n")
+        print("| held-out family | head_cost (tuned nowhere) | " + " | ".join(
+            f"{p}: tuned in-family / best tuned on another / head_cost's gain over that [95 %]"
+            for p in (*FREE_RULES, "head")) + " | transformers' default |")
+        print("|---|---|" + "---|" * (len(FREE_RULES) + 2))
+        for family in families:
+            mine = totals(family_of(test[("head_cost", c)], family))
+            draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
+            row: dict[str, Any] = {"c": c, "family": family, "head_cost": float(speedup(mine, c)), "rules": {}}
+            cells = [f"{row['head_cost']:.3f}×"]
+            for policy in (*FREE_RULES, "head"):
+                chosen = tuned[key][policy]
+                by_source = {source: totals(family_of(test[(policy, threshold)], family))
+                             for source, threshold in chosen.items()}
+                others = {source: float(speedup(table, c)) for source, table in by_source.items() if source != family}
+                strongest = max(others, key=others.__getitem__)
+                versus = gain(mine, by_source[strongest], c, draws)
+                in_family = float(speedup(by_source[family], c))
+                row["rules"][policy] = {"in_family": in_family, "in_family_threshold": chosen[family],
+                                        "strongest_other_source": strongest, "strongest_other": others[strongest],
+                                        "strongest_other_threshold": chosen[strongest], "others": others,
+                                        "head_cost_gain_over_strongest_other": versus,
+                                        "head_cost_gain_over_in_family": gain(mine, by_source[family], c, draws)}
+                cells.append(f"{in_family:.3f} / {others[strongest]:.3f} ({strongest}, {chosen[strongest]:g}) / "
+                             f"{100 * versus[0]:+.1f} % [{100 * versus[1]:+.1f}, {100 * versus[2]:+.1f}]")
+            if ("transformers", 0.4) in test:
+                theirs = totals(family_of(test[("transformers", 0.4)], family))
+                row["transformers"] = float(speedup(theirs, c))
+                row["head_cost_gain_over_transformers"] = gain(mine, theirs, c, draws)
+                cells.append(f"{row['transformers']:.3f}×")
+            else:
+                cells.append("–")
+            results["rows"].append(row)
+            print(f"| {family} | " + " | ".join(cells) + " |")
+    write_json_atomic(out / "results.json", results)
+
+
+def main() -> None:
+    config = parse_script(Config, "transfer.py", __doc__.splitlines()[0])
+    if config.step == "report":
+        report(config)
+        return
+    if config.head is None:
+        raise SystemExit("transfer.py: --head is required for the tune and confirm steps; give the on-time head's .ckpt")
+    if config.step == "confirm" and not (Path(config.out) / "tune").is_dir():
+        raise SystemExit("transfer.py: no tune/ records in --out; run --step tune first")
+    decode(config, config.step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""A calibrated head's stop rule read from the costs: no tuned threshold (docs/method.md "A stop rule read from the
+costs").
+
+A round that drafts k candidates and has the target check them costs T(k) = c·k + v(k) target-forward units
+(c = t_draft/t_target; v(k) the target's forward over k + 1 tokens against its forward over one, 1 on a flat curve)
+and yields R(k) = 1 + Σ_{j≤k} S_j tokens in expectation, S_j the chance that the round's first j candidates are all
+accepted. The decoder that maximises the long-run rate ρ* = E[R]/E[T] maximises E[R − ρ*·T] in every round
+(Dinkelbach), so it drafts one more candidate while that candidate's expected token is worth its cost at ρ*:
+
+    S_k · μ_{k+1} > ρ* · (c + v(k+1) − v(k))
+
+where S_k is the calibrated survival product the head has after drafting candidate k (an `at_draft` head's
+Π_{j≤k} â_j) and μ_{k+1} the expected acceptance of the next candidate before it is drawn. The rule estimates both
+from what the request has seen, so nothing is tuned:
+- μ: the mean calibrated â over the request's scored candidates so far (this round's included);
+- ρ*: the request's realised rate, (1 + tokens) / (1 + cost) over its rounds so far, i.e. Dinkelbach's iteration
+  started from one step of target-only decoding (one token for one unit).
+When the gain S_k·μ − ρ·(c + Δv) falls with k (S_k never rises; Δv does not fall on a flat, linear or convex
+curve), the stopping problem is monotone and the one-step look-ahead is the optimal rule: no look-ahead over the
+remaining candidates does better (docs/method.md). Exact: a decision reads only the candidates drafted so far,
+each of which the target then checks, and outcomes already observed (`specheads.decoding.rules`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specheads.decoding.costs import CostCurve
+from specheads.decoding.online import Outcome, PassivePlanner
+from specheads.decoding.rules import Drafted
+
+
+def verify_step(curve: CostCurve | None, drafted: int) -> float:
+    """v(k+1) − v(k) for k = `drafted`: what checking one more candidate adds to the target's forward, in units of
+    its one-token forward (0 on a flat curve, as counted forwards have it)."""
+    if curve is None:
+        return 0.0
+    return (curve(drafted + 2) - curve(drafted + 1)) / curve(1)
+
+
+def verify_cost(curve: CostCurve | None, drafted: int) -> float:
+    """v(k): the target's forward over k + 1 tokens against its forward over one (1 on a flat curve)."""
+    return 1.0 if curve is None else curve(drafted + 1) / curve(1)
+
+
+def worth_drafting(survival: float, next_acceptance: float, rate: float, cost_ratio: float, step: float) -> bool:
+    """Whether one more candidate pays: its expected token S_k·μ against its cost c + Δv at the rate ρ."""
+    return survival * next_acceptance > rate * (cost_ratio + step)
+
+
+def best_constant_length(survival: list[float], cost_ratio: float, curve: CostCurve | None = None) -> tuple[int, float]:
+    """The k that maximises R(k)/T(k) when every round has the survival curve S_1, S_2, … (`survival`), and that
+    rate: the optimum of a round whose survival is known, by enumeration."""
+    best, best_rate, reward = 0, 1.0 / verify_cost(curve, 0), 1.0
+    for k, s in enumerate(survival, start=1):
+        reward += s
+        rate = reward / (cost_ratio * k + verify_cost(curve, k))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best, best_rate
+
+
+@dataclass
+class RequestState:
+    """What the rule knows of one request: its tokens and cost so far, its scored candidates and this round's
+    drafting."""
+
+    tokens: float = 0.0
+    cost: float = 0.0
+    score_sum: float = 0.0
+    scored: int = 0
+    drafted: int = 0
+
+    def rate(self) -> float:
+        """ρ: (1 + tokens) / (1 + cost), one step of target-only decoding as the prior."""
+        return (1.0 + self.tokens) / (1.0 + self.cost)
+
+    def mean_acceptance(self, latest: float) -> float:
+        """μ: the mean calibrated â of the request's scored candidates (`latest` when none yet)."""
+        return self.score_sum / self.scored if self.scored else latest
+
+
+@dataclass
+class CostPlanner(PassivePlanner):
+    """The cost-derived stop rule's per-request state (module docstring)."""
+
+    cost_ratio: float
+    curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat (counted forwards)
+    requests: dict[int, RequestState] = field(default_factory=dict)
+
+    def admit(self, row: int) -> None:
+        self.requests[row] = RequestState()
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        state = self.requests.setdefault(row, RequestState())
+        state.score_sum += drafted.score
+        state.scored += 1
+        stop = not worth_drafting(drafted.acceptance, state.mean_acceptance(drafted.score), state.rate(),
+                                  self.cost_ratio, verify_step(self.curve, drafted.index))
+        # a round the cap ends after a candidate the rule let pass drafted one more
+        state.drafted = drafted.index if stop else drafted.index + 1
+        return stop
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        for row, checked in outcomes.items():
+            state = self.requests.setdefault(row, RequestState())
+            drafted = max(state.drafted, len(checked))
+            state.tokens += sum(o.accepted for o in checked) + 1
+            state.cost += self.cost_ratio * drafted + verify_cost(self.curve, drafted)
+            state.drafted = 0
