@@ -1,6 +1,7 @@
 """GPU check (issue 48, split models): a tiny random target split between cuda:0 and the CPU by `device_map`, with a
 draft derived from it (so split the same way), decodes greedily token for token as the target alone does, through
-the round engine (chain and tree) and `speculative_generate`; a sampled run goes through the p/q test on the split.
+the round engine (chain and tree) and `speculative_generate`; a sampled run goes through the p/q test on the split
+(a crash check: exactness under sampling is the CPU chi-square tests').
 
 Both splits are run: the embeddings on cuda:0 and the last layers, norm and LM head on the CPU (a CPU tensor indexed
 by cuda:0 indices crashed here), and the reverse. Needs one GPU; about a minute.
@@ -60,9 +61,14 @@ def check(folder: Path, first: int | str, last: int | str) -> None:
         assert ours[0, len(prompt):].tolist() == tokens
     sampled = target.generate(torch.tensor([PROMPTS[0]] * 4, device=target.device), do_sample=True, top_k=0,
                               max_new_tokens=NEW, custom_generate=speculative_generate, draft=draft, head=(head, rule))
-    assert sampled.shape == (4, len(PROMPTS[0]) + NEW)
+    # a crash check: the p/q test meets the split's p and the draft's q (the defect was a device error there)
+    assert sampled.shape == (4, len(PROMPTS[0]) + NEW) and int(sampled.max()) < config_vocab(target)
     print(f"split {first} -> {last}: greedy chain, refilled rows, tree and speculative_generate equal the target's "
           f"generate; sampling ran ({getattr(target, 'hf_device_map', None)})")
+
+
+def config_vocab(model: torch.nn.Module) -> int:
+    return int(model.config.vocab_size)
 
 
 def main() -> None:

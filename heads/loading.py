@@ -166,7 +166,8 @@ def read_head_config(folder: Path) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise UsageError(f"{folder / CONFIG_FILE} is not valid JSON ({error}); re-export the head") from None
     if not isinstance(config, dict) or "head_type" not in config:
-        raise UsageError(f"{folder / CONFIG_FILE} names no head_type; it is not a specheads head config")
+        raise UsageError(f"{folder / CONFIG_FILE} names no head_type; it is not a specheads head config: give a "
+                         "folder `specheads export` wrote")
     return config
 
 
@@ -191,7 +192,8 @@ def check_format(folder: Path, config: dict[str, Any]) -> None:
     where = folder / CONFIG_FILE
     found, version = config.get("format", HEAD_FORMAT), config.get("format_version", HEAD_FORMAT_VERSION)
     if found != HEAD_FORMAT:
-        raise UsageError(f"{where} declares format {found!r}, not {HEAD_FORMAT!r}; it is not a specheads head config")
+        raise UsageError(f"{where} declares format {found!r}, not {HEAD_FORMAT!r}; it is not a specheads head config: "
+                         "give a folder `specheads export` wrote")
     if type(version) is not int or version < 1:
         raise UsageError(f"{where} declares format_version {version!r}, not a version number; re-export the head "
                          "with `specheads export`")

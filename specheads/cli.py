@@ -9,6 +9,7 @@ import os
 import pickle
 import sys
 import textwrap
+from pathlib import Path
 
 from specheads import __version__
 from specheads.config_files import with_configs_resolved
@@ -19,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gen": ("specheads.data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
     "train": ("specheads.train.cli", "fit an acceptance head on a labelled dataset (Lightning CLI: `specheads train fit --help`)"),
     "eval": ("specheads.eval.cli", "ROC/AUC, binary KL, calibration and decoding runs of a head against training-free baselines"),
+    "profile": ("specheads.eval.profile", "forward time against tokens, measured here or by a roofline preset: the cost "
+                "table for `eval --serving-costs`"),
     "export": ("specheads.export.cli", "write a head folder (safetensors + config.json + model card) and push it to the Hub"),
     "demo": ("specheads.demo.cli", "the whole pipeline on the embedded pair: gen, train both heads, eval, export, one report"),
 }
@@ -37,8 +40,10 @@ def failure_line(error: BaseException) -> str:
         return (f"the disk is full{where} (No space left on device); free space or choose another --out, then run the "
                 "same command again: finished work is kept")
     if isinstance(error, OSError) and error.errno in (errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        exists = ("exists and is not a folder" if error.filename and not Path(str(error.filename)).is_dir()
+                  else "exists already")
         what = {errno.EROFS: "is on a read-only file system", errno.ENOTDIR: "has a file where a folder should be",
-                errno.EEXIST: "exists and is not a folder", errno.EISDIR: "is a folder where a file should be"}[error.errno]
+                errno.EEXIST: exists, errno.EISDIR: "is a folder where a file should be"}[error.errno]
         return (f"{error.filename or error} {what}; choose an output path you can write to, or fix that path, "
                 "then run the same command again")
     if isinstance(error, PermissionError):

@@ -29,6 +29,7 @@ from specheads.placement import (
     offloaded_weights,
     visible_devices,
 )
+from specheads.signals import output_width
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -231,8 +232,11 @@ def without_layers(model: torch.nn.Module, skip: list[int]) -> torch.nn.Module:
 
 
 def vocab_rows(model: torch.nn.Module) -> int:
-    """Number of rows of the output projection (the size of p and q)."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    """The size of p and q: the output projection's rows less the padding its forward drops (`output_width`)."""
+    width = output_width(model)
+    if width is None:
+        raise UsageError(f"{type(model).__name__} has no output layer to read p or q from; use a causal LM")
+    return width
 
 
 def check_same_vocab(target_name: str, target: torch.nn.Module, draft_name: str, draft: torch.nn.Module) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from specheads.digests import cached_fact
+from specheads.digests import cached_fact, cached_sha256
 from specheads.embedded import file_sha256
 from specheads.errors import UsageError
 from specheads.files import write_json_atomic
@@ -126,15 +126,17 @@ def _shard_problem(out: Path, index: int, run: str, record: dict[str, Any] | Non
 
 def changed_bytes(path: Path, record: dict[str, Any]) -> str | None:
     """Why the shard at `path` cannot be trusted when its bytes no longer hash to `record`'s sha256 (a byte changed in
-    place keeps the size, rows and run), or None. Raises UsageError, naming the shard, when it cannot be read."""
+    place keeps the size, rows and run), or None. A reader hashes a shard once per version of the file (its size and
+    mtime, `cached_sha256`), as the value check trusts them, so ranks and later runs pay nothing. Raises UsageError,
+    naming the shard, when it cannot be read."""
     try:
-        return _changed_bytes(path, record)
+        return _changed_bytes(path, record, cached_sha256)
     except OSError as error:
         raise UsageError(unchecked(path, error)) from None
 
 
-def _changed_bytes(path: Path, record: dict[str, Any]) -> str | None:
-    if file_sha256(path) != record.get("sha256"):
+def _changed_bytes(path: Path, record: dict[str, Any], sha256: Callable[[Path], str] = file_sha256) -> str | None:
+    if sha256(path) != record.get("sha256"):
         return "no longer has the sha256 recorded when it was written (changed on disk)"
     return None
 

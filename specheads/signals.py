@@ -42,7 +42,8 @@ LOGIT_RULES: dict[str, LogitRule] = {
     **dict.fromkeys(("muse_glimmer", "muse_spark"), LogitRule(multiplied_by="output_multiplier", text=True)),
     "minicpm3": LogitRule(states_divided_by="logits_scaling"),
     "inkling_text": LogitRule(states_divided_by="logits_mup_width_multiplier", vocab="unpadded_vocab_size"),
-    "inkling": LogitRule(states_divided_by="logits_mup_width_multiplier", vocab="unpadded_vocab_size", text=True),
+    "inkling_mm_model": LogitRule(states_divided_by="logits_mup_width_multiplier", vocab="unpadded_vocab_size",
+                                  text=True),
     "recurrent_gemma": LogitRule(softcap="logits_soft_cap"),
     "xlstm": LogitRule(softcap="output_logit_soft_cap"),
     **dict.fromkeys(("gemma3n", "gemma4", "gemma4_unified", "paligemma", "mistral_large4", "inkling2", "inkling2_loop"),
@@ -65,6 +66,21 @@ def logit_rule(model: Any) -> LogitRule:
         raise UsageError(f"{type(model).__name__} (model_type {family!r}) computes its logits with more than its output "
                          "embeddings, which specheads cannot reproduce exactly; use a decoder-only causal LM")
     return LOGIT_RULES.get(family, LogitRule())
+
+
+def output_width(model: Any) -> int | None:
+    """How many tokens `output_logits` gives `model` a probability for (its output layer's rows, less the padding rows
+    its forward drops); None when it has no output layer to read. Refuses a family `output_logits` cannot follow, so
+    calling it before any forward refuses such a model up front."""
+    rule = logit_rule(model)
+    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(layer, "weight", None)
+    if weight is None:
+        return None
+    rows = int(weight.shape[0])
+    config = model.config.get_text_config() if rule.text else model.config
+    kept = getattr(config, rule.vocab, None) if rule.vocab else None
+    return rows if kept is None else min(rows, int(kept))
 
 
 def output_logits(model: Any, states: torch.Tensor) -> torch.Tensor:

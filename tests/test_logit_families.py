@@ -94,3 +94,27 @@ def test_sampling_a_rescaled_target_through_generate_leaves_its_distribution_unc
                               max_new_tokens=LENGTH, custom_generate=speculative_generate, draft=draft, head=head)
         samples += [tuple(row[len(PROMPT):]) for row in out.tolist()]
     assert chi_square_p(samples, exact) > 1e-3
+
+
+def test_every_family_the_rules_name_is_a_model_type_transformers_knows():
+    """A misspelt key would leave its family on the default rule (its p and q silently wrong)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from specheads.signals import HEADED_FAMILIES, LOGIT_RULES
+
+    assert set(LOGIT_RULES) | HEADED_FAMILIES <= set(CONFIG_MAPPING_NAMES)
+
+
+@torch.no_grad()
+def test_a_family_that_trims_padded_vocabulary_rows_decodes_through_the_engine():
+    """inkling drops its padded rows: q and p are 9 tokens wide although the LM head has 11 rows, so the engine takes
+    the width output_logits gives, and a run with rejections (draft and target disagree) completes exactly."""
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.signals import output_width
+
+    target, draft = tiny("inkling_text", seed=1), tiny("inkling_text", seed=2)
+    assert output_width(target) == 9 and target.get_output_embeddings().weight.shape[0] == 11
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    results = engine.decode([[1, 2, 3]] * 20, make_policy("constant_k", 3), 12, list(range(20)))
+    assert all(len(r.tokens) == 12 and max(r.tokens) < 9 for r in results)
+    assert sum(r.accepted for r in results) < sum(r.drafted for r in results)  # rejections happened

@@ -102,6 +102,10 @@ class TrainCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         resume = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if resume == "last":  # the newest checkpoint of this run's folder, as Lightning resolves it
+            config = self.config[subcommand]
+            folder = config.checkpoint.dirpath or Path(config.trainer.default_root_dir) / "checkpoints"
+            resume = str(Path(folder) / "last.ckpt")
         if resume and Path(resume).is_file():
             read_checkpoint(Path(resume))
 

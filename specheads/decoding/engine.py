@@ -52,7 +52,7 @@ from specheads.decoding.sampler import draw, verify
 from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.sampling import SamplingTransform
-from specheads.signals import signal_log_probs, signal_statistics
+from specheads.signals import output_width, signal_log_probs, signal_statistics
 
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
@@ -76,13 +76,6 @@ def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: 
     embedding = torch.cat(embeddings).to(device) if embeddings and embeddings[0] is not None else None
     position = torch.tensor(positions, device=device)
     return head.predict(torch.stack(states).to(device), signal_tensor, embedding, position).tolist()
-
-
-def predicted_tokens(model: Any) -> int | None:
-    """The rows of a model's output layer (the size of its p or q); None when it has none to read."""
-    layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(layer, "weight", None)
-    return None if weight is None else int(weight.shape[0])
 
 
 def fit_vocabulary(logits: torch.Tensor, rows: int | None) -> torch.Tensor:
@@ -273,8 +266,8 @@ class RoundEngine:
         self.target, self.draft, self.transform, self.stop_ids = target, draft, transform, set(stop_ids)
         self.companion = companion  # SV's companion predictor, for the rules that read it
         self.prompt_cache = prompt_cache  # prompts' keys and values kept from one decode to the next
-        self.vocabulary = predicted_tokens(target)  # q is taken over the target's rows (`fit_vocabulary`)
-        self.draft_vocabulary = predicted_tokens(draft)
+        self.vocabulary = output_width(target)  # q is taken over the target's tokens (`fit_vocabulary`)
+        self.draft_vocabulary = output_width(draft)
         inputs = draft.get_input_embeddings() if hasattr(draft, "get_input_embeddings") else None
         self.draft_inputs = getattr(inputs, "num_embeddings", None)  # the ids the draft can read
         pad = getattr(draft.config, "pad_token_id", None) if hasattr(draft, "config") else None
@@ -390,7 +383,7 @@ class RoundEngine:
                 cache = BatchCache(model, len(chunk))
                 if not cache.plain_layers():
                     break
-                cache.feed({row: self.draft_reads(list(prefix)) if name == "draft" else list(prefix)
+                cache.feed({row: self.draft_reads(list(prefix)) if name in ("draft", "companion") else list(prefix)
                             for row, prefix in enumerate(chunk)})
                 stored = [self.prompt_cache.put(name, model, prefix, cache.snapshot(row, len(prefix)))
                           for row, prefix in enumerate(chunk)]
@@ -430,9 +423,10 @@ class RoundEngine:
         one runs, reads what the draft reads, one forward per draft forward."""
         pending = {row: tokens[row][draft.length(row):] for row in rounds if rounds[row].cap > 0}
         while pending:
-            drawn = self._draw_rows(draft.feed({row: self.draft_reads(fed) for row, fed in pending.items()}), generators)
+            reads = {row: self.draft_reads(fed) for row, fed in pending.items()}
+            drawn = self._draw_rows(draft.feed(reads), generators)
             # the companion's cache is fed and cropped with the draft's, so it takes the same tokens
-            scores = (self._companion_scores(companion.feed(pending), drawn) if companion is not None
+            scores = (self._companion_scores(companion.feed(reads), drawn) if companion is not None
                       else self._head_scores(head, drawn, rounds))
             for row, candidate in drawn.items():
                 this = rounds[row]
