@@ -64,8 +64,10 @@ class EvalConfig:
         serving_batch_sizes: also judge each policy at its tuned threshold, the verify budget and SmartSpec's K when
             B requests are served together (`eval.serving`): modelled throughput per B with each model's cost curve,
             and with the draft at cost_ratio × the target; the batch policies are decoded live at every B.
-        serving_costs: a JSON file `{draft: {tokens: [...], seconds: [...]}, target: {...}}` of forward time
-            against tokens in the forward (e.g. for a 7B/70B-like pair); default: measured on the decoding device.
+        serving_costs: a cost table of forward time against tokens in the forward, `{draft: {tokens: [...],
+            seconds: [...]}, target: {...}}` (`specheads profile --out FILE` measures one on the device it runs on),
+            or the name of a roofline preset (`specheads profile --help` lists them; modelled, and marked so);
+            default: measured on the decoding device.
         budget_head: an expected-acceptance head (`.ckpt` or exported folder, trained with
             configs/train/expected-acceptance.yaml on data from the same pair) for the verify budget in the serving
             table; not needed when the evaluated head is one.
@@ -135,9 +137,10 @@ class EvalConfig:
         if self.num_decode_prompts == 1:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
-        if self.serving_costs and not Path(self.serving_costs).is_file():
-            raise UsageError(f"--serving-costs {self.serving_costs} is not a file; give a JSON file "
-                             "{draft: {tokens: [...], seconds: [...]}, target: {...}} or leave it out to measure")
+        if self.serving_costs:  # a bad table is refused before any model loads
+            from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
+
+            read_cost_table(self.serving_costs, "--serving-costs")
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
         if self.tuned_from and self.fixed_thresholds:

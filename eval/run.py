@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,8 @@ from specheads.checkpoint import TrainedHead, load_trained
 from specheads.data import AcceptanceDataModule
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost
-from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.cost_table import read_cost_table
+from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
@@ -308,17 +308,11 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
     `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
     `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target."""
     if config.serving_costs:
-        try:
-            given = json.loads(Path(config.serving_costs).read_text())
-        except (OSError, ValueError) as error:
-            raise UsageError(f"--serving-costs {config.serving_costs} is not readable JSON ({error})") from None
-        if not isinstance(given, dict) or not {"draft", "target"} <= set(given):
-            raise UsageError(f"--serving-costs {config.serving_costs} must hold {{draft: ..., target: ...}} cost curves")
-        costs = ServingCosts(CostCurve.from_dict(given["draft"]), CostCurve.from_dict(given["target"]))
-        source = config.serving_costs
+        table = read_cost_table(config.serving_costs, "--serving-costs")
+        costs, source, view_name, modelled = table.costs, table.describe(), table.view, table.modelled
     else:
         costs = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
-        source = f"measured on {device_name(device)}"
+        source, view_name, modelled = f"measured on {device_name(device)}", "measured", False
     budget_head, left_out = expected_head(config, trained, device)
     batch_policies = {"smartspec": float(config.max_draft)} if "smartspec" in config.serving_batch_policies else {}
     if budget_head is not None and "budget" in config.serving_batch_policies:
@@ -332,13 +326,13 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
                       budget_head if policy == "budget" else None, batch_size=size, costs=view, log=log)
         return log
 
-    views = serving_views(costs, config.cost_ratio)
+    views = serving_views(costs, config.cost_ratio, view_name)
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
                          resamples=config.bootstrap, seed=config.seed)
     left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
     return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views),
             "cost_curves": {"draft": costs.draft.as_dict(), "target": costs.target.as_dict(), "source": source,
-                            "scaled_draft_ratio": config.cost_ratio},
+                            "modelled": modelled, "scaled_draft_ratio": config.cost_ratio},
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),
                        "weights_digest": None if budget_head is None else budget_head.weights_digest()},

@@ -83,9 +83,10 @@ def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCur
     return served_throughput(replay(requests, batch_size), ServingCosts(draft, target))
 
 
-def serving_views(costs: ServingCosts, cost_ratio: float) -> dict[str, ServingCosts]:
-    """The two cost views: as measured (or given), and the draft at `cost_ratio` × the target curve."""
-    return {"measured": costs, f"draft at {cost_ratio:g} × target": costs.scaled_draft(cost_ratio)}
+def serving_views(costs: ServingCosts, cost_ratio: float, name: str = "measured") -> dict[str, ServingCosts]:
+    """The two cost views: the curves as measured or given (`name`: `measured`, `roofline (modelled)` or `given`, as
+    `specheads.decoding.cost_table.CostTable.view` says), and the draft at `cost_ratio` × the target curve."""
+    return {name: costs, f"draft at {cost_ratio:g} × target": costs.scaled_draft(cost_ratio)}
 
 
 def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, list[float]], resamples: int,

@@ -44,7 +44,7 @@ def options(text: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("command, minimum", [("gen", 40), ("eval", 20), ("export", 7), ("demo", 4)])
+@pytest.mark.parametrize("command, minimum", [("gen", 40), ("eval", 20), ("export", 7), ("demo", 4), ("profile", 20)])
 def test_every_option_is_described_in_dash_spelling(capsys, monkeypatch, command, minimum):
     text = help_text(capsys, monkeypatch, command)
     described = options(text)

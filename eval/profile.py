@@ -1,0 +1,129 @@
+"""`specheads profile --out FILE`: a draft/target pair's forward time against the tokens in the forward, measured on
+the device it runs on, or modelled by a roofline preset (`--preset`), written as the cost table that
+`specheads eval --serving-costs FILE` reads (`specheads.decoding.cost_table`).
+
+It belongs to the eval stage, which prices served rounds with these curves and already measures them when no table
+is given; the table's format and the presets are in the core, which eval's serving table reads them through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from jsonargparse.typing import PositiveInt
+
+from specheads.dataclass_cli import parse_dataclass
+from specheads.decoding.cost_table import PRESET_NAMES, PRESET_TOKENS, PRESETS, measured_table, roofline_table, write_cost_table
+from specheads.decoding.costs import CURVE_TOKENS
+from specheads.errors import UsageError
+from specheads.files import check_output_folder
+from specheads.models import ModelSpec
+
+
+def default_target() -> ModelSpec:
+    return ModelSpec(path="embedded:smollm2")
+
+
+def default_draft() -> ModelSpec:
+    return ModelSpec(skip_layers=[20, 21])
+
+
+@dataclass
+class ProfileConfig:
+    """What `specheads profile` measures (or models) and where it writes the cost table."""
+
+    out: str = "runs/profile/costs.json"
+    """the cost table (JSON) to write; replaced atomically when it exists."""
+    target: ModelSpec = field(default_factory=default_target)
+    """the target model to measure (as `specheads gen` names it)."""
+    draft: ModelSpec = field(default_factory=default_draft)
+    """the draft model to measure; by default the target minus layers 20-21 (self-speculative)."""
+    preset: Literal[PRESET_NAMES] | None = None
+    """write a roofline preset's modelled table instead of measuring (no model is loaded): an H100 SXM with a
+    Llama-3.1-8B target and Llama-3.2-1B draft, or 4 H100s with Llama-3.1-70B (tensor parallel) and Llama-3.1-8B
+    (docs/decoding-core.md gives the formula and every number)."""
+    device: str = "auto"
+    """where the models run while measured: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`."""
+    contexts: list[PositiveInt] | None = None
+    """cached tokens each row of a forward attends to, one curve per context (the first is the one `--serving-costs`
+    prices with); default 32 measured (as eval measures), 1024 for a preset."""
+    tokens: list[PositiveInt] | None = None
+    """the token counts to time (rows of one new token each); default 1, 2, 4, ... 128 measured, 1 ... 4096 for a
+    preset (a curve is linear between its points and beyond the last two)."""
+    repeats: PositiveInt = 3
+    """timed forwards per token count; the table keeps their median."""
+    batch_size: PositiveInt | None = None
+    """a preset only: model forwards of a batch of this many requests, so that n tokens read min(n, batch size) rows'
+    caches (a verify forward's candidates share their row's cache); default: every token a row of its own, as measured."""
+
+    def validate(self) -> None:
+        """Refuse what cannot work before any model is loaded."""
+        out = Path(self.out)
+        if out.is_dir():
+            raise UsageError(f"--out {self.out} is a folder; give the JSON file to write, e.g. {out / 'costs.json'}")
+        check_output_folder(out.parent, "--out's folder")
+        if self.tokens is not None and len(set(self.tokens)) < 2:
+            raise UsageError(f"--tokens {self.tokens} gives fewer than two token counts; a curve needs two or more, "
+                             "e.g. [1, 8, 64]")
+        if self.preset and (self.target != default_target() or self.draft != default_draft()):
+            raise UsageError(f"--preset {self.preset} models its own pair ({PRESETS[self.preset].description}); drop "
+                             "--target/--draft, or drop --preset to measure those models")
+        if self.batch_size is not None and not self.preset:
+            raise UsageError("--batch-size shapes a roofline preset's curve; a measured curve times n rows of one token "
+                             "each: drop --batch-size, or give --preset")
+
+
+def parse_config(argv: list[str]) -> ProfileConfig:
+    """Flags (and an optional `--config` YAML) into a `ProfileConfig`."""
+    return parse_dataclass(ProfileConfig, argv, "specheads profile",
+                           "Measure the draft's and the target's forward time against the tokens in the forward on "
+                           "this device (or model it with a roofline preset) and write the cost table that "
+                           "`specheads eval --serving-costs` reads.")
+
+
+def profile(config: ProfileConfig) -> dict:
+    """Measure (or model) the pair's curves and write the table; returns it."""
+    config.validate()
+    tokens = tuple(sorted(set(config.tokens))) if config.tokens else None
+    if config.preset:
+        table = roofline_table(config.preset, config.contexts, tokens or PRESET_TOKENS, config.batch_size)
+    else:
+        table = measure_pair(config, tokens or CURVE_TOKENS)
+    write_cost_table(Path(config.out), table)
+    return table
+
+
+def measure_pair(config: ProfileConfig, tokens: tuple[int, ...]) -> dict:
+    """Load the pair onto `config.device` and measure both models at every context."""
+    from specheads.eval.run import decoding_device, place
+    from specheads.models import context_length, load_pair
+
+    device = decoding_device(config.device)
+    pair = load_pair(config.target, config.draft)
+    contexts = list(config.contexts or [32])
+    room = min(context_length(pair.target), context_length(pair.draft))
+    if max(contexts) + 1 > room:
+        raise UsageError(f"--contexts {contexts} leaves no room for a new token: the models hold {room} positions; "
+                         f"give contexts below {room}")
+    for model in (pair.target, pair.draft):
+        place(model, device)
+    return measured_table((pair.draft_name, pair.draft), (pair.target_name, pair.target), contexts, tokens,
+                          config.repeats)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point for `specheads profile`."""
+    config = parse_config(argv)
+    table = profile(config)
+    what = f"modelled by the roofline preset {table['preset']}" if table["modelled"] else f"measured on {table['device']}"
+    print(f"cost table {what}; draft {table['models']['draft']['name']}, target {table['models']['target']['name']}:")
+    for entry in table["curves"]:
+        draft, target = entry["draft"], entry["target"]
+        print(f"  context {entry['context']}: target {target['seconds'][0] * 1e3:.3g} ms at {target['tokens'][0]} "
+              f"token(s), {target['seconds'][-1] * 1e3:.3g} ms at {target['tokens'][-1]}; draft "
+              f"{draft['seconds'][0] * 1e3:.3g} ms and {draft['seconds'][-1] * 1e3:.3g} ms (t_draft/t_target at 1 "
+              f"token: {draft['seconds'][0] / target['seconds'][0]:.3f})")
+    print(f"wrote {config.out} (use it with `specheads eval --serving-costs {config.out}`)")
+    return 0

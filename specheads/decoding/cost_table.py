@@ -1,0 +1,337 @@
+"""Cost tables: the JSON file of forward costs that `specheads profile` writes and `specheads eval --serving-costs`
+reads, measured on a device or modelled by a roofline from a model's shape and an accelerator's bandwidth and peak.
+
+It lives in the decoding core, beside `costs.py` whose `CostCurve` it stores, because more than one stage uses it:
+eval prices served rounds with a table, the profile command (`eval/profile.py`, in the stage that prices serving)
+writes one, and the demo or an integration may price rounds with a roofline preset; the core imports no stage.
+
+A table is `{draft: {tokens, seconds}, target: {tokens, seconds}}` (the format `--serving-costs` has always read) plus
+what describes it: `source` (`measured` or `roofline`), `modelled`, `context`, the device, dtype, date, models and
+repeats, and `curves`, one entry per context measured or modelled (the first is the top-level pair). A token count n
+is the tokens of one forward, each a row of the batch with its own `context` cached tokens (n rows of one new token:
+what `measure_cost_curve` times); a roofline table made for a batch size B counts min(n, B) rows instead
+(docs/decoding-core.md, "Cost curves: profiled and roofline").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specheads import __version__
+from specheads.decoding.costs import CURVE_TOKENS, CostCurve, ServingCosts, measure_cost_curve
+from specheads.errors import UsageError
+from specheads.files import write_json_atomic
+
+TABLE_FORMAT = "specheads cost table"
+TABLE_VERSION = 1
+MEASURED_ROWS = "n rows of one new token each, every row reading its own `context` cached tokens"
+TABLE_FIX = ("write the table with `specheads profile` (or `specheads profile --preset NAME`), or fix it: "
+             "{draft: {tokens: [...], seconds: [...]}, target: {...}}, increasing whole token counts >= 1 with one "
+             "finite time > 0 each")
+
+# ---- the roofline
+
+LAUNCH_PER_LAYER = 10e-6
+"""Seconds of launch overhead per decoder layer per forward: about ten kernels a layer (two norms, the QKV projection,
+rotary embedding, attention, the output projection, two residual adds, the gate/up projection with its activation,
+the down projection) at about 1 µs each of launch gap and tail when a serving engine replays them from a CUDA graph;
+a published decode step of Llama-3.1-8B on an H100 SXM with CUDA graphs (5.1 ms) exceeds its weights' read time at
+3.35 TB/s (4.79 ms) by about 0.3 ms, 10 µs for each of its 32 layers."""
+
+
+ROOFLINE_FORMULA = (
+    "seconds = max(bytes / bandwidth, flops / peak) + layers x launch_per_layer (+ 2 x layers x all_reduce when gpus > 1); "
+    "bytes = (params + rows x context x 2 x layers x kv_heads x head_dim) x dtype_bytes / gpus; "
+    "flops = (2 x params + 4 x layers x hidden x context) x tokens / gpus; "
+    "all_reduce = latency + 2 (gpus - 1) / gpus x tokens x hidden x dtype_bytes / link_bandwidth")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a roofline needs of a decoder-only transformer (all attention heads × head_dim = hidden, as in Llama)."""
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One GPU's memory bandwidth and dense peak in the weights' dtype, and its interconnect for tensor parallelism."""
+
+    name: str
+    bandwidth: float
+    """bytes/s of its memory."""
+    peak_flops: float
+    """FLOP/s, dense, in the weights' dtype."""
+    link_bandwidth: float
+    """bytes/s one way per GPU between GPUs of a tensor-parallel group."""
+    all_reduce_latency: float
+    """seconds of one small all-reduce across the group."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A model on `gpus` GPUs, tensor parallel: each GPU reads 1/gpus of its weights and KV heads and does 1/gpus of
+    its FLOPs, and each layer all-reduces twice (after attention and after the MLP)."""
+
+    model: ModelShape
+    gpus: int = 1
+
+
+@dataclass(frozen=True)
+class RooflinePreset:
+    """A draft and a target placed on an accelerator."""
+
+    description: str
+    accelerator: Accelerator
+    draft: Placement
+    target: Placement
+    dtype_bytes: int = 2
+    launch_per_layer: float = LAUNCH_PER_LAYER
+    default_context: int = 1024
+
+
+def roofline_seconds(place: Placement, accelerator: Accelerator, tokens: int, context: int, rows: int | None = None,
+                     dtype_bytes: int = 2, launch_per_layer: float = LAUNCH_PER_LAYER) -> float:
+    """Modelled seconds of one forward of `tokens` new tokens over `rows` rows (default: one row per token), each row
+    reading its own `context` cached tokens: `ROOFLINE_FORMULA`."""
+    model, gpus = place.model, place.gpus
+    rows = tokens if rows is None else min(rows, tokens)
+    kv_per_row = context * 2 * model.layers * model.kv_heads * model.head_dim
+    read = (model.params + rows * kv_per_row) * dtype_bytes / gpus
+    flops = (2 * model.params + 4 * model.layers * model.hidden * context) * tokens / gpus
+    seconds = max(read / accelerator.bandwidth, flops / accelerator.peak_flops) + model.layers * launch_per_layer
+    if gpus > 1:
+        moved = 2 * (gpus - 1) / gpus * tokens * model.hidden * dtype_bytes / accelerator.link_bandwidth
+        seconds += 2 * model.layers * (accelerator.all_reduce_latency + moved)
+    return seconds
+
+
+def roofline_kinks(place: Placement, accelerator: Accelerator, context: int, batch_size: int | None,
+                   dtype_bytes: int) -> list[int]:
+    """The whole token counts on either side of where the curve bends (the forward turns compute-bound; the rows stop
+    growing at the batch size), so that a table interpolating between its points is the roofline at every count."""
+    model, gpus = place.model, place.gpus
+    kv_per_row = context * 2 * model.layers * model.kv_heads * model.head_dim * dtype_bytes / gpus
+    weights = model.params * dtype_bytes / gpus
+    flops_per_token = (2 * model.params + 4 * model.layers * model.hidden * context) / gpus
+    compute, memory = flops_per_token / accelerator.peak_flops, kv_per_row / accelerator.bandwidth
+    limit = math.inf if batch_size is None else batch_size
+    bends = [] if batch_size is None else [float(batch_size)]
+    if compute > memory and weights / accelerator.bandwidth / (compute - memory) <= limit:  # while rows = tokens
+        bends.append(weights / accelerator.bandwidth / (compute - memory))
+    elif batch_size is not None:  # beyond the batch size the rows stop growing and the memory term is flat
+        bends.append((weights + batch_size * kv_per_row) / accelerator.bandwidth / compute)
+    return sorted({n for bend in bends for n in (math.floor(bend), math.ceil(bend)) if n >= 1})
+
+
+PRESET_TOKENS = tuple(2**i for i in range(13))  # 1 .. 4096
+H100_SXM = Accelerator("NVIDIA H100 SXM 80GB (HBM3)", bandwidth=3.35e12, peak_flops=989e12, link_bandwidth=450e9,
+                       all_reduce_latency=10e-6)
+LLAMA_3_1_8B = ModelShape("Llama-3.1-8B", params=8.03e9, layers=32, hidden=4096, kv_heads=8, head_dim=128, vocab=128256)
+LLAMA_3_2_1B = ModelShape("Llama-3.2-1B", params=1.24e9, layers=16, hidden=2048, kv_heads=8, head_dim=64, vocab=128256)
+LLAMA_3_1_70B = ModelShape("Llama-3.1-70B", params=70.6e9, layers=80, hidden=8192, kv_heads=8, head_dim=128,
+                           vocab=128256)
+PRESETS: dict[str, RooflinePreset] = {
+    "h100-llama3.1-8b-llama3.2-1b": RooflinePreset(
+        "Llama-3.1-8B target and Llama-3.2-1B draft on one H100 SXM, bf16", H100_SXM,
+        draft=Placement(LLAMA_3_2_1B), target=Placement(LLAMA_3_1_8B)),
+    "4xh100-llama3.1-70b-llama3.1-8b": RooflinePreset(
+        "Llama-3.1-70B target tensor parallel over 4 H100 SXM (NVLink), Llama-3.1-8B draft on one of them, bf16",
+        H100_SXM, draft=Placement(LLAMA_3_1_8B), target=Placement(LLAMA_3_1_70B, gpus=4)),
+}
+PRESET_NAMES = tuple(PRESETS)
+
+
+def roofline_curve(preset: RooflinePreset, role: str, context: int, tokens: tuple[int, ...] = PRESET_TOKENS,
+                   batch_size: int | None = None) -> CostCurve:
+    """The `role` ("draft" or "target") model's modelled curve at `context`: `tokens` plus the counts where it bends."""
+    place = getattr(preset, role)
+    counts = sorted(set(tokens) | set(roofline_kinks(place, preset.accelerator, context, batch_size, preset.dtype_bytes)))
+    return CostCurve(tuple(counts), tuple(roofline_seconds(place, preset.accelerator, n, context, batch_size,
+                                                           preset.dtype_bytes, preset.launch_per_layer)
+                                          for n in counts))
+
+
+def roofline_table(name: str, contexts: list[int] | None = None, tokens: tuple[int, ...] = PRESET_TOKENS,
+                   batch_size: int | None = None) -> dict[str, Any]:
+    """The cost table of preset `name` at each of `contexts` (default: the preset's), marked as modelled."""
+    preset = PRESETS[name]
+    contexts = [int(context) for context in contexts or [preset.default_context]]
+    curves = [{"context": context, **{role: roofline_curve(preset, role, context, tokens, batch_size).as_dict()
+                                      for role in ("draft", "target")}} for context in contexts]
+    rows = (MEASURED_ROWS if batch_size is None else
+            f"min(n, {batch_size}) rows (a batch of {batch_size} requests), every row reading its own `context` cached "
+            "tokens once")
+    shapes = {role: {**vars(getattr(preset, role).model), "gpus": getattr(preset, role).gpus} for role in ("draft", "target")}
+    return {**table_header("roofline", curves, rows, batch_size), "preset": name, "description": preset.description,
+            "device": preset.accelerator.name, "dtype": "bfloat16" if preset.dtype_bytes == 2 else f"{preset.dtype_bytes} bytes",
+            "models": shapes,
+            "roofline": {"formula": ROOFLINE_FORMULA, "accelerator": vars(preset.accelerator),
+                         "dtype_bytes": preset.dtype_bytes, "launch_per_layer_s": preset.launch_per_layer},
+            "repeats": None}
+
+
+# ---- measured tables
+
+
+def device_description(device: torch.device) -> str:
+    """The device in words: a GPU's model name, or the CPU's with the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"CPU {name} ({torch.get_num_threads()} threads)"
+
+
+def model_facts(name: str, model: torch.nn.Module) -> dict[str, Any]:
+    """What a measured table says of a model: its name, dtype, decoder layers and parameters."""
+    parameter = next(model.parameters())
+    return {"name": name, "dtype": str(parameter.dtype).removeprefix("torch."),
+            "layers": int(getattr(model.config, "num_hidden_layers", 0)),
+            "parameters": int(sum(p.numel() for p in model.parameters()))}
+
+
+def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.nn.Module], contexts: list[int],
+                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> dict[str, Any]:
+    """Each model's forward time on its device against the tokens in the forward (`measure_cost_curve`: the median of
+    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model)."""
+    models = {"draft": draft, "target": target}
+    for _, model in models.values():  # first forwards allocate and pick kernels: not timed
+        measure_cost_curve(model, contexts[0], (tokens[0], tokens[-1]), repeats=1)
+    curves = [{"context": int(context), **{role: measure_cost_curve(model, context, tokens, repeats).as_dict()
+                                           for role, (_, model) in models.items()}} for context in contexts]
+    device = next(target[1].parameters()).device
+    facts = {role: model_facts(name, model) for role, (name, model) in models.items()}
+    return {**table_header("measured", curves, MEASURED_ROWS, None), "device": device_description(device),
+            "dtype": facts["target"]["dtype"], "models": facts, "repeats": repeats, "statistic": "median of the repeats"}
+
+
+def table_header(source: str, curves: list[dict[str, Any]], rows: str, batch_size: int | None) -> dict[str, Any]:
+    """The fields every table starts with: the first context's curves at the top level (what `--serving-costs` reads)."""
+    return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "source": source, "modelled": source != "measured",
+            "draft": curves[0]["draft"], "target": curves[0]["target"], "context": curves[0]["context"],
+            "contexts": [entry["context"] for entry in curves], "rows": rows, "batch_size": batch_size, "curves": curves,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "specheads_version": __version__}
+
+
+def write_cost_table(path: Path, table: dict[str, Any]) -> None:
+    """Write `table` atomically (a reader never sees half of it), after checking that it reads back."""
+    check_table(table, str(path))
+    write_json_atomic(path, table)
+
+
+# ---- reading
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """A cost table as read: the top-level curves, and what the file says of them."""
+
+    path: str
+    costs: ServingCosts
+    source: str
+    modelled: bool
+    context: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Where the curves come from, in words, marked as modelled where they are."""
+        facts = [self.fields.get("device"), f"context {self.context}" if self.context else None,
+                 self.path if self.path != self.fields.get("preset") else None]
+        said = ", ".join(fact for fact in facts if fact)
+        if self.source == "roofline":
+            return f"modelled by the roofline preset {self.fields.get('preset')} ({said})"
+        if self.source == "measured":
+            return f"measured by specheads profile ({said})"
+        return f"given in {self.path}" + (" (modelled)" if self.modelled else "")
+
+    @property
+    def view(self) -> str:
+        """The serving table's name for a view priced with these curves."""
+        return {"measured": "measured", "roofline": "roofline (modelled)"}.get(self.source, "given")
+
+
+def whole(value: Any) -> bool:
+    """Whether `value` is a whole number (an int, not a bool or a float)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_curve(values: Any, name: str, where: str) -> None:
+    """Refuse a curve that is not increasing whole token counts with one finite time > 0 each."""
+    if not isinstance(values, dict):
+        raise UsageError(f"{where}: `{name}` is not a curve {{tokens: [...], seconds: [...]}}; {TABLE_FIX}")
+    for key in ("tokens", "seconds"):
+        if not isinstance(values.get(key), list):
+            raise UsageError(f"{where}: `{name}` has no `{key}` list; {TABLE_FIX}")
+    tokens, seconds = values["tokens"], values["seconds"]
+    if len(tokens) < 2 or len(tokens) != len(seconds):
+        raise UsageError(f"{where}: `{name}` needs two or more token counts with one time each, got {len(tokens)} "
+                         f"token counts and {len(seconds)} times; {TABLE_FIX}")
+    if any(not whole(n) or n < 1 for n in tokens) or any(b <= a for a, b in zip(tokens, tokens[1:])):
+        raise UsageError(f"{where}: `{name}.tokens` {tokens} are not increasing whole numbers >= 1; {TABLE_FIX}")
+    for n, s in zip(tokens, seconds):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise UsageError(f"{where}: `{name}.seconds` gives {s!r} at {n} tokens, not a finite time > 0; {TABLE_FIX}")
+
+
+def check_table(table: Any, where: str) -> None:
+    """Refuse a table without its draft and target curves, with a bad curve, or with a describing field of the wrong
+    kind; `where` names the file in the message."""
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: holds {type(table).__name__}, not a cost table; {TABLE_FIX}")
+    for role in ("draft", "target"):
+        if role not in table:
+            raise UsageError(f"{where}: has no `{role}` curve; {TABLE_FIX}")
+        check_curve(table[role], role, where)
+    if "modelled" in table and not isinstance(table["modelled"], bool):
+        raise UsageError(f"{where}: `modelled` is {table['modelled']!r}, not true or false; {TABLE_FIX}")
+    curves = table.get("curves", [])
+    if not isinstance(curves, list) or not all(isinstance(entry, dict) for entry in curves):
+        raise UsageError(f"{where}: `curves` is not a list of {{context, draft, target}}; {TABLE_FIX}")
+    for name, context in [("context", table.get("context")),
+                          *((f"curves[{number}].context", entry.get("context")) for number, entry in enumerate(curves))]:
+        if context is not None and (not whole(context) or context < 0):
+            raise UsageError(f"{where}: `{name}` is {context!r}, not a whole number of cached tokens; {TABLE_FIX}")
+    for number, entry in enumerate(curves):
+        for role in ("draft", "target"):
+            check_curve(entry.get(role), f"curves[{number}].{role}", where)
+
+
+def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
+    """The table in file `source`, or the roofline preset of that name at its default context (when no such file
+    exists); a bad one is refused in one line naming `flag`, the file and the fix."""
+    path = Path(source)
+    if not path.exists() and source in PRESETS:
+        table = roofline_table(source)
+    else:
+        where = f"{flag} {source}"
+        if not path.is_file():
+            raise UsageError(f"{where} is not a file; give a cost table (`specheads profile --out FILE` writes one) or "
+                             f"a roofline preset: {', '.join(PRESET_NAMES)}")
+        try:
+            table = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise UsageError(f"{where}: not readable JSON ({str(error).splitlines()[0]}); {TABLE_FIX}") from None
+        check_table(table, where)
+    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]))
+    source_kind = table.get("source") if table.get("source") in ("measured", "roofline") else "given"
+    return CostTable(source, costs, source_kind, bool(table.get("modelled", source_kind == "roofline")),
+                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "curves")})
