@@ -61,7 +61,9 @@ def test_the_goodput_greedy_on_hand_computed_cases():
     assert goodput_verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}, affine) == ({0: 1, 1: 2}, 0.3)
     planner = BudgetPlanner(ServingCosts(affine, affine), floor=0.1)
     assert not planner.stops(0, Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
-    assert planner.verify_lengths({0: [0.9, 0.3], 1: [0.8, 0.7]}) == {0: 1, 1: 2}
+    rounds = {row: [Drafted(index=i, prob=0.5, entropy=1.0, acceptance=s) for i, s in enumerate(survival, 1)]
+              for row, survival in {0: [0.9, 0.3], 1: [0.8, 0.7]}.items()}
+    assert planner.verify_lengths(rounds) == {0: 1, 1: 2}
     assert planner.stops(0, Drafted(index=1, prob=0.5, entropy=1.0, acceptance=0.25))
 
 
@@ -150,16 +152,17 @@ def test_the_batch_and_run_time_rules_sample_the_target_distribution_at_batch_10
             assert ended_rounds(results, make_policy(name, threshold, max_draft=3)) == {"early", "at the cap"}, name
 
 
-def output_distribution(p: list[float], q: list[float], survival_of) -> list[float]:
-    """The exact distribution of one emitted token when the draft proposes ŷ ~ q and the greedy, fed `survival_of(ŷ)`,
+def output_distribution(p: list[float], q: list[float], survival_of, checks=None) -> list[float]:
+    """The exact distribution of one emitted token when the draft proposes ŷ ~ q and a planner, fed `survival_of(ŷ)`,
     decides whether the target checks ŷ (accept with min(1, p/q), else resample from norm(max(0, p − q))) or draws
-    its own token from p."""
+    its own token from p. `checks(survival)` is the planner's decision; SV's greedy by default."""
     cost = CostCurve((1, 2), (1.0, 1.5))  # the greedy checks ŷ exactly when its survival is at least 0.5
+    checks = checks or (lambda survival: goodput_verify_lengths({0: [survival]}, cost)[0][0] == 1)
     residual = [max(0.0, a - b) for a, b in zip(p, q)]
     residual = [r / sum(residual) for r in residual]
     out = [0.0] * len(p)
     for drafted, q_drafted in enumerate(q):
-        if goodput_verify_lengths({0: [survival_of(drafted)]}, cost)[0][0] == 1:
+        if checks(survival_of(drafted)):
             accept = min(1.0, p[drafted] / q_drafted)
             out[drafted] += q_drafted * accept
             out = [o + q_drafted * (1 - accept) * r for o, r in zip(out, residual)]

@@ -318,7 +318,7 @@ class RoundEngine:
                 caps = {row: min(cap, most) for row, cap in caps.items()}
             rounds = {row: RowRound(cap=caps[row]) for row in live}
             self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
-            lengths = planner.verify_lengths({row: [d.acceptance for d in rounds[row].seen] for row in live}) if planner else None
+            lengths = planner.verify_lengths({row: rounds[row].seen for row in live}) if planner else None
             for row, length in (lengths or {}).items():
                 rounds[row].keep(length)
             checks = {row: rule.verify_from(rounds[row].seen) if rounds[row].seen else 0 for row in live}
@@ -437,7 +437,7 @@ class RoundEngine:
                 this.logq_rows.append(candidate.logq_all)
                 seen = Drafted(index=len(this.candidates), prob=candidate.signals["prob"],
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
-                               ends_output=candidate.token in self.stop_ids)
+                               ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"])
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]

@@ -80,7 +80,8 @@ class PassivePlanner:
     def stops(self, row: int, drafted: Drafted) -> bool:
         return False
 
-    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int] | None:
+    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int] | None:
+        """How many of each row's drafted candidates (a prefix) the target checks; None: all of them."""
         return None
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:

@@ -5,7 +5,8 @@ is how many candidates of which rows go into it. A planner sees the whole round:
 - `admit(row)`: a new request takes a row;
 - `round_cap(rows)`: before drafting, the most candidates any row drafts this round;
 - `stops(row, drafted)`: while drafting, whether a row's drafting ends after this candidate (beside the rule's stop);
-- `verify_lengths(rounds)`: after drafting, how many of each row's candidates (a prefix) the target checks;
+- `verify_lengths(rounds)`: after drafting, from each row's drafted candidates (`Drafted`), how many of them (a
+  prefix) the target checks;
 - `observe(outcomes)`: the round's checked candidates and their outcomes, for planners that learn from them
   (`specheads.decoding.online` has the rules that adapt at run time).
 
@@ -16,19 +17,27 @@ of the candidates drafted so far may do. `verify_lengths` ranks positions by the
 S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of ŷ_i (`decides: before_draw`), so S_j is
 known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether
 it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
-The goodput it maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the round's draft
-time is left out of it, since it depends on how far each row drafted, which depends on the row's later candidates.
-Fed a score that has read ŷ_j (an `at_draft` head), the same greedy is lossy (tests/test_budget.py shows by how much).
+The goodput `BudgetPlanner` maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the
+round's draft time is left out of it, since it depends on how far each row drafted, which depends on the row's later
+candidates. `GoodputPlanner` counts the draft's time without reading it: through the goodput it plans before the
+round (K = 0, plain decoding, among its choices), which prices its drafting and checking, and through the draft's
+curve at the round's B; a row's drafting reads only that row's candidates. Its signal (`Signal`) is an
+expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before the draw.
+Fed a score that has read ŷ_j (an `at_draft` head, q(ŷ_j)), the same planners are lossy (tests/test_budget.py and
+tests/test_planners.py show by how much).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import numpy as np
 
 from specheads.decoding.costs import CostCurve, ServingCosts
-from specheads.decoding.online import Outcome, PassivePlanner
+from specheads.decoding.online import Outcome, PassivePlanner, VllmEstimator, drawn_logit
 from specheads.decoding.rules import Drafted
 
 
@@ -70,7 +79,8 @@ class BudgetPlanner(PassivePlanner):
     def stops(self, row: int, drafted: Drafted) -> bool:
         return drafted.acceptance < max(self.floor, self.cutoff)
 
-    def verify_lengths(self, survival: Mapping[int, list[float]]) -> dict[int, int]:
+    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
+        survival = {row: [drafted.acceptance for drafted in seen] for row, seen in rounds.items()}
         lengths, self.cutoff = goodput_verify_lengths(survival, self.costs.target)
         return lengths
 
@@ -113,3 +123,223 @@ class SmartSpecPlanner(PassivePlanner):
             return
         self.accepted = kept * self.accepted + self.smoothing * sum(o.accepted for row in checked for o in row)
         self.rejections = kept * self.rejections + self.smoothing * sum(not row[-1].accepted for row in checked)
+
+
+SIGNAL_PRIOR = 0.7
+"""The acceptance per position the goodput planner assumes before it has read any (S̄_j = 0.7^j, SmartSpec's prior)
+and drifts back to in rounds of plain decoding, so that drafting is tried again."""
+
+
+class Signal:
+    """What a goodput planner reads of each drafted candidate: a_j, its chance of acceptance given that the round's
+    earlier candidates were accepted, computed from what was known before ŷ_j was drawn, so that the survival
+    S_j = Π_{i≤j} a_i may rank position j (module docstring). Until `ready` (a signal still fitting itself) the
+    planner drafts to its cap and checks every candidate."""
+
+    name: ClassVar[str] = ""
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def acceptance(self, drafted: Drafted) -> float:
+        """a_j of a drafted candidate."""
+        raise NotImplementedError
+
+    def observe(self, rounds: Mapping[int, list[Drafted]], outcomes: Mapping[int, list[Outcome]]) -> None:
+        """A round's drafted candidates per row, and the outcomes of those the target checked."""
+
+
+class HeadSignal(Signal):
+    """An expected-acceptance head's α̂_j (`decides: before_draw`): read from the state that produced q_j and q_j's
+    signals, so a row's survival product is the one the engine hands a budget (`Drafted.acceptance`)."""
+
+    name: ClassVar[str] = "head"
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return drafted.score
+
+
+class TopOneSignal(Signal):
+    """D-Cut's signal: the draft's top-1 probability max q_j, a property of q_j, not of the token drawn from it."""
+
+    name: ClassVar[str] = "top1"
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return drafted.top1
+
+
+class VllmSignal(Signal):
+    """vLLM's online acceptance estimate on an ex-ante feature: σ(w · logit(max q_j) + b_j), fitted as
+    `specheads.decoding.online.VllmEstimator` fits it (one slope, an intercept per position, damped Newton on the last
+    100 rounds' outcomes every `refit_every` rounds); ready after `warmup_refits` refits, vLLM's window of full
+    verification. A round of the batch is one vLLM step (one scheduler step serves every running request)."""
+
+    name: ClassVar[str] = "vllm"
+
+    def __init__(self, positions: int, refit_every: int = 100, warmup_refits: int = 3):
+        self.fit = VllmEstimator(0.0, positions, refit_every=refit_every, warmup_refits=warmup_refits)
+
+    @property
+    def ready(self) -> bool:
+        return self.fit.refits >= self.fit.warmup_refits
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return self.fit.probability(replace(drafted, prob=drafted.top1))
+
+    def observe(self, rounds: Mapping[int, list[Drafted]], outcomes: Mapping[int, list[Outcome]]) -> None:
+        self.fit.window.append([(drawn_logit(rounds[row][o.position - 1].top1), min(o.position, self.fit.positions),
+                                 o.accepted) for row, checked in outcomes.items() for o in checked])
+        self.fit.steps += 1
+        if self.fit.steps % self.fit.refit_every == 0:
+            self.fit.refit()
+
+
+SIGNALS: dict[str, type[Signal]] = {cls.name: cls for cls in (HeadSignal, TopOneSignal, VllmSignal)}
+
+
+def make_signal(name: str, positions: int) -> Signal:
+    """The signal `name` (`SIGNALS`) for rounds of at most `positions` candidates."""
+    return VllmSignal(positions) if name == VllmSignal.name else SIGNALS[name]()
+
+
+def last(survival: list[float]) -> float:
+    """The acceptance of a row's last drafted candidate, S_k / S_{k-1}, from its survival products."""
+    if len(survival) == 1:
+        return survival[0]
+    return survival[-1] / survival[-2] if survival[-2] > 0.0 else 0.0
+
+
+def survival_products(acceptances: list[float]) -> list[float]:
+    """S_j = Π_{i≤j} a_i, each a_i `clean`ed into [0, 1], so S never rises along a row."""
+    products, survival = [], 1.0
+    for acceptance in acceptances:
+        survival *= clean(acceptance)
+        products.append(survival)
+    return products
+
+
+def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCosts, verified: int | None = None) -> float:
+    """The modelled goodput of a round in which each of `rows` rows drafts k candidates and the target checks
+    `verified` of them (all, rows · k, by default), the likeliest first, S̄_j being position j's expected survival:
+    rows + Σ of the checked positions' S̄ tokens in k · t_draft(rows) + t_target(rows + verified) seconds. k = 0 is
+    plain decoding: rows tokens in t_target(rows)."""
+    verified = rows * k if verified is None else verified
+    full, part = divmod(verified, rows)  # every row's first `full` positions, then `part` rows' next one
+    expected = rows * sum(survival[:full]) + (part * survival[full] if part else 0.0)
+    return (rows + expected) / (k * costs.draft(rows) + costs.target(rows + verified))
+
+
+def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts) -> tuple[int, float]:
+    """The K in 0..`largest` whose round has the largest `planned_goodput` when the target checks the best number of
+    its candidates (all of them among the choices; ties: the smaller K, then the fewer checked), and that goodput.
+    Its K = 0, K = largest and every constant K in between are among the rounds it compares."""
+    gains = np.concatenate([[0.0], np.cumsum(np.repeat(np.asarray(survival[:largest], float), rows))])
+    target = np.asarray([costs.target(rows + verified) for verified in range(rows * largest + 1)])
+    best, rate = 0, rows / float(target[0])
+    for k in range(1, largest + 1):
+        goodput = (rows + gains[: rows * k + 1]) / (k * costs.draft(rows) + target[: rows * k + 1])
+        if goodput.max() > rate:
+            best, rate = k, float(goodput.max())
+    return best, rate
+
+
+def threshold_verify_lengths(survival: Mapping[int, list[float]], rate: float, target: CostCurve) -> dict[int, int]:
+    """Each row's verify length at the goodput `rate` ρ: take positions in order of S (ties: lower row, earlier
+    position) while the next one's expected token pays for what it adds to the target's forward at that rate,
+    S ≥ ρ · (t(n + 1) − t(n)) with n the tokens already in it (one per row to start); stop at the first that does
+    not. S never rising along a row, each row's checked candidates are a prefix."""
+    lengths = {row: 0 for row in survival}
+    tokens = len(survival)
+    order = sorted((-clean(score), row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
+    for negative, row, index in order:
+        if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
+            continue
+        if -negative < rate * (target(tokens + 1) - target(tokens)):
+            break
+        tokens, lengths[row] = tokens + 1, index
+    return lengths
+
+
+@dataclass
+class GoodputPlanner(PassivePlanner):
+    """A verify budget that counts the draft's time and may choose not to speculate (docs/decoding-core.md "Verify
+    budgets"); `signal` is where each candidate's acceptance comes from, the only thing that differs between the
+    goodput, D-Cut and vLLM rules. Per round of B rows:
+
+    1. `round_cap`, from the past only: S̄_j, the signal's recent mean survival at position j over the rows (a row
+       that stopped drafting before j goes on at its last candidate's acceptance), and the K in 0..`max_k` whose
+       round has the largest `planned_goodput` (`plan_round`: the draft's forwards counted; K = 0 is plain
+       decoding). That goodput ρ is the rate every later choice of the round is priced at.
+    2. `stops`: a row that has drafted k candidates, with survival S_k and last acceptance a_k, drafts one more while
+       that candidate's expected token, S_k · a_k, pays at ρ for what the row adds to a draft forward of B rows and
+       one more token in the target's forward:
+       S_k · a_k > ρ · (t_draft(B) − t_draft(B − 1) + t_target(B(k + 1) + 1) − t_target(B(k + 1))).
+       It reads the row's own candidates and the past only, never another row's: that keeps every row's drafting,
+       and so the positions the verify step ranks, independent of the other rows' draws.
+    3. `verify_lengths`: `threshold_verify_lengths` at ρ, on the survival products of the drafted candidates.
+
+    A signal not yet `ready` drafts every row to the cap and checks every candidate (vLLM's warm-up).
+    """
+
+    costs: ServingCosts
+    signal: Signal
+    max_k: int | None = None  # the largest K it may plan; the cap otherwise
+    smoothing: float = 0.1  # the weight of a round in the expected survival
+    expected: list[float] = field(default_factory=list)  # S̄_1, S̄_2, …
+    rate: float = 0.0  # ρ, this round's planned goodput
+    k: int = 0  # this round's K
+    rows: int = 0  # this round's rows
+    survival: dict[int, float] = field(default_factory=dict)  # each drafting row's S so far
+    rounds: dict[int, list[Drafted]] = field(default_factory=dict)  # this round's drafted candidates per row
+
+    def round_cap(self, rows: int, cap: int) -> int:
+        largest = cap if self.max_k is None else min(cap, self.max_k)
+        self.expected += [SIGNAL_PRIOR ** (j + 1) for j in range(len(self.expected), largest)]
+        self.rows = rows
+        if self.signal.ready:
+            self.k, self.rate = plan_round(self.expected, rows, largest, self.costs)
+        else:  # a signal still fitting: draft to the cap and check everything
+            self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs)
+        return self.k
+
+    def stops(self, row: int, drafted: Drafted) -> bool:
+        if not self.signal.ready:
+            return False
+        acceptance = clean(self.signal.acceptance(drafted))
+        survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
+        self.survival[row] = survival
+        return not self.worth_drafting(survival, drafted.index, acceptance)
+
+    def worth_drafting(self, survival: float, drafted: int, acceptance: float) -> bool:
+        """Whether a row whose `drafted` candidates survive with `survival`, the last accepted with `acceptance`,
+        should draft one more (class docstring)."""
+        if drafted >= self.k:
+            return False
+        tokens = self.rows * (drafted + 1)
+        step = (self.costs.draft(self.rows) - self.costs.draft(self.rows - 1) + self.costs.target(tokens + 1)
+                - self.costs.target(tokens))
+        return survival * acceptance > self.rate * step
+
+    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
+        self.rounds = {row: list(seen) for row, seen in rounds.items()}
+        if not self.signal.ready:
+            return {row: len(seen) for row, seen in rounds.items()}
+        return threshold_verify_lengths(self.round_survival(), self.rate, self.costs.target)
+
+    def round_survival(self) -> dict[int, list[float]]:
+        """The survival products of this round's drafted candidates, per row."""
+        return {row: survival_products([self.signal.acceptance(d) for d in seen]) for row, seen in self.rounds.items()}
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        drafted = [survival for survival in self.round_survival().values() if survival]
+        kept = 1.0 - self.smoothing
+        for j, mean in enumerate(self.expected):
+            if drafted:  # a row that stopped before j goes on at its last candidate's acceptance
+                reading = sum(s[j] if j < len(s) else s[-1] * last(s) ** (j + 1 - len(s)) for s in drafted) / len(drafted)
+            else:  # a round of plain decoding: back towards the prior, so that drafting is tried again
+                reading = SIGNAL_PRIOR ** (j + 1)
+            self.expected[j] = kept * mean + self.smoothing * reading
+        self.signal.observe(self.rounds, outcomes)
+        self.rounds = {}
+

@@ -11,7 +11,8 @@ learned head, the product of the acceptance predictions it has: an `at_draft` he
 verifier) has scored ŷ_k itself, so the product is Π_{j≤k} â_j; a `one_step_late` head (specdecpp_resnet) reads the
 state that has read ŷ_j, which exists only once ŷ_{j+1} is drafted, so at step k it knows â_1..â_{k-1}.
 
-Batch-level rules (`budget`, `smartspec`) also hand the engine a planner (`specheads.decoding.planners`) that sees the
+Batch-level rules (`budget`, `smartspec`, and the goodput planner read by a head, `goodput`, or by a free signal,
+`dcut` and `vllm_adaptive`) also hand the engine a planner (`specheads.decoding.planners`) that sees the
 whole round: how far every row may draft, and how many of each row's candidates the target checks.
 
 A new rule is one class here, registered in `RULES`; the round engine (`specheads.decoding.engine`) runs any of them.
@@ -40,6 +41,7 @@ class Drafted:
     # `before_draw` head, the survival product S_k, known before the candidate was drawn
     score: float = 1.0  # the head's score of this candidate (an `at_draft` head; 1.0 otherwise)
     ends_output: bool = False  # the candidate is a stop token
+    top1: float = 1.0  # max q at the step that drafted it (untempered under greedy decoding): known before the draw
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,64 @@ class SmartSpecK(StopPolicy):
 
 
 @dataclass(frozen=True)
+class GoodputPlan(StopPolicy):
+    """The goodput planner (`specheads.decoding.planners.GoodputPlanner`) reading an expected-acceptance head: per
+    round, the batch's K from the modelled goodput with the draft's time counted (K = 0 is plain decoding), each
+    row's drafting ended once one more candidate is not worth its draft and target time, and the verify lengths
+    chosen in order of the survival products. `threshold` is the largest K it may plan (it needs no tuned value).
+    Exact with a head that decides before the draw (docs/decoding-core.md "Verify budgets")."""
+
+    name: ClassVar[str] = "goodput"
+    reads_head: ClassVar[bool] = True
+    signal: ClassVar[str] = "head"  # what ranks the positions (`specheads.decoding.planners.SIGNALS`)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threshold < 1 or self.threshold != int(self.threshold):
+            raise UsageError(f"the {self.name} rule's value is the largest K it may plan, a whole number >= 1; got "
+                             f"{self.threshold}")
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        from specheads.decoding.planners import GoodputPlanner, make_signal
+
+        return GoodputPlanner(require_costs(self.name, costs), make_signal(self.signal, int(self.threshold)),
+                              max_k=int(self.threshold))
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        if self.reads_head and head.decides != "before_draw":
+            raise UsageError(f"the {self.name} rule ranks drafted positions across rows by the head's survival "
+                             f"product; a {head.head_type} head decides {head.decides} (it has read the drafted "
+                             "token), which makes the output differ from the target's; use an expected_acceptance head")
+
+
+@dataclass(frozen=True)
+class DCut(GoodputPlan):
+    """D-Cut (Tencent AngelSlim; vLLM PR #44885, vllm-ascend PR #15147) in the goodput planner: each candidate's
+    acceptance is the draft's top-1 probability max q_k, its survival the product over the round, no training.
+    D-Cut reads the probability of the token its greedy drafter selected, which is max q_k; with sampled drafts that
+    would be q(ŷ_k), a score of the drawn token that makes ranking inexact, so max q_k (known before the draw) is used
+    (docs/decoding-core.md "The field's free signals")."""
+
+    name: ClassVar[str] = "dcut"
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "top1"
+
+
+@dataclass(frozen=True)
+class VllmAdaptive(GoodputPlan):
+    """vLLM's adaptive verification signal (PR #47808, #52228) in the goodput planner: each candidate's acceptance is
+    vLLM's online estimate σ(w · logit(max q_k) + b_k), refitted from the outcomes every 100 rounds, drafting to the
+    cap and checking every candidate until its third refit. vLLM's newest estimator reads logit(q(ŷ_k)) of the drawn
+    token, which ranks inexactly under sampled drafts; max q_k (PR #52228's feature) is used (docs/decoding-core.md
+    "The field's free signals")."""
+
+    name: ClassVar[str] = "vllm_adaptive"
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "vllm"
+
+
+@dataclass(frozen=True)
 class VllmOnline(StopPolicy):
     """vLLM's online acceptance estimator (`specheads.decoding.online.VllmEstimator`) as a stop rule: end the round
     once 1 − Π p_k exceeds `threshold`; it drafts to the cap until its third refit."""
@@ -314,7 +374,8 @@ class TransformersHeuristicK(StopPolicy):
 
 RULES: dict[str, type[StopPolicy]] = {cls.name: cls for cls in (ConstantK, Svip, Confidence, HeadStop, HeadCostStop, Oracle, SprinterRule,
                                                                  VerifyBudget, SmartSpecK, VllmOnline, AdaEdlRule, TransformersDefault,
-                                                                 TransformersHeuristicK, SvCompanionStop)}
+                                                                 TransformersHeuristicK, SvCompanionStop, GoodputPlan, DCut,
+                                                                 VllmAdaptive)}
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "head_cost", "oracle", "vllm_online", "adaedl", "transformers",
                  "transformers_heuristic", "sv_companion")
 ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic")
@@ -328,7 +389,7 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
                              "forwards)"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
 TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
-BATCH_POLICIES = ("budget", "smartspec")
+BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive")
 
 
 def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
