@@ -85,7 +85,9 @@ class EvalConfig:
         fixed_thresholds: `{policy: threshold}` (K for constant_k, K_max for the oracle) tuned elsewhere: each
             policy is decoded at its threshold alone and every prompt here is a test prompt, nothing is tuned (the
             demo takes the values docs/results.md tuned on dev prompts, so that all its prompts report).
-        serving_batch_policies: the batch policies decoded live in the serving table (`budget`, `smartspec`).
+        serving_batch_policies: the batch policies decoded live in the serving table (`budget`, `smartspec`, and
+            the goodput planner fed by the expected-acceptance head, D-Cut's top-1 product or vLLM's estimate:
+            `goodput`, `dcut`, `vllm_adaptive`).
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off. Counted forwards are the same either way.
@@ -120,7 +122,8 @@ class EvalConfig:
     reuse_runs: str | None = None
     tuned_from: str | None = None
     fixed_thresholds: dict[str, float] | None = None
-    serving_batch_policies: list[Literal["budget", "smartspec"]] = field(default_factory=lambda: ["budget", "smartspec"])
+    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"]] = field(
+        default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
     prompt_cache_mb: NonNegativeInt = 2048
 
     @property

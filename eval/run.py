@@ -314,16 +314,23 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         costs = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
         source, view_name, modelled = f"measured on {device_name(device)}", "measured", False
     budget_head, left_out = expected_head(config, trained, device)
-    batch_policies = {"smartspec": float(config.max_draft)} if "smartspec" in config.serving_batch_policies else {}
+    # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
+    batch_policies = {policy: float(config.max_draft) for policy in ("smartspec", "dcut", "vllm_adaptive")
+                      if policy in config.serving_batch_policies}
     if budget_head is not None and "budget" in config.serving_batch_policies:
         batch_policies["budget"] = config.budget_floor
+    if "goodput" in config.serving_batch_policies:  # the same planner as dcut's, fed the head's survival products
+        if budget_head is not None:
+            batch_policies["goodput"] = float(config.max_draft)
+        elif "budget" in left_out:
+            left_out["goodput"] = left_out["budget"]
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
     def live(policy: str, threshold: float, size: int, view: ServingCosts) -> list[RoundRecord]:
         log: list[RoundRecord] = []
         engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
                       config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
-                      budget_head if policy == "budget" else None, batch_size=size, costs=view, log=log)
+                      budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
         return log
 
     views = serving_views(costs, config.cost_ratio, view_name)

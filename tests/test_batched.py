@@ -213,7 +213,10 @@ def test_eval_serving_report_and_batched_sweep_agree_with_batch_1(trained, tmp_p
     # SmartSpec decoded live at every B and view; the budget needs an expected-acceptance head, and says so
     assert {(r["batch_size"], r["costs"]) for r in serving["rows"] if r["policy"] == "smartspec" and r["decoded"] == "live"} \
         == {(b, v) for b in (1, 8) for v in serving["best"]}
-    assert "--budget-head" in serving["left_out"]["budget"]
+    assert "--budget-head" in serving["left_out"]["budget"] and "--budget-head" in serving["left_out"]["goodput"]
+    for policy in ("dcut", "vllm_adaptive"):  # the goodput planner on free signals is decoded live beside SmartSpec
+        assert {(r["batch_size"], r["costs"]) for r in serving["rows"] if r["policy"] == policy and r["decoded"] == "live"} \
+            == {(b, v) for b in (1, 8) for v in serving["best"]}
     assert serving["cost_curves"]["source"] == "measured on the CPU"
     assert all(row["tokens_per_s"] > 0 for row in serving["rows"])
     assert (tmp_path / "batched" / "serving.png").stat().st_size > 1000
