@@ -84,8 +84,27 @@ def describe_head(config: dict[str, Any], state: str) -> str:
             f"1 − Π_(j≤k) â_j exceeds the threshold.{calibrated}")
 
 
-def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> ModelCard:
-    """The model card: what the head does, how to load it, its metrics, plot, commands and limitations."""
+def generate_lines(config: dict[str, Any]) -> list[str]:
+    """The card's one-line use through transformers' `custom_generate` (the repo's custom_generate/ folder)."""
+    sampling = config.get("sampling") or {}
+    greedy = not sampling.get("temperature")
+    options = ("do_sample=False" if greedy else
+               f"do_sample=True, temperature={sampling.get('temperature')}, top_k={sampling.get('top_k') or 0}, "
+               f"top_p={sampling.get('top_p') if sampling.get('top_p') is not None else 1.0}")
+    cost = (" Give your hardware's t_draft/t_target as `cost_ratio=`."
+            if config["decision_rule"]["rule"] == "draft_while_the_next_candidate_pays" else "")
+    return ["### With transformers, in one line", "",
+            "Needs `pip install specheads` (custom_generate/requirements.txt; transformers refuses to run the code "
+            "without it). The repo's custom_generate/generate.py loads this head (safetensors and config.json only) "
+            "and runs speculative decoding with your draft under the head's decision rule; the output is the "
+            "target's own distribution (greedy: token for token the target's greedy output)." + cost, "",
+            "```python", f"out = target.generate(**inputs, custom_generate=\"REPO_OR_FOLDER\", trust_remote_code=True, "
+            f"draft=draft, {options}, max_new_tokens=256)", "```", ""]
+
+
+def render_card(config: dict[str, Any], commands: list[str], has_roc: bool, in_generate: bool = False) -> ModelCard:
+    """The model card: what the head does, how to load it (and, `in_generate`, to run it from transformers'
+    `generate` in one line), its metrics, plot, commands and limitations."""
     rule = config["decision_rule"]
     draft, target = config["draft"]["name"], config["target"]["name"]
     sampling = config.get("sampling") or {}
@@ -119,6 +138,7 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool) -> M
               ["probability = head.predict(hidden, signals, position=k)  # k: 1-based index in the round"]
               if config.get("purpose") in ("stop", "expect") else ["probability = head.predict(hidden, signals)"]), "```", "",
             f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",
+            *(generate_lines(config) if in_generate else []),
             "## Metrics", "", *metrics_rows(config.get("metrics") or {}), ""]
     if has_roc:
         body += ["![ROC on held-out tokens](roc.png)", ""]

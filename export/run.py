@@ -1,10 +1,12 @@
-"""Write a head folder (model.safetensors, config.json, README.md, roc.png) atomically, and push it to the Hub."""
+"""Write a head folder (model.safetensors, config.json, README.md, roc.png and, for a stop head, custom_generate/)
+atomically, and push it to the Hub."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ from specheads.errors import UsageError
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.files import check_output_folder, replace_folder, usual_permissions
-from specheads.heads.loading import COST_RULE, HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, DecisionRule, cost_rule_refusal
+from specheads.heads import AcceptanceHead
+from specheads.heads.loading import COST_RULE, HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, STOP_RULES, DecisionRule, cost_rule_refusal
 from specheads.report_file import Report, read_report
 
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
@@ -90,9 +93,20 @@ def commands(config: ExportConfig, trained: TrainedHead, report: Report | None) 
     return lines
 
 
+def custom_generate_files(head: AcceptanceHead, rule: DecisionRule) -> dict[str, str]:
+    """The custom_generate/ files that let `target.generate(custom_generate="org/head", trust_remote_code=True,
+    draft=draft)` run the head's rule (`hub_generate.py`, copied verbatim, and its requirements), for a head
+    `speculative_generate` decodes with: a stop rule, reading the draft's states only; none for the others."""
+    if rule.rule not in STOP_RULES or getattr(head, "target_state_size", 0):
+        return {}
+    return {"custom_generate/generate.py": files("specheads.export").joinpath("hub_generate.py").read_text(),
+            "custom_generate/requirements.txt": f"specheads>={__version__}\n"}
+
+
 def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], card_commands: list[str],
-                 roc: Path | None, overwrite: bool) -> None:
-    """Build the folder beside `out` and move it into place in one rename (nothing half-written)."""
+                 roc: Path | None, overwrite: bool, code: dict[str, str]) -> None:
+    """Build the folder beside `out` (with the `custom_generate_files` in `code`) and move it into place in one
+    rename (nothing half-written)."""
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"{out} already holds files; choose another --out or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +115,10 @@ def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], c
         trained.head.save_pretrained(staging, config=config_json)
         if roc is not None:
             shutil.copyfile(roc, staging / "roc.png")
-        render_card(config_json, card_commands, roc is not None).save(staging / "README.md")
+        for name, text in code.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_text(text)
+        render_card(config_json, card_commands, roc is not None, bool(code)).save(staging / "README.md")
         usual_permissions(staging)
         replace_folder(staging, out)
     finally:
@@ -130,14 +147,16 @@ def push(out: Path, repo_id: str, private: bool, revision: str | None, message: 
     return str(getattr(info, "commit_url", None) or repo_id)
 
 
-def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any]) -> bool:
-    """True when `out` holds exactly this export already (same config.json, same weights): a push can be retried
-    without writing the folder again."""
+def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any], code: dict[str, str]) -> bool:
+    """True when `out` holds exactly this export already (same config.json, same weights, the same custom_generate/
+    files and no others): a push can be retried without writing the folder again."""
     from specheads.heads.loading import load_head
 
     try:
         same_config = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(config_json))
-        return same_config and load_head(str(out))[0].weights_digest() == trained.head.weights_digest()
+        held = {p.relative_to(out).as_posix() for p in (out / "custom_generate").rglob("*") if p.is_file()}
+        same_code = held == set(code) and all((out / name).read_text() == text for name, text in code.items())
+        return same_config and same_code and load_head(str(out))[0].weights_digest() == trained.head.weights_digest()
     except (OSError, ValueError, UsageError):
         return False
 
@@ -155,9 +174,9 @@ def export(config: ExportConfig) -> dict[str, Any]:
     config_json = head_config(trained, rule, metrics)
     if choice is not None:
         config_json["rule_choice"] = choice
-    out = Path(config.out)
-    if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json)):
-        write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite)
+    out, code = Path(config.out), custom_generate_files(trained.head, rule)
+    if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json, code)):
+        write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite, code)
     if config.push_to_hub:
         config_json["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
                                         f"specheads export of {Path(config.ckpt).name}")

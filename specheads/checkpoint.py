@@ -16,7 +16,7 @@ import torch
 
 from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, build_head
-from specheads.heads.loading import DecisionRule, load_head, read_head_config, resolve_folder
+from specheads.heads.loading import COST_RULE, DecisionRule, load_head, read_head_config, resolve_folder
 
 
 @dataclass
@@ -140,7 +140,8 @@ def from_folder(path: str) -> TrainedHead:
         target=(config.get("target") or {}).get("name"), data_fingerprint=data.get("fingerprint"),
         data_identity=data.get("identity"), sampling=config.get("sampling"), tau=float(config.get("tau") or 1.0),
         contexts=config.get("contexts", "consistent"), split=data.get("split") or {"val_fraction": 0.1, "split_seed": 0},
-        decision=rule if rule.tuned else None, evaluation=config.get("metrics"), training=config.get("training") or {},
+        decision=rule if rule.tuned or rule.rule == COST_RULE else None, evaluation=config.get("metrics"),
+        training=config.get("training") or {},
     )
 
 

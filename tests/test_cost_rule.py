@@ -249,3 +249,17 @@ def test_generate_runs_the_cost_rule_a_head_carries_and_takes_the_callers_cost_r
     with pytest.raises(UsageError, match="drop cost_ratio"):
         target.generate(ids, do_sample=False, max_new_tokens=5, custom_generate=speculative_generate, draft=draft,
                         head=tuned, cost_ratio=0.1)
+
+
+def test_a_head_folder_carrying_the_cost_rule_keeps_it_when_exported_again(tmp_path):
+    """The rule is tuned nowhere, so `tuned` is false: re-exporting the folder must not take it for an untuned
+    default and drop it."""
+    from specheads.checkpoint import load_trained
+    from specheads.heads.loading import COST_RULE, DecisionRule
+
+    calibrated_on_time_head().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rule = DecisionRule(COST_RULE, 0.2, tuned=False, max_draft=6, cost_ratio=0.2)
+    config["decision_rule"] = rule.as_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_trained(str(tmp_path)).rule == rule

@@ -36,7 +36,8 @@ def test_round_trip_gives_identical_predictions(exported):
     head, rule = load_head(str(out), expect_draft="target minus layers 2")
     hidden, signals = torch.randn(7, 32), torch.randn(7, len(original.extra_features))
     assert torch.equal(original.predict(hidden, signals), head.predict(hidden, signals))
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "roc.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "custom_generate", "model.safetensors",
+                                                     "roc.png"]
     config = json.loads((out / "config.json").read_text())
     for key in ("head_type", "hidden_size", "depth", "reads", "draft", "target", "sampling", "decision_rule",
                 "training_data", "metrics"):
@@ -110,7 +111,8 @@ def test_push_and_load_through_the_hub_client(exported, tmp_path, monkeypatch, c
 
     def upload_folder(self, repo_id, folder_path, revision=None, commit_message=None, **kwargs):
         calls["upload"] = {"repo_id": repo_id, "revision": revision,
-                           "files": {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}}
+                           "files": {p.relative_to(folder_path).as_posix(): p.read_bytes()
+                                     for p in Path(folder_path).rglob("*") if p.is_file()}}
         return huggingface_hub.CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/abc", commit_message="",
                                           commit_description="", oid="abc")
 
@@ -123,7 +125,8 @@ def test_push_and_load_through_the_hub_client(exported, tmp_path, monkeypatch, c
                  "--push-to-hub", "me/my-head", "--private", "--revision", "v1"]) == 0
     assert calls["create_repo"] == ("me/my-head", True) and calls["create_branch"] == "v1"
     assert calls["upload"]["revision"] == "v1"
-    assert set(calls["upload"]["files"]) == {"README.md", "config.json", "model.safetensors", "roc.png"}
+    assert set(calls["upload"]["files"]) == {"README.md", "config.json", "model.safetensors", "roc.png",
+                                             "custom_generate/generate.py", "custom_generate/requirements.txt"}
     assert calls["upload"]["files"]["model.safetensors"] == (pushed / "model.safetensors").read_bytes()
     printed = capsys.readouterr()
     assert SECRET not in printed.out + printed.err
