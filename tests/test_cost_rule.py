@@ -217,18 +217,13 @@ def test_export_gives_the_cost_rule_only_to_a_head_whose_calibration_allows_it()
 def test_generate_runs_the_cost_rule_a_head_carries_and_takes_the_callers_cost_ratio(tmp_path):
     """A head exported with the cost rule loads with it; through generate it decodes the target's greedy tokens, the
     caller's cost ratio changes how far it drafts, and a head with a tuned threshold refuses a cost ratio."""
+    from test_integration_transformers import near_pair
+
     from specheads.heads import load_head
     from specheads.heads.loading import COST_RULE, STOP_RULE, DecisionRule
     from specheads.integrations.transformers import speculative_generate
 
-    target, draft = tiny_lm(seed=3, vocab=32, init=0.6), tiny_lm(seed=3, vocab=32, init=0.6)
-    torch.manual_seed(4)
-    with torch.no_grad():  # a draft near the target: rounds keep several tokens
-        for weight in draft.parameters():
-            weight.add_(0.1 * weight.std() * torch.randn_like(weight))
-    for model in (target, draft):
-        model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
-        model.generation_config.pad_token_id = 0
+    target, draft = near_pair()  # a draft near the target: rounds keep several tokens
     calibrated_on_time_head().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["decision_rule"] = DecisionRule(COST_RULE, 0.2, tuned=False, max_draft=6, cost_ratio=0.2).as_dict()

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_cost_rule import calibrated_on_time_head
-from test_eval import tiny_lm
-from test_integration_transformers import Collect
+from test_integration_transformers import Collect, near_pair
 
 from specheads.checkpoint import load_trained
 from specheads.cli import main
@@ -28,16 +27,7 @@ NEW = 20
 
 @pytest.fixture(scope="module")
 def pair():
-    """A 32-token target and a draft that is its weights plus noise, so that rounds often keep several tokens."""
-    target, draft = tiny_lm(seed=3, vocab=32, init=0.6), tiny_lm(seed=3, vocab=32, init=0.6)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for weight in draft.parameters():
-            weight.add_(0.1 * weight.std() * torch.randn_like(weight))
-    for model in (target, draft):
-        model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
-        model.generation_config.pad_token_id = 0
-    return target, draft
+    return near_pair()
 
 
 def head_folder(folder: Path, rule: DecisionRule) -> Path:

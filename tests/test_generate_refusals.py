@@ -6,7 +6,7 @@ for; a draft whose identity cannot be determined is let through."""
 import pytest
 import torch
 from test_eval import PROMPT, tiny_lm
-from test_integration_transformers import Collect, head_for
+from test_integration_transformers import Collect, head_for, quiet_pair
 from transformers import LlamaForCausalLM
 
 from specheads.decoding import RoundEngine, make_policy
@@ -19,11 +19,7 @@ from specheads.sampling import SamplingTransform
 
 @pytest.fixture(scope="module")
 def pair():
-    target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
-    for model in (target, draft):
-        model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-        model.generation_config.bos_token_id = None
-    return target, draft
+    return quiet_pair()
 
 
 def generate(target, draft, head, **options):

@@ -15,8 +15,7 @@ from specheads.integrations.transformers import speculative_generate
 from specheads.sampling import SamplingTransform
 
 
-@pytest.fixture(scope="module")
-def pair():
+def quiet_pair() -> tuple:
     """A 3-token target and draft that disagree (the chi-square test's pair), with no EOS: every run is LENGTH long."""
     target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
     for model in (target, draft):
@@ -25,8 +24,7 @@ def pair():
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def wide_pair():
+def near_pair() -> tuple:
     """A 32-token target and a draft that is its weights plus noise, so that rounds often keep several tokens."""
     target, draft = tiny_lm(seed=3, vocab=32, init=0.6), tiny_lm(seed=3, vocab=32, init=0.6)
     torch.manual_seed(4)
@@ -37,6 +35,28 @@ def wide_pair():
         model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
         model.generation_config.pad_token_id = 0
     return target, draft
+
+
+def sampled_through_generate(target, draft, head, runs: int = 5, rows: int = 100) -> list[tuple[int, ...]]:
+    """`runs` × `rows` samples of LENGTH tokens after PROMPT through generate(custom_generate=speculative_generate) at
+    T = 1 (torch's global seed 0 first): the chi-square tests' draws."""
+    torch.manual_seed(0)
+    samples = []
+    for _ in range(runs):
+        out = target.generate(torch.tensor([PROMPT] * rows), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=LENGTH, custom_generate=speculative_generate, draft=draft, head=head)
+        samples += [tuple(row[len(PROMPT):]) for row in out.tolist()]
+    return samples
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return quiet_pair()
+
+
+@pytest.fixture(scope="module")
+def wide_pair():
+    return near_pair()
 
 
 def head_for(sampling: SamplingTransform | None, threshold: float = 0.5, max_draft: int = 3):
@@ -77,12 +97,7 @@ def test_sampling_through_generate_leaves_the_target_distribution_unchanged(pair
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
     head = head_for(transform)
-    torch.manual_seed(0)
-    samples = []
-    for _ in range(5):
-        out = target.generate(torch.tensor([PROMPT] * 100), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=LENGTH, custom_generate=speculative_generate, draft=draft, head=head)
-        samples += [tuple(row[len(PROMPT):]) for row in out.tolist()]
+    samples = sampled_through_generate(target, draft, head)
     assert chi_square_p(samples, exact) > 1e-3
     torch.manual_seed(0)  # torch's global seed repeats a run
     again = target.generate(torch.tensor([PROMPT] * 100), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,

@@ -5,13 +5,12 @@ its output embeddings is refused in one line."""
 
 import pytest
 import torch
-from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities
-from test_integration_transformers import head_for
+from test_eval import chi_square_p, sequence_probabilities
+from test_integration_transformers import head_for, sampled_through_generate
 from transformers import AutoConfig, AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from specheads.decoding import BatchCache
 from specheads.errors import UsageError
-from specheads.integrations.transformers import speculative_generate
 from specheads.sampling import SamplingTransform
 from specheads.signals import output_logits
 
@@ -86,14 +85,7 @@ def test_sampling_a_rescaled_target_through_generate_leaves_its_distribution_unc
     target, draft = granite_lm(seed=1), granite_lm(seed=2)
     transform = SamplingTransform(1.0)
     exact = sequence_probabilities(target, transform)
-    head = head_for(transform)
-    torch.manual_seed(0)
-    samples = []
-    for _ in range(5):
-        out = target.generate(torch.tensor([PROMPT] * 100), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=LENGTH, custom_generate=speculative_generate, draft=draft, head=head)
-        samples += [tuple(row[len(PROMPT):]) for row in out.tolist()]
-    assert chi_square_p(samples, exact) > 1e-3
+    assert chi_square_p(sampled_through_generate(target, draft, head_for(transform)), exact) > 1e-3
 
 
 def test_every_family_the_rules_name_is_a_model_type_transformers_knows():
