@@ -13,9 +13,13 @@ Three comparisons, each side by side in one run on the same prompts and settings
      It reports labelled tokens/s with and without model loading, the time spent generating responses, the
      bound's tokens/s and the ratios. `--random-target 1b` swaps the target for a random-initialised 1B-class
      Llama (bf16, the embedded tokenizer; its draft skips two of its layers).
+  5. (`stages`) where `specheads gen`'s time goes on a config (`--stages-config`, `--stages-args`): wall and CPU
+     seconds per stage, whichever path labels (generate + teacher-forced forwards, or the one-pass labeller of
+     data_gen.onepass). Run it with another checkout's package on the path to profile that version.
 Each measurement runs in its own process so peak RSS is that measurement's alone.
 
     python benchmarks/gen_throughput.py --prompts 32 --max-new-tokens 64 --memory-prompts "[32, 256]"
+    OMP_NUM_THREADS=1 python benchmarks/gen_throughput.py --parts "[stages]" --stages-args "[--num-prompts, 8]"
     python benchmarks/gen_throughput.py --parts "[bound]" --bound-config configs/gen/smollm2-demo-16x.yaml \
         --bound-args "[--target.dtype, bfloat16, --generation.cache, static, --generation.compile, true,
                        --generation.batch_size, auto, --batch-size, 128, --rows-per-shard, 1024]"
@@ -316,9 +320,88 @@ def measure_bound(args: GenBenchmark) -> dict:
     }
 
 
+STAGES = {  # (module, function): stage; a stage's time excludes the stages it calls
+    ("specheads.data_gen.run", "load_pair"): "load the models",
+    ("specheads.data_gen.engines", "generate_responses"): "generate the responses (transformers generate)",
+    ("specheads.data_gen.labels", "decoder_states"): "teacher-forced forwards of target and draft",
+    ("specheads.data_gen.labels", "mixed_features"): "draft forward over the mixed tokens (features)",
+    ("specheads.data_gen.labels", "output_logits"): "LM heads (p, q)",
+    ("specheads.data_gen.labels", "label_positions"): "label math (transform, draws, statistics)",
+    ("specheads.data_gen.onepass.OnePass", "prefill"): "one pass: the prompts",
+    ("specheads.data_gen.onepass.OnePass", "forward"): "one pass: the streams' decoding steps",
+    ("specheads.data_gen.onepass.OnePass", "logits"): "one pass: LM heads (p, q)",
+    ("specheads.data_gen.onepass.Record", "label"): "one pass: draws, labels and mixing",
+    ("specheads.data_gen.onepass.OnePass", "keep"): "one pass: dropping finished rows",
+    ("specheads.data_gen.module", "write_shard"): "write the shards",
+}
+
+
+def measure_stages(args: GenBenchmark) -> dict:
+    """`specheads gen` on `args.stages_config` with every stage of STAGES timed (wall and CPU seconds, each stage
+    without the stages it calls); what is left is Lightning, planning, checks and the manifest."""
+    import importlib
+
+    from specheads.data_gen import run as run_module
+    from specheads.data_gen.cli import parse_config
+
+    seconds: dict[str, list[float]] = {}
+    calls: list[list[float]] = []  # per open call: wall and CPU seconds of the stages it called
+    absorbing = {"one pass: the prompts"}  # the stages it calls count as its own
+    open_stages: list[str] = []
+
+    def timed(stage: str, function):
+        def wrapper(*a, **k):
+            if any(name in absorbing for name in open_stages):
+                return function(*a, **k)
+            open_stages.append(stage)
+            calls.append([0.0, 0.0])
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return function(*a, **k)
+            finally:
+                open_stages.pop()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                inner = calls.pop()
+                totals = seconds.setdefault(stage, [0.0, 0.0])
+                totals[0] += wall - inner[0]
+                totals[1] += cpu - inner[1]
+                if calls:
+                    calls[-1][0] += wall
+                    calls[-1][1] += cpu
+        return wrapper
+
+    for (where, name), stage in STAGES.items():
+        path, _, owner = where.rpartition(".") if where.endswith(("OnePass", "Record")) else (where, "", "")
+        try:
+            target = getattr(importlib.import_module(path), owner) if owner else importlib.import_module(path)
+        except (ImportError, AttributeError):
+            continue  # a version without that stage
+        if hasattr(target, name):
+            setattr(target, name, timed(stage, getattr(target, name)))
+    folder = tempfile.mkdtemp()
+    config = parse_config(["--config", str(ROOT / args.stages_config), *args.stages_args, "--out", str(Path(folder) / "gen"),
+                           "--progress", "false", "--accelerator", "cpu"])
+    wall, cpu = time.perf_counter(), time.process_time()
+    summary = run_module.run(config)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    load = seconds.get("load the models", [0.0, 0.0])
+    stages = {stage: {"wall_s": round(w, 2), "cpu_s": round(c, 2),
+                      **({} if stage == "load the models" else {"share_after_load": round(w / (wall - load[0]), 3)})}
+              for stage, (w, c) in sorted(seconds.items(), key=lambda item: -item[1][0])}
+    accounted = [sum(v[i] for v in seconds.values()) for i in (0, 1)]
+    stages["other (Lightning, plan, checks, manifest)"] = {
+        "wall_s": round(wall - accounted[0], 2), "cpu_s": round(cpu - accounted[1], 2),
+        "share_after_load": round((wall - accounted[0]) / (wall - load[0]), 3)}
+    return {"torch_threads": torch.get_num_threads(), "labelled_tokens": summary.labelled_tokens,
+            "tokens_per_s_reported": summary.tokens_per_s, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+            "stages": stages}
+
+
 def child(mode: str, prompts: int, max_new_tokens: int, args: GenBenchmark | None = None) -> None:
     if mode == "bound":
         result = measure_bound(args)
+    elif mode == "stages":
+        result = measure_stages(args)
     else:
         result = {"ours": measure_ours, "reference": measure_reference, "labelling": measure_labelling}[mode](
             prompts, max_new_tokens)
@@ -326,7 +409,7 @@ def child(mode: str, prompts: int, max_new_tokens: int, args: GenBenchmark | Non
 
 
 def in_child(mode: str, prompts: int, max_new_tokens: int) -> dict:
-    extra = sys.argv[1:] if mode == "bound" else []  # the bound's own flags travel with it
+    extra = sys.argv[1:] if mode in ("bound", "stages") else []  # their own flags travel with them
     process = subprocess.run([sys.executable, __file__, *extra, "--child", mode, "--prompts", str(prompts),
                               "--max-new-tokens", str(max_new_tokens)], capture_output=True, text=True)
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
@@ -350,19 +433,23 @@ class GenBenchmark:
         bound_args: more `specheads gen` flags for the bound part (generation options, dtype, sizes).
         random_target: run the bound part with a random-initialised target of this size instead of the config's.
         bound_repeats: passes of the forward bound; the fastest counts.
+        stages_config: the `specheads gen` config the stages part profiles.
+        stages_args: more `specheads gen` flags for the stages part (e.g. `[--num-prompts, 8]`).
     """
 
     prompts: PositiveInt = 32
     max_new_tokens: PositiveInt = 64
     memory_prompts: list[PositiveInt] = field(default_factory=lambda: [32, 256])
     memory_max_new_tokens: PositiveInt = 32
-    child: Literal["ours", "reference", "labelling", "bound"] | None = None
-    parts: list[Literal["end_to_end", "labelling", "memory", "bound"]] = field(
+    child: Literal["ours", "reference", "labelling", "bound", "stages"] | None = None
+    parts: list[Literal["end_to_end", "labelling", "memory", "bound", "stages"]] = field(
         default_factory=lambda: ["end_to_end", "labelling", "memory"])
     bound_config: str = "configs/gen/smollm2-demo-16x.yaml"
     bound_args: list[str] = field(default_factory=list)
     random_target: Literal["1b"] | None = None
     bound_repeats: PositiveInt = 2
+    stages_config: str = "configs/gen/smollm2-demo.yaml"
+    stages_args: list[str] = field(default_factory=lambda: ["--num-prompts", "8"])
 
 
 def main() -> None:
@@ -388,6 +475,8 @@ def main() -> None:
         report["memory"]["ratio_after_load"] = runs[-1]["peak_rss_after_load_mib"] / runs[0]["peak_rss_after_load_mib"]
     if "bound" in args.parts:
         report["bound"] = in_child("bound", args.prompts, args.max_new_tokens)
+    if "stages" in args.parts:
+        report["stages"] = in_child("stages", args.prompts, args.max_new_tokens)
     print(json.dumps(report, indent=2))
 
 

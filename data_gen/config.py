@@ -62,7 +62,9 @@ class GenerationOptions:
             replays it as a CUDA graph. The first batch of each new shape pays the compilation.
         batch_size: rows per `generate` call: unset = the labelling `batch_size`; a number; or `auto` = as many
             as fit in `memory_fraction` of the free GPU memory (KV cache plus per-row workspace), at most a shard's
-            rows (`rows_per_shard`). On a CPU `auto` falls back to the labelling `batch_size`.
+            rows (`rows_per_shard`). On a CPU `auto` falls back to the labelling `batch_size`. Where gen samples and
+            labels in one pass (a CPU, a derived draft, the dynamic cache uncompiled: data_gen.onepass) a number caps
+            the rows of a pass, which are otherwise the shard's.
         memory_fraction: the share of the free GPU memory `batch_size: auto` plans for.
         vllm_args: keyword arguments for `vllm.LLM` under `responses_engine: vllm` (e.g. tensor_parallel_size,
             gpu_memory_utilization, max_num_seqs, dtype); the model, tokenizer, revision and dtype are `target`'s

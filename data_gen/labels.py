@@ -62,8 +62,16 @@ def label_positions(
 ) -> PositionLabels:
     """Labels for a chunk of positions from raw logits [n, V]: candidate ŷ ~ q, then p and q statistics; with
     `sibling_draws`, a second child's labels too (`sibling_labels`)."""
-    logp_all = transform.log_probs(target_logits)
-    logq_all = transform.log_probs(draft_logits)
+    return labels_from_log_probs(transform.log_probs(target_logits), transform.log_probs(draft_logits), draft_logits,
+                                 transform, draws, sibling_draws)
+
+
+def labels_from_log_probs(
+    logp_all: torch.Tensor, logq_all: torch.Tensor, draft_logits: torch.Tensor, transform: SamplingTransform,
+    draws: torch.Tensor, sibling_draws: torch.Tensor | None = None,
+) -> PositionLabels:
+    """`label_positions` from p and q already transformed (`transform.log_probs`), with the draft's raw logits for
+    the training-free signals."""
     candidates = draw_from_log_probs(logq_all, draws)
     logp = logp_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
@@ -99,9 +107,24 @@ def label_row(
                             for name in PositionLabels.__dataclass_fields__))
 
 
-def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: float, generator: torch.Generator):
-    """Token mixing: keep the target token with probability `target_ratio`, else the draft candidate."""
-    is_draft = torch.rand(len(target_ids), generator=generator, dtype=torch.float64) >= target_ratio
+LABELLER = 2
+"""The labelling's version, part of the data fingerprint. 2 (issue 50): the mixing draws come from a stream of their
+own (`mixing_draws`), so that a one-pass labeller (data_gen.onepass) can mix each position as it is sampled; 1 took
+them from the label stream after the row's candidates."""
+
+
+def mixing_draws(global_seed: int, item: WorkItem, n: int) -> torch.Tensor:
+    """The row's mixing uniforms in [0, 1) for its first `n` positions (float64), from the row's own `mixing` stream:
+    position i keeps the target token when its draw falls below the row's target_ratio."""
+    generator = row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "mixing"))
+    return torch.rand(n, generator=generator, dtype=torch.float64)
+
+
+def mix_tokens(target_ids: torch.Tensor, draft_ids: torch.Tensor, target_ratio: float | torch.Tensor,
+               draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token mixing: keep the target token where the mixing draw falls below `target_ratio` (one per row, or one per
+    position), else the draft candidate. Returns (mixed ids, is_draft)."""
+    is_draft = draws >= target_ratio
     return torch.where(is_draft, draft_ids, target_ids), is_draft
 
 
@@ -127,7 +150,8 @@ def label_batch(
         labels = label_row(target, draft, target_states[row], draft_states[row], len(item.prompt_ids),
                            len(response), transform, generator, chunk, sibling_generator)
         target_ids = torch.tensor(response)
-        mixed_ids, is_draft = mix_tokens(target_ids, labels.draft_ids, item.target_ratio, generator)
+        mixed_ids, is_draft = mix_tokens(target_ids, labels.draft_ids, item.target_ratio,
+                                         mixing_draws(global_seed, item, len(response)))
         columns["prompt_id"].append(item.prompt_id)
         columns["sample_index"].append(item.sample_index)
         columns["target_ratio"].append(item.target_ratio)

@@ -8,6 +8,7 @@ nothing is labelled twice, while a shard of another run or one changed on disk i
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ from torch.utils.data import DataLoader
 
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
+from specheads.data_gen.onepass import OnePass, derived_layout
 from specheads.data_gen.plan import Shard
+from specheads.models import stop_token_ids
 from specheads.sampling import SamplingTransform
 from specheads.shards import shard_problem
 from specheads.storage import DEFAULT_STORAGE, FeatureStorage
@@ -52,6 +55,7 @@ class LabellingModule(L.LightningModule):
         self.target_states = target_states
         self.siblings = siblings
         self.engine = engine or BuiltinEngine(tokenizer, transform, max_new_tokens, seed)  # responses not imported
+        self._labellers: dict[str, OnePass | None] = {}
 
     @property
     def target(self) -> Any:
@@ -72,11 +76,32 @@ class LabellingModule(L.LightningModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a shard is a plan; tensors are built on the device inside the step
 
+    def one_pass(self) -> OnePass | None:
+        """The one-pass labeller (data_gen.onepass), built on first use, where it serves: a CPU, a draft derived from the
+        target, generated responses with the default generation settings (no static cache, no compiled step), no target
+        states. None elsewhere: responses from `generate` (or imported), then `label_batch`."""
+        if "one_pass" not in self._labellers:
+            options = self.engine.options
+            fits = (self.device.type == "cpu" and options.cache == "dynamic" and not options.compile
+                    and not self.target_states)
+            labeller = OnePass.build(self.target, self.draft, self.state_layer, self.store_features) if fits else None
+            if fits and labeller is None and self.global_rank == 0 and derived_layout(self.target, self.draft, None):
+                print(f"specheads gen: the one-pass labeller cannot run {type(self.target).__name__} (its attention or "
+                      "its forward differs from what the pass computes); labelling with generate and teacher-forced "
+                      "forwards instead (slower)", file=sys.stderr)
+            self._labellers["one_pass"] = labeller
+        return self._labellers["one_pass"]
+
     def predict_step(self, shard: Shard | None, batch_idx: int) -> tuple[Shard | None, dict[str, list] | None]:
         if shard is None or shard_problem(self.out, shard.index, self.run, None, deep=True) is None:
             return shard, None  # nothing to do here, or done and verified (sha256 included)
         columns: dict[str, list] = {}
         rows = [item for items in shard.batches for item in items]
+        if all(item.response_ids is None for item in rows) and self.one_pass() is not None:
+            rows_per_pass = self.engine.options.batch_size
+            return shard, self.one_pass().run(
+                rows, self.transform, self.max_new_tokens, self.seed, stop_token_ids(self.target, self.tokenizer),
+                self.store_features, self.storage, self.siblings, rows_per_pass if isinstance(rows_per_pass, int) else None)
         responses = iter(self.engine.responses(self.target, rows, self.device, len(shard.batches[0])))
         for items in shard.batches:
             batch = label_batch(self.target, self.draft, items, [next(responses) for _ in items], self.transform, self.seed,

@@ -22,6 +22,7 @@ from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.engines import BuiltinEngine
+from specheads.data_gen.labels import LABELLER
 from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
@@ -157,6 +158,7 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         "chat_template_hash": chat_template_hash(pair.tokenizer),
         "sampling": {**config.sampling.transform().as_dict(), "max_new_tokens": config.sampling.max_new_tokens},
         "mixing": {"ratios": config.mixing.ratios()},
+        "labeller": LABELLER,  # how the draws make the rows (data_gen.labels.LABELLER)
         "seed": config.seed,
         "prompts": {"source": config.prompts, "split": config.prompts_split, "hash": prompts_hash(prompts),
                     "count": len(prompts)},

@@ -94,7 +94,8 @@ def test_compiled_static_decoding_gives_the_same_responses(target64):
 
 
 def test_gen_rows_are_identical_with_and_without_the_fast_path(tiny_model, prompts_file, tmp_path):
-    """float32, the CLI end to end: static cache, generate calls of 3 rows across labelling batches of 4."""
+    """float32, the CLI end to end: static cache, generate calls of 3 rows across labelling batches of 4, against the
+    plain settings (on a CPU the one-pass labeller, data_gen.onepass: the same tokens, its floats within rounding)."""
     plain, fast = tmp_path / "plain", tmp_path / "fast"
     assert main(tiny_args(tiny_model, prompts_file, plain, "--num-prompts", "6")) == 0
     assert main(tiny_args(tiny_model, prompts_file, fast, "--num-prompts", "6", "--generation.cache", "static",
@@ -105,7 +106,11 @@ def test_gen_rows_are_identical_with_and_without_the_fast_path(tiny_model, promp
     assert len(a) == len(b) == 12 and a.column_names == b.column_names
     for name in a.column_names:
         for x, y in zip(a[name], b[name]):
-            assert np.array_equal(np.asarray(x), np.asarray(y)), name
+            x, y = np.asarray(x), np.asarray(y)
+            if x.dtype.kind == "f":
+                assert np.allclose(x, y, rtol=1e-5, atol=1e-5 if name != "features" else 1e-2), name
+            else:
+                assert np.array_equal(x, y), name
 
 
 def test_kv_bytes_per_token_is_what_a_forward_stores(tiny_model):
