@@ -267,6 +267,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
     tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
                                                                              config.sprinter_max_tv)
+    if any(s.policy == "head_cost" for s in settings):  # its one setting, at the stated c, whatever was tuned or given
+        tuned["head_cost"] = config.cost_ratio
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),

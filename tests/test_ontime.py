@@ -215,7 +215,8 @@ def test_trained_calibration_travels_from_checkpoint_to_report_and_export(traine
     assert config["decides"] == "at_draft" and config["reads"] == "context_state"
     assert config["calibration"] == head.head.calibration.as_dict()
     # the rule read from the costs was decoded beside the others at the stated c, and export chose by the calibration
-    assert any(r["policy"] == "head_cost" and r["threshold"] == 0.2 for r in metrics["decoding"]["policies"])
+    assert any(r["policy"] == "head_cost" and r["threshold"] == 0.2 and r["tuned"] for r in metrics["decoding"]["policies"])
+    assert "rule read from the costs (c = 0.2, tuned nowhere)" in (out / "report.md").read_text()
     refusal = cost_rule_refusal(head.head, metrics["cumulative"], 3)
     assert config["decision_rule"]["rule"] == (STOP_RULE if refusal else COST_RULE)
     assert config["rule_choice"]["why"].endswith(refusal) if refusal else "tuned nowhere" in config["rule_choice"]["why"]
