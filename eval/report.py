@@ -105,12 +105,12 @@ def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[st
         return []
     intervals = decoding.get("head_cost_gain_intervals") or {}
     result["head_cost_speedup"] = row["modelled_speedup"]
+    against = [("head", "the head's tuned threshold", result["modelled_speedup"])]
+    strongest = result.get("strongest_baseline")
+    if strongest:
+        against.append((strongest, f"the strongest free rule, {strongest}", result[f"{strongest}_speedup"]))
     parts = []
-    for other, what in (("head", "the head's tuned threshold"),
-                        (result.get("strongest_baseline"), f"the strongest free rule, {result.get('strongest_baseline')}")):
-        if other is None or f"{other}_speedup" not in result and other != "head":
-            continue
-        theirs = result["modelled_speedup"] if other == "head" else result[f"{other}_speedup"]
+    for other, what, theirs in against:
         gain, ci = row["modelled_speedup"] / theirs - 1, intervals.get(other)
         result[f"head_cost_gain_vs_{other}"], result[f"head_cost_gain_vs_{other}_ci"] = gain, ci
         parts.append(f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")

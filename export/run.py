@@ -17,7 +17,16 @@ from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.files import check_output_folder, replace_folder, usual_permissions
 from specheads.heads import AcceptanceHead
-from specheads.heads.loading import COST_RULE, HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, STOP_RULES, DecisionRule, cost_rule_refusal
+from specheads.heads.loading import (
+    COST_RULE,
+    HEAD_FORMAT,
+    HEAD_FORMAT_VERSION,
+    STOP_RULE,
+    STOP_RULES,
+    DecisionRule,
+    cost_rule_refusal,
+    worst_calibrated,
+)
 from specheads.report_file import Report, read_report
 
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
@@ -55,7 +64,7 @@ def default_rule(trained: TrainedHead, report: Report) -> tuple[DecisionRule, di
     if refusal:
         return rule, {"rule": rule.rule, "why": f"a tuned threshold: {refusal}", "tuned_threshold": tuned}
     cost_ratio = float(rule.cost_ratio or report.config.get("cost_ratio") or 0.2)
-    worst = max(row["ece"] for row in report.cumulative or () if row["stage"] == "calibrated" and row["k"] <= max_draft)
+    worst = worst_calibrated(report.cumulative, max_draft)["ece"]
     return (DecisionRule(COST_RULE, cost_ratio, tuned=False, max_draft=max_draft, cost_ratio=cost_ratio),
             {"rule": COST_RULE, "why": f"its calibrated survival product is within ECE {worst:.3f} of the realised one "
                                        f"at every round position up to {max_draft} on held-out prompts, so the rule "

@@ -103,6 +103,13 @@ def cost_rule_head_refusal(head: Any) -> str | None:
     return None
 
 
+def worst_calibrated(cumulative: list[dict[str, Any]] | None, max_draft: int) -> dict[str, Any] | None:
+    """The calibrated row of eval's `cumulative_calibration` with the largest ECE among round positions up to
+    `max_draft` (None when none was measured)."""
+    rows = [row for row in cumulative or () if row["stage"] == "calibrated" and row["k"] <= max_draft]
+    return max(rows, key=lambda row: row["ece"]) if rows else None
+
+
 def cost_rule_refusal(head: Any, cumulative: list[dict[str, Any]] | None, max_draft: int) -> str | None:
     """Why a stop head keeps a tuned threshold rather than the rule read from the costs (None: the calibration allows
     that rule): `cost_rule_head_refusal`, and its calibrated survival product within COST_RULE_MAX_ECE of the realised
@@ -111,10 +118,9 @@ def cost_rule_refusal(head: Any, cumulative: list[dict[str, Any]] | None, max_dr
     refusal = cost_rule_head_refusal(head)
     if refusal:
         return refusal
-    rows = [row for row in cumulative or () if row["stage"] == "calibrated" and row["k"] <= max_draft]
-    if not rows:
+    worst = worst_calibrated(cumulative, max_draft)
+    if worst is None:
         return "no calibrated survival product was measured on held-out prompts (run `specheads eval`)"
-    worst = max(rows, key=lambda row: row["ece"])
     if worst["ece"] > COST_RULE_MAX_ECE:
         return (f"its calibrated survival product is off by ECE {worst['ece']:.3f} at round position {worst['k']} "
                 f"(the rule needs <= {COST_RULE_MAX_ECE})")

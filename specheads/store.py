@@ -91,7 +91,7 @@ def load_labelled(out: str | os.PathLike, require_complete: bool = True) -> data
     """The labelled rows of a finished `specheads gen` folder, memory-mapped (nothing is read into RAM).
 
     Each shard is checked against the manifest's record of it (present, size, rows, the run that wrote it, and the
-    sha256 of its bytes, hashed on every load: ~1.1 GB/s, about 60 ms for the demo's 70 MB) and its values
+    sha256 of its bytes, hashed once per file version: ~1.1 GB/s, about 60 ms for the demo's 70 MB) and its values
     are range-checked once per file version; a bad shard is refused by name with the command that relabels it."""
     out = Path(out)
     manifest = read_manifest(out)

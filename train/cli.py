@@ -84,6 +84,11 @@ class RunFolder:
                 path.unlink(missing_ok=True)
 
 
+def checkpoint_folder(config: Any) -> Path:
+    """Where a run's checkpoints go: `--checkpoint.dirpath`, else `checkpoints/` in `--trainer.default_root_dir`."""
+    return Path(config.checkpoint.dirpath or Path(config.trainer.default_root_dir) / "checkpoints")
+
+
 class TrainCLI(LightningCLI):
     """LightningCLI with the checkpoint policy and loggers of a specheads run folder."""
 
@@ -103,9 +108,7 @@ class TrainCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         resume = self.config[subcommand].get("ckpt_path") if subcommand else None
         if resume == "last":  # the newest checkpoint of this run's folder, as Lightning resolves it
-            config = self.config[subcommand]
-            folder = config.checkpoint.dirpath or Path(config.trainer.default_root_dir) / "checkpoints"
-            resume = str(Path(folder) / "last.ckpt")
+            resume = str(checkpoint_folder(self.config[subcommand]) / "last.ckpt")
         if resume and Path(resume).is_file():
             read_checkpoint(Path(resume))
 
@@ -113,8 +116,7 @@ class TrainCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir)
         check_output_folder(root, "--trainer.default_root_dir")
-        if config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = str(root / "checkpoints")
+        config.checkpoint.dirpath = str(checkpoint_folder(config))
         check_output_folder(Path(config.checkpoint.dirpath), "--checkpoint.dirpath")
         self.run_folder.note(root, Path(config.checkpoint.dirpath))
 

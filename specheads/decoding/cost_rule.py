@@ -49,18 +49,6 @@ def worth_drafting(survival: float, next_acceptance: float, rate: float, cost_ra
     return survival * next_acceptance > rate * (cost_ratio + step)
 
 
-def best_constant_length(survival: list[float], cost_ratio: float, curve: CostCurve | None = None) -> tuple[int, float]:
-    """The k that maximises R(k)/T(k) when every round has the survival curve S_1, S_2, … (`survival`), and that
-    rate: the optimum of a round whose survival is known, by enumeration."""
-    best, best_rate, reward = 0, 1.0 / verify_cost(curve, 0), 1.0
-    for k, s in enumerate(survival, start=1):
-        reward += s
-        rate = reward / (cost_ratio * k + verify_cost(curve, k))
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best, best_rate
-
-
 @dataclass
 class RequestState:
     """What the rule knows of one request: its tokens and cost so far, its scored candidates and this round's

@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from specheads.decoding.cost_rule import worth_drafting
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.online import Outcome, PassivePlanner, VllmEstimator, drawn_logit
 from specheads.decoding.rules import Drafted
@@ -51,8 +52,7 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
     lengths = {row: 0 for row in survival}
     tokens = value = float(len(survival))
     best = value / target(int(tokens)) if survival else 0.0
-    order = sorted((-clean(score), row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
-    for negative, row, index in order:
+    for negative, row, index in ranked_positions(survival):
         if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
             continue
         goodput = (value - negative) / target(int(tokens) + 1)
@@ -61,6 +61,12 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
         tokens, value, best = tokens + 1, value - negative, goodput
         lengths[row] = index
     return lengths, 0.0
+
+
+def ranked_positions(survival: Mapping[int, list[float]]) -> list[tuple[float, int, int]]:
+    """Every drafted position as (−S, row, 1-based index), best survival first (ties: lower row, earlier position):
+    the order in which the verify greedies take positions."""
+    return sorted((-clean(score), row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
 
 
 def clean(score: float) -> float:
@@ -251,8 +257,7 @@ def threshold_verify_lengths(survival: Mapping[int, list[float]], rate: float, t
     not. S never rising along a row, each row's checked candidates are a prefix."""
     lengths = {row: 0 for row in survival}
     tokens = len(survival)
-    order = sorted((-clean(score), row, index) for row, scores in survival.items() for index, score in enumerate(scores, 1))
-    for negative, row, index in order:
+    for negative, row, index in ranked_positions(survival):
         if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
             continue
         if -negative < rate * (target(tokens + 1) - target(tokens)):
@@ -317,9 +322,9 @@ class GoodputPlanner(PassivePlanner):
         if drafted >= self.k:
             return False
         tokens = self.rows * (drafted + 1)
-        step = (self.costs.draft(self.rows) - self.costs.draft(self.rows - 1) + self.costs.target(tokens + 1)
-                - self.costs.target(tokens))
-        return survival * acceptance > self.rate * step
+        draft_step = self.costs.draft(self.rows) - self.costs.draft(self.rows - 1)
+        return worth_drafting(survival, acceptance, self.rate, draft_step,
+                              self.costs.target(tokens + 1) - self.costs.target(tokens))
 
     def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
         self.rounds = {row: list(seen) for row, seen in rounds.items()}

@@ -338,15 +338,20 @@ class AdaEdlRule(StopPolicy):
 
 
 @dataclass(frozen=True)
-class TransformersDefault(StopPolicy):
+class AssistedGeneration(StopPolicy):
+    """Base of transformers' assisted-generation rules: its assistant stops drafting at a stop token."""
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.ends_output
+
+
+@dataclass(frozen=True)
+class TransformersDefault(AssistedGeneration):
     """transformers' assisted generation as users get it (`specheads.decoding.online.TransformersConfidence`): the
     confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates and one
     fewer than the tokens left (`cap`), ending at a stop token as its assistant does."""
 
     name: ClassVar[str] = "transformers"
-
-    def signal_says_stop(self, drafted: Drafted) -> bool:
-        return drafted.ends_output  # the assistant stops drafting at EOS
 
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.online import TransformersConfidence
@@ -355,16 +360,13 @@ class TransformersDefault(StopPolicy):
 
 
 @dataclass(frozen=True)
-class TransformersHeuristicK(StopPolicy):
+class TransformersHeuristicK(AssistedGeneration):
     """transformers' older default, the `heuristic` schedule (`specheads.decoding.online.TransformersHeuristic`):
     `threshold` candidates at first (5), + 2 after a fully accepted round, else − 1 (at least 1); no cap but one
     fewer than the tokens left to generate (`cap`)."""
 
     max_draft: int | None = None
     name: ClassVar[str] = "transformers_heuristic"
-
-    def signal_says_stop(self, drafted: Drafted) -> bool:
-        return drafted.ends_output  # the assistant stops drafting at EOS
 
     def planner(self, costs: ServingCosts | None) -> Any:
         from specheads.decoding.online import TransformersHeuristic
