@@ -19,16 +19,14 @@ this file verbatim from `specheads/export/hub_generate.py`.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
-from transformers import GenerationMixin
 from transformers.utils import cached_file
 
 from specheads.errors import UsageError
 from specheads.heads import load_head
-from specheads.integrations.transformers import speculative_generate
+from specheads.integrations.transformers import generate_argument, speculative_generate
 
 LOADING_KWARGS = ("revision", "token", "cache_dir", "force_download", "proxies", "local_files_only", "repo_type")
 """generate's kwargs that transformers also hands to its loader of this file: not for the model's forward."""
@@ -37,18 +35,12 @@ LOADING_KWARGS = ("revision", "token", "cache_dir", "force_download", "proxies",
 def loaded_from() -> str:
     """The `custom_generate=` repo id or folder of the `generate` call that loaded this file (transformers hands the
     callable generate's arguments but not that one, so it is read off generate's frame)."""
-    code = inspect.unwrap(GenerationMixin.generate).__code__
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and not (frame.f_code is code and isinstance(frame.f_locals.get("custom_generate"), str)):
-            frame = frame.f_back
-        if frame is None:
-            raise UsageError("this head's generate.py loads the head from the repo given as generate's custom_generate=; "
-                             "call target.generate(..., custom_generate='<head repo or folder>', trust_remote_code=True, "
-                             "draft=draft)")
-        return frame.f_locals["custom_generate"]
-    finally:
-        del frame
+    found, source = generate_argument("custom_generate", lambda value: isinstance(value, str))
+    if not found:
+        raise UsageError("this head's generate.py loads the head from the repo given as generate's custom_generate=; "
+                         "call target.generate(..., custom_generate='<head repo or folder>', trust_remote_code=True, "
+                         "draft=draft)")
+    return source
 
 
 def head_folder(source: str, loading: dict[str, Any]) -> Path:

@@ -212,18 +212,26 @@ def check_trained_for(head: AcceptanceHead, draft: Any, target: Any) -> None:
                          "(and its target), or train a head for this one")
 
 
-def generate_streamer() -> Any:
-    """The `streamer=` of the `generate` call running this callable (None when none was given or there is no such
-    call): transformers 5.x puts the prompt into it and does not hand it to a custom_generate callable, so it is read
-    off generate's frame."""
+def generate_argument(name: str, accept: Callable[[Any], bool] | None = None) -> tuple[bool, Any]:
+    """(found, value) of the argument `name` of the innermost running `generate` call (whose value `accept` takes,
+    when given): what transformers 5.x does not hand a custom_generate callable can only be read off generate's
+    frame."""
     code = inspect.unwrap(GenerationMixin.generate).__code__
     frame = inspect.currentframe()
     try:
-        while frame is not None and frame.f_code is not code:
+        while frame is not None:
+            if frame.f_code is code and (accept is None or accept(frame.f_locals.get(name))):
+                return True, frame.f_locals.get(name)
             frame = frame.f_back
-        return None if frame is None else frame.f_locals.get("streamer")
+        return False, None
     finally:
         del frame
+
+
+def generate_streamer() -> Any:
+    """The `streamer=` of the `generate` call running this callable (None when none was given or there is no such
+    call): transformers 5.x puts the prompt into it and does not hand it to a custom_generate callable."""
+    return generate_argument("streamer")[1]
 
 
 def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool, streamer: Any = None) -> None:
