@@ -60,12 +60,12 @@ class Config:
 
 
 def main() -> None:
-    from specheads.checkpoint import load_trained
-    from specheads.dataclass_cli import parse_script
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine, make_policy
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.plumbing.dataclass_cli import parse_script
 
     config = parse_script(Config, "decode_speed.py", __doc__.splitlines()[0])
     if config.threads:

@@ -65,7 +65,7 @@ def high_water_mark_mib() -> float:
 
 def prompts_file(count: int, folder: str) -> str:
     """A JSONL of `count` distinct prompts: the built-in set, cycled with a short suffix past its 200."""
-    from specheads.prompts import load_prompts
+    from specheads.dataset.prompts import load_prompts
 
     builtin = load_prompts("builtin")
     path = Path(folder) / f"prompts-{count}.jsonl"
@@ -114,8 +114,8 @@ def measure_ours(prompts: int, max_new_tokens: int) -> dict:
 
 def measure_reference(prompts: int, max_new_tokens: int) -> dict:
     """The per-prompt pipeline of the SpecDec++ reference code: nothing batched, full logits everywhere."""
-    from specheads.models import ModelSpec, load_pair
-    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.dataset.prompts import encode_prompt, load_prompts
+    from specheads.pair.models import ModelSpec, load_pair
 
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
     tokenizer = pair.tokenizer
@@ -157,8 +157,8 @@ def measure_labelling(prompts: int, max_new_tokens: int) -> dict:
     from specheads.data_gen.plan import build_plan, row_seed
     from specheads.data_gen.responses import generate_responses
     from specheads.data_gen.run import select_items
-    from specheads.models import load_pair
-    from specheads.prompts import load_prompts
+    from specheads.dataset.prompts import load_prompts
+    from specheads.pair.models import load_pair
 
     config: GenConfig = gen_config(prompts, max_new_tokens, tempfile.mkdtemp())
     pair = load_pair(config.target, config.draft)
@@ -207,7 +207,7 @@ def random_target(folder: Path, size: str) -> Path:
     """A random-initialised Llama of `size` (bf16) with the embedded model's tokenizer, saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specheads.models import ModelSpec, load_tokenizer
+    from specheads.pair.models import ModelSpec, load_tokenizer
 
     shapes = {"1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                      "num_key_value_heads": 8}}
@@ -271,7 +271,7 @@ def measure_bound(args: GenBenchmark) -> dict:
     from specheads.data_gen import vllm_engine
     from specheads.data_gen.cli import parse_config
     from specheads.data_gen.engines import BuiltinEngine
-    from specheads.store import load_labelled
+    from specheads.dataset.store import load_labelled
 
     folder = tempfile.mkdtemp()
     config = parse_config(bound_argv(args, folder))
@@ -453,7 +453,7 @@ class GenBenchmark:
 
 
 def main() -> None:
-    from specheads.dataclass_cli import parse_script
+    from specheads.plumbing.dataclass_cli import parse_script
 
     args = parse_script(GenBenchmark, "benchmarks/gen_throughput.py", __doc__)
     if args.child:

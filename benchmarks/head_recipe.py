@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from specheads.dataclass_cli import parse_script
-from specheads.files import write_json_atomic
+from specheads.plumbing.dataclass_cli import parse_script
+from specheads.plumbing.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "train" / "specdecpp-ontime.yaml"
@@ -102,7 +102,7 @@ class RecipeBenchmark:
 
 def restate(args: RecipeBenchmark) -> None:
     """Write the dataset's responses (token ids, in sample order) and label them again with `gen_flags`."""
-    from specheads.store import load_labelled
+    from specheads.dataset.store import load_labelled
 
     rows = load_labelled(args.data).with_format("numpy", columns=["prompt_id", "sample_index", "target_ids"])
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["prompt_id"], int(rows[i]["sample_index"])))
@@ -120,7 +120,7 @@ def restate(args: RecipeBenchmark) -> None:
 
 def check_same_labels(first: str, second: str) -> None:
     """Refuse restated data whose rows or labels differ from the original's (same prompt, sample, tokens, labels)."""
-    from specheads.store import load_labelled
+    from specheads.dataset.store import load_labelled
 
     def keyed(path: str) -> dict[tuple[str, int], dict[str, Any]]:
         rows = load_labelled(path).with_format("numpy", columns=["prompt_id", "sample_index", "mixed_ids", "accept"])
@@ -179,11 +179,11 @@ class Scored:
 def score(checkpoint: Path, data: str, draft: Any, resamples: int) -> Scored:
     """The head's held-out figures, as `specheads eval` computes them: AUC, its margin over q(ŷ) (`draft_prob`) with a
     bootstrap interval over prompts, binary KL, and the calibrated cumulative ECE per k with its interval."""
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.artifacts.metrics import soft_auc
     from specheads.eval.config import EvalConfig
     from specheads.eval.offline import bootstrap_indices, collect_tokens, cumulative_calibration, interval, offline_metrics
     from specheads.eval.run import held_out_data
-    from specheads.metrics import soft_auc
 
     trained = load_trained(str(checkpoint))
     manifest = json.loads((Path(data) / "manifest.json").read_text())
@@ -208,8 +208,8 @@ def score(checkpoint: Path, data: str, draft: Any, resamples: int) -> Scored:
 
 def paired_auc_difference(first: Any, second: Any, resamples: int) -> tuple[float, list[float] | None]:
     """AUC(second) − AUC(first) on the same tokens, with a paired bootstrap interval over prompts."""
+    from specheads.artifacts.metrics import soft_auc
     from specheads.eval.offline import bootstrap_indices, interval
-    from specheads.metrics import soft_auc
 
     # restated data holds the same tokens; its labels may differ in the last float32 bits (another thread count)
     if not np.array_equal(first.group, second.group) or not np.allclose(first.label, second.label, atol=1e-4):
@@ -222,7 +222,7 @@ def paired_auc_difference(first: Any, second: Any, resamples: int) -> tuple[floa
 
 def load_draft(data: str) -> Any:
     """The dataset's draft (its input embeddings feed the candidate-embedding heads)."""
-    from specheads.models import ModelSpec, load_pair
+    from specheads.pair.models import ModelSpec, load_pair
 
     source = json.loads((Path(data) / "manifest.json").read_text())["config"]
     return load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])).draft
@@ -273,7 +273,7 @@ def compare(args: RecipeBenchmark) -> dict[str, Any]:
 
 def curve(args: RecipeBenchmark) -> dict[str, Any]:
     """Train on nested shares of the training rows for equal optimiser steps and score each on the same prompts."""
-    from specheads.data import AcceptanceDataModule
+    from specheads.dataset.datamodule import AcceptanceDataModule
 
     full = AcceptanceDataModule(args.data, val_fraction=args.val_fraction,
                                 calibration_fraction=args.calibration_fraction, split_seed=args.split_seed)
@@ -355,8 +355,8 @@ def plot_curve(results: dict[str, Any], path: Path) -> None:
 def calibration_sizes(args: RecipeBenchmark) -> dict[str, Any]:
     """Refit the largest curve run's per-position maps on nested subsets of its calibration prompts; the held-out ECE
     per k with its interval shows how many calibration prompts the maps need."""
-    from specheads.checkpoint import load_trained
-    from specheads.data import AcceptanceDataModule
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.datamodule import AcceptanceDataModule
     from specheads.eval.offline import cumulative_calibration
     from specheads.train.calibration import fit_position_calibration
 

@@ -51,12 +51,12 @@ class Config:
 
 
 def main() -> None:
-    from specheads.dataclass_cli import parse_script
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine, make_policy
     from specheads.decoding.prompt_cache import PromptCache
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.plumbing.dataclass_cli import parse_script
 
     config = parse_script(Config, "prompt_cache.py", __doc__.splitlines()[0])
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))

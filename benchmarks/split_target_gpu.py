@@ -32,12 +32,12 @@ def split_map(first: int | str, last: int | str) -> dict[str, int | str]:
 
 def check(folder: Path, first: int | str, last: int | str) -> None:
     from specheads.decoding import RoundEngine, make_policy
-    from specheads.decoding.tree import TreeRule
+    from specheads.decoding.tree import TreeRule, decode_tree
     from specheads.heads import OnTimeAcceptanceHead
     from specheads.heads.loading import DecisionRule
     from specheads.integrations.transformers import speculative_generate
-    from specheads.models import without_layers
-    from specheads.sampling import SamplingTransform
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import without_layers
 
     target = AutoModelForCausalLM.from_pretrained(folder, device_map=split_map(first, last)).eval()
     target.generation_config.eos_token_id = target.generation_config.bos_token_id = None
@@ -49,7 +49,7 @@ def check(folder: Path, first: int | str, last: int | str) -> None:
     seeds = list(range(len(PROMPTS)))
     chain = [r.tokens for r in engine.decode(PROMPTS, make_policy("constant_k", 4), NEW, seeds)]
     refilled = [r.tokens for r in engine.decode(PROMPTS, make_policy("constant_k", 4), NEW, seeds, batch_size=1)]
-    tree = [r.tokens for r in engine.decode_tree(PROMPTS, TreeRule("confidence", floor=0.05, budget=6, width=2), NEW, seeds)]
+    tree = [r.tokens for r in decode_tree(engine, PROMPTS, TreeRule("confidence", floor=0.05, budget=6, width=2), NEW, seeds)]
     assert chain == refilled == tree == expected, (chain, refilled, tree, expected)
     torch.manual_seed(11)
     head = OnTimeAcceptanceHead(32, depth=1, extra_features=["logq", "q"], candidate_embedding_size=32).eval()

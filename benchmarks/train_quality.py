@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jsonargparse.typing import ClosedUnitInterval, PositiveInt
 
-from specheads.dataclass_cli import parse_script
+from specheads.plumbing.dataclass_cli import parse_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("auc_svip_entropy", "auc_draft_top1", "auc_draft_prob")
@@ -97,10 +97,10 @@ def fit(root: Path, config: str, data: str, flags: list[str], epochs: int | None
 
 def split_metrics(root: Path, data_path: str) -> dict[str, float]:
     """Binary KL and AUC of the run's last checkpoint on its training and on its validation prompts."""
-    from specheads.checkpoint import load_trained
-    from specheads.data import AcceptanceDataModule
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.artifacts.metrics import binary_kl, soft_auc
+    from specheads.dataset.datamodule import AcceptanceDataModule
     from specheads.eval.offline import collect_tokens
-    from specheads.metrics import binary_kl, soft_auc
 
     trained = load_trained(str(root / "checkpoints" / "last.ckpt"))
     data = AcceptanceDataModule(data_path, val_fraction=trained.split["val_fraction"], split_seed=trained.split["split_seed"])

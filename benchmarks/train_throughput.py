@@ -33,7 +33,7 @@ import torch
 from jsonargparse.typing import NonNegativeInt, PositiveInt
 from lightning.pytorch.callbacks import Callback
 
-from specheads.dataclass_cli import parse_script
+from specheads.plumbing.dataclass_cli import parse_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_TARGET_LAYERS, RANDOM_DRAFT_SKIPS = 18, [16, 17]
@@ -53,7 +53,7 @@ class BatchTimer(Callback):
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        from specheads.targets import token_targets
+        from specheads.dataset.targets import token_targets
 
         synchronize(module.device)
         now = time.perf_counter()

@@ -32,13 +32,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specheads.dataclass_cli import parse_script  # noqa: E402
 from specheads.eval.offline import interval  # noqa: E402
 from specheads.eval.sweep import modelled_speedup  # noqa: E402
-from specheads.files import write_json_atomic  # noqa: E402
+from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
+from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
-FREE_RULES = ("constant_k", "confidence", "adaedl")
-"""The free rules tuned per family (the strongest of issue 34's table, with AdaEDL as the run-time adapted one)."""
+FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive")
+"""The free rules tuned per family (the strongest of issue 34's table, with AdaEDL and SGLang's EMA of accepted lengths
+as the run-time adapted ones)."""
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Config:
         threads: torch CPU threads (0: torch's default).
         dev_file: JSONL of the dev prompts, with a `category` per prompt.
         dev_per_family: dev prompts per family that tune.
+        test_per_family: confirmation prompts per family that report (all when not given).
+        policies: decode only these policies' settings of the step (all when not given): the free rules' runs need no
+            head, so they can run before the head is trained.
         test_file: JSONL of the confirmation prompts, with a `category` per prompt.
         max_new_tokens: tokens per run.
         max_draft: the most candidates of a round, for every rule.
@@ -61,8 +65,12 @@ class Config:
         constant_ks: constant K's grid.
         confidence: draft confidence's grid (stop when q(ŷ) < h).
         adaedl: AdaEDL's grid of starting λ.
+        sglang_adaptive: SGLang's adaptive rule's grid of starting K (it then moves among 1, 3, 7 at run time).
         head: the head's tuned stop rule's grid (1 − Π â > h), for reference.
         transformers_default: decode transformers' untuned default (confidence 0.4, ROC-retuned) on the test prompts.
+        report_on: the prompts the report step's tables rest on: the confirmation prompts, or the dev prompts (each
+            family held out of the tuning it is judged against; its in-family column was tuned on those very
+            prompts, so only the columns tuned on other families are a transfer figure).
         resamples: bootstrap resamples of the paired intervals.
     """
 
@@ -73,6 +81,8 @@ class Config:
     threads: int = 0
     dev_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_decode.jsonl")
     dev_per_family: int = 10
+    test_per_family: int | None = None
+    policies: list[str] | None = None
     test_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
     max_new_tokens: int = 24
     max_draft: int = 8
@@ -81,15 +91,18 @@ class Config:
     constant_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     confidence: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.34, 0.5, 0.7])
     adaedl: list[float] = field(default_factory=lambda: [0.2, 0.36, 0.5, 0.6, 0.7])
+    sglang_adaptive: list[int] = field(default_factory=lambda: [1, 3, 7])
     head_thresholds: list[float] = field(default_factory=lambda: [0.45, 0.6, 0.75])
     transformers_default: bool = True
+    report_on: Literal["confirm", "dev"] = "confirm"
     resamples: int = 2000
 
 
 def grid(config: Config) -> list[tuple[str, float]]:
     """The tuned rules' settings: policy and threshold (K for constant K)."""
     return ([("constant_k", float(k)) for k in config.constant_ks] + [("confidence", t) for t in config.confidence]
-            + [("adaedl", t) for t in config.adaedl] + [("head", t) for t in config.head_thresholds])
+            + [("adaedl", t) for t in config.adaedl] + [("sglang_adaptive", float(k)) for k in config.sglang_adaptive]
+            + [("head", t) for t in config.head_thresholds] + [("head_cost", c) for c in config.cost_ratios])
 
 
 def setting_name(policy: str, threshold: float) -> str:
@@ -101,19 +114,24 @@ def prompt_rows(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def dev_rows(config: Config) -> list[dict[str, Any]]:
-    """The first `dev_per_family` dev prompts of each family, with their index in the file (their seed)."""
+def first_per_family(path: str, per_family: int | None) -> list[dict[str, Any]]:
+    """The first `per_family` prompts of each family in `path` (all of them when None), each with its index in the
+    file as its seed."""
     taken: dict[str, int] = {}
     rows = []
-    for index, row in enumerate(prompt_rows(config.dev_file)):
-        if taken.get(row["category"], 0) < config.dev_per_family:
+    for index, row in enumerate(prompt_rows(path)):
+        if per_family is None or taken.get(row["category"], 0) < per_family:
             taken[row["category"]] = taken.get(row["category"], 0) + 1
             rows.append({**row, "seed": index})
     return rows
 
 
+def dev_rows(config: Config) -> list[dict[str, Any]]:
+    return first_per_family(config.dev_file, config.dev_per_family)
+
+
 def test_rows(config: Config) -> list[dict[str, Any]]:
-    return [{**row, "seed": index} for index, row in enumerate(prompt_rows(config.test_file))]
+    return first_per_family(config.test_file, config.test_per_family)
 
 
 def load_records(folder: Path) -> dict[tuple[str, float], list[dict[str, Any]]]:
@@ -171,18 +189,18 @@ def decode(config: Config, step: str) -> None:
     """Decode this shard's settings of `step`, one records file per setting."""
     import torch
 
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine, make_policy
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
     if config.threads:
         torch.set_num_threads(config.threads)
     out = Path(config.out) / step
     index, count = (int(part) for part in config.shard.split("/"))
     todo = [s for i, s in enumerate(settings(config, step)) if i % count == index
-            and not (out / f"{setting_name(*s)}.json").exists()]
+            and not (out / f"{setting_name(*s)}.json").exists() and (config.policies is None or s[0] in config.policies)]
     if not todo:
         return
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
@@ -214,23 +232,25 @@ def report(config: Config) -> None:
     """results.json and the tables (module docstring)."""
     out = Path(config.out)
     tuned = tuned_thresholds(config)
-    test = load_records(out / "confirm")
-    families = sorted({r["category"] for r in test_rows(config)})
+    test = load_records(out / ("confirm" if config.report_on == "confirm" else "tune"))
+    families = sorted({r["category"] for r in (test_rows if config.report_on == "confirm" else dev_rows)(config)})
     results: dict[str, Any] = {"tuned": tuned, "rows": []}
     rng = np.random.default_rng(0)
     for c in config.cost_ratios:
         key = f"{c:g}"
+        # a rule added to FREE_RULES after an out folder's steps ran is left out until tune and confirm decode it
+        rules = [p for p in (*FREE_RULES, "head") if p in tuned[key] and all((p, t) in test for t in tuned[key][p].values())]
         print(f"\n### c = {key}\n")
         print("| held-out family | head_cost (tuned nowhere) | " + " | ".join(
             f"{p}: tuned in-family / best tuned on another / head_cost's gain over that [95 %]"
-            for p in (*FREE_RULES, "head")) + " | transformers' default |")
-        print("|---|---|" + "---|" * (len(FREE_RULES) + 2))
+            for p in rules) + " | transformers' default |")
+        print("|---|---|" + "---|" * (len(rules) + 1))
         for family in families:
             mine = totals(family_of(test[("head_cost", c)], family))
             draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
             row: dict[str, Any] = {"c": c, "family": family, "head_cost": float(speedup(mine, c)), "rules": {}}
             cells = [f"{row['head_cost']:.3f}×"]
-            for policy in (*FREE_RULES, "head"):
+            for policy in rules:
                 chosen = tuned[key][policy]
                 by_source = {source: totals(family_of(test[(policy, threshold)], family))
                              for source, threshold in chosen.items()}
@@ -254,7 +274,7 @@ def report(config: Config) -> None:
                 cells.append("–")
             results["rows"].append(row)
             print(f"| {family} | " + " | ".join(cells) + " |")
-    write_json_atomic(out / "results.json", results)
+    write_json_atomic(out / f"results-{config.report_on}.json", results)
 
 
 def main() -> None:

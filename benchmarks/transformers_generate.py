@@ -78,11 +78,11 @@ def paired_interval(mine: np.ndarray, theirs: np.ndarray, resamples: int, seed: 
 
 
 def main() -> None:
-    from specheads.dataclass_cli import parse_script
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.heads import load_head
     from specheads.integrations.transformers import speculative_generate
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
+    from specheads.plumbing.dataclass_cli import parse_script
 
     config = parse_script(Config, "transformers_generate.py", __doc__.splitlines()[0])
     if config.threads:

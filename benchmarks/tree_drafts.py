@@ -1,6 +1,9 @@
 """Tree drafts against the chain at equal verify budgets (issue 38): the chain with the head's stop rule, a tree with
 draft-confidence values (EAGLE-2's) and a tree with the head's values, at N = 4, 8, 16 tokens per target forward;
-and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, values Π q).
+and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, values Π q). The two sampled trees also
+run with growth read from the costs (`TreeRule(cost_ratio=c)`, floor 0, nothing tuned; docs/method.md "Trees whose
+growth weighs their costs"): `tree_head_cost` against `tree_confidence_cost` is the same growth rule with two value
+sources.
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):
@@ -32,10 +35,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specheads.dataclass_cli import parse_script  # noqa: E402
 from specheads.eval.offline import interval  # noqa: E402
 from specheads.eval.sweep import modelled_speedup  # noqa: E402
-from specheads.files import write_json_atomic  # noqa: E402
+from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
+from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Config:
         eagle_budgets: N at which EAGLE-2's construction is confirmed.
         width: most children per node.
         expand: most nodes the draft reads per forward.
-        cost_ratio: c = t_draft / t_target of the modelled speedup.
+        cost_ratio: c = t_draft / t_target of the modelled speedup and of the trees whose growth reads the costs.
         resamples: bootstrap resamples of the paired intervals.
     """
 
@@ -90,8 +93,14 @@ class Config:
     resamples: int = 2000
 
 
-KINDS = ("chain", "tree_eagle", "tree_confidence", "tree_head")
-TREE_KINDS = {"tree_confidence": ("confidence", "sampled"), "tree_head": ("head", "sampled"), "tree_eagle": ("confidence", "top")}
+KINDS = ("chain", "tree_eagle", "tree_confidence", "tree_head", "tree_confidence_cost", "tree_head_cost")
+TREE_KINDS = {"tree_confidence": ("confidence", "sampled", False), "tree_head": ("head", "sampled", False),
+              "tree_eagle": ("confidence", "top", False), "tree_confidence_cost": ("confidence", "sampled", True),
+              "tree_head_cost": ("head", "sampled", True)}
+"""kind -> (values, children, whether growth is read from the costs at --cost_ratio: floor 0, not tuned)"""
+GAINS = (("tree_head", "chain"), ("tree_head", "tree_confidence"), ("tree_head", "tree_eagle"),
+         ("tree_head_cost", "tree_confidence_cost"), ("tree_head_cost", "chain"), ("tree_head_cost", "tree_head"))
+"""The paired comparisons of the report: (kind, against)."""
 
 
 def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -> list[dict[str, Any]]:
@@ -103,6 +112,8 @@ def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -
     assert tuned is not None
     return ([{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
              for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain")]
+            + [{"kind": kind, "budget": n, "knob": 0.0} for n in config.budgets
+               for kind in ("tree_head_cost", "tree_confidence_cost")]
             + [{"kind": "tree_eagle", "budget": n, "knob": tuned["tree_eagle"]} for n in config.eagle_budgets
                if "tree_eagle" in tuned])
 
@@ -115,18 +126,18 @@ def tuned_floors(folder: Path) -> dict[str, float]:
     """Per tree kind, the dev floor of the highest modelled speedup."""
     rows = json.loads((folder / "tune.json").read_text())["rows"]
     return {kind: max((r for r in rows if r["kind"] == kind), key=lambda r: r["speedup"])["knob"]
-            for kind in TREE_KINDS if any(r["kind"] == kind for r in rows)}
+            for kind, (_, _, costs) in TREE_KINDS.items() if not costs and any(r["kind"] == kind for r in rows)}
 
 
 def siblings(config: Config) -> None:
     """siblings.json and a table: per place among siblings, the checked children's mean head score, how often they
     were accepted and a 95 % interval over prompts (head tree, tuned floor, N = tune_budget, dev prompts)."""
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine
-    from specheads.decoding.tree import TreeRule
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.decoding.tree import TreeRule, decode_tree
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
     out = Path(config.out)
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
@@ -136,7 +147,7 @@ def siblings(config: Config) -> None:
     by_prompt = []
     for index, prompt in enumerate(load_prompts(config.dev_file)[::2][: config.dev_prompts]):
         checked: list[tuple[int, float, bool]] = []
-        engine.decode_tree([encode_prompt(pair.tokenizer, prompt)], rule, config.max_new_tokens, [index], head,
+        decode_tree(engine, [encode_prompt(pair.tokenizer, prompt)], rule, config.max_new_tokens, [index], head,
                            checked=checked)
         by_prompt.append(checked)
     rows = []
@@ -161,12 +172,12 @@ def decode(config: Config, step: str) -> None:
     """Decode this shard's settings of `step`, writing one records file per setting."""
     import torch
 
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine, make_policy
-    from specheads.decoding.tree import TreeRule
-    from specheads.models import ModelSpec, load_pair, stop_token_ids
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.decoding.tree import TreeRule, decode_tree
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -191,9 +202,10 @@ def decode(config: Config, step: str) -> None:
                        for r in engine.decode(prompts[first : first + 16], rule, config.max_new_tokens,
                                               seeds[first : first + 16], head)]
         else:
-            values, children = TREE_KINDS[setting["kind"]]
-            rule = TreeRule(values, setting["knob"], setting["budget"], config.width, config.expand, children)
-            results = engine.decode_tree(prompts, rule, config.max_new_tokens, seeds, head)
+            values, children, costs = TREE_KINDS[setting["kind"]]
+            rule = TreeRule(values, setting["knob"], setting["budget"], config.width, config.expand, children,
+                            cost_ratio=config.cost_ratio if costs else None)
+            results = decode_tree(engine, prompts, rule, config.max_new_tokens, seeds, head)
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
                     "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
         write_json_atomic(out / step / f"{setting_name(setting)}.json", {"setting": setting, "records": records})
@@ -233,9 +245,7 @@ def report(config: Config) -> None:
     draws = None
     for (kind, n), row in sorted(confirm.items(), key=lambda item: (item[0][1], KINDS.index(item[0][0]))):
         results["settings"].append({k: v for k, v in row.items() if k != "records"})
-        if kind != "tree_head":
-            continue
-        for other in ("chain", "tree_confidence", "tree_eagle"):
+        for other in (against for mine, against in GAINS if mine == kind):
             if (other, n) not in confirm:
                 continue
             mine, theirs = totals(row["records"]), totals(confirm[(other, n)]["records"])
@@ -243,7 +253,7 @@ def report(config: Config) -> None:
                 draws = np.random.default_rng(0).integers(0, len(mine), (config.resamples, len(mine)))
             a, b = figures(mine[draws], config.cost_ratio), figures(theirs[draws], config.cost_ratio)
             point_a, point_b = figures(mine, config.cost_ratio), figures(theirs, config.cost_ratio)
-            gain = {"budget": n, "against": other}
+            gain = {"budget": n, "tree": kind, "against": other}
             for name in ("tokens_per_target_forward", "speedup"):
                 ratio = a[name] / b[name] - 1
                 gain[name] = [float(point_a[name] / point_b[name] - 1), *interval(list(ratio))]
@@ -255,12 +265,12 @@ def report(config: Config) -> None:
     for row in results["settings"]:
         print(f"| {row['budget']} | {row['kind']} | {row['knob']:g} | {row['tokens_per_target_forward']:.3f} | "
               f"{row['accepted_per_target_forward']:.3f} | {row['draft_forwards_per_target_forward']:.2f} | {row['speedup']:.3f}× |")
-    print("\n| N | head tree against | tokens / target forward [95 % paired] | modelled speedup [95 % paired] |")
-    print("|---|---|---|---|")
+    print("\n| N | head tree | against | tokens / target forward [95 % paired] | modelled speedup [95 % paired] |")
+    print("|---|---|---|---|---|")
     for gain in results["gains"]:
         cells = [f"{100 * g[0]:+.1f} % [{100 * g[1]:+.1f}, {100 * g[2]:+.1f}]"
                  for g in (gain["tokens_per_target_forward"], gain["speedup"])]
-        print(f"| {gain['budget']} | {gain['against']} | {cells[0]} | {cells[1]} |")
+        print(f"| {gain['budget']} | {gain['tree']} | {gain['against']} | {cells[0]} | {cells[1]} |")
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from specheads.states import describe_state
+from specheads.model_outputs.states import describe_state
 
 LABELS_TABLE = """\
 | field | meaning |
@@ -16,7 +16,7 @@ LABELS_TABLE = """\
 | `accept` | min(1, p/q) of the candidate: SpecDec++'s soft label |
 | `beta` | Σ_v min(p(v), q(v)): expected acceptance at i whatever is drafted |
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
-| `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.storage.kept_rows`) |
+| `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.dataset.storage.kept_rows`) |
 """
 SIBLING_ROWS = ("| `sibling_ids` | a tree's second child: drawn from q without `draft_ids`' candidate (−1 where q "
                 "has no other token) |\n"
@@ -77,6 +77,6 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
 {LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}{SIBLING_ROWS if identity.get('sibling_labels') else ''}
-Load it with `specheads.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
+Load it with `specheads.dataset.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

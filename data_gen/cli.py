@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specheads.data_gen.config import GenConfig
-from specheads.dataclass_cli import parse_dataclass
+from specheads.plumbing.dataclass_cli import parse_dataclass
 
 SHORTHANDS = {f"--{name}": f"--sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
 

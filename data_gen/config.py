@@ -7,11 +7,11 @@ from typing import Any, Literal
 
 from jsonargparse.typing import ClosedUnitInterval, OpenUnitInterval, PositiveInt
 
-from specheads.data_gen.placement import check_placement
-from specheads.errors import UsageError
-from specheads.models import ModelSpec
-from specheads.sampling import SamplingTransform
-from specheads.storage import FeaturesAt, FeaturesDtype
+from specheads.dataset.storage import FeaturesAt, FeaturesDtype
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import ModelSpec, derived_draft
+from specheads.pair.placement import check_spec_placement
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass
@@ -169,8 +169,25 @@ class GenConfig:
                              "a tree takes the draft's best tokens instead; drop sibling_labels or sample with "
                              "temperature > 0")
         self.check_generation()
-        check_placement(self)
+        self.check_placement()
         self.sampling.transform()
+
+    def check_placement(self) -> None:
+        """Refuse placements that cannot work, from the config alone (nothing loaded, no GPU needed; the node's GPUs
+        are checked when gen starts, data_gen.placement)."""
+        if self.gpus_per_rank > 1:
+            if self.accelerator == "cpu":
+                raise UsageError(f"gpus_per_rank {self.gpus_per_rank} needs GPUs but accelerator is cpu; "
+                                 "set accelerator gpu (or auto), or gpus_per_rank 1")
+            if self.target.device_map is None and self.draft.device_map is None:
+                raise UsageError(f"gpus_per_rank {self.gpus_per_rank} gives each rank GPUs that no model would use; "
+                                 "set target.device_map auto to spread the target over them, or gpus_per_rank 1")
+        if derived_draft(self.draft) and (self.draft.device_map is not None or self.draft.max_memory is not None):
+            raise UsageError("draft.device_map and draft.max_memory do not apply to a draft derived from the target "
+                             "(draft.skip_layers): it shares the target's weights where they are; drop them and set "
+                             "target.device_map")
+        for role, spec in (("target", self.target), ("draft", self.draft)):
+            check_spec_placement(role, spec, self.gpus_per_rank)
 
     def check_generation(self) -> None:
         """Refuse generation settings that cannot work together."""

@@ -26,7 +26,7 @@ import torch
 from specheads.data_gen.config import GenerationOptions
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.data_gen.responses import generate_responses, static_cache_length
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
 
 LOGIT_COPIES = 8
 """Float32 [rows, vocab] tensors alive at once in one decoding step: the logits, their float32 copy, the

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.decoding.sampler import residual
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.signals import output_logits, signal_log_probs, signal_statistics
-from specheads.states import decoder_states, mixed_states
-from specheads.storage import DEFAULT_STORAGE, FeatureStorage
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.model_outputs.signals import output_logits, signal_log_probs, signal_statistics
+from specheads.model_outputs.states import decoder_states, mixed_states
 
 
 @dataclass

@@ -23,11 +23,11 @@ from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
 from specheads.data_gen.onepass import OnePass, derived_layout
 from specheads.data_gen.plan import Shard
-from specheads.models import stop_token_ids
-from specheads.sampling import SamplingTransform
-from specheads.shards import shard_problem
-from specheads.storage import DEFAULT_STORAGE, FeatureStorage
-from specheads.store import row_features, write_shard
+from specheads.dataset.shards import shard_problem
+from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
+from specheads.dataset.store import row_features, write_shard
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import stop_token_ids
 
 
 class LabellingModule(L.LightningModule):

@@ -34,11 +34,11 @@ import torch
 
 from specheads.data_gen.labels import SIBLING_COLUMNS, labels_from_log_probs, mix_tokens, mixing_draws
 from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.decoding.companion import same_weights
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.signals import output_logits
-from specheads.states import decoder_layers, decoder_states
-from specheads.storage import DEFAULT_STORAGE, FeatureStorage
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.model_outputs.signals import output_logits
+from specheads.model_outputs.states import decoder_layers, decoder_states
 
 PROBE_TOLERANCE = 1e-3
 """Largest difference between the pass and the plain forwards on the probe, relative to the largest value: float

@@ -1,4 +1,6 @@
-"""Gen's checks of a config's placement, before Lightning starts a process (the placement itself: specheads.placement)."""
+"""Gen's ranks on the node's GPUs, before Lightning starts a process: Lightning's `devices` and the check that the node
+shows the GPUs the ranks need (the config's own placement checks: `GenConfig.check_placement`; the placement itself:
+specheads.pair.placement)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specheads.errors import UsageError
-from specheads.models import derived_draft
-from specheads.placement import check_spec_placement
+from specheads.plumbing.errors import UsageError
 
 if TYPE_CHECKING:
     from specheads.data_gen.config import GenConfig
@@ -17,22 +17,6 @@ if TYPE_CHECKING:
 def trainer_devices(devices: int, gpus_per_rank: int) -> int | list[int]:
     """Lightning's `devices`: a count, or with several GPUs per rank each rank's first GPU `[0, G, 2G, …]`."""
     return devices if gpus_per_rank == 1 else [rank * gpus_per_rank for rank in range(devices)]
-
-
-def check_placement(config: GenConfig) -> None:
-    """Refuse placements that cannot work, from the config alone (nothing loaded, no GPU needed)."""
-    if config.gpus_per_rank > 1:
-        if config.accelerator == "cpu":
-            raise UsageError(f"gpus_per_rank {config.gpus_per_rank} needs GPUs but accelerator is cpu; "
-                             "set accelerator gpu (or auto), or gpus_per_rank 1")
-        if config.target.device_map is None and config.draft.device_map is None:
-            raise UsageError(f"gpus_per_rank {config.gpus_per_rank} gives each rank GPUs that no model would use; "
-                             "set target.device_map auto to spread the target over them, or gpus_per_rank 1")
-    if derived_draft(config.draft) and (config.draft.device_map is not None or config.draft.max_memory is not None):
-        raise UsageError("draft.device_map and draft.max_memory do not apply to a draft derived from the target "
-                         "(draft.skip_layers): it shares the target's weights where they are; drop them and set target.device_map")
-    for role, spec in (("target", config.target), ("draft", config.draft)):
-        check_spec_placement(role, spec, config.gpus_per_rank)
 
 
 def check_visible_gpus(config: GenConfig) -> None:

@@ -12,11 +12,11 @@ import torch
 from transformers import CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from specheads.data_gen.plan import WorkItem
-from specheads.errors import UsageError
-from specheads.models import stop_token_ids
-from specheads.private_apis import compile_on_every_device
-from specheads.prompts import encodable, read_jsonl
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.dataset.prompts import encodable, read_jsonl
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.pair.models import stop_token_ids
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.private_apis import compile_on_every_device
 
 
 class RowSeededSampler(LogitsProcessor):

@@ -28,11 +28,13 @@ from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
 from specheads.data_gen.responses import ImportedResponses, finish_imported, read_imported_responses
 from specheads.data_gen.vllm_engine import require_vllm, shards_with_vllm_responses
-from specheads.embedded import file_sha256
-from specheads.errors import UsageError
-from specheads.files import check_output_folder, write_json_atomic, write_text_atomic
-from specheads.lock import folder_lock, lock_files
-from specheads.models import (
+from specheads.dataset.prompts import Prompt, encode_prompt, load_prompts, prompt_token_limit, prompts_hash
+from specheads.dataset.shards import SHARDS, read_record, record_path, shard_path, shard_problem
+from specheads.dataset.storage import FeatureStorage
+from specheads.dataset.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
+from specheads.model_outputs.states import check_state_layer
+from specheads.pair.embedded import file_sha256
+from specheads.pair.models import (
     ModelPair,
     chat_template_hash,
     context_length,
@@ -43,13 +45,11 @@ from specheads.models import (
     tokenizer_hash,
     weights_identity,
 )
-from specheads.placement import rank_devices
-from specheads.prompts import Prompt, encode_prompt, load_prompts, prompt_token_limit, prompts_hash
-from specheads.shards import SHARDS, read_record, record_path, shard_path, shard_problem
-from specheads.states import check_state_layer
-from specheads.storage import FeatureStorage
-from specheads.store import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest, shard_statistics
-from specheads.text import count, rate
+from specheads.pair.placement import rank_devices
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import check_output_folder, write_json_atomic, write_text_atomic
+from specheads.plumbing.lock import folder_lock, lock_files
+from specheads.plumbing.text import count, rate
 
 
 @dataclass

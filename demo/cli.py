@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specheads.dataclass_cli import parse_dataclass
 from specheads.demo.config import DemoConfig
+from specheads.plumbing.dataclass_cli import parse_dataclass
 
 
 def parse_config(argv: list[str]) -> DemoConfig:

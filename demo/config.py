@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.config_files import packaged_configs
-from specheads.errors import UsageError
+from specheads.plumbing.config_files import packaged_configs
+from specheads.plumbing.errors import UsageError
 
 CONFIGS = packaged_configs()
 

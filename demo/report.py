@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from specheads.artifacts.report_file import Report
 from specheads.demo.stages import HEADS, Layout
 from specheads.demo.summary import decoding_line, duration, serving_line
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
-from specheads.report_file import Report
 
 
 def summary_table(summary: dict[str, Any]) -> list[str]:

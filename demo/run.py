@@ -7,15 +7,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
+from specheads.artifacts.report_file import REPORT_FILE, read_report
+from specheads.dataset.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import EVALUATED, HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
 from specheads.demo.summary import summarise, summary_text
-from specheads.errors import UsageError
-from specheads.files import write_json_atomic
-from specheads.report_file import REPORT_FILE, read_report
-from specheads.store import read_manifest
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import write_json_atomic
 
 MARKER = ".specheads-demo"
 """The file that marks a folder `specheads demo` made: the only kind --overwrite deletes."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from specheads.artifacts.report_file import REPORT_FILE, Report
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.demo.stages import HEADS, Layout, relative
-from specheads.eval.report import MIN_TEST_PROMPTS, interval_cell, logprob_difference
-from specheads.report_file import REPORT_FILE, Report
-from specheads.text import count
+from specheads.eval.report import MIN_TEST_PROMPTS, PLANNED_BY_HEAD, interval_cell, logprob_difference
+from specheads.plumbing.text import count
 
 
 def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
@@ -40,14 +40,20 @@ FIELD_RULES = tuple(rule for rule in DECODING_BASELINES if rule not in ("constan
 
 
 def serving_summary(serving: dict[str, Any], cost_ratio: float) -> dict[str, Any]:
-    """The verify budget's live rows in the view with the draft at `cost_ratio` × the target: per batch size, its
-    change against constant K and against the best per-request rule, with paired intervals."""
-    view = f"draft at {cost_ratio:g} × target"
-    rows = {row["batch_size"]: row for row in serving["rows"] if row["policy"] == "budget" and row["costs"] == view}
-    return {"view": view, "left_out": serving.get("left_out", {}).get("budget"),
-            "budget": {size: {key: row.get(key) for key in ("vs_constant_k", "vs_constant_k_ci", "best_per_request",
-                                                             "vs_best_per_request", "vs_best_per_request_ci")}
-                       for size, row in sorted(rows.items())}}
+    """The head's batch planner (the goodput planner fed the expected-acceptance head where it was decoded, else the
+    verify budget) in the CPU view with the draft at `cost_ratio` × the target and in each accelerator (roofline) view:
+    per batch size, its change against constant K and against the best per-request rule, with paired intervals."""
+    planner = next((p for p in PLANNED_BY_HEAD if any(r["policy"] == p for r in serving["rows"])), "budget")
+    views = [f"draft at {cost_ratio:g} × target", *sorted({r["costs"] for r in serving["rows"]
+                                                            if r["costs"].startswith("roofline")})]
+    by_view = {}
+    for view in views:
+        rows = {row["batch_size"]: row for row in serving["rows"] if row["policy"] == planner and row["costs"] == view}
+        if rows:
+            by_view[view] = {size: {key: row.get(key) for key in ("vs_constant_k", "vs_constant_k_ci", "best_per_request",
+                                                                   "vs_best_per_request", "vs_best_per_request_ci")}
+                             for size, row in sorted(rows.items())}
+    return {"planner": planner, "left_out": serving.get("left_out", {}).get(planner), "views": by_view}
 
 
 def summarise(layout: Layout, manifest: dict[str, Any], reports: dict[str, Report], seconds: dict[str, float],
@@ -114,21 +120,28 @@ def decoding_line(figures: dict[str, Any]) -> str:
     return line
 
 
+PLANNER_WORDS = {"goodput": "verify budget (goodput planner, the head)", "budget": "verify budget"}
+
+
 def serving_line(figures: dict[str, Any]) -> str | None:
-    """The verify budget at each serving batch size in one line, or None without a serving table."""
+    """The head's batch planner at each serving batch size, per cost view, in one line; None without a serving table."""
     serving = figures.get("serving")
     if not serving:
         return None
-    if not serving["budget"]:
-        return f"serving: no verify budget ({serving['left_out'] or 'not decoded'})"
-    cells = []
-    for size, row in serving["budget"].items():
-        cell = f"B = {size} {row['vs_constant_k'] * 100:+.1f} %" + percent_interval(row["vs_constant_k_ci"])
-        if row.get("best_per_request"):
-            cell += (f" (vs {row['best_per_request']} {row['vs_best_per_request'] * 100:+.1f} %"
-                     + percent_interval(row["vs_best_per_request_ci"]) + ")")
-        cells.append(cell)
-    return f"serving ({serving['view']}): verify budget vs constant K " + "; ".join(cells)
+    words = PLANNER_WORDS.get(serving["planner"], serving["planner"])
+    if not serving["views"]:
+        return f"serving: no {words} ({serving['left_out'] or 'not decoded'})"
+    parts = []
+    for view, sizes in serving["views"].items():
+        cells = []
+        for size, row in sizes.items():
+            cell = f"B = {size} {row['vs_constant_k'] * 100:+.1f} %" + percent_interval(row["vs_constant_k_ci"])
+            if row.get("best_per_request"):
+                cell += (f" (vs {row['best_per_request']} {row['vs_best_per_request'] * 100:+.1f} %"
+                         + percent_interval(row["vs_best_per_request_ci"]) + ")")
+            cells.append(cell)
+        parts.append(f"{view}: " + "; ".join(cells))
+    return f"serving, {words} vs constant K — " + " | ".join(parts)
 
 
 def percent_interval(interval: list[float] | None) -> str:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from specheads.decoding.companion import BinTable, agreement, profile
-from specheads.sampling import SamplingTransform
-from specheads.signals import output_logits
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.signals import output_logits
 
 PROFILE_ROWS = 512
 """Rows of the training split the bins are profiled on (SV profiles 512 samples)."""

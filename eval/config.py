@@ -9,21 +9,27 @@ from typing import Literal
 
 from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInterval, PositiveInt
 
-from specheads.errors import UsageError
-from specheads.report_file import REPORT_FILE
+from specheads.artifacts.report_file import REPORT_FILE
+from specheads.plumbing.errors import UsageError
 
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "transformers", "transformers_heuristic",
-                  "sv_companion", "head", "sprinter", "oracle")
+                  "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
+FIXED_TREES = ("tree_head", "tree_confidence")
+"""The trees --fixed-thresholds may give a floor (one for every N of --tree-budgets)."""
 WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
-FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "svip": NON_NEGATIVE,
+FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
+                "svip": NON_NEGATIVE,
                 **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "transformers", "sv_companion",
-                                               "head", "sprinter")}}
-"""The values each policy's threshold may take: a draft length (K, K_max, the heuristic's first K), SVIP's bound on
+                                               "head", "sprinter", *FIXED_TREES)}}
+"""The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
 sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â)."""
+MEASURED = "measured"
+"""--serving-costs' name for the cost curves measured on the decoding device."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
-               "sprinter": "sprinter_thresholds"}  # the field that sets each policy's grid
+               "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
+               "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
 
 @dataclass
@@ -64,10 +70,12 @@ class EvalConfig:
         serving_batch_sizes: also judge each policy at its tuned threshold, the verify budget and SmartSpec's K when
             B requests are served together (`eval.serving`): modelled throughput per B with each model's cost curve,
             and with the draft at cost_ratio × the target; the batch policies are decoded live at every B.
-        serving_costs: a cost table of forward time against tokens in the forward, `{draft: {tokens: [...],
-            seconds: [...]}, target: {...}}` (`specheads profile --out FILE` measures one on the device it runs on),
-            or the name of a roofline preset (`specheads profile --help` lists them; modelled, and marked so);
-            default: measured on the decoding device.
+        serving_costs: the cost views of the serving table, one or a list: a cost table of forward time against
+            tokens in the forward, `{draft: {tokens: [...], seconds: [...]}, target: {...}}` (`specheads profile
+            --out FILE` measures one on the device it runs on), the name of a roofline preset (`specheads profile
+            --help` lists them; modelled at each batch size, and marked so), or `measured` (the curves measured here on
+            the decoding device); default: measured. Measured and given curves are also priced with the draft at
+            cost_ratio × the target.
         budget_head: an expected-acceptance head (`.ckpt` or exported folder, trained with
             configs/train/expected-acceptance.yaml on data from the same pair) for the verify budget in the serving
             table; not needed when the evaluated head is one.
@@ -91,6 +99,14 @@ class EvalConfig:
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off. Counted forwards are the same either way.
+        tree_budgets: also decode tree drafts (`specheads.decoding.tree`, each prompt alone) with at most N nodes per
+            target forward, for each N given: the head-valued tree (an on-time or expected-acceptance head) and the
+            confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other
+            thresholds (or given by --tuned-from / --fixed-thresholds), and both grown by the costs at --cost-ratio
+            (floor 0, tuned nowhere); reported against the head's stop rule and constant K, paired over test
+            prompts. Off unless given (trees decode one prompt at a time: slower than the chains).
+        tree_floors: the floors the tuned trees sweep on dev prompts (default 0.05, 0.1, 0.2, 0.3, 0.45): a child slot
+            is filled while its estimated chance of being reached is at least the floor.
     """
 
     head: str
@@ -115,7 +131,7 @@ class EvalConfig:
     progress: bool = True
     decode_batch_size: PositiveInt = 32
     serving_batch_sizes: list[PositiveInt] | None = None
-    serving_costs: str | None = None
+    serving_costs: str | list[str] | None = None
     budget_head: str | None = None
     budget_floor: ClosedUnitInterval = 0.1
     sv_companion_skip_layers: list[NonNegativeInt] | None = None
@@ -125,6 +141,8 @@ class EvalConfig:
     serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"]] = field(
         default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
     prompt_cache_mb: NonNegativeInt = 2048
+    tree_budgets: list[PositiveInt] | None = None
+    tree_floors: list[ClosedUnitInterval] | None = None
 
     @property
     def tunes_here(self) -> bool:
@@ -140,16 +158,35 @@ class EvalConfig:
         if self.num_decode_prompts == 1:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
-        if self.serving_costs:  # a bad table is refused before any model loads
-            from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
+        sources = self.serving_cost_sources
+        if len(set(sources)) < len(sources):
+            raise UsageError(f"--serving-costs names a view twice ({', '.join(sources)}); give each table or preset once")
+        for source in sources:  # a bad table is refused before any model loads
+            if source != MEASURED:
+                from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
 
-            read_cost_table(self.serving_costs, "--serving-costs")
+                read_cost_table(source, "--serving-costs")
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
+        if self.tree_floors is not None and not self.tree_budgets:
+            raise UsageError("--tree-floors sets the tuned trees' grid, but no tree is decoded; give --tree-budgets "
+                             "(e.g. [8]) too, or drop --tree-floors")
+        if self.tree_budgets is not None and not self.tree_budgets:
+            raise UsageError("--tree-budgets is empty; give node budgets such as [8], or drop it to decode no tree")
+        if self.tree_budgets and self.num_decode_prompts < 1:
+            raise UsageError("--tree-budgets decodes trees on the decode prompts; give --num-decode-prompts of at "
+                             "least 2, or drop --tree-budgets")
         if self.tuned_from and self.fixed_thresholds:
             raise UsageError("--tuned-from and --fixed-thresholds both say which thresholds to decode; give one")
         if self.tuned_from or self.fixed_thresholds:
             self.validate_given_thresholds()
+
+    @property
+    def serving_cost_sources(self) -> list[str]:
+        """The serving table's cost views as given (`measured` when none is)."""
+        if self.serving_costs is None:
+            return [MEASURED]
+        return [self.serving_costs] if isinstance(self.serving_costs, str) else list(self.serving_costs)
 
     def validate_given_thresholds(self) -> None:
         """`tuned_from` names a report that decoded, or `fixed_thresholds` names known policies; no grid is given
@@ -158,10 +195,14 @@ class EvalConfig:
         if self.tuned_from:
             require_report_files("--tuned-from", self.tuned_from, (REPORT_FILE, "runs.json"))
         else:
-            unknown = sorted(set(self.fixed_thresholds) - set(FIXED_POLICIES))
+            unknown = sorted(set(self.fixed_thresholds) - set(FIXED_POLICIES) - set(FIXED_TREES))
             if unknown:
                 raise UsageError(f"--fixed-thresholds names unknown policies {', '.join(unknown)}; use "
-                                 f"{', '.join(FIXED_POLICIES)}")
+                                 f"{', '.join((*FIXED_POLICIES, *FIXED_TREES))}")
+            trees = sorted(set(self.fixed_thresholds) & set(FIXED_TREES))
+            if trees and not self.tree_budgets:
+                raise UsageError(f"--fixed-thresholds gives the floor of {', '.join(trees)}, but no tree is decoded; "
+                                 "give --tree-budgets (e.g. [8]) too, or drop them")
             for policy, value in self.fixed_thresholds.items():
                 if not in_range(value, FIXED_RANGES[policy]):
                     raise UsageError(f"--fixed-thresholds gives {policy} {value!r}, outside its range: {policy}'s "

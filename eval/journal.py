@@ -21,7 +21,7 @@ from typing import Any
 from specheads.eval.reuse import HEAD_FREE_POLICIES, context_differences, run_key, same_position_prompts
 from specheads.eval.sweep import RunKey, RunRecord
 from specheads.eval.tuned import head_differences
-from specheads.files import write_text_atomic
+from specheads.plumbing.files import write_text_atomic
 
 JOURNAL_FILE = "runs.partial.jsonl"
 MARK = "specheads eval decoding runs"

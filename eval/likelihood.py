@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from specheads.signals import output_logits
+from specheads.model_outputs.signals import output_logits
 
 
 @torch.no_grad()

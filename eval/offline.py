@@ -15,13 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.checkpoint import TrainedHead
-from specheads.data import AcceptanceDataModule
-from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator
-from specheads.decoding.rules import Drafted
-from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
-from specheads.heads.calibration import cumulative_products, round_windows
-from specheads.metrics import (
+from specheads.artifacts.checkpoint import TrainedHead
+from specheads.artifacts.metrics import (
     baseline_scores,
     bernoulli_auc,
     binary_kl,
@@ -32,7 +27,12 @@ from specheads.metrics import (
     soft_auc,
     soft_pr_auc,
 )
-from specheads.targets import draft_features, head_inputs, stale_target_states
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.dataset.targets import draft_features, head_inputs, stale_target_states
+from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator
+from specheads.decoding.rules import Drafted
+from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
+from specheads.heads.calibration import cumulative_products, round_windows
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion")
 SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")

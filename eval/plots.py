@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from sklearn.metrics import roc_curve  # noqa: E402
 
 from specheads.eval.offline import SIGNAL_ORDER, TokenTable  # noqa: E402
-from specheads.files import atomic_path  # noqa: E402
+from specheads.plumbing.files import atomic_path  # noqa: E402
 
 PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "cumulative_reliability": "cumulative_reliability.png",
          "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png", "serving": "serving.png"}

@@ -14,12 +14,12 @@ from typing import Literal
 
 from jsonargparse.typing import PositiveInt
 
-from specheads.dataclass_cli import parse_dataclass
 from specheads.decoding.cost_table import PRESET_NAMES, PRESET_TOKENS, PRESETS, measured_table, roofline_table, write_cost_table
 from specheads.decoding.costs import CURVE_TOKENS
-from specheads.errors import UsageError
-from specheads.files import check_output_folder
-from specheads.models import ModelSpec
+from specheads.pair.models import ModelSpec
+from specheads.plumbing.dataclass_cli import parse_dataclass
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import check_output_folder
 
 
 def default_target() -> ModelSpec:
@@ -98,7 +98,7 @@ def profile(config: ProfileConfig) -> dict:
 def measure_pair(config: ProfileConfig, tokens: tuple[int, ...]) -> dict:
     """Load the pair onto `config.device` and measure both models at every context."""
     from specheads.eval.run import decoding_device, place
-    from specheads.models import context_length, load_pair
+    from specheads.pair.models import context_length, load_pair
 
     device = decoding_device(config.device)
     pair = load_pair(config.target, config.draft)

@@ -7,13 +7,13 @@ from typing import Any
 
 import markdown
 
+from specheads.artifacts.report_file import Report, tuned_row
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
-from specheads.files import write_text_atomic
-from specheads.report_file import Report, tuned_row
-from specheads.text import count
+from specheads.plumbing.files import write_text_atomic
+from specheads.plumbing.text import count
 
 MIN_TEST_PROMPTS = 8
 """Below this many test prompts a decoding comparison is called indicative, not a finding."""
@@ -260,9 +260,50 @@ def report_markdown(report: Report, plot_dir: str = "", depth: int = 1) -> str:
                   f"The loop spends {costs['loop_overhead_share'] * 100:.1f} % of wall time outside the forwards. The oracle's wall "
                   f"time is its constant-K_max run's.{reuse_note(decoding)}", "", *decoding_table(decoding["policies"]), "",
                   f"![Pareto frontier]({plot['pareto']})", "", f"![Accepted lengths]({plot['acceptance_lengths']})", ""]
+        if decoding.get("trees"):
+            lines += tree_lines(decoding["trees"], decoding, section)
         if decoding.get("serving"):
             lines += serving_lines(decoding["serving"], section, plot["serving"])
     return "\n".join(lines) + "\n"
+
+
+TREE_NAMES = {"head": "head values", "confidence": "confidence values"}
+
+
+def tree_lines(trees: dict[str, Any], decoding: dict[str, Any], section: str) -> list[str]:
+    """The tree-draft section: each tree at its tuned floor (and grown by the costs) on the test prompts, and its gain
+    over the chain rules and, for head values, over confidence values, with paired 95 % intervals over prompts."""
+    c = trees["cost_ratio"]
+    origin = ("floors given in the config (--fixed-thresholds)" if given_thresholds(decoding) else
+              f"floors tuned on the {decoding['tuned_from']['dev_prompts']} dev prompts of `{decoding['tuned_from']['report']}`"
+              if decoding.get("tuned_from") else
+              f"floors tuned on the dev prompts among {', '.join(f'{f:g}' for f in trees['floors'] or [])}")
+    lines = [f"{section} Tree drafts (test prompts)", "",
+             f"Token trees of at most N nodes per target forward (N = {', '.join(str(n) for n in trees['budgets'])}; at "
+             f"most {trees['width']} children a node, {trees['expand']} nodes read per draft forward), drawn from q "
+             "without replacement and verified by recursive rejection sampling, so the output is the target's "
+             f"distribution; each prompt decoded alone. Growth either by a floor ({origin}) or read from the costs at "
+             f"c = {c:g} (floor 0, tuned nowhere). Counting: {trees['counting']}. Modelled speedup at c = {c:g}; the "
+             "chain rules are at their tuned thresholds.", "",
+             "| N | values | growth | tokens/target call | draft forwards/target call | mean accepted length "
+             "| modelled speedup |", "|---|---|---|---|---|---|---|"]
+    tuned = [r for r in trees["policies"] if r.get("tuned")]
+    for row in sorted(tuned, key=lambda r: (r["budget"], r["growth"] == "costs", r["values"] != "head")):
+        growth = f"costs, c = {row['threshold']:g}" if row["growth"] == "costs" else f"floor {row['threshold']:g}"
+        lines.append(f"| {row['budget']} | {TREE_NAMES[row['values']]} | {growth} | {fmt(row['tokens_per_target_call'], 2)} "
+                     f"| {fmt(row['draft_forwards_per_target_call'], 2)} | {fmt(row['mean_accepted_length'], 2)} "
+                     f"| {fmt(row['modelled_speedup'])} |")
+    if trees["gains"]:
+        lines += ["", "| N | tree | against | modelled speedup [95 % paired] | tokens/target call |", "|---|---|---|---|---|"]
+        for gain in trees["gains"]:
+            ci = gain["speedup_gain_ci"]
+            lines.append(f"| {gain['budget']} | {gain['policy']} | {gain['against']} @ {gain['against_threshold']:g} "
+                         f"| {gain['speedup_gain']:+.1%}" + percent_ci(ci) + f" | {gain['tokens_per_target_call_gain']:+.1%} |")
+    for policy, end in trees.get("tuned_at_grid_edge", {}).items():
+        lines += ["", f"Warning: {policy}'s tuned floor {trees['tuned_floors'][policy]:g} is the {end} of its grid, so "
+                      f"its best may lie beyond it; widen the grid (--tree-floors) before trusting comparisons with it."]
+    left_out = [f"{policy} is not decoded: {why}." for policy, why in trees.get("left_out", {}).items()]
+    return [*lines, *([""] + left_out if left_out else []), ""]
 
 
 def speedup_basis(decoding: dict[str, Any]) -> str:
@@ -315,13 +356,17 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
     if not serving["rows"]:
         return [title, "", *left_out, ""]
     budget = serving.get("budget") or {}
+    curves = serving["cost_curves"]
+    sources = "; ".join(f"{view}: {about['source']}" + (", modelled at each B" if about.get("per_batch_size") else "")
+                        for view, about in curves.items())
     lines = [title, "",
-             f"Each policy at its tuned threshold serving B requests together (continuous batching, rounds in lockstep); "
-             f"forward costs {serving['cost_curves']['source']}, and the same with the draft at "
-             f"{serving['cost_curves'].get('scaled_draft_ratio')} × the target. The verify budget (floor "
-             f"{budget.get('floor')}, K_max {budget.get('max_draft')}) and SmartSpec's K are decoded live at every B; the "
-             "per-request policies are served from their test runs' rounds. Modelled tokens/s, the change against constant "
-             "K at the same B with its paired 95 % interval over prompts:", ""]
+             f"Each policy at its tuned threshold serving B requests together (continuous batching, rounds in lockstep). "
+             f"Forward costs: {sources}; measured and given curves also with the draft at "
+             f"{serving.get('scaled_draft_ratio')} × the target. The batch policies (the verify budget, floor "
+             f"{budget.get('floor')}, K_max {budget.get('max_draft')}; SmartSpec's K; the goodput planner fed the head, "
+             "D-Cut's or vLLM's signal) are decoded live at every B and view; the per-request policies are served from "
+             "their test runs' rounds. Modelled tokens/s, the change against constant K at the same B with its paired "
+             "95 % interval over prompts:", ""]
     for view in serving.get("views") or sorted({row["costs"] for row in serving["rows"]}):
         lines += [f"Costs: {view}", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
                   "|---|" + "---|" * len(sizes)]
@@ -333,7 +378,8 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
                 cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}")
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
-        lines += ["", f"Best policy (the oracle aside): {best}.", *rival_lines(serving["rows"], view), ""]
+        lines += ["", f"Best policy (the oracle aside): {best}.", *rival_lines(serving["rows"], view),
+                  *signal_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
 
 
@@ -345,10 +391,34 @@ def rival_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
         for row in (r for r in rows if (r["policy"], r["costs"]) == (policy, view) and r.get("best_per_request")):
             ci = row.get("vs_best_per_request_ci")
             cells.append(f"B = {row['batch_size']}: {row['vs_best_per_request']:+.1%}"
-                         + (f" [{ci[0]:+.1%}, {ci[1]:+.1%}]" if ci else "") + f" against {row['best_per_request']}")
+                         + percent_ci(ci) + f" against {row['best_per_request']}")
         if cells:
             lines.append(f"{policy} against the best per-request policy: " + "; ".join(cells) + ".")
     return lines
+
+
+PLANNED_BY_HEAD = ("goodput", "budget")
+"""The batch policies that plan with the trained expected-acceptance head, judged against the others decoded live."""
+
+
+def signal_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """Each planner fed the trained head against the batch policies fed free signals (or none) at each B, paired."""
+    lines = []
+    for policy in PLANNED_BY_HEAD:
+        cells = []
+        for row in (r for r in rows if (r["policy"], r["costs"], r["decoded"]) == (policy, view, "live")):
+            versus = [f"{other} {against['change']:+.1%}" + percent_ci(against["ci"])
+                      for other, against in row.get("vs_live", {}).items() if other not in PLANNED_BY_HEAD]
+            if versus:
+                cells.append(f"B = {row['batch_size']}: " + ", ".join(versus))
+        if cells:
+            lines.append(f"{policy} (the trained head) against the planners of free signals: " + "; ".join(cells) + ".")
+    return lines
+
+
+def percent_ci(ci: list[float] | None) -> str:
+    """' [+lo %, +hi %]' of a paired interval, or nothing."""
+    return f" [{ci[0]:+.1%}, {ci[1]:+.1%}]" if ci else ""
 
 
 def change_note(row: dict[str, Any]) -> str:
@@ -356,7 +426,7 @@ def change_note(row: dict[str, Any]) -> str:
     if row["vs_constant_k"] is None or row["policy"] == "constant_k":
         return ""
     ci = row.get("vs_constant_k_ci")
-    return f" ({row['vs_constant_k']:+.1%}" + (f" [{ci[0]:+.1%}, {ci[1]:+.1%}]" if ci else "") + ")"
+    return f" ({row['vs_constant_k']:+.1%}" + percent_ci(ci) + ")"
 
 
 def measured_costs_note(costs: dict[str, Any]) -> str:

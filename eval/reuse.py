@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specheads.errors import UsageError
+from specheads.dataset.prompts import prompt_digest
 from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
-from specheads.prompts import prompt_digest
+from specheads.plumbing.errors import UsageError
 
 HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
 ACCOUNTING = "counted forwards; a run ends at its first stop token"

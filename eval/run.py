@@ -9,18 +9,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.checkpoint import TrainedHead, load_trained
-from specheads.data import AcceptanceDataModule
+from specheads.artifacts.checkpoint import TrainedHead, load_trained
+from specheads.artifacts.report_file import EvaluatedHead, Report
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
+from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost
-from specheads.decoding.cost_table import read_cost_table
+from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
 from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
-from specheads.errors import UsageError
 from specheads.eval.companion import sv_companion_scores
-from specheads.eval.config import EvalConfig
+from specheads.eval.config import MEASURED, EvalConfig
 from specheads.eval.journal import RunJournal, discard_empty_journal, open_journal
 from specheads.eval.offline import (
     TokenTable,
@@ -50,28 +52,30 @@ from specheads.eval.sweep import (
     RunRecord,
     Setting,
     aggregate,
+    check_tree_pair,
     decoded_settings,
     default_settings,
     grid_edges,
+    is_tree,
     measure_costs,
     paired_gain_interval,
     records_as_dicts,
     run_sweep,
     signal_thresholds,
+    tree_section,
+    tree_settings,
     tune,
 )
 from specheads.eval.tuned import given_tuning, load_tuning
-from specheads.files import check_output_folder, write_json_atomic
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_rule_head_refusal
-from specheads.lock import folder_lock
-from specheads.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
-from specheads.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
-from specheads.report_file import EvaluatedHead, Report
-from specheads.sampling import SamplingTransform
-from specheads.states import describe_state
-from specheads.store import read_manifest
-from specheads.text import count
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.states import describe_state
+from specheads.pair.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import check_output_folder, write_json_atomic
+from specheads.plumbing.lock import folder_lock
+from specheads.plumbing.text import count
 
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
@@ -251,6 +255,11 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
     if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere
         settings.append(Setting("head_cost", config.cost_ratio))
+    trees, trees_left_out = tree_settings(
+        config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
+        tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
+        else "--fixed-thresholds") if config.tree_budgets else ([], {})
+    settings += trees
     if companion is None and any(s.policy == "sv_companion" for s in settings):
         raise UsageError(f"{config.tuned_from or '--fixed-thresholds'} names SV's companion rule; give "
                          "--sv-companion-skip-layers")
@@ -259,12 +268,15 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
     engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
                          prompt_cache)
+    if trees:
+        check_tree_pair(engine, trained.head)
     engine.store_prompts([list(p.ids) for p in prompts], config.decode_batch_size)  # no setting times the prefill
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
                         config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
-    costs = measure_costs(records)
-    dev = aggregate(records, "dev", config.cost_ratio, costs["ratio"])
-    test = aggregate(records, "test", config.cost_ratio, costs["ratio"])
+    chains = [r for r in records if not is_tree(r.policy)]  # the trees have a section of their own
+    costs = measure_costs(chains)
+    dev = aggregate(chains, "dev", config.cost_ratio, costs["ratio"])
+    test = aggregate(chains, "test", config.cost_ratio, costs["ratio"])
     tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
                                                                              config.sprinter_max_tv)
     if any(s.policy == "head_cost" for s in settings):  # its one setting, at the stated c, whatever was tuned or given
@@ -286,6 +298,10 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}
+    if trees:
+        section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
+                                        tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
+                                        trees_left_out, config.tree_floors)
     if config.serving_batch_sizes:
         section["serving"] = serving_section(config, pair, device, records, tuned, engine, prompts, trained)
     return Decoding(section, records, tuned.get(learned), context, journal)
@@ -309,12 +325,20 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
     """Each policy at its tuned threshold, and the batch policies (the verify budget, SmartSpec's K), serving
     `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
     `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target."""
-    if config.serving_costs:
-        table = read_cost_table(config.serving_costs, "--serving-costs")
-        costs, source, view_name, modelled = table.costs, table.describe(), table.view, table.modelled
-    else:
-        costs = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
-        source, view_name, modelled = f"measured on {device_name(device)}", "measured", False
+    sources, curves = [], {}
+    for name in config.serving_cost_sources:
+        if name == MEASURED:
+            measured = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
+            sources.append((MEASURED, lambda size, measured=measured: measured, True))
+            curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
+                                "source": f"measured on {device_name(device)}", "modelled": False}
+        else:
+            table = read_cost_table(name, "--serving-costs")
+            view = table.view if table.view not in curves else f"{table.view} ({name})"
+            sources.append((view, table.at_batch_size, table.source != "roofline"))
+            curves[view] = {"draft": table.costs.draft.as_dict(), "target": table.costs.target.as_dict(),
+                                  "source": table.describe(), "modelled": table.modelled,
+                                  "per_batch_size": table.source == "roofline" and name in PRESET_NAMES}
     budget_head, left_out = expected_head(config, trained, device)
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
     batch_policies = {policy: float(config.max_draft) for policy in ("smartspec", "dcut", "vllm_adaptive")
@@ -335,13 +359,12 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
                       budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
         return log
 
-    views = serving_views(costs, config.cost_ratio, view_name)
+    views = serving_views(sources, config.cost_ratio)
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
                          resamples=config.bootstrap, seed=config.seed)
     left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
     return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views),
-            "cost_curves": {"draft": costs.draft.as_dict(), "target": costs.target.as_dict(), "source": source,
-                            "modelled": modelled, "scaled_draft_ratio": config.cost_ratio},
+            "cost_curves": curves, "scaled_draft_ratio": config.cost_ratio,
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),
                        "weights_digest": None if budget_head is None else budget_head.weights_digest()},
@@ -392,7 +415,7 @@ def head_identity(trained: TrainedHead) -> EvaluatedHead:
 
 def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
-    checkpoint); returns the report. One eval at a time writes a folder (`specheads.lock`)."""
+    checkpoint); returns the report. One eval at a time writes a folder (`specheads.plumbing.lock`)."""
     config.validate()
     check_output_folder(Path(config.out))
     device = decoding_device(config.device)

@@ -7,10 +7,10 @@ takes the next prompt of the queue), rounds in lockstep, and each round costs
 
     Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
 
-seconds, with c(n) a model's forward time against the tokens in the forward (`specheads.decoding.costs`), in two
-views: the cost curves measured on the decoding device (or given), and the same target with a draft `cost_ratio`
-times as costly (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view). Throughput = tokens emitted /
-modelled seconds.
+seconds, with c(n) a model's forward time against the tokens in the forward (`specheads.decoding.costs`), in each
+cost view asked for: the curves measured on the decoding device or given in a table, each also with the draft
+`cost_ratio` times as costly as the target (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view), and
+the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
 
 - **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
   is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
@@ -83,10 +83,23 @@ def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCur
     return served_throughput(replay(requests, batch_size), ServingCosts(draft, target))
 
 
-def serving_views(costs: ServingCosts, cost_ratio: float, name: str = "measured") -> dict[str, ServingCosts]:
-    """The two cost views: the curves as measured or given (`name`: `measured`, `roofline (modelled)` or `given`, as
-    `specheads.decoding.cost_table.CostTable.view` says), and the draft at `cost_ratio` × the target curve."""
-    return {name: costs, f"draft at {cost_ratio:g} × target": costs.scaled_draft(cost_ratio)}
+CostView = Callable[[int], ServingCosts]
+"""A cost view: the curves that price a round of B requests, for each B (a roofline preset is modelled per B; measured
+and given curves are the same at every B)."""
+
+
+def serving_views(sources: list[tuple[str, CostView, bool]], cost_ratio: float) -> dict[str, CostView]:
+    """The cost views of the serving table, by name: each source (name, view, scaled) as it is, and, where `scaled`
+    (curves measured here or given for this pair), the same with the draft at `cost_ratio` × the target curve (a 7B/70B
+    pair's view; a preset prices its own draft model). Names as `CostTable.view` gives them."""
+    views: dict[str, CostView] = {}
+    for name, view, scaled in sources:
+        views[name] = view
+        if scaled:
+            prefix = "" if name == "measured" else f"{name}, "
+            views[f"{prefix}draft at {cost_ratio:g} × target"] = (
+                lambda size, view=view: view(size).scaled_draft(cost_ratio))
+    return views
 
 
 def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, list[float]], resamples: int,
@@ -103,7 +116,7 @@ def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, li
     return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
-def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], views: dict[str, ServingCosts],
+def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], views: dict[str, CostView],
                   live: LiveDecode | None = None, batch_policies: dict[str, float] | None = None, split: str = "test",
                   resamples: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Per policy, batch size and cost view: the modelled throughput of the `split` prompts served B at a time, its
@@ -119,11 +132,12 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
         for size in batch_sizes:
             log = replay(requests, size)
             for view, costs in views.items():
-                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs), "replayed"))
+                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs(size)), "replayed"))
     for policy, threshold in (batch_policies or {}).items():
         for size in batch_sizes:
             decoded: dict[tuple, list[RoundRecord]] = {}
-            for view, costs in views.items():
+            for view, priced in views.items():
+                costs = priced(size)
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
@@ -139,7 +153,9 @@ def table_row(policy: str, threshold: float, size: int, view: str, served: dict[
 
 def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
     """Each row's change against constant K at the same B and view (with its paired interval) and its share of the
-    oracle's gain there; the per-request shares are dropped from the rows once used."""
+    oracle's gain there; each live row's change against the best per-request policy and against every other batch
+    policy decoded live there (`vs_live`: the planners fed other signals); the per-request shares are dropped from the
+    rows once used."""
     for row in rows:
         same = {r["policy"]: r for r in rows if (r["batch_size"], r["costs"]) == (row["batch_size"], row["costs"])}
         constant, oracle = same.get("constant_k"), same.get("oracle")
@@ -154,6 +170,10 @@ def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
             row["vs_best_per_request"] = row["tokens_per_s"] / rival["tokens_per_s"] - 1 if rival else None
             row["vs_best_per_request_ci"] = (paired_ratio_interval(row["per_request"], rival["per_request"], resamples,
                                                                    seed) if rival else None)
+            row["vs_live"] = {other["policy"]: {
+                "change": row["tokens_per_s"] / other["tokens_per_s"] - 1,
+                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed)}
+                for other in same.values() if other["decoded"] == "live" and other is not row}
     for row in rows:
         row.pop("per_request")
 

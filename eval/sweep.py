@@ -14,6 +14,7 @@ comes with a bootstrap interval that says whether the runs determine it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -22,11 +23,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
-from specheads.decoding.online import ADAEDL_GAMMA
+from specheads.decoding.cache import BatchCache
+from specheads.decoding.online import ADAEDL_GAMMA, SGLANG_START
 from specheads.decoding.rules import ONLINE_POLICIES
+from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
 from specheads.heads import STOP_PURPOSES, AcceptanceHead
+from specheads.plumbing.errors import UsageError
 
 HEAD_THRESHOLDS = (0.3, 0.5, 0.65, 0.8, 0.9)
 SPRINTER_THRESHOLDS = (0.3, 0.5, 0.7, 0.85)
@@ -99,7 +103,8 @@ TRANSFORMERS_THRESHOLD = 0.4
 """transformers' assistant_confidence_threshold default: its rule starts there and re-tunes itself at run time."""
 TRANSFORMERS_HEURISTIC_START = 5
 """num_assistant_tokens of transformers' older default `heuristic` schedule: its K starts there and moves at run time."""
-FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristic": float(TRANSFORMERS_HEURISTIC_START)}
+FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristic": float(TRANSFORMERS_HEURISTIC_START),
+                  "sglang_adaptive": float(SGLANG_START)}
 """The rules users get with their defaults, nothing to tune: each is decoded at its default alone."""
 
 
@@ -151,6 +156,11 @@ def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePromp
     `planner` carries a run-time adapting rule's state over from the setting's earlier batches. `likelihood`: score
     each output under the target (one more target forward per batch; NaN when not asked)."""
     ids = [list(prompt.ids) for prompt in prompts]
+    tree = tree_policy(setting.policy)
+    if tree is not None:  # each prompt alone (B = 1), a draft forward over a tree's nodes counting as one forward
+        tree_rule = tree.rule(setting.threshold)
+        results = decode_tree(engine, ids, tree_rule, max_new_tokens, seeds, head if tree_rule.reads_head else None)
+        return [record_of(setting, prompt, result, math.nan) for prompt, result in zip(prompts, results)]
     rule = make_policy(setting.policy, setting.threshold, max_draft)
     results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None, planner=planner)
     likelihoods = (target_log_likelihoods(engine.target, ids, [result.tokens for result in results]) if likelihood
@@ -375,3 +385,175 @@ def grid_edges(dev_rows: list[dict[str, Any]], tuned: dict[str, float]) -> dict[
 def records_as_dicts(records: list[RunRecord]) -> list[dict[str, Any]]:
     """Plain dicts for JSON."""
     return [asdict(r) for r in records]
+
+
+# ---- tree drafts (docs/method.md "Tree drafts"): decoding policies beside the chain's, each prompt decoded alone
+
+TREE_FLOORS = (0.05, 0.1, 0.2, 0.3, 0.45)
+"""The floors the tuned trees sweep on dev prompts (on the embedded pair at N = 8 the best were 0.1 with confidence
+values and 0.3 with head values; docs/results.md "Tree drafts")."""
+TREE_WIDTH = TREE_EXPAND = 4
+"""Most children per node and most nodes the draft reads per forward, as benchmarks/tree_drafts.py decodes them."""
+TREE_KINDS = ("tree_head", "tree_confidence")
+"""The trees whose floor is tuned on dev prompts; --fixed-thresholds gives each one floor for every budget N."""
+TREE_AGAINST = ("head", "constant_k")
+"""The chain rules every tree is compared with, each at its tuned threshold: the head's stop rule and constant K."""
+TREE_COUNTING = "a draft forward over a tree's nodes counts as one draft forward; the target verifies a tree in one call"
+_TREE_NAME = re.compile(r"tree_(head|confidence)(_cost)?_n([1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class TreePolicy:
+    """A tree as a decoding policy of the sweep: its values (`head`: the head's â; `confidence`: q(x), EAGLE-2's), its
+    node budget N and its growth (`weighs_costs`: read from the costs at c, floor 0, tuned nowhere; otherwise a floor
+    tuned on dev prompts). Its policy name carries all three (`tree_head_n8`, `tree_confidence_cost_n8`); the
+    setting's threshold is the floor, or c for a tree grown by the costs."""
+
+    values: str
+    budget: int
+    weighs_costs: bool
+
+    @property
+    def kind(self) -> str:
+        """`tree_head`, `tree_confidence`, `tree_head_cost` or `tree_confidence_cost`: the policy without N."""
+        return f"tree_{self.values}" + ("_cost" if self.weighs_costs else "")
+
+    @property
+    def name(self) -> str:
+        """The policy name the sweep's records carry."""
+        return f"{self.kind}_n{self.budget}"
+
+    def rule(self, threshold: float) -> TreeRule:
+        """The tree rule of this policy's setting at `threshold` (the floor, or c)."""
+        if self.weighs_costs:
+            return TreeRule(self.values, 0.0, self.budget, TREE_WIDTH, TREE_EXPAND, cost_ratio=threshold)
+        return TreeRule(self.values, threshold, self.budget, TREE_WIDTH, TREE_EXPAND)
+
+    def growth(self, threshold: float) -> str:
+        """How the tree's shape was chosen, in words."""
+        return f"read from the costs at c = {threshold:g}" if self.weighs_costs else f"floor {threshold:g}"
+
+
+def tree_policy(policy: str) -> TreePolicy | None:
+    """The tree a sweep policy name stands for; None for a chain rule."""
+    match = _TREE_NAME.fullmatch(policy)
+    return None if match is None else TreePolicy(match[1], int(match[3]), match[2] is not None)
+
+
+def is_tree(policy: str) -> bool:
+    """Whether a sweep policy is a tree draft."""
+    return tree_policy(policy) is not None
+
+
+def tree_head_refusal(head: AcceptanceHead, purpose: str) -> str | None:
+    """Why the head cannot value a tree's children (None: it can): a tree scores each child from its parent's state
+    when the child is drawn, which only an acceptance head deciding at the draw or before it does."""
+    if purpose not in STOP_PURPOSES:
+        return (f"a {head.head_type} head predicts whether a token may pass unverified, not a child's acceptance "
+                "min(1, p/q): only the confidence-valued trees are decoded")
+    if head.decides not in ("at_draft", "before_draw"):
+        return (f"a {head.head_type} head decides {head.decides} (it reads the state after a child), but a tree scores "
+                "each child from its parent's state: only the confidence-valued trees are decoded; train an on-time "
+                "head (configs/train/specdecpp-ontime.yaml) for head values")
+    return None
+
+
+def tree_settings(budgets: Iterable[int], head: AcceptanceHead, purpose: str, cost_ratio: float,
+                  floors: Iterable[float] | None = None, given: dict[str, float] | None = None,
+                  given_by: str = "--fixed-thresholds") -> tuple[list[Setting], dict[str, str]]:
+    """The tree settings of a sweep, and the trees left out with why: for each budget N, the head-valued tree (when
+    the head can value children, `tree_head_refusal`) and the confidence-valued tree at each floor of `floors`
+    (TREE_FLOORS by default; tuned on dev prompts afterwards), or at the one floor `given` for it (keyed by policy
+    name, `tree_head_n8`, or by kind, `tree_head`, for every N) by `given_by`; and both grown by the costs at
+    `cost_ratio` (floor 0, tuned nowhere)."""
+    refusal = tree_head_refusal(head, purpose)
+    sources = ("confidence",) if refusal else ("head", "confidence")
+    settings = []
+    for budget in dict.fromkeys(budgets):
+        for values in sources:
+            tuned = TreePolicy(values, budget, False)
+            if given is None:
+                settings += [Setting(tuned.name, float(floor)) for floor in (TREE_FLOORS if floors is None else floors)]
+            else:
+                floor = given.get(tuned.name, given.get(tuned.kind))
+                if floor is None:
+                    raise UsageError(f"{given_by} has no floor for the {values}-valued tree at N = {budget} "
+                                     f"({tuned.kind}); give one there, or drop {budget} from --tree-budgets")
+                settings.append(Setting(tuned.name, float(floor)))
+            settings.append(Setting(TreePolicy(values, budget, True).name, cost_ratio))
+    return settings, ({"tree_head": refusal} if refusal else {})
+
+
+def check_tree_pair(engine: RoundEngine, head: AcceptanceHead) -> None:
+    """Refuse, before any forward, a pair that `decode_tree` cannot decode (a draft of another vocabulary, a cache
+    that is not one tensor per layer), so that a sweep asked for trees does not stop at its first tree."""
+    if engine.vocabulary != engine.draft_vocabulary:
+        raise UsageError(f"tree drafts need a draft that predicts the target's {engine.vocabulary} tokens; this draft "
+                         f"predicts {engine.draft_vocabulary}: drop --tree-budgets, or pick a draft with the target's "
+                         "vocabulary")
+    for name, model in (("draft", engine.draft), ("target", engine.target)):
+        if not BatchCache(model, 1, head.state_layer if name == "draft" else None).plain_layers():
+            raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer (a tree mask would "
+                             "bypass sliding-window or recurrent layers); drop --tree-budgets for this pair")
+
+
+def setting_speedups(records: list[RunRecord], setting: Setting, cost_ratio: float,
+                     split: str = "test") -> tuple[float, float] | None:
+    """A setting's modelled speedup and tokens per target call over the split's runs (None without runs)."""
+    runs = [r for r in records if r.split == split and (r.policy, r.threshold) == (setting.policy, setting.threshold)]
+    if not runs:
+        return None
+    emitted, calls = sum(r.emitted for r in runs), sum(r.target_calls for r in runs)
+    return modelled_speedup(emitted, sum(r.draft_forwards for r in runs), calls, cost_ratio), emitted / max(calls, 1)
+
+
+def tree_section(records: list[RunRecord], budgets: Iterable[int], chain_tuned: dict[str, float], cost_ratio: float,
+                 measured_ratio: float | None, given: dict[str, float] | None = None, resamples: int = 1000,
+                 seed: int = 0, left_out: dict[str, str] | None = None,
+                 floors: Iterable[float] | None = None) -> dict[str, Any]:
+    """metrics.json's `decoding.trees`: every tree setting on test prompts (`policies`, the tuned floors marked) and
+    dev prompts, the floors tuned on dev (or `given`, as `tree_settings` took them) and those at an end of their
+    grid, and each tuned tree against the chain rules at their tuned thresholds (`chain_tuned`: the head's stop rule
+    and constant K) and, for a head-valued tree, against the confidence-valued tree of the same N and growth: the
+    gain in modelled speedup at `cost_ratio` with its paired 95 % interval over test prompts, and the gain in tokens
+    per target call."""
+    trees = [r for r in records if is_tree(r.policy)]
+    dev = aggregate(trees, "dev", cost_ratio, measured_ratio)
+    test = aggregate(trees, "test", cost_ratio, measured_ratio)
+    policies = {policy: tree_policy(policy) for policy in dict.fromkeys(r.policy for r in trees)}
+    if given is None:
+        tuned = {policy: row["threshold"] for policy, row in tune([r for r in dev if not policies[r["policy"]].weighs_costs]).items()}
+        edges = grid_edges(dev, tuned)
+    else:
+        tuned = {policy: float(given.get(policy, given.get(tree.kind, math.nan))) for policy, tree in policies.items()
+                 if not tree.weighs_costs}
+        edges = {}
+    tuned.update({policy: cost_ratio for policy, tree in policies.items() if tree.weighs_costs})
+    for row in (*dev, *test):
+        tree = policies[row["policy"]]
+        row.update(values=tree.values, budget=tree.budget, growth="costs" if tree.weighs_costs else "floor",
+                   draft_forwards_per_target_call=row["draft_forwards_per_token"] * row["tokens_per_target_call"])
+    for row in test:
+        row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
+    gains = []
+    for policy, threshold in tuned.items():
+        tree = policies[policy]
+        against = [(chain, chain_tuned[chain]) for chain in TREE_AGAINST if chain in chain_tuned]
+        twin = TreePolicy("confidence", tree.budget, tree.weighs_costs).name
+        if tree.values == "head" and twin in tuned:
+            against.append((twin, tuned[twin]))
+        mine = setting_speedups(records, Setting(policy, threshold), cost_ratio)
+        for other, other_threshold in against:
+            theirs = setting_speedups(records, Setting(other, other_threshold), cost_ratio)
+            if mine is None or theirs is None:
+                continue
+            gains.append({"policy": policy, "budget": tree.budget, "against": other, "against_threshold": other_threshold,
+                          "speedup_gain": mine[0] / theirs[0] - 1,
+                          "speedup_gain_ci": paired_gain_interval(records, Setting(policy, threshold),
+                                                                  Setting(other, other_threshold), cost_ratio,
+                                                                  resamples, seed),
+                          "tokens_per_target_call_gain": mine[1] / theirs[1] - 1})
+    return {"budgets": list(dict.fromkeys(budgets)), "width": TREE_WIDTH, "expand": TREE_EXPAND,
+            "floors": None if given is not None else list(TREE_FLOORS if floors is None else floors),
+            "cost_ratio": cost_ratio, "counting": TREE_COUNTING, "tuned_floors": tuned, "tuned_at_grid_edge": edges,
+            "policies": test, "dev_policies": dev, "gains": gains, "left_out": left_out or {}}

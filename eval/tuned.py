@@ -9,15 +9,15 @@ devices are allowed: they only draw fresh samples.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specheads.artifacts.report_file import EvaluatedHead, read_report
 from specheads.decoding.rules import STOP_POLICIES
-from specheads.errors import UsageError
-from specheads.eval.config import FIXED_POLICIES
+from specheads.eval.config import FIXED_POLICIES, FIXED_TREES
 from specheads.eval.reuse import companion_context, saved_runs
-from specheads.eval.sweep import FIXED_SETTINGS, Setting
-from specheads.report_file import EvaluatedHead, read_report
+from specheads.eval.sweep import FIXED_SETTINGS, Setting, tree_policy
+from specheads.plumbing.errors import UsageError
 
 MATCHED_CONTEXT = ("models", "sampling", "max_new_tokens", "max_draft", "accounting")
 
@@ -29,6 +29,7 @@ class EarlierTuning:
     report: str | None
     thresholds: dict[str, float]
     dev_prompts: int
+    tree_floors: dict[str, float] = field(default_factory=dict)  # tree policy (`tree_head_n8`) or kind -> its floor
 
     def settings(self) -> list[Setting]:
         """One setting per tuned policy, in the sweep's order."""
@@ -43,6 +44,8 @@ def given_tuning(thresholds: dict[str, float], learned: str, max_draft: int) -> 
     """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known),
     refused where they name a rule the evaluated head's eval does not run, or leave out `learned`, its own rule."""
     allowed = set(STOP_POLICIES) if learned == "head" else {"constant_k", "sprinter"}
+    trees = {policy: float(value) for policy, value in thresholds.items() if policy in FIXED_TREES}
+    thresholds = {policy: value for policy, value in thresholds.items() if policy not in FIXED_TREES}
     wrong = sorted(set(thresholds) - allowed)
     if wrong:
         raise UsageError(f"--fixed-thresholds names {', '.join(wrong)}, which the eval of this head does not decode; "
@@ -54,7 +57,7 @@ def given_tuning(thresholds: dict[str, float], learned: str, max_draft: int) -> 
                          "--fixed-thresholds, or leave it out")
     if thresholds.get("constant_k", 1) > max_draft:
         raise UsageError(f"--fixed-thresholds gives constant_k {thresholds['constant_k']:g}, above --max-draft {max_draft}")
-    return EarlierTuning(None, {policy: float(value) for policy, value in thresholds.items()}, 0)
+    return EarlierTuning(None, {policy: float(value) for policy, value in thresholds.items()}, 0, trees)
 
 
 def head_differences(earlier: dict[str, Any], head: dict[str, Any]) -> list[str]:
@@ -111,4 +114,7 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
                          "confirm them on prompts that report never tuned on")
     tuned = {policy: float(t) for policy, t in decoding["tuned_thresholds"].items()}
     fixed = {policy: value for policy, value in FIXED_SETTINGS.items() if policy not in tuned}  # added since that report
-    return EarlierTuning(folder, {**fixed, **tuned}, len(dev_ids))
+    trees = decoding.get("trees") or {}
+    floors = {policy: float(floor) for policy, floor in (trees.get("tuned_floors") or {}).items()
+              if (tree := tree_policy(policy)) is not None and not tree.weighs_costs}  # cost-grown trees: tuned nowhere
+    return EarlierTuning(folder, {**fixed, **tuned}, len(dev_ids), floors)

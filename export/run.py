@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from specheads import __version__
-from specheads.checkpoint import TrainedHead, load_trained
-from specheads.errors import UsageError
+from specheads.artifacts.checkpoint import TrainedHead, load_trained
+from specheads.artifacts.report_file import Report, read_report
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
-from specheads.files import check_output_folder, replace_folder, usual_permissions
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import (
     COST_RULE,
@@ -27,7 +26,8 @@ from specheads.heads.loading import (
     cost_rule_refusal,
     worst_calibrated,
 )
-from specheads.report_file import Report, read_report
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import check_output_folder, replace_folder, usual_permissions
 
 TRAINING_KEYS = ("head", "head_args", "extra_features", "candidate_embedding", "w_acc", "w_rej", "tau", "contexts",
                  "optimizer", "lr", "weight_decay", "warmup_ratio")
@@ -58,7 +58,7 @@ def default_rule(trained: TrainedHead, report: Report) -> tuple[DecisionRule, di
     rule = report.decision_rule
     if rule.rule != STOP_RULE:
         return rule, {"rule": rule.rule, "why": "a SPRINTER verifier's rule"}
-    max_draft = rule.max_draft or int(report.config.get("max_draft") or 8)
+    max_draft = int(report.config.get("max_draft") or rule.max_draft or 8)  # the positions eval measured calibration at
     refusal = cost_rule_refusal(trained.head, report.cumulative, max_draft)
     tuned = rule.threshold if rule.tuned else None
     if refusal:

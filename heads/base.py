@@ -20,8 +20,8 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
-from specheads.errors import UsageError
 from specheads.heads.calibration import PositionCalibration
+from specheads.plumbing.errors import UsageError
 
 STORED_SIGNALS = ("logq", "entropy", "top1")
 """The draft signals `specheads gen` stores per position (and the training-free baselines are built from)."""
@@ -87,7 +87,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
     standardised signals], the signals' columns in `extra_features` order. `state_dropout` drops
     dimensions of the standardised hidden state while training (a 576-wide state on tens of thousands of
     tokens overfits; the few signals are kept). `state_layer` says which draft state the head reads
-    (`specheads.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
+    (`specheads.model_outputs.states`: None is the last layer after the final norm, L the residual stream after L layers). Subclasses set
     `head_type`, `reads` and `purpose`, implement `score`, and end in a linear layer `out` to one logit.
     A stop head may carry a `calibration` (heads.calibration) of its acceptance per position of a round.
     """

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 METHOD = "sequential_affine_logit"
 

@@ -15,13 +15,14 @@ from typing import Any
 from safetensors import safe_open
 
 from specheads import __version__
-from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead, decision_timing
 from specheads.heads.registry import head_class
-from specheads.hub import hub_unreachable, reach_fix
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.hub import hub_unreachable, reach_fix
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 STOP_RULE = "stop_drafting_when_rejection_risk_above"
 COST_RULE = "draft_while_the_next_candidate_pays"
@@ -258,7 +259,7 @@ def flattened(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def draft_differences(trained_for: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """The parts of the `expected` draft identity (`specheads.models.draft_identity`: name, weights, state layer) that
+    """The parts of the `expected` draft identity (`specheads.pair.models.draft_identity`: name, weights, state layer) that
     the head's config.json records otherwise, each said with both values."""
     recorded = flattened(trained_for)
     return [f"{key} ({recorded.get(key)!r} here, {value!r} expected)"
@@ -271,7 +272,7 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
 
     The head carries `trained_for` (the draft, the sampling transform and the purpose its config.json records), which
     a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as export records it
-    (`specheads.models.draft_identity(spec, model, state_layer)`: name, weights, state layer), or its name alone. A
+    (`specheads.pair.models.draft_identity(spec, model, state_layer)`: name, weights, state layer), or its name alone. A
     head trained for another draft is refused naming the part that differs: two self-speculative drafts of different
     targets share a name but not their weights.
     """

@@ -5,10 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.linear import LinearVerifier
 from specheads.heads.resnet import ExpectedAcceptanceHead, OnTimeAcceptanceHead, ResNetAcceptanceHead
+from specheads.plumbing.errors import UsageError
 
 HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, OnTimeAcceptanceHead,
                                                                           ExpectedAcceptanceHead, LinearVerifier)}

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specheads.errors import UsageError
 from specheads.heads.base import AcceptanceHead, check_count
+from specheads.plumbing.errors import UsageError
 
 
 class ResNetAcceptanceHead(AcceptanceHead):

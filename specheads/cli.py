@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 from specheads import __version__
-from specheads.config_files import with_configs_resolved
-from specheads.errors import UsageError
-from specheads.noise import third_party_quiet
+from specheads.plumbing.config_files import with_configs_resolved
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.noise import third_party_quiet
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gen": ("specheads.data_gen.cli", "label token mixes from a draft/target pair into an Arrow dataset"),
@@ -49,7 +49,7 @@ def failure_line(error: BaseException) -> str:
     if isinstance(error, PermissionError):
         return f"permission denied: {error.filename or error}; choose a folder you can write to, or fix its permissions"
     if isinstance(error, pickle.UnpicklingError):  # torch's message advises loading the file unsafely: never shown
-        from specheads.checkpoint import unpickling_reason
+        from specheads.artifacts.checkpoint import unpickling_reason
 
         return (f"refused to load a file that pickles Python objects beyond tensors ({unpickling_reason(error)}), which "
                 "could run code when loaded; give a checkpoint that `specheads train` wrote")

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_args
 
 from specheads.cli import main
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
 
 
 def fails(capsys, args, *expected):
@@ -228,7 +228,7 @@ def test_response_ids_must_be_integers_not_booleans(capsys, tiny_model, prompts_
 
 
 def test_chat_messages_accept_content_parts_and_refuse_unknown_roles_and_nulls(capsys, tiny_model, tmp_path):
-    from specheads.prompts import load_prompts
+    from specheads.dataset.prompts import load_prompts
 
     good = tmp_path / "parts.jsonl"
     good.write_text(json.dumps({"id": "a", "messages": [

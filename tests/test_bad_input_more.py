@@ -16,9 +16,9 @@ from conftest import tiny_args
 
 import specheads.eval.run
 from specheads.cli import failure_line, main
-from specheads.errors import UsageError
-from specheads.shards import read_table, shard_path
-from specheads.store import MANIFEST
+from specheads.dataset.shards import read_table, shard_path
+from specheads.dataset.store import MANIFEST
+from specheads.plumbing.errors import UsageError
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 
@@ -282,7 +282,7 @@ def test_static_cache_responses_use_generates_current_cache_argument(tiny_model)
 
     from specheads.data_gen.plan import WorkItem
     from specheads.data_gen.responses import generate_responses
-    from specheads.sampling import SamplingTransform
+    from specheads.model_outputs.sampling import SamplingTransform
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)

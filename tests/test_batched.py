@@ -8,7 +8,7 @@ from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
 
 VOCAB = 24
 STOPS = [5, 9, 13]
@@ -217,7 +217,7 @@ def test_eval_serving_report_and_batched_sweep_agree_with_batch_1(trained, tmp_p
     for policy in ("dcut", "vllm_adaptive"):  # the goodput planner on free signals is decoded live beside SmartSpec
         assert {(r["batch_size"], r["costs"]) for r in serving["rows"] if r["policy"] == policy and r["decoded"] == "live"} \
             == {(b, v) for b in (1, 8) for v in serving["best"]}
-    assert serving["cost_curves"]["source"] == "measured on the CPU"
+    assert serving["cost_curves"]["measured"]["source"] == "measured on the CPU"
     assert all(row["tokens_per_s"] > 0 for row in serving["rows"])
     assert (tmp_path / "batched" / "serving.png").stat().st_size > 1000
     assert "At serving batch sizes" in (tmp_path / "batched" / "report.md").read_text()

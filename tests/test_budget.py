@@ -8,15 +8,15 @@ import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.data_gen.labels import label_positions
+from specheads.dataset.targets import token_targets
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds, served_throughput
 from specheads.decoding.online import Outcome
 from specheads.decoding.planners import BudgetPlanner, SmartSpecPlanner, goodput_verify_lengths
 from specheads.decoding.rules import Drafted
-from specheads.errors import UsageError
 from specheads.heads import ExpectedAcceptanceHead, OnTimeAcceptanceHead, build_head
-from specheads.sampling import SamplingTransform
-from specheads.targets import token_targets
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 
 def test_the_label_is_the_acceptance_of_a_draw_averaged_over_q():
@@ -190,7 +190,7 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     import json
     from pathlib import Path
 
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
     from specheads.cli import main
     from specheads.heads import load_head
 

@@ -9,7 +9,7 @@ from test_eval import tiny_lm
 
 from specheads.decoding.companion import equal_count_edges, profile
 from specheads.eval.companion import companion_signals
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
 
 
 def test_signals_are_the_agreement_and_the_companion_acceptance_of_the_drafted_token():
@@ -49,7 +49,7 @@ def test_a_companion_forward_costs_the_weights_it_runs_beyond_the_prefix_it_shar
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specheads.decoding.companion import forward_cost
-    from specheads.models import without_layers
+    from specheads.pair.models import without_layers
 
     config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
                          num_key_value_heads=1, tie_word_embeddings=False)
@@ -102,7 +102,7 @@ def test_the_companion_stop_rule_leaves_the_target_distribution_unchanged_and_ne
 
     from specheads.decoding import RoundEngine, make_policy
     from specheads.decoding.companion import Companion, profile
-    from specheads.errors import UsageError
+    from specheads.plumbing.errors import UsageError
 
     target, draft, companion = tiny_lm(seed=1), tiny_lm(seed=2), tiny_lm(seed=7)
     transform = SamplingTransform(1.0)

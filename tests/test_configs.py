@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from specheads.data_gen.cli import parse_config
-from specheads.prompts import load_prompts
+from specheads.dataset.prompts import load_prompts
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "gen").glob("*.yaml"))
 
@@ -59,8 +59,8 @@ def test_configs_are_found_by_name_among_the_packaged_ones(tmp_path, monkeypatch
     from importlib.resources import files
 
     from specheads.cli import main
-    from specheads.config_files import resolve_config, with_configs_resolved
-    from specheads.errors import UsageError
+    from specheads.plumbing.config_files import resolve_config, with_configs_resolved
+    from specheads.plumbing.errors import UsageError
 
     monkeypatch.chdir(tmp_path)  # no configs/ folder here: only the installed package data can answer
     packaged = Path(str(files("specheads.configs")))

@@ -15,9 +15,9 @@ from specheads.decoding.cost_rule import CostPlanner, verify_cost, verify_step, 
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.online import Outcome
 from specheads.decoding.rules import Drafted
-from specheads.errors import UsageError
 from specheads.heads import OnTimeAcceptanceHead, ResNetAcceptanceHead
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 CURVES = {"flat": None, "linear": CostCurve((1, 2), (1.0, 1.15)),
           "flat, then compute-bound (an accelerator)": CostCurve((1, 4, 8, 16), (1.0, 1.0, 1.4, 2.2))}
@@ -249,7 +249,7 @@ def test_generate_runs_the_cost_rule_a_head_carries_and_takes_the_callers_cost_r
 def test_a_head_folder_carrying_the_cost_rule_keeps_it_when_exported_again(tmp_path):
     """The rule is tuned nowhere, so `tuned` is false: re-exporting the folder must not take it for an untuned
     default and drop it."""
-    from specheads.checkpoint import load_trained
+    from specheads.artifacts.checkpoint import load_trained
     from specheads.heads.loading import COST_RULE, DecisionRule
 
     calibrated_on_time_head().save_pretrained(tmp_path)

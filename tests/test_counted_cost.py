@@ -8,7 +8,7 @@ from test_eval import tiny_lm
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, aggregate, as_oracle, eq_5_1_speedup, record_of
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
 
 VOCAB = 12
 PROMPTS = [[1, 2, 3], [4, 5], [7, 1, 1, 9], [2], [11, 3, 6], [8, 8]]

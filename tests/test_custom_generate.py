@@ -12,14 +12,14 @@ import torch
 from test_cost_rule import calibrated_on_time_head
 from test_integration_transformers import Collect, near_pair
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
 from specheads.cli import main
-from specheads.errors import UsageError
 from specheads.export.run import already_exported, custom_generate_files, head_config, write_folder
 from specheads.heads import load_head
 from specheads.heads.loading import COST_RULE, STOP_RULE, DecisionRule
 from specheads.integrations.transformers import speculative_generate
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 PROMPTS = ([5, 9, 1], [30, 2, 2, 7, 11])
 NEW = 20

@@ -13,9 +13,9 @@ import pytest
 from conftest import tiny_args
 
 from specheads.cli import main
-from specheads.errors import UsageError
-from specheads.shards import read_record, read_table, record_path, shard_path
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.shards import read_record, read_table, record_path, shard_path
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.plumbing.errors import UsageError
 
 
 @pytest.fixture()

@@ -37,7 +37,9 @@ def test_demo_gen_and_eval_configs_are_valid(size):
             assert evaluation.num_decode_prompts >= 40
             if head == "ontime":
                 assert {"confidence", "svip"} <= set(evaluation.fixed_thresholds)
-                assert evaluation.serving_batch_sizes == [8, 32] and evaluation.serving_batch_policies == ["budget"]
+                assert evaluation.serving_batch_sizes == [8, 32] and evaluation.serving_batch_policies == ["goodput"]
+                # the CPU's curves and an accelerator's side by side in the serving line
+                assert evaluation.serving_cost_sources == ["measured", "h100-llama3.1-8b-llama3.2-1b"]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -103,10 +105,18 @@ def test_the_headline_names_constant_k_confidence_and_the_strongest_field_rule_a
     rows = [{"policy": "budget", "batch_size": size, "costs": view, "vs_constant_k": gain, "vs_constant_k_ci": [gain - 0.05, gain + 0.05],
              "best_per_request": "confidence", "vs_best_per_request": gain - 0.1, "vs_best_per_request_ci": None}
             for size, gain in ((1, -0.1), (32, 0.2))]
-    rows.append({**rows[1], "costs": "measured", "vs_constant_k": 9.0})  # another view: not in the line
+    rows.append({**rows[1], "costs": "measured", "vs_constant_k": 9.0})  # the unscaled CPU view: not in the line
+    accelerator = "roofline h100-llama3.1-8b-llama3.2-1b (modelled)"  # an accelerator view: beside the CPU's
+    rows.append({**rows[1], "costs": accelerator, "vs_constant_k": 0.3, "vs_constant_k_ci": None,
+                 "best_per_request": None})
     figures = {"serving": serving_summary({"rows": rows, "left_out": {}}, 0.2)}
-    assert serving_line(figures) == (f"serving ({view}): verify budget vs constant K B = 1 -10.0 % [-15.0, -5.0 %] "
-                                     "(vs confidence -20.0 %); B = 32 +20.0 % [+15.0, +25.0 %] (vs confidence +10.0 %)")
+    assert serving_line(figures) == (f"serving, verify budget vs constant K — {view}: B = 1 -10.0 % [-15.0, -5.0 %] "
+                                     "(vs confidence -20.0 %); B = 32 +20.0 % [+15.0, +25.0 %] (vs confidence +10.0 %) | "
+                                     f"{accelerator}: B = 32 +30.0 %")
+    # the goodput planner fed the head is the one shown where it was decoded
+    goodput = [{**row, "policy": "goodput"} for row in rows]
+    line = serving_line({"serving": serving_summary({"rows": rows + goodput, "left_out": {}}, 0.2)})
+    assert line.startswith("serving, verify budget (goodput planner, the head) vs constant K")
     assert serving_line({}) is None
 
 
@@ -194,7 +204,7 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     # the headline names constant K, confidence and the strongest field rule; the serving line the verify budget
     line = next(text for text in printed.splitlines() if "modelled speedup" in text and "at h =" in text)
     assert "vs best constant K" in line and "vs confidence" in line and "strongest field rule" in line
-    assert "verify budget vs constant K B = 2" in printed
+    assert "verify budget (goodput planner, the head) vs constant K — draft at 0.2 × target: B = 2" in printed
     sprinter_runs = json.loads((out / "eval" / "sprinter" / "runs.json").read_text())["runs"]
     assert all(r["reused"] for r in sprinter_runs if r["policy"] == "constant_k")  # taken from the on-time head's eval
     stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}

@@ -14,7 +14,7 @@ EXTRAS = {"vllm": "vllm"}  # imported only when asked for (module -> the extra o
 def test_every_third_party_import_is_declared_and_every_declared_package_is_used():
     imported = set()
     for folder in ("data_gen", "heads", "train", "eval", "export", "demo", "specheads"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     imported |= {alias.name.split(".")[0] for alias in node.names}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specheads.cli import main
-from specheads.embedded import embedded_folder
-from specheads.models import ModelSpec, load_pair, load_tokenizers
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.pair.embedded import embedded_folder
+from specheads.pair.models import ModelSpec, load_pair, load_tokenizers
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +52,10 @@ def test_gen_on_the_embedded_pair(tmp_path):
 def test_a_greedy_tree_on_the_embedded_pair_decodes_the_targets_greedy_tokens():
     """The 4D tree mask through SmolLM2's attention: a tree of 8 nodes, 2 children a node, decodes exactly the
     target's argmax chain, and some rounds accept several tokens."""
+    from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine
-    from specheads.decoding.tree import TreeRule
-    from specheads.prompts import encode_prompt, load_prompts
-    from specheads.sampling import SamplingTransform
+    from specheads.decoding.tree import TreeRule, decode_tree
+    from specheads.model_outputs.sampling import SamplingTransform
 
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
     prompt = encode_prompt(pair.tokenizer, load_prompts("benchmarks/prompts/heldout_confirm.jsonl")[1])
@@ -63,6 +63,6 @@ def test_a_greedy_tree_on_the_embedded_pair_decodes_the_targets_greedy_tokens():
         expected = pair.target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                         max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
     engine = RoundEngine(pair.target, pair.draft, SamplingTransform(0.0), stop_ids=[])
-    result = engine.decode_tree([prompt], TreeRule("confidence", floor=0.0, budget=8, width=2), 16, [0])[0]
+    result = decode_tree(engine, [prompt], TreeRule("confidence", floor=0.0, budget=8, width=2), 16, [0])[0]
     assert result.tokens == expected
     assert max(result.accepted_per_round) > 1 and result.target_calls < 16

@@ -13,12 +13,15 @@ from scipy.stats import chisquare
 from sklearn.metrics import brier_score_loss, roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
+from specheads.artifacts.metrics import binary_kl, brier, expected_calibration_error, soft_auc
+from specheads.artifacts.report_file import Report, read_report
 from specheads.cli import main
+from specheads.dataset.prompts import prompt_digest
+from specheads.dataset.store import load_labelled
 from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.decoding.rules import BASELINES, ONLINE_POLICIES
 from specheads.demo.summary import decoding_line
-from specheads.errors import UsageError
 from specheads.eval.offline import TokenTable, bootstrap_indices, offline_metrics, sprinter_distance, sprinter_operating_points
 from specheads.eval.plots import pareto_frontier
 from specheads.eval.report import decoding_verdict, grid_edge_lines, measured_costs_note
@@ -34,11 +37,8 @@ from specheads.eval.sweep import (
     paired_gain_interval,
 )
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
-from specheads.metrics import binary_kl, brier, expected_calibration_error, soft_auc
-from specheads.prompts import prompt_digest
-from specheads.report_file import Report, read_report
-from specheads.sampling import SamplingTransform
-from specheads.store import load_labelled
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 VOCAB, LENGTH, PROMPT = 3, 3, [0, 1]
 

@@ -8,10 +8,10 @@ import huggingface_hub
 import pytest
 import torch
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
 from specheads.cli import main
-from specheads.errors import UsageError
 from specheads.heads import load_head
+from specheads.plumbing.errors import UsageError
 
 SECRET = "hf_SECRETtoken0123456789"
 

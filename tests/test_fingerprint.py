@@ -5,8 +5,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-import specheads.digests as digests
-from specheads.models import ModelSpec, weights_identity
+import specheads.pair.digests as digests
+from specheads.pair.models import ModelSpec, weights_identity
 
 
 class Weighted(torch.nn.Module):

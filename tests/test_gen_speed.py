@@ -20,9 +20,9 @@ from specheads.data_gen.labels import LABELLER, label_batch
 from specheads.data_gen.onepass import OnePass
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.run import fingerprint_of
-from specheads.models import ModelSpec, load_pair, stop_token_ids, without_layers
-from specheads.sampling import SamplingTransform
-from specheads.store import MANIFEST, load_labelled, read_manifest
+from specheads.dataset.store import MANIFEST, load_labelled, read_manifest
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import ModelSpec, load_pair, stop_token_ids, without_layers
 
 CPU = torch.device("cpu")
 TRANSFORMS = {"plain": SamplingTransform(1.0, 0, 1.0), "warped": SamplingTransform(0.8, 20, 0.9),

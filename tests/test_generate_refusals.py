@@ -10,11 +10,11 @@ from test_integration_transformers import Collect, head_for, quiet_pair
 from transformers import LlamaForCausalLM
 
 from specheads.decoding import RoundEngine, make_policy
-from specheads.errors import UsageError
 from specheads.heads import OnTimeAcceptanceHead
 from specheads.integrations.transformers import speculative_generate
-from specheads.models import ModelSpec, draft_identity, weights_identity, without_layers
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import ModelSpec, draft_identity, weights_identity, without_layers
+from specheads.plumbing.errors import UsageError
 
 
 @pytest.fixture(scope="module")

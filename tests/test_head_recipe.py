@@ -11,10 +11,10 @@ import torch
 from conftest import tiny_args
 
 from specheads.cli import main
-from specheads.data import AcceptanceDataModule
-from specheads.errors import UsageError
-from specheads.store import load_labelled
-from specheads.targets import stale_target_states
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.dataset.store import load_labelled
+from specheads.dataset.targets import stale_target_states
+from specheads.plumbing.errors import UsageError
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"

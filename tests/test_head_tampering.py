@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specheads.cli import main
-from specheads.errors import UsageError
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead, load_head
 from specheads.heads.loading import HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, VERIFY_RULE, DecisionRule
+from specheads.plumbing.errors import UsageError
 
 
 def head_folder(folder: Path, head: torch.nn.Module, rule: DecisionRule) -> Path:

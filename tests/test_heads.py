@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.errors import UsageError
 from specheads.heads import HEADS, SIGNALS, LinearVerifier, ResNetAcceptanceHead, build_head, head_class, with_derived_signals
+from specheads.plumbing.errors import UsageError
 
 H = 16
 

@@ -8,11 +8,11 @@ from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from specheads.errors import UsageError
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead
 from specheads.heads.loading import DecisionRule
 from specheads.integrations.transformers import speculative_generate
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 
 def quiet_pair() -> tuple:

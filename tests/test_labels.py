@@ -9,8 +9,8 @@ from conftest import tiny_args
 from test_sampling import brute_force_probs
 
 from specheads.cli import main
-from specheads.models import ModelSpec, load_model
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.pair.models import ModelSpec, load_model
 
 TRANSFORMS = {"plain": (1.0, 0, 1.0), "warped": (0.8, 20, 0.9), "greedy": (0.0, 0, 1.0)}
 

@@ -10,9 +10,9 @@ from test_integration_transformers import head_for, sampled_through_generate
 from transformers import AutoConfig, AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from specheads.decoding import BatchCache
-from specheads.errors import UsageError
-from specheads.sampling import SamplingTransform
-from specheads.signals import output_logits
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.signals import output_logits
+from specheads.plumbing.errors import UsageError
 
 SMALL = dict(vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, max_position_embeddings=64)
@@ -92,7 +92,7 @@ def test_every_family_the_rules_name_is_a_model_type_transformers_knows():
     """A misspelt key would leave its family on the default rule (its p and q silently wrong)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from specheads.signals import HEADED_FAMILIES, LOGIT_RULES
+    from specheads.model_outputs.signals import HEADED_FAMILIES, LOGIT_RULES
 
     assert set(LOGIT_RULES) | HEADED_FAMILIES <= set(CONFIG_MAPPING_NAMES)
 
@@ -102,7 +102,7 @@ def test_a_family_that_trims_padded_vocabulary_rows_decodes_through_the_engine()
     """inkling drops its padded rows: q and p are 9 tokens wide although the LM head has 11 rows, so the engine takes
     the width output_logits gives, and a run with rejections (draft and target disagree) completes exactly."""
     from specheads.decoding import RoundEngine, make_policy
-    from specheads.signals import output_width
+    from specheads.model_outputs.signals import output_width
 
     target, draft = tiny("inkling_text", seed=1), tiny("inkling_text", seed=2)
     assert output_width(target) == 9 and target.get_output_embeddings().weight.shape[0] == 11

@@ -10,7 +10,7 @@ from sklearn.metrics import roc_curve
 from specheads.decoding import make_policy
 from specheads.decoding.online import Outcome, TransformersConfidence, TransformersHeuristic, VllmEstimator, drawn_logit
 from specheads.decoding.rules import Drafted
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 
 def drafted(index: int, prob: float) -> Drafted:
@@ -214,3 +214,79 @@ def test_adaedl_never_reads_an_outcome_from_the_future():
     changed[150:] = 1 - changed[150:]
     assert np.array_equal(adaedl_scores(entropy, changed, row, seed=0)[:151], scores[:151])
     assert scores[100] == pytest.approx(1 - math.sqrt(0.2 * entropy[100]))  # a new response starts again at δ = 0
+
+
+def test_sglangs_adaptive_k_follows_its_ema_of_accepted_lengths_as_computed_by_hand():
+    """SGLang PR #21599's update: K starts at the candidate nearest the configured steps (ties: the larger) and the EMA
+    at K − 1; each verify step folds in the batch's mean accepted length with weight 0.2; the first 10 steps only warm
+    the EMA up, then every 5th step K moves down while ema ≤ lower − 0.75, else up while ema > K − 0.5. The state is the
+    server's: a new request keeps it."""
+    from specheads.decoding.online import SglangAdaptive
+
+    assert [SglangAdaptive(start).k for start in (1, 2, 3, 4, 5, 6, 9)] == [1, 3, 3, 3, 7, 7, 7]
+    planner = make_policy("sglang_adaptive", 3, max_draft=8).planner(None)
+    assert isinstance(planner, SglangAdaptive) and (planner.k, planner.ema) == (3, 2.0)
+    rejected, accepted = Outcome(1, 0.5, False), Outcome(1, 0.5, True)
+    ema = 2.0
+    for step in range(1, 16):  # every row rejects its first candidate: mean accepted length 0
+        planner.observe({0: [rejected], 1: [rejected], 2: []})  # a row that drafted nothing is not counted
+        ema *= 0.8
+        assert planner.ema == pytest.approx(ema) and planner.steps == step
+        assert planner.round_cap(3, 8) == (3 if step < 15 else 1)  # 2 · 0.8^15 = 0.070 ≤ 1 − 0.5 − 0.25 at step 15
+    assert planner.ema == pytest.approx(2 * 0.8**15)
+    planner.observe({0: []})  # no row drafted: no verify step
+    assert planner.steps == 15
+    planner.admit(0)  # a new request: SGLang's state is the server's, not the request's
+    assert planner.k == 1
+    for _ in range(5):  # rows [accepted, accepted + rejected]: lengths 1 and 1
+        planner.observe({0: [accepted], 1: [accepted, Outcome(2, 0.5, False)]})
+        ema = 0.8 * ema + 0.2 * 1.0
+    assert planner.ema == pytest.approx(1 - (1 - 2 * 0.8**15) * 0.8**5)  # 0.695 > 1 − 0.5: up to 3, not past 3 − 0.5
+    assert planner.k == 3 and planner.round_cap(4, 2) == 2  # a row never drafts past its cap
+    planner.k, planner.ema = 1, 2.6  # one recomputation may move several candidates: 2.6 > 0.5 and > 2.5
+    assert planner.next_k() == 7
+    planner.k, planner.ema = 7, 0.2  # 0.2 ≤ 3 − 0.75 and ≤ 1 − 0.75
+    assert planner.next_k() == 1
+    planner.k, planner.ema = 7, 2.25  # at the bound: down to 3, and 2.25 ≤ 2.5 keeps it from rising back
+    assert planner.next_k() == 3
+    with pytest.raises(UsageError, match="number of draft steps must be a whole number"):
+        make_policy("sglang_adaptive", 2.5)
+
+
+def test_sglangs_adaptive_k_samples_the_target_distribution_while_k_moves():
+    """500 requests served 10 rows at a time: SGLang's rule at its defaults, and a configuration whose K moves between
+    1 and 2 after every round (warm-up 0, EMA weight 1, a high bar to keep K = 2), leave every request's output the
+    target's distribution: K is read from earlier rounds only."""
+    from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
+
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.costs import RoundRecord
+    from specheads.decoding.online import SglangAdaptive
+    from specheads.model_outputs.sampling import SamplingTransform
+
+    target, draft = tiny_lm(seed=1), tiny_lm(seed=2)
+    transform = SamplingTransform(1.0)
+    exact = sequence_probabilities(target, transform)
+    engine = RoundEngine(target, draft, transform, stop_ids=[])
+    runs = 500
+    moving = SglangAdaptive(2, candidates=(1, 2), alpha=1.0, update_interval=1, warmup=0, down_hysteresis=1.5)
+    for name, planner in (("defaults", None), ("moving", moving)):
+        log: list[RoundRecord] = []
+        results = engine.decode([PROMPT] * runs, make_policy("sglang_adaptive", 3, max_draft=3), LENGTH,
+                                list(range(runs)), None, batch_size=10, log=log, planner=planner)
+        assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3, name
+        if name == "moving":  # rounds of one candidate per row and rounds of two, chosen by the outcomes before them
+            assert {max(r.drafted) for r in log if len(r.drafted) == 10} == {1, 2}
+
+
+def test_every_rule_is_registered_for_a_process_that_imports_only_the_rules_module():
+    """The rules of the modules above `rules.py` register themselves there; importing `specheads.decoding.rules`
+    imports the package first, which imports them all, so no named rule is missing from `RULES`."""
+    import subprocess
+    import sys
+
+    code = ("from specheads.decoding.rules import BASELINES, BATCH_POLICIES, ONLINE_POLICIES, RULES, STOP_POLICIES\n"
+            "named = {*BASELINES, *BATCH_POLICIES, *ONLINE_POLICIES, *STOP_POLICIES, 'sprinter'}\n"
+            "print(sorted(named - set(RULES)), sorted(set(RULES) - named))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[] []", done.stdout + done.stderr

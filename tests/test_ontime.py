@@ -8,16 +8,16 @@ import pytest
 import torch
 from test_eval import PROMPT, tiny_pair  # noqa: F401  (a fixture)
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
+from specheads.artifacts.metrics import expected_calibration_error, soft_auc
 from specheads.cli import main
+from specheads.dataset.targets import head_inputs
 from specheads.decoding import RoundEngine, make_policy
-from specheads.errors import UsageError
 from specheads.heads import OnTimeAcceptanceHead, PositionCalibration, ResNetAcceptanceHead, load_head
 from specheads.heads.calibration import cumulative_products, round_windows, window_starts
 from specheads.heads.loading import COST_RULE, STOP_RULE, cost_rule_refusal
-from specheads.metrics import expected_calibration_error, soft_auc
-from specheads.sampling import SamplingTransform
-from specheads.targets import head_inputs
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import weighted_bce
 

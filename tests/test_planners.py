@@ -25,9 +25,9 @@ from specheads.decoding.planners import (
     threshold_verify_lengths,
 )
 from specheads.decoding.rules import BATCH_POLICIES, RULES, Drafted
-from specheads.errors import UsageError
 from specheads.heads import ExpectedAcceptanceHead, OnTimeAcceptanceHead
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 CPU = ServingCosts(CostCurve((1, 2), (0.2, 0.4)), CostCurve((1, 2), (1.0, 2.0)))
 """A forward's time proportional to its tokens: checking a candidate costs what decoding a token does."""

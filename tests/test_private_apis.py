@@ -1,4 +1,4 @@
-"""specheads.private_apis leans on one private name each of Lightning and transformers: fail loudly when one moves."""
+"""specheads.plumbing.private_apis leans on one private name each of Lightning and transformers: fail loudly when one moves."""
 
 import csv
 import inspect
@@ -7,12 +7,12 @@ import transformers.generation.utils as generation_utils
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter
 from transformers import CompileConfig
 
-from specheads.private_apis import HistoryWriter, compile_on_every_device
+from specheads.plumbing.private_apis import HistoryWriter, compile_on_every_device
 
 
 def test_lightning_still_checks_the_log_folder_in_the_private_hook_history_writer_overrides():
     assert "_check_log_dir_exists" in inspect.getsource(_ExperimentWriter.__init__), (
-        "Lightning's CSV ExperimentWriter no longer calls _check_log_dir_exists: specheads.private_apis.HistoryWriter "
+        "Lightning's CSV ExperimentWriter no longer calls _check_log_dir_exists: specheads.plumbing.private_apis.HistoryWriter "
         "must find the new place where it deletes an existing metrics.csv")
 
 
@@ -31,5 +31,5 @@ def test_transformers_still_reads_the_compile_switch_for_other_devices():
     assert hasattr(CompileConfig(), "_compile_all_devices"), "transformers' CompileConfig lost _compile_all_devices"
     assert "_compile_all_devices" in inspect.getsource(generation_utils), (
         "transformers' generate no longer reads CompileConfig._compile_all_devices: "
-        "specheads.private_apis.compile_on_every_device must find its new switch")
+        "specheads.plumbing.private_apis.compile_on_every_device must find its new switch")
     assert compile_on_every_device(CompileConfig(), True)._compile_all_devices is True

@@ -32,23 +32,32 @@ def test_profile_measures_the_tiny_pair_and_its_table_prices_eval_serving(traine
     out = tmp_path / "report"
     assert main([*common, "--out", str(out), "--serving-costs", str(costs)]) == 0
     serving = json.loads((out / "metrics.json").read_text())["decoding"]["serving"]
-    priced = serving["cost_curves"]
+    priced = serving["cost_curves"]["measured"]
     assert (priced["draft"], priced["target"], priced["modelled"]) == (table["draft"], table["target"], False)
     assert priced["source"].startswith("measured by specheads profile (CPU") and str(costs) in priced["source"]
     assert set(serving["best"]) == {"measured", "draft at 0.2 × target"}
     smartspec = {(r["batch_size"], r["costs"]): r for r in serving["rows"] if r["policy"] == "smartspec"}
     assert set(smartspec) == {(b, v) for b in (1, 3) for v in serving["best"]}
     assert all(r["tokens_per_s"] > 0 for r in serving["rows"])
-    assert "forward costs measured by specheads profile" in (out / "report.md").read_text()
+    assert "Forward costs: measured: measured by specheads profile" in (out / "report.md").read_text()
 
-    modelled = tmp_path / "modelled"  # a preset's name reads as its table, and the report says it is modelled
-    assert main([*common, "--out", str(modelled), "--serving-costs", "h100-llama3.1-8b-llama3.2-1b"]) == 0
+    # views side by side: the curves measured here (and with the draft at c × target) and a preset, modelled per B
+    modelled = tmp_path / "modelled"
+    view = "roofline h100-llama3.1-8b-llama3.2-1b (modelled)"
+    assert main([*common, "--out", str(modelled), "--serving-costs", "[measured, h100-llama3.1-8b-llama3.2-1b]"]) == 0
     serving = json.loads((modelled / "metrics.json").read_text())["decoding"]["serving"]
-    assert serving["cost_curves"]["modelled"] is True
-    assert set(serving["best"]) == {"roofline (modelled)", "draft at 0.2 × target"}
+    assert serving["cost_curves"][view]["modelled"] is True and serving["cost_curves"][view]["per_batch_size"] is True
+    assert serving["cost_curves"]["measured"]["source"] == "measured on the CPU"
+    assert set(serving["best"]) == {"measured", "draft at 0.2 × target", view}
+    live = {(r["policy"], r["batch_size"], r["costs"]): r for r in serving["rows"] if r["decoded"] == "live"}
+    assert {key[1:] for key in live if key[0] == "dcut"} == {(b, v) for b in (1, 3) for v in serving["best"]}
+    # each live planner is compared with the others decoded live at its B and view, with a paired interval
+    assert set(live[("dcut", 3, view)]["vs_live"]) == {"smartspec", "vllm_adaptive"}
+    dcut, smartspec = live[("dcut", 3, view)], live[("smartspec", 3, view)]
+    assert dcut["vs_live"]["smartspec"]["change"] == pytest.approx(dcut["tokens_per_s"] / smartspec["tokens_per_s"] - 1)
     report = (modelled / "report.md").read_text()
-    assert "forward costs modelled by the roofline preset h100-llama3.1-8b-llama3.2-1b" in report
-    assert "Costs: roofline (modelled)" in report
+    assert f"{view}: modelled by the roofline preset h100-llama3.1-8b-llama3.2-1b" in report
+    assert f"Costs: {view}" in report
 
 
 # Llama-3.1-8B on one H100 SXM in bf16, context 1024, worked by hand from the numbers docs/decoding-core.md gives:
@@ -73,7 +82,8 @@ def test_a_roofline_preset_matches_the_hand_computation_and_reads_as_modelled(tm
     assert (table["source"], table["modelled"], table["context"], table["device"]) == \
         ("roofline", True, 1024, "NVIDIA H100 SXM 80GB (HBM3)")
     read = read_cost_table(str(per_token))
-    assert read.modelled and read.view == "roofline (modelled)" and read.describe().startswith("modelled by the roofline")
+    assert read.modelled and read.view == "roofline h100-llama3.1-8b-llama3.2-1b (modelled)"
+    assert read.describe().startswith("modelled by the roofline")
     assert read.costs.target(1) == pytest.approx(TARGET_AT_1, rel=1e-9) and TARGET_AT_1 == pytest.approx(5.154e-3, abs=1e-6)
     assert read.costs.target(128) == pytest.approx(TARGET_AT_128, rel=1e-9)
     # a batch of 32 requests: 32 .. 128 tokens read the same 32 caches and the forward is still memory-bound
@@ -81,6 +91,11 @@ def test_a_roofline_preset_matches_the_hand_computation_and_reads_as_modelled(tm
     assert shared.target(32) == pytest.approx(TARGET_AT_32_ROWS, rel=1e-9) == shared.target(128)
     one_row = read_cost_table(str(preset_table(tmp_path, "--batch-size", "1"))).costs
     assert one_row.target(512) == pytest.approx(TARGET_AT_512_ONE_ROW, rel=1e-9)  # one request's 512 tokens
+    # the preset named in eval is modelled at each serving batch size: B = 32 prices as the --batch-size 32 table
+    by_name = read_cost_table("h100-llama3.1-8b-llama3.2-1b")
+    assert by_name.at_batch_size(32).target(128) == pytest.approx(TARGET_AT_32_ROWS, rel=1e-9)
+    assert by_name.at_batch_size(1).target(512) == pytest.approx(TARGET_AT_512_ONE_ROW, rel=1e-9)
+    assert read.at_batch_size(32) == read.costs  # a file's curves are priced as written at every B
 
 
 def test_the_70b_preset_over_four_gpus_matches_the_hand_computation():

@@ -18,10 +18,10 @@ from specheads.data_gen.cli import parse_config
 from specheads.data_gen.config import GenerationOptions
 from specheads.data_gen.engines import BuiltinEngine, kv_bytes_per_token, rows_that_fit
 from specheads.data_gen.plan import WorkItem, row_seed
-from specheads.errors import UsageError
-from specheads.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
+from specheads.plumbing.errors import UsageError
 
 TRANSFORMS = {"plain": SamplingTransform(1.0, 0, 1.0), "warped": SamplingTransform(0.8, 20, 0.9),
               "greedy": SamplingTransform(0.0, 0, 1.0)}

@@ -12,16 +12,16 @@ from test_split_target import CPU, SPLIT_MAP
 
 from specheads.cli import main
 from specheads.decoding import RoundEngine, make_policy
-from specheads.errors import UsageError
 from specheads.eval import plots
 from specheads.eval.report import rival_lines, serving_lines
 from specheads.eval.reuse import ACCOUNTING, load_reusable
 from specheads.eval.run import place, tune_on_dev
 from specheads.eval.serving import NOT_SERVED, CostCurve, request_rounds, serve
 from specheads.eval.sweep import RunRecord
-from specheads.lock import folder_lock
-from specheads.models import ModelSpec, load_pair
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import ModelSpec, load_pair
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.lock import folder_lock
 
 
 def test_decoding_keeps_a_split_targets_placement_and_its_tokens(tiny_model):

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import tiny_args
 
-import specheads.shards as shards
+import specheads.dataset.shards as shards
 from specheads.cli import main
-from specheads.digests import cached_sha256
-from specheads.embedded import cache_root
-from specheads.errors import UsageError
-from specheads.lock import lock_files
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.pair.digests import cached_sha256
+from specheads.pair.embedded import cache_root
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.lock import lock_files
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "gen"
 
@@ -130,7 +130,7 @@ def test_the_facts_cache_writes_each_fact_once(tmp_path, monkeypatch):
     per_fact = (written_bytes() - start) / len(files)
     assert per_fact < 2_000, f"{per_fact:.0f} bytes written per fact: the cache is rewritten whole for each one"
     # a fresh process finds every fact without hashing again
-    script = ("import sys; from pathlib import Path; import specheads.digests as d\n"
+    script = ("import sys; from pathlib import Path; import specheads.pair.digests as d\n"
               "d.file_sha256 = lambda path: sys.exit(f'hashed {path}')\n"
               "print(' '.join(d.cached_sha256(Path(p)) for p in sys.argv[1:]))")
     fresh = subprocess.run([sys.executable, "-c", script, *map(str, files)], capture_output=True, text=True,

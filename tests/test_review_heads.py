@@ -7,14 +7,14 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
 from specheads.cli import main
 from specheads.demo.run import MARKER, prepare_folder
-from specheads.errors import UsageError
-from specheads.files import replace_folder
 from specheads.heads import load_head
 from specheads.heads.calibration import PositionCalibration
-from specheads.models import ModelSpec, draft_identity, load_pair
+from specheads.pair.models import ModelSpec, draft_identity, load_pair
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import replace_folder
 
 
 @pytest.fixture(scope="module")

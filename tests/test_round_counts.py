@@ -9,7 +9,7 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.online import PassivePlanner
 from specheads.decoding.rules import Drafted
 from specheads.eval.sweep import Setting, as_oracle, record_of
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
 
 GREEDY_PROMPT = [1, 2, 3]  # no 0: generate's pad_token_id=0 would mask it out of the reference run
 

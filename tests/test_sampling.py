@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specheads.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 
 
 def brute_force_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -44,7 +44,7 @@ def test_transform_matches_brute_force(temperature, top_k, top_p):
 
 
 def test_bad_transform_values_are_refused():
-    from specheads.errors import UsageError
+    from specheads.plumbing.errors import UsageError
 
     for kwargs in ({"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(UsageError):

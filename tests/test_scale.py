@@ -9,8 +9,8 @@ import time
 import numpy as np
 from conftest import tiny_args
 
-from specheads.shards import shard_path
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.shards import shard_path
+from specheads.dataset.store import load_labelled, read_manifest
 
 COLUMNS = ("prompt_ids", "target_ids", "draft_ids", "mixed_ids", "is_draft", "logp", "logq", "accept", "beta",
            "entropy", "top1", "features")

@@ -21,10 +21,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from specheads.decoding import BatchCache, PromptCache, RoundEngine, make_policy
 from specheads.decoding.companion import BinTable, Companion
-from specheads.decoding.tree import TreeRule
+from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import OnTimeAcceptanceHead
-from specheads.sampling import SamplingTransform
-from specheads.states import returned_cache
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.states import returned_cache
 
 VOCAB = 12
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2, 2]]
@@ -155,7 +155,7 @@ def decodes(target, draft, companion) -> dict[str, list[list[int]]]:
         "stored again": stored.decode(PROMPTS, constant, 10, seeds, batch_size=2),
         "head": engine.decode(PROMPTS, make_policy("head", 0.5, 4), 10, seeds, head()),
         "companion": engine.decode(PROMPTS, make_policy("sv_companion", 0.5, 4), 10, seeds),
-        "tree": engine.decode_tree(PROMPTS[:2], TreeRule("confidence", floor=0.05, budget=6, width=2), 8, seeds[:2]),
+        "tree": decode_tree(engine, PROMPTS[:2], TreeRule("confidence", floor=0.05, budget=6, width=2), 8, seeds[:2]),
     }
     return {name: [r.tokens for r in results] for name, results in runs.items()}
 

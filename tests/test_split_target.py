@@ -14,10 +14,10 @@ from conftest import run_cli, tiny_args
 from specheads.cli import main
 from specheads.data_gen.cli import parse_config
 from specheads.data_gen.placement import check_visible_gpus, trainer_devices
-from specheads.errors import UsageError
-from specheads.models import ModelSpec, load_model, load_pair
-from specheads.placement import RankDevices, check_no_spill, load_kwargs, rank_devices
-from specheads.store import load_labelled, read_manifest
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.pair.models import ModelSpec, load_model, load_pair
+from specheads.pair.placement import RankDevices, check_no_spill, load_kwargs, rank_devices
+from specheads.plumbing.errors import UsageError
 
 CPU = RankDevices(torch.device("cpu"), ())
 SPLIT_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "cpu",

@@ -8,15 +8,15 @@ import torch
 from conftest import tiny_args
 from test_train import fit_args
 
-from specheads.checkpoint import load_trained
+from specheads.artifacts.checkpoint import load_trained
 from specheads.cli import main
-from specheads.data import AcceptanceDataModule
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.dataset.store import load_labelled, read_manifest
 from specheads.decoding import BatchCache
-from specheads.errors import UsageError
 from specheads.eval.run import check_data
-from specheads.models import ModelSpec, load_model
-from specheads.states import check_state_layer, decoder_forward
-from specheads.store import load_labelled, read_manifest
+from specheads.model_outputs.states import check_state_layer, decoder_forward
+from specheads.pair.models import ModelSpec, load_model
+from specheads.plumbing.errors import UsageError
 from specheads.train.draft import load_draft
 
 LAYER = 2  # the tiny draft (target minus layer 2) has 3 decoder layers
@@ -82,7 +82,7 @@ def test_training_online_and_eval_follow_the_state_layer(inner, tmp_path, capsys
     online = AcceptanceDataModule(str(data), mode="online", val_fraction=0.3, batch_size=4)
     stored = AcceptanceDataModule(str(data), mode="offline", val_fraction=0.3, batch_size=4)
     online.setup("fit"), stored.setup("fit")
-    from specheads.targets import draft_features
+    from specheads.dataset.targets import draft_features
 
     draft = load_draft(online.manifest)
     online_batch, offline_batch = next(iter(online.val_dataloader())), next(iter(stored.val_dataloader()))

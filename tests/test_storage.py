@@ -14,11 +14,11 @@ import torch
 from conftest import tiny_args
 
 from specheads.cli import main
-from specheads.data import AcceptanceDataModule
-from specheads.errors import UsageError
-from specheads.storage import kept_rows, serves
-from specheads.store import load_labelled, read_manifest
-from specheads.targets import CANDIDATE_STATE, CONTEXT_STATE, STOP, VERIFY, head_inputs, head_states, token_targets
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.dataset.storage import kept_rows, serves
+from specheads.dataset.store import load_labelled, read_manifest
+from specheads.dataset.targets import CANDIDATE_STATE, CONTEXT_STATE, STOP, VERIFY, head_inputs, head_states, token_targets
+from specheads.plumbing.errors import UsageError
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 LABEL_COLUMNS = ("prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",

@@ -1,6 +1,6 @@
 """Counts and rates in user-facing sentences."""
 
-from specheads.text import count, rate
+from specheads.plumbing.text import count, rate
 
 
 def test_a_count_takes_its_noun_in_the_right_number():

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import run_cli, tiny_args
 
+from specheads.artifacts.metrics import binary_kl, soft_auc
 from specheads.cli import main
-from specheads.data import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
+from specheads.dataset.datamodule import AcceptanceDataModule, RankBatchSampler, RowDataset, collate_rows, is_validation_prompt
+from specheads.dataset.targets import token_targets
 from specheads.heads import SIGNALS
-from specheads.metrics import binary_kl, soft_auc
-from specheads.targets import token_targets
 from specheads.train.loss import weighted_bce
 from specheads.train.module import AcceptanceModule
 
@@ -179,7 +179,7 @@ def test_a_batch_read_in_one_take_equals_the_stored_rows(labelled):
     """RowDataset reads a batch with one Arrow take: every row keeps its own columns and float16 states."""
     from torch.utils.data import DataLoader
 
-    from specheads.store import load_labelled
+    from specheads.dataset.store import load_labelled
 
     rows = load_labelled(labelled)
     dataset = RowDataset(rows, with_features=True)
@@ -286,7 +286,7 @@ def test_class_weight_correction_recovers_the_soft_label():
 
 @pytest.mark.parametrize("head", ["specdecpp_resnet", "sprinter_linear"])
 def test_untrained_head_starts_at_the_weighted_signal_probe(labelled, head):
-    from specheads.data import AcceptanceDataModule
+    from specheads.dataset.datamodule import AcceptanceDataModule
     from specheads.train.loss import weighted_bce
 
     data = AcceptanceDataModule(str(labelled), val_fraction=0.3, batch_size=4)

@@ -13,10 +13,10 @@ from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny
 
 from specheads.decoding import BatchCache, RoundEngine, make_policy
 from specheads.decoding.sampler import verify_siblings
-from specheads.decoding.tree import TreeDrafter, TreeRule
-from specheads.errors import UsageError
+from specheads.decoding.tree import TreeDrafter, TreeRule, decode_tree
 from specheads.heads import OnTimeAcceptanceHead
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -94,39 +94,51 @@ def test_recursive_rejection_sampling_returns_the_target_distribution(kinds: str
     assert chisquare(counts, expected / expected.sum() * runs).pvalue > 1e-3
 
 
+def sampled_trees(tiny_pair, rule: TreeRule, runs: int = 500):
+    """`runs` decodes of PROMPT under tree `rule` on the tiny pair at T = 1 (a head-valued rule reads `at_draft_head`):
+    the results, every sibling test (place, value, accepted) and the chi-square p-value of the sequences against the
+    target's exact distribution."""
+    target, draft = tiny_pair
+    transform = SamplingTransform(1.0)
+    engine = RoundEngine(target, draft, transform, stop_ids=[])
+    checked: list[tuple[int, float, bool]] = []
+    results = decode_tree(engine, [PROMPT] * runs, rule, LENGTH, list(range(runs)),
+                          at_draft_head() if rule.values == "head" else None, checked)
+    return results, checked, chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform))
+
+
 @pytest.mark.parametrize(("values", "children"), [("confidence", "sampled"), ("head", "sampled"), ("confidence", "top")])
 def test_trees_sample_the_target_distribution(tiny_pair, values: str, children: str):
     """Trees whose shape follows the values (up to 3 children a node, 5 nodes, a floor that prunes), with children
     drawn or taken as q's best tokens, decode the target's distribution, and their shapes do vary."""
-    target, draft = tiny_pair
-    transform = SamplingTransform(1.0)
-    exact = sequence_probabilities(target, transform)
-    engine = RoundEngine(target, draft, transform, stop_ids=[])
-    checked: list[tuple[int, float, bool]] = []
-    runs = 500
-    results = engine.decode_tree([PROMPT] * runs, TreeRule(values, 0.15, 5, 3, 2, children), LENGTH,
-                                 list(range(runs)), at_draft_head() if values == "head" else None, checked)
+    results, checked, p_value = sampled_trees(tiny_pair, TreeRule(values, 0.15, 5, 3, 2, children))
     sizes = [size for r in results for size in r.drafted_per_round]
-    assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
+    assert p_value > 1e-3
     assert any(place > 1 and accepted for place, _, accepted in checked)  # later siblings were checked and stood
     assert len(set(sizes)) > 2
     assert max(sizes) > LENGTH or values == "head"  # confidence: wider than a chain could be in some rounds
     assert all(r.emitted == LENGTH and r.target_calls == len(r.accepted_per_round) for r in results)
 
 
-def test_a_greedy_tree_decodes_the_targets_greedy_tokens():
-    """Under greedy decoding (children: the draft's top tokens) the output is the target's argmax chain, with several
-    candidates accepted in some rounds."""
+def greedy_setup() -> tuple[RoundEngine, list[int], list[int]]:
+    """A greedy engine on a tiny pair whose draft is close to the target but not equal, a prompt and the target's 16
+    argmax tokens after it."""
     target, draft = tiny_lm(seed=1, vocab=40, init=0.5), tiny_lm(seed=1, vocab=40, init=0.5)
     with torch.no_grad():
-        draft.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # a draft close to the target, not equal
+        draft.model.layers[1].mlp.down_proj.weight.mul_(0.5)
     prompt, expected = [0, 1, 2, 2, 1], []
     with torch.no_grad():
         for _ in range(16):
             expected.append(int(target(torch.tensor([prompt + expected])).logits[0, -1].argmax()))
-    engine = RoundEngine(target, draft, SamplingTransform(0.0), stop_ids=[])
+    return RoundEngine(target, draft, SamplingTransform(0.0), stop_ids=[]), prompt, expected
+
+
+def test_a_greedy_tree_decodes_the_targets_greedy_tokens():
+    """Under greedy decoding (children: the draft's top tokens) the output is the target's argmax chain, with several
+    candidates accepted in some rounds."""
+    engine, prompt, expected = greedy_setup()
     for values, head in (("confidence", None), ("head", at_draft_head())):
-        result = engine.decode_tree([prompt], TreeRule(values, floor=0.0, budget=6, width=2), 16, [0], head)[0]
+        result = decode_tree(engine, [prompt], TreeRule(values, floor=0.0, budget=6, width=2), 16, [0], head)[0]
         assert result.tokens == expected, values
         assert max(result.accepted_per_round) > 1 and result.drafted_per_round[0] == 6  # floor 0: the budget filled
 
@@ -139,7 +151,7 @@ def test_the_tree_of_width_one_is_the_chain_with_the_heads_stop_rule(tiny_pair):
     prompts, seeds = [PROMPT, [2, 2, 0, 1]] * 5, list(range(10))
     chain = [engine.decode_one(prompt, make_policy("head", 0.6, max_draft=4), 10, seed, head)
              for prompt, seed in zip(prompts, seeds)]
-    tree = engine.decode_tree(prompts, TreeRule("head", floor=0.4, budget=4, width=1), 10, seeds, head)
+    tree = decode_tree(engine, prompts, TreeRule("head", floor=0.4, budget=4, width=1), 10, seeds, head)
     for a, b in zip(chain, tree):
         assert (a.tokens, a.accepted_per_round, a.drafted_per_round, a.draft_forwards) == (
             b.tokens, b.accepted_per_round, b.drafted_per_round, b.draft_forwards)
@@ -158,7 +170,7 @@ def test_bad_tree_settings_are_refused_in_one_line():
     sliding = Gemma2ForCausalLM(Gemma2Config(vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                              num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4))
     with pytest.raises(UsageError, match="one tensor per layer"):  # a tree mask would bypass the window
-        RoundEngine(sliding, sliding, SamplingTransform(1.0), []).decode_tree([[0, 1]], TreeRule("confidence", 0.1, 4),
+        decode_tree(RoundEngine(sliding, sliding, SamplingTransform(1.0), []), [[0, 1]], TreeRule("confidence", 0.1, 4),
                                                                                3, [0])
 
 
@@ -198,7 +210,7 @@ def test_gen_labels_a_second_child_on_its_own_stream(tiny_model, prompts_file, t
 
     from specheads.cli import main
     from specheads.data_gen.config import GenConfig, SamplingConfig
-    from specheads.store import load_labelled, read_manifest
+    from specheads.dataset.store import load_labelled, read_manifest
 
     for name, extra in (("plain", ()), ("siblings", ("--sibling_labels", "true"))):
         assert main(tiny_args(tiny_model, prompts_file, tmp_path / name, "--store_features", "false", *extra)) == 0

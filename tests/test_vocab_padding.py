@@ -12,11 +12,11 @@ from test_eval import PROMPT, chi_square_p, tiny_lm
 from test_integration_transformers import head_for
 
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.tree import TreeRule
-from specheads.errors import UsageError
+from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import OnTimeAcceptanceHead
 from specheads.integrations.transformers import speculative_generate
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 LENGTH = 3
 RUNS = 600
@@ -122,4 +122,4 @@ def test_tree_drafts_refuse_a_draft_of_another_vocabulary_size_in_one_line():
     target, draft = tiny_lm(seed=1, vocab=4), tiny_lm(seed=2, vocab=3)
     engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     with pytest.raises(UsageError, match="tree drafts need a draft that predicts the target's 4 tokens"):
-        engine.decode_tree([PROMPT], TreeRule("confidence", 0.0, budget=4), LENGTH, [0])
+        decode_tree(engine, [PROMPT], TreeRule("confidence", 0.0, budget=4), LENGTH, [0])

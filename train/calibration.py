@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import minimize
 
-from specheads.errors import UsageError
 from specheads.heads.calibration import PositionCalibration, round_windows, sigmoid
+from specheads.plumbing.errors import UsageError
 
 EPSILON = 1e-7
 LOG_SCALE_BOUNDS = (-4.0, 3.0)

@@ -26,11 +26,11 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from specheads.checkpoint import read_checkpoint
-from specheads.data import AcceptanceDataModule
-from specheads.errors import UsageError
-from specheads.files import check_output_folder
-from specheads.private_apis import HistoryWriter
+from specheads.artifacts.checkpoint import read_checkpoint
+from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import check_output_folder
+from specheads.plumbing.private_apis import HistoryWriter
 from specheads.train.module import AcceptanceModule
 
 TRAINER_DEFAULTS = {

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from specheads.models import ModelSpec, derived_draft, load_model, load_pair
+from specheads.pair.models import ModelSpec, derived_draft, load_model, load_pair
 
 
 def load_draft(manifest: dict[str, Any]) -> torch.nn.Module:

@@ -18,12 +18,12 @@ import torch
 from torchmetrics.aggregation import CatMetric
 from transformers import get_cosine_schedule_with_warmup
 
-from specheads.checkpoint import head_from_hyperparameters
-from specheads.errors import UsageError
+from specheads.artifacts.checkpoint import head_from_hyperparameters
+from specheads.artifacts.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
+from specheads.dataset.targets import Contexts, draft_features, head_inputs, stale_target_states, token_targets
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
-from specheads.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
-from specheads.states import describe_state
-from specheads.targets import Contexts, draft_features, head_inputs, stale_target_states, token_targets
+from specheads.model_outputs.states import describe_state
+from specheads.plumbing.errors import UsageError
 from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specheads.signals import output_logits
-from specheads.states import cache_argument, decoder_forward, returned_cache
+from specheads.model_outputs.signals import output_logits
+from specheads.model_outputs.states import cache_argument, decoder_forward, returned_cache
 
 
 def pick(tensor: torch.Tensor, rows: list[int], columns: list[int]) -> torch.Tensor:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from specheads.decoding.costs import CostCurve
+from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.online import Outcome, PassivePlanner
-from specheads.decoding.rules import Drafted
+from specheads.decoding.rules import Drafted, StopPolicy, register
+from specheads.plumbing.errors import UsageError
 
 
 def verify_step(curve: CostCurve | None, drafted: int) -> float:
@@ -44,9 +46,15 @@ def verify_cost(curve: CostCurve | None, drafted: int) -> float:
     return 1.0 if curve is None else curve(drafted + 1) / curve(1)
 
 
+def drafting_gain(survival: float, next_acceptance: float, rate: float, cost_ratio: float, step: float) -> float:
+    """What one more candidate adds to E[R − ρ·T]: its expected token S_k·μ less its cost c + Δv at the rate ρ (a
+    tree ranks its next slots by it, `specheads.decoding.tree`)."""
+    return survival * next_acceptance - rate * (cost_ratio + step)
+
+
 def worth_drafting(survival: float, next_acceptance: float, rate: float, cost_ratio: float, step: float) -> bool:
     """Whether one more candidate pays: its expected token S_k·μ against its cost c + Δv at the rate ρ."""
-    return survival * next_acceptance > rate * (cost_ratio + step)
+    return drafting_gain(survival, next_acceptance, rate, cost_ratio, step) > 0
 
 
 @dataclass
@@ -97,3 +105,30 @@ class CostPlanner(PassivePlanner):
             state.tokens += sum(o.accepted for o in checked) + 1
             state.cost += self.cost_ratio * drafted + verify_cost(self.curve, drafted)
             state.drafted = 0
+
+
+@register
+@dataclass(frozen=True)
+class HeadCostStop(StopPolicy):
+    """A calibrated head's stop rule read from the costs (module docstring): draft one more candidate
+    while its expected token, S_k · μ, is worth its cost at the request's rate, ρ · (c + Δv). `threshold` is c =
+    t_draft/t_target, not a tuned value; with serving costs, Δv follows the target's curve (flat otherwise)."""
+
+    name: ClassVar[str] = "head_cost"
+    reads_head: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.threshold < 1.0:
+            raise UsageError(f"the head_cost rule's value is the cost ratio t_draft/t_target, in (0, 1); got "
+                             f"{self.threshold}")
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return CostPlanner(self.threshold, None if costs is None else costs.target)
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        if head.decides not in ("at_draft", "before_draw"):
+            raise UsageError(f"the head_cost rule reads the survival product of the candidates drafted so far; a "
+                             f"{head.head_type} head decides {head.decides} (a candidate behind); use an on-time "
+                             "(specdecpp_ontime) or expected_acceptance head")

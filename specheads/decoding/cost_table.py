@@ -27,8 +27,8 @@ import torch
 
 from specheads import __version__
 from specheads.decoding.costs import CURVE_TOKENS, CostCurve, ServingCosts, measure_cost_curve
-from specheads.errors import UsageError
-from specheads.files import write_json_atomic
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import write_json_atomic
 
 TABLE_FORMAT = "specheads cost table"
 TABLE_VERSION = 1
@@ -265,8 +265,22 @@ class CostTable:
 
     @property
     def view(self) -> str:
-        """The serving table's name for a view priced with these curves."""
-        return {"measured": "measured", "roofline": "roofline (modelled)"}.get(self.source, "given")
+        """The serving table's name for a view priced with these curves (a preset's view carries its name, so that two
+        presets in one table are told apart)."""
+        if self.source == "roofline":
+            return f"roofline {self.fields.get('preset') or self.path} (modelled)"
+        return {"measured": "measured"}.get(self.source, "given")
+
+    def at_batch_size(self, size: int) -> ServingCosts:
+        """The curves that price a round of `size` requests: a preset named by its name is modelled for that batch
+        (a forward of n tokens reads min(n, size) rows' caches, `roofline_table(batch_size=)`); a file's curves are the
+        same at every batch size, as written."""
+        preset = PRESETS.get(self.path)
+        if preset is None or self.source != "roofline":
+            return self.costs
+        context = self.context or preset.default_context
+        return ServingCosts(roofline_curve(preset, "draft", context, batch_size=size),
+                            roofline_curve(preset, "target", context, batch_size=size))
 
 
 def whole(value: Any) -> bool:

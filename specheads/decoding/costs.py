@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specheads.decoding.cache import BatchCache
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 

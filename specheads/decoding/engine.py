@@ -28,6 +28,11 @@ Every row draws from its own generator in the same order whatever the batch, so 
 not depend on the other rows (identical in float64; float32 padding can flip a draw that sits on a last-bit tie). Under
 a rule with a planner (the verify budget, SmartSpec's K, the rules that adapt at run time) the realised tokens do
 depend on the batch; each row's distribution stays the target's.
+
+The round primitives here are public for the tree engine (`specheads.decoding.tree`), which imports this module and
+is never imported by it: `candidate_signals` and `acceptance_batch` (a candidate's signals and a head's scores),
+`RoundEngine.candidate_embedding` (the candidate's input embedding a head reads), `RoundEngine.round_output` (what a
+round adds to the output, ended at a stop token or max_new_tokens) and `count_round` (a round into a request's counts).
 """
 
 from __future__ import annotations
@@ -49,10 +54,10 @@ from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
-from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, with_derived_signals
-from specheads.sampling import SamplingTransform
-from specheads.signals import output_width, signal_log_probs, signal_statistics
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.signals import output_width, signal_log_probs, signal_statistics
+from specheads.plumbing.errors import UsageError
 
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
@@ -96,6 +101,18 @@ def check_decodable_head(head: AcceptanceHead | None) -> None:
                          f"(target_state_size={head.target_state_size}), which decoding does not feed it; score it "
                          "offline (specheads eval --num-decode-prompts 0), or decode with a head trained without target "
                          "states")
+
+
+def count_round(result: DecodeResult, drafted: int, accepted: int, called: bool, hindsight: bool = False) -> None:
+    """Add one round of a request to its counts: `drafted` candidates (a tree's nodes), `accepted` of them standing in
+    the output, and a target call when `called`; `hindsight` (the oracle) counts only the accepted ones as drafted."""
+    counted = accepted if hindsight else drafted
+    result.drafted += counted
+    result.accepted += accepted
+    if called:
+        result.target_calls += 1
+        result.accepted_per_round.append(accepted)
+        result.drafted_per_round.append(counted)
 
 
 StopCheck = Callable[[int, list[int]], bool]
@@ -339,13 +356,13 @@ class RoundEngine:
                 check = None if stop_check is None else (
                     lambda tokens, request=batch.request[row], before=batch.generated[row]: stop_check(request, before + tokens))
                 checked = accepted
-                accepted, emitted, ended = self._standing(this.candidates, checked, new_token, batch.room(row), check)
+                accepted, emitted, ended = self.round_output(this.candidates, checked, new_token, batch.room(row), check)
                 # the checked candidates up to the first rejection, none past the token that ended the request
                 observed = min(checked + 1, len(emitted)) if ended else checked + 1
                 outcomes[row] = [Outcome(d.index, d.prob, i < checked, d.entropy)
                                  for i, d in enumerate(this.seen[checks[row]: observed], start=checks[row])] if row in logits else []
                 result = batch.result(row)
-                self._count(result, rule, this.drafted, accepted, row in logits)
+                count_round(result, this.drafted, accepted, row in logits, rule.hindsight)
                 record.requests.append(batch.request[row])
                 record.drafted.append(accepted if rule.hindsight else this.drafted)
                 record.verified.append(accepted if rule.hindsight else verified[row])
@@ -389,21 +406,6 @@ class RoundEngine:
                           for row, prefix in enumerate(chunk)]
                 if not all(stored):  # full: prefilling more here would be work no decode gets back
                     break
-
-    def decode_tree(self, prompts: list[list[int]], rule: Any, max_new_tokens: int, seeds: list[int],
-                    head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None
-                    ) -> list[DecodeResult]:
-        """`decode` with tree drafts under a `specheads.decoding.tree.TreeRule`, each prompt alone (B = 1); `checked`,
-        when given, receives every checked node's (sibling place, score, accepted)."""
-        from specheads.decoding.tree import decode_tree
-
-        if self.vocabulary != self.draft_vocabulary:
-            raise UsageError(f"tree drafts need a draft that predicts the target's {self.vocabulary} tokens; this draft "
-                             f"predicts {self.draft_vocabulary}: decode chains (decode) with it, or pick a draft with the "
-                             "target's vocabulary")
-        check_decodable_head(head)
-
-        return decode_tree(self, prompts, rule, max_new_tokens, seeds, head, checked)
 
     def decode_one(self, prompt: list[int], rule: StopPolicy, max_new_tokens: int, seed: int,
                    head: AcceptanceHead | None = None) -> DecodeResult:
@@ -480,18 +482,20 @@ class RoundEngine:
         if not rows:
             return {}
         states, signals, candidates, positions = zip(*inputs)
-        scores = acceptance_batch(head, list(states), list(signals), [self._embedding(head, t) for t in candidates],
+        scores = acceptance_batch(head, list(states), list(signals), [self.candidate_embedding(head, t) for t in candidates],
                                   list(positions))
         return dict(zip(rows, scores))
 
-    def _embedding(self, head: AcceptanceHead, token: int) -> torch.Tensor | None:
+    def candidate_embedding(self, head: AcceptanceHead, token: int) -> torch.Tensor | None:
+        """The draft's input embedding of `token`, [1, hidden], as a head that reads the candidate takes it (None for a
+        head that does not: `candidate_embedding_size` 0)."""
         if not head.candidate_embedding_size:
             return None
         table = self.draft.get_input_embeddings()
         return table(torch.tensor([token], device=table.weight.device)).float()
 
-    def _standing(self, candidates: list[int], accepted: int, new_token: int | None, room: int,
-                  check: Callable[[list[int]], bool] | None = None) -> tuple[int, list[int], bool]:
+    def round_output(self, candidates: list[int], accepted: int, new_token: int | None, room: int,
+                     check: Callable[[list[int]], bool] | None = None) -> tuple[int, list[int], bool]:
         """What a round adds to the output: its standing candidates and the target's token, ended at the first stop
         token or the first token at which `check(tokens so far in the round)` holds (the run ends there), and at
         `room` tokens (max_new_tokens); how many candidates stand; and whether the run ended."""
@@ -502,16 +506,6 @@ class RoundEngine:
                 emitted, ended = emitted[: position + 1], True
                 break
         return min(accepted, len(emitted)), emitted, ended
-
-    @staticmethod
-    def _count(result: DecodeResult, rule: StopPolicy, drafted: int, accepted: int, called: bool) -> None:
-        counted = accepted if rule.hindsight else drafted
-        result.drafted += counted
-        result.accepted += accepted
-        if called:
-            result.target_calls += 1
-            result.accepted_per_round.append(accepted)
-            result.drafted_per_round.append(counted)
 
     @staticmethod
     def _finish(results: list[DecodeResult], start: float, draft: BatchCache, target: BatchCache) -> list[DecodeResult]:

@@ -25,6 +25,19 @@
   than the tokens left, as transformers drafts), K + 2 after a round whose candidates were all accepted (a round with
   none counts as such, as there), otherwise max(1, K − 1). K is the request's (the candidate generator's, made
   anew by each `generate` call, from 5 again).
+- `SglangAdaptive`: SGLang's adaptive `speculative_num_steps` (sgl-project/sglang PR #21599,
+  `python/sglang/srt/speculative/adaptive_spec_params.py` as that PR added it, `AdaptiveSpeculativeParams`): one K
+  for the whole server, chosen among the candidate steps 1, 3, 7. K starts at the candidate nearest the configured
+  number of steps (ties: the larger) and an exponential moving average of accepted lengths at K − 1. After every
+  verify step the average takes in the batch's mean accepted length (accepted draft tokens per request, the bonus
+  token not counted): ema ← 0.8 · ema + 0.2 · mean. The first 10 steps only warm the average up; from then on, every
+  5th step K moves down a candidate while ema ≤ (the next lower candidate) − 0.5 − 0.25 and otherwise up while
+  ema > K − 0.5 (hysteresis −0.25 down, 0 up), so K settles one candidate above what is being accepted. The state is
+  the server's, shared by all requests and kept from one request to the next; K is the round's cap for every row,
+  known before the round drafts.
+
+Each rule that runs one of these is defined here, beside its planner, and registers itself in
+`specheads.decoding.rules.RULES`.
 
 H(q) is known before the candidate is drawn, so AdaEDL's bound could even rank positions; vLLM's and transformers'
 scores read the drawn token (q(ŷ)), so they may end a row's drafting (exact) but not rank drafted positions
@@ -37,11 +50,15 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from sklearn.metrics import roc_curve
 
-from specheads.decoding.rules import Drafted
+from specheads.decoding.rules import Drafted, StopPolicy, register, require_whole
+
+if TYPE_CHECKING:
+    from specheads.decoding.costs import ServingCosts
 
 LOGIT_CLAMP = 40.0
 
@@ -216,3 +233,133 @@ class TransformersHeuristic(PassivePlanner):
         for row, checked in outcomes.items():  # a round with no candidate (one token left) matched all of its none
             k = self.k.get(row, self.start)
             self.k[row] = k + 2 if all(o.accepted for o in checked) else max(1, k - 1)
+
+
+TRANSFORMERS_MAX_DRAFT = 20  # num_assistant_tokens in transformers 5.x
+
+
+@register
+@dataclass(frozen=True)
+class VllmOnline(StopPolicy):
+    """vLLM's online acceptance estimator (`VllmEstimator`) as a stop rule: end the round
+    once 1 − Π p_k exceeds `threshold`; it drafts to the cap until its third refit."""
+
+    name: ClassVar[str] = "vllm_online"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return VllmEstimator(self.threshold, self.max_draft or 8)
+
+
+@register
+@dataclass(frozen=True)
+class AdaEdlRule(StopPolicy):
+    """AdaEDL (`AdaEdl`): stop once the entropy bound 1 − sqrt(0.2 · H(q)) falls below λ
+    (`threshold`, where each request starts), λ adapted from the request's recent acceptance."""
+
+    name: ClassVar[str] = "adaedl"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return AdaEdl(self.threshold)
+
+
+@dataclass(frozen=True)
+class AssistedGeneration(StopPolicy):
+    """Base of transformers' assisted-generation rules: its assistant stops drafting at a stop token."""
+
+    def signal_says_stop(self, drafted: Drafted) -> bool:
+        return drafted.ends_output
+
+
+@register
+@dataclass(frozen=True)
+class TransformersDefault(AssistedGeneration):
+    """transformers' assisted generation as users get it (`TransformersConfidence`): the
+    confidence rule from `threshold` (0.4), re-tuned by ROC at run time, at most `max_draft` (20) candidates and one
+    fewer than the tokens left (`cap`), ending at a stop token as its assistant does."""
+
+    name: ClassVar[str] = "transformers"
+
+    @classmethod
+    def make(cls, threshold: float, max_draft: int = 8) -> StopPolicy:
+        return cls(threshold=threshold, max_draft=TRANSFORMERS_MAX_DRAFT)  # transformers' own cap, not the caller's
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return TransformersConfidence(self.threshold)
+
+
+@register
+@dataclass(frozen=True)
+class TransformersHeuristicK(AssistedGeneration):
+    """transformers' older default, the `heuristic` schedule (`TransformersHeuristic`):
+    `threshold` candidates at first (5), + 2 after a fully accepted round, else − 1 (at least 1); no cap but one
+    fewer than the tokens left to generate (`cap`)."""
+
+    max_draft: int | None = None
+    name: ClassVar[str] = "transformers_heuristic"
+
+    @classmethod
+    def make(cls, threshold: float, max_draft: int = 8) -> StopPolicy:
+        require_whole(threshold, "the heuristic schedule's first number of candidates")
+        return cls(threshold=threshold)  # no cap of its own, as transformers drafts
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return TransformersHeuristic(int(self.threshold))
+
+
+SGLANG_CANDIDATE_STEPS = (1, 3, 7)
+"""The draft lengths SGLang's adaptive rule chooses among (PR #21599's default `candidate_steps`)."""
+SGLANG_START = 3
+"""The K it starts from here: SGLang's own default of `speculative_num_steps` for a chain drafter."""
+
+
+class SglangAdaptive(PassivePlanner):
+    """SGLang's adaptive draft length: an EMA of accepted lengths sets the next rounds' K (module docstring)."""
+
+    def __init__(self, start: int = SGLANG_START, candidates: tuple[int, ...] = SGLANG_CANDIDATE_STEPS,
+                 alpha: float = 0.2, update_interval: int = 5, warmup: int = 10, down_hysteresis: float = -0.25,
+                 up_hysteresis: float = 0.0):
+        self.candidates = sorted(set(candidates))
+        self.alpha, self.update_interval, self.warmup = alpha, update_interval, warmup
+        self.down_hysteresis, self.up_hysteresis = down_hysteresis, up_hysteresis
+        self.k = min(self.candidates, key=lambda step: (abs(step - start), -step))
+        self.ema = float(self.k - 1)  # SGLang's neutral start: one fewer than the candidates drafted
+        self.steps = 0
+
+    def round_cap(self, rows: int, cap: int) -> int:
+        return min(cap, self.k)
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        lengths = [sum(o.accepted for o in checked) for checked in outcomes.values() if checked]
+        if not lengths:  # no row drafted (each had one token left): no verify of drafts to learn from
+            return
+        self.ema = (1 - self.alpha) * self.ema + self.alpha * sum(lengths) / len(lengths)
+        self.steps += 1
+        if self.steps > self.warmup and (self.steps - self.warmup) % self.update_interval == 0:
+            self.k = self.next_k()
+
+    def next_k(self) -> int:
+        """K from the average: down a candidate while ema ≤ lower − 0.5 + down_hysteresis, else up while
+        ema > K − 0.5 + up_hysteresis."""
+        at = self.candidates.index(self.k)
+        while at > 0 and self.ema <= self.candidates[at - 1] - 0.5 + self.down_hysteresis:
+            at -= 1
+        while at < len(self.candidates) - 1 and self.ema > self.candidates[at] - 0.5 + self.up_hysteresis:
+            at += 1
+        return self.candidates[at]
+
+
+@register
+@dataclass(frozen=True)
+class SglangAdaptiveRule(StopPolicy):
+    """SGLang's adaptive draft length (`SglangAdaptive`) as a rule: every row of a round drafts the server's current
+    K (1, 3 or 7, at most `max_draft` and the tokens left), set from past rounds only. `threshold` is the number of
+    steps it starts from (`speculative_num_steps`; 3 is SGLang's default), moved to the nearest candidate."""
+
+    name: ClassVar[str] = "sglang_adaptive"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_whole(self.threshold, "the sglang_adaptive rule's first number of draft steps")
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return SglangAdaptive(int(self.threshold))

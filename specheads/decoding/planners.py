@@ -25,6 +25,9 @@ curve at the round's B; a row's drafting reads only that row's candidates. Its s
 expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before the draw.
 Fed a score that has read ŷ_j (an `at_draft` head, q(ŷ_j)), the same planners are lossy (tests/test_budget.py and
 tests/test_planners.py show by how much).
+
+The batch-level rules that run these planners are defined at the end, each registered in
+`specheads.decoding.rules.RULES`.
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from specheads.decoding.cost_rule import worth_drafting
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.online import Outcome, PassivePlanner, VllmEstimator, drawn_logit
-from specheads.decoding.rules import Drafted
+from specheads.decoding.rules import Drafted, StopPolicy, register, require_whole
+from specheads.plumbing.errors import UsageError
 
 
 def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> tuple[dict[int, int], float]:
@@ -348,3 +352,103 @@ class GoodputPlanner(PassivePlanner):
         self.signal.observe(self.rounds, outcomes)
         self.rounds = {}
 
+
+def require_costs(name: str, costs: ServingCosts | None) -> ServingCosts:
+    if costs is None:
+        raise UsageError(f"the {name} rule plans from the models' cost curves; pass costs (specheads.decoding.costs)")
+    return costs
+
+
+def require_before_draw(name: str, head: Any) -> None:
+    """Refuse a head that read the drafted token for rule `name`, which ranks drafted positions across rows by the
+    head's survival products: ranking by what was drawn and dropping the rest changes the output's distribution."""
+    if head.decides != "before_draw":
+        raise UsageError(f"the {name} rule ranks drafted positions across rows by the head's survival product; a "
+                         f"{head.head_type} head decides {head.decides} (it has read the drafted token), which makes "
+                         "the output differ from the target's; use an expected_acceptance head")
+
+
+@register
+@dataclass(frozen=True)
+class VerifyBudget(StopPolicy):
+    """The batch-level verify budget (SV §5, DSpark's planner): every row drafts up to the cap, stopping early once
+    the survival product S_k = Π α̂_j of an expected-acceptance head falls below `threshold` (the floor) or below
+    what the previous round's greedy refused; then the verify lengths of all rows are chosen together by the goodput
+    greedy. Exact: it needs a head that decides before the draw (module docstring)."""
+
+    name: ClassVar[str] = "budget"
+    reads_head: ClassVar[bool] = True
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return BudgetPlanner(require_costs(self.name, costs), self.threshold)
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        require_before_draw(self.name, head)
+
+
+@register
+@dataclass(frozen=True)
+class SmartSpecK(StopPolicy):
+    """SmartSpec's goodput K: one K per round for the whole batch, from the acceptance rate of past rounds and the
+    cost curves (`SmartSpecPlanner`); `threshold` is the largest K it may pick."""
+
+    name: ClassVar[str] = "smartspec"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return SmartSpecPlanner(require_costs(self.name, costs), max_k=int(self.threshold))
+
+
+@register
+@dataclass(frozen=True)
+class GoodputPlan(StopPolicy):
+    """The goodput planner (`GoodputPlanner`) reading an expected-acceptance head: per
+    round, the batch's K from the modelled goodput with the draft's time counted (K = 0 is plain decoding), each
+    row's drafting ended once one more candidate is not worth its draft and target time, and the verify lengths
+    chosen in order of the survival products. `threshold` is the largest K it may plan (it needs no tuned value).
+    Exact with a head that decides before the draw (docs/decoding-core.md "Verify budgets")."""
+
+    name: ClassVar[str] = "goodput"
+    reads_head: ClassVar[bool] = True
+    signal: ClassVar[str] = "head"  # what ranks the positions (`SIGNALS`)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_whole(self.threshold, f"the {self.name} rule's value, the largest K it may plan,")
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return GoodputPlanner(require_costs(self.name, costs), make_signal(self.signal, int(self.threshold)),
+                              max_k=int(self.threshold))
+
+    def check_head(self, head: Any) -> None:
+        super().check_head(head)
+        if self.reads_head:
+            require_before_draw(self.name, head)
+
+
+@register
+@dataclass(frozen=True)
+class DCut(GoodputPlan):
+    """D-Cut (Tencent AngelSlim; vLLM PR #44885, vllm-ascend PR #15147) in the goodput planner: each candidate's
+    acceptance is the draft's top-1 probability max q_k, its survival the product over the round, no training.
+    D-Cut reads the probability of the token its greedy drafter selected, which is max q_k; with sampled drafts that
+    would be q(ŷ_k), a score of the drawn token that makes ranking inexact, so max q_k (known before the draw) is used
+    (docs/decoding-core.md "The field's free signals")."""
+
+    name: ClassVar[str] = "dcut"
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "top1"
+
+
+@register
+@dataclass(frozen=True)
+class VllmAdaptive(GoodputPlan):
+    """vLLM's adaptive verification signal (PR #47808, #52228) in the goodput planner: each candidate's acceptance is
+    vLLM's online estimate σ(w · logit(max q_k) + b_k), refitted from the outcomes every 100 rounds, drafting to the
+    cap and checking every candidate until its third refit. vLLM's newest estimator reads logit(q(ŷ_k)) of the drawn
+    token, which ranks inexactly under sampled drafts; max q_k (PR #52228's feature) is used (docs/decoding-core.md
+    "The field's free signals")."""
+
+    name: ClassVar[str] = "vllm_adaptive"
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "vllm"

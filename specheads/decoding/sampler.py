@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from specheads.sampling import SamplingTransform, draw_from_log_probs, uniforms
+from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, uniforms
 
 
 def draw(log_probs: torch.Tensor, generator: torch.Generator) -> int:

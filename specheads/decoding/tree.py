@@ -26,24 +26,46 @@ the budget's trap (ranking drawn tokens by a score that read them) is not open h
 
 With `width` 1 the tree is the chain: the slot rule is SpecDec++'s stop rule (draft on while Π â ≥ floor = 1 − h),
 and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` decodes.
+
+**Growth that weighs its costs** (`cost_ratio` c = t_draft/t_target given; docs/method.md "Trees whose growth weighs
+their costs"). Each step takes the action of highest gain in E[R − ρ·T] (`specheads.decoding.cost_rule`), if it pays:
+- fill a slot of reach r, the j-th child of its node: gain r·μ_j − ρ·Δv, where Δv is what one more token adds to the
+  target's forward on the cost curve in use (0 on the flat curve: width is free up to the budget);
+- read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + Δv), the forward paid for by
+  the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
+  own slot (v·μ_1 > ρ·Δv).
+μ_j is the mean score of the request's children drawn so far at place j among their siblings (all places when none
+is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far; both are
+known before the slot's draw, so exactness is as above. The floor still applies (0 lets the costs alone decide).
+With width 1 this is the chain's rule read from the costs (`head_cost`), token for token.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.engine import RoundEngine, acceptance_batch, candidate_signals
+from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
+from specheads.decoding.costs import CostCurve
+from specheads.decoding.engine import (
+    RoundEngine,
+    StopCheck,
+    acceptance_batch,
+    candidate_signals,
+    check_decodable_head,
+    count_round,
+)
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
-from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead
-from specheads.signals import signal_log_probs
+from specheads.model_outputs.signals import signal_log_probs
+from specheads.plumbing.errors import UsageError
 
 TREE_VALUES = ("confidence", "head")
 TREE_CHILDREN = ("sampled", "top")
@@ -55,7 +77,9 @@ class TreeRule:
     head's â), `floor` (the least reach a slot is filled at), `budget` (N, the most nodes the target verifies per
     forward), `width` (most children per node), `expand` (most nodes the draft reads per forward) and `children`
     ("sampled": drawn from q without replacement; "top": q's best tokens, checked as fixed tokens, EAGLE's sampling
-    mode; greedy decoding always takes the untempered draft's best tokens)."""
+    mode; greedy decoding always takes the untempered draft's best tokens). With `cost_ratio` (c = t_draft/t_target)
+    the tree grows only where the expected tokens pay for the draft forwards and, on the target's `curve` (flat when
+    None), for the target's extra tokens (module docstring)."""
 
     values: str
     floor: float
@@ -63,11 +87,27 @@ class TreeRule:
     width: int = 4
     expand: int = 4
     children: str = "sampled"
+    cost_ratio: float | None = None
+    curve: CostCurve | None = None
 
     name: ClassVar[str] = "tree"
-    hindsight: ClassVar[bool] = False  # counts every node as drafted (`RoundEngine._count`)
 
     def __post_init__(self) -> None:
+        for knob in ("floor", "cost_ratio"):
+            value = getattr(self, knob)
+            if not (value is None and knob == "cost_ratio") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise UsageError(f"the tree's {knob} must be a number, got {value!r}")
+        for knob in ("budget", "width", "expand"):
+            if isinstance(getattr(self, knob), bool) or not isinstance(getattr(self, knob), int):
+                raise UsageError(f"the tree's {knob} must be a whole number, got {getattr(self, knob)!r}")
+        if self.cost_ratio is not None and not 0.0 < self.cost_ratio < 1.0:
+            raise UsageError(f"the tree's cost_ratio is t_draft/t_target, in (0, 1); got {self.cost_ratio}")
+        if self.curve is not None and self.cost_ratio is None:
+            raise UsageError("a tree's cost curve prices its growth only with cost_ratio=t_draft/t_target; give "
+                             "cost_ratio too, or drop curve")
+        if self.curve is not None and not isinstance(self.curve, CostCurve):
+            raise UsageError(f"the tree's curve must be a CostCurve (specheads.decoding.costs), got "
+                             f"{type(self.curve).__name__}; build one with CostCurve.from_dict")
         if self.values not in TREE_VALUES:
             raise UsageError(f"tree values must be one of {', '.join(TREE_VALUES)}, got {self.values!r}")
         if self.children not in TREE_CHILDREN:
@@ -81,6 +121,11 @@ class TreeRule:
     @property
     def reads_head(self) -> bool:
         return self.values == "head"
+
+    @property
+    def weighs_costs(self) -> bool:
+        """Whether growth weighs what a level and a slot cost (a `cost_ratio` is given)."""
+        return self.cost_ratio is not None
 
     def check_head(self, head: AcceptanceHead | None) -> None:
         """Refuse a head the tree cannot score children with."""
@@ -143,13 +188,58 @@ class DraftTree:
         return path[::-1]
 
 
+@dataclass
+class TreeCosts:
+    """What cost-aware growth knows of one request (module docstring): its rate so far, ρ, and the scores of the
+    children drawn so far by their place among siblings, whose means are μ_j."""
+
+    cost_ratio: float
+    curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat
+    request: RequestState = field(default_factory=RequestState)
+    scores: dict[int, list[float]] = field(default_factory=dict)  # place among siblings (1-based) -> [sum, count]
+
+    def expected_score(self, place: int) -> float:
+        """μ_j: the mean score of the request's children at `place` so far; of all its children when none is at
+        `place` yet; 1 before any."""
+        if place in self.scores:
+            total, count = self.scores[place]
+            return total / count
+        count = sum(c for _, c in self.scores.values())
+        return sum(t for t, _ in self.scores.values()) / count if count else 1.0
+
+    def scored(self, place: int, score: float) -> None:
+        """Note a drawn child's score at its place among siblings."""
+        entry = self.scores.setdefault(place, [0.0, 0])
+        entry[0] += score
+        entry[1] += 1
+
+    def slot_gain(self, reach: float, place: int, nodes: int) -> float:
+        """What filling a slot of `reach` (the `place`-th child of its node), the tree holding `nodes` nodes, adds to
+        E[R − ρ·T]: r·μ_place − ρ·Δv."""
+        return drafting_gain(reach, self.expected_score(place), self.request.rate(), 0.0, verify_step(self.curve, nodes))
+
+    def read_gain(self, value: float, nodes: int) -> float:
+        """What reading a node of `value` in a draft forward of its own adds, counting the first child it opens:
+        v·μ_1 − ρ·(c + Δv)."""
+        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio,
+                             verify_step(self.curve, nodes))
+
+    def observe(self, accepted: int, draft_forwards: int, nodes: int) -> None:
+        """Add a verified round to ρ: `accepted` nodes and the target's token, for `draft_forwards` draft forwards and
+        a target forward over the tail and `nodes` nodes."""
+        self.request.tokens += accepted + 1
+        self.request.cost += self.cost_ratio * draft_forwards + verify_cost(self.curve, nodes)
+
+
 class TreeDrafter:
-    """Grows one round's tree from the draft's cache (module docstring, step 1)."""
+    """Grows one round's tree from the draft's cache (module docstring, step 1); one drafter serves one request, whose
+    history cost-aware growth reads (`costs`, None without a `cost_ratio`)."""
 
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
+        self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
@@ -160,21 +250,44 @@ class TreeDrafter:
         tree = DraftTree()
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
-        budget = self.rule.budget
-        while len(tree.nodes) < budget:
-            slot = max(((index, o.reach) for index, o in opened.items() if self._has_room(tree, index, o)),
-                       key=lambda item: item[1], default=(None, -1.0))
+        while len(tree.nodes) < self.rule.budget:
             unread = sorted((i for i, n in enumerate(tree.nodes)
                              if i not in opened and n.depth < depth_cap and n.token not in self.engine.stop_ids
                              and n.value >= self.rule.floor),
                             key=lambda i: -tree.nodes[i].value)
-            if unread and tree.nodes[unread[0]].value > slot[1]:
-                self._read(draft, tree, opened, unread[: self.rule.expand])
-                continue
-            if slot[0] is None or slot[1] < self.rule.floor:
+            slots = [(index, o.reach) for index, o in opened.items() if self._has_room(tree, index, o)]
+            step = self._weighed(tree, unread, slots) if self.costs is not None else self._by_floor(tree, unread, slots)
+            if step is None:
                 break
-            self._fill(tree, opened, slot[0])
+            if isinstance(step, list):
+                self._read(draft, tree, opened, step)
+            else:
+                self._fill(tree, opened, step)
         return tree
+
+    def _by_floor(self, tree: DraftTree, unread: list[int], slots: list[tuple[int, float]]) -> list[int] | int | None:
+        """The next step by reach alone: read the best unread nodes when the best of them is worth more than every
+        slot, else fill the slot of highest reach while it is at least the floor (None: the tree is done)."""
+        slot = max(slots, key=lambda item: item[1], default=(None, -1.0))
+        if unread and tree.nodes[unread[0]].value > slot[1]:
+            return unread[: self.rule.expand]
+        if slot[0] is None or slot[1] < self.rule.floor:
+            return None
+        return slot[0]
+
+    def _weighed(self, tree: DraftTree, unread: list[int], slots: list[tuple[int, float]]) -> list[int] | int | None:
+        """The next step by its gain in E[R − ρ·T] (module docstring), when it pays: a read (the nodes to read) or a
+        slot (its node); None when neither pays."""
+        assert self.costs is not None
+        nodes = len(tree.nodes)
+        gains = [(self.costs.slot_gain(reach, len(tree.children(index)) + 1, nodes), index) for index, reach in slots
+                 if reach >= self.rule.floor]
+        slot_gain, slot = max(gains, key=lambda gain: gain[0], default=(0.0, None))
+        read_gain = self.costs.read_gain(tree.nodes[unread[0]].value, nodes) if unread else 0.0
+        if read_gain > 0 and (slot is None or read_gain > slot_gain):
+            riders = [i for i in unread[1:] if self.costs.slot_gain(tree.nodes[i].value, 1, nodes) > 0]
+            return [unread[0], *riders[: self.rule.expand - 1]]
+        return slot if slot is not None and slot_gain > 0 else None
 
     def _has_room(self, tree: DraftTree, index: int, opened: Opened) -> bool:
         if len(tree.children(index)) >= self.rule.width:
@@ -212,8 +325,14 @@ class TreeDrafter:
             at.left[token] = -math.inf
             at.left = at.left.log_softmax(-1) if torch.isfinite(at.left).any() else at.left
         depth = 1 if parent < 0 else tree.nodes[parent].depth + 1
-        signals = candidate_signals(at.logits, at.logq, token, self.transform)
-        score = min(max(self._score(at, signals, token, depth), 0.0), 1.0)
+        logq = at.logq
+        if self.fixed and not math.isfinite(float(logq[token])):  # a greedy tree's later child: one-hot q gives it 0
+            logq = signal_log_probs(at.logits, logq, self.transform)  # so its signals read the untempered draft
+        signals = candidate_signals(at.logits, logq, token, self.transform)
+        score = self._score(at, signals, token, depth)
+        score = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
+        if self.costs is not None:
+            self.costs.scored(len(siblings) + 1, score)
         tree.nodes.append(Node(token, parent, depth, proposal, score, at.reach * score))
         siblings.append(len(tree.nodes) - 1)
         at.reach *= 1.0 - score
@@ -223,7 +342,7 @@ class TreeDrafter:
         the earlier siblings left (the chance it is the target's token once they were not), so that a node's value
         is Π q along its path, EAGLE-2's value."""
         if self.head is not None:
-            return acceptance_batch(self.head, [at.state], [signals], [self.engine._embedding(self.head, token)],
+            return acceptance_batch(self.head, [at.state], [signals], [self.engine.candidate_embedding(self.head, token)],
                                     [depth])[0]
         if not self.fixed:
             return signals["prob"]
@@ -266,16 +385,26 @@ def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: 
 
 @torch.no_grad()
 def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
-                head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None
+                head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None,
+                stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None
                 ) -> list[DecodeResult]:
-    """Each prompt decoded alone (B = 1) with tree drafts under `rule`; the counts are those of `RoundEngine.decode`
-    (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting once).
-    `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node the
-    target checked."""
+    """`engine.decode` with tree drafts under `rule`, each prompt decoded alone (B = 1); the counts are those of
+    `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
+    once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
+    the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
+    a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
+    if not isinstance(rule, TreeRule):
+        raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
+                         "decode with engine.decode")
+    if engine.vocabulary != engine.draft_vocabulary:
+        raise UsageError(f"tree drafts need a draft that predicts the target's {engine.vocabulary} tokens; this draft "
+                         f"predicts {engine.draft_vocabulary}: decode chains (engine.decode) with it, or pick a draft with "
+                         "the target's vocabulary")
+    check_decodable_head(head)
     rule.check_head(head)
     head = head if rule.reads_head else None
     results = []
-    for prompt, seed in zip(prompts, seeds):
+    for request, (prompt, seed) in enumerate(zip(prompts, seeds)):
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(seed)
         draft, target = BatchCache(engine.draft, 1, head.state_layer if head else None), BatchCache(engine.target, 1)
@@ -287,20 +416,29 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         tokens, generated, result = list(prompt), [], DecodeResult(tokens=[])
         while len(generated) < max_new_tokens:
             room = max_new_tokens - len(generated)
+            forwards = draft.forwards[0]
             tree = drafter.grow(draft, tokens[draft.length(0):], min(rule.budget, room - 1))  # the last slot: the target's token
+            forwards = draft.forwards[0] - forwards
             tested: list[tuple[int, bool]] = []
             path, token, target_slots = verify_tree(engine, target, tokens[target.length(0):], tree, generator, tested)
             if checked is not None:
                 checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok) for i, ok in tested]
-            standing, emitted, ended = engine._standing([tree.nodes[i].token for i in path], len(path), token, room)
+            check = None if stop_check is None else (
+                lambda round_tokens, request=request, before=list(generated): stop_check(request, before + round_tokens))
+            standing, emitted, ended = engine.round_output([tree.nodes[i].token for i in path], len(path), token, room,
+                                                           check)
             target.hold(0, target_slots[: len(target_slots) - len(path) + standing])
             read = [tree.nodes[i].draft_slot for i in path[:standing]]
             draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
             for cache in (draft, target):
                 cache.trim()
-            engine._count(result, rule, len(tree.nodes), standing, called=True)
+            count_round(result, len(tree.nodes), standing, called=True)
+            if drafter.costs is not None:
+                drafter.costs.observe(len(path), forwards, len(tree.nodes))
             tokens += emitted
             generated += emitted
+            if on_emit is not None and emitted:
+                on_emit(request, emitted)
             if ended:
                 break
         result.tokens, result.emitted = generated, len(generated)
@@ -309,4 +447,3 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         result.time_forwards(draft, target)
         results.append(result)
     return results
-

@@ -23,6 +23,12 @@ your own), checked after each new token so the output ends where the target alon
 left-padded prompts decode together, as do num_return_sequences samples of a prompt: each row draws with its own
 generator, seeded from torch's global RNG, so `torch.manual_seed` makes runs repeatable.
 
+Trees: `tree=TreeRule(...)` (`specheads.decoding.tree`), or a dict of its fields (`tree={"values": "head",
+"floor": 0.0, "budget": 8, "cost_ratio": 0.2}`, a `curve` as `{tokens: [...], seconds: [...]}`), drafts a token
+tree each round in place of the chain and verifies it in one target forward, exactly (each prompt decoded alone);
+`cost_ratio=` gives a tree without one cost-aware growth. A tree valued by draft confidence (`values: confidence`,
+EAGLE-2's) needs no head.
+
 What transformers 5.x does not hand a `custom_generate` callable, and how to pass it instead:
 - `assistant_model` is dropped: pass the draft as `draft=`.
 - `streamer` is dropped (generate puts only the prompt into it, then calls the callable without it): pass the
@@ -46,6 +52,7 @@ head was trained for (`check_trained_for`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -58,14 +65,16 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.costs import CostCurve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.result import DecodeResult
-from specheads.embedded import EMBEDDED_NAME
-from specheads.errors import UsageError
+from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import AcceptanceHead, load_head
 from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule
-from specheads.models import ModelSpec, resolve_source, weights_identity
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.embedded import EMBEDDED_NAME
+from specheads.pair.models import ModelSpec, resolve_source, weights_identity
+from specheads.plumbing.errors import UsageError
 
 UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                         "output_hidden_states")
@@ -136,11 +145,38 @@ def rule_policy(rule: DecisionRule, cost_ratio: float | None) -> Any:
     return make_policy("head", rule.threshold, rule.max_draft or 8)
 
 
-def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -> None:
-    """Refuse a head that cannot read this draft's states or was trained for another sampling transform."""
+def tree_rule(tree: Any, cost_ratio: float | None) -> TreeRule | None:
+    """The `tree=` argument as a `TreeRule` (a TreeRule, or a dict of its fields), with `cost_ratio=` as its growth's
+    cost ratio when it has none; None without a tree."""
+    if tree is None:
+        return None
+    if isinstance(tree, dict):
+        fields = {f.name for f in dataclasses.fields(TreeRule)}
+        unknown, missing = sorted(set(tree) - fields), [f for f in ("values", "floor", "budget") if f not in tree]
+        if unknown or missing:
+            raise UsageError(f"tree= {'has unknown fields ' + ', '.join(unknown) if unknown else 'lacks ' + ', '.join(missing)}"
+                             f"; a tree is a TreeRule or a dict of its fields: values, floor, budget (required), "
+                             f"{', '.join(sorted(fields - {'values', 'floor', 'budget'}))}")
+        curve = tree.get("curve")
+        tree = TreeRule(**{**tree, "curve": CostCurve.from_dict(curve) if isinstance(curve, dict) else curve})
+    if not isinstance(tree, TreeRule):
+        raise UsageError(f"tree= must be a TreeRule (specheads.decoding.tree) or a dict of its fields, got "
+                         f"{type(tree).__name__}")
+    if cost_ratio is not None and tree.cost_ratio is not None and cost_ratio != tree.cost_ratio:
+        raise UsageError(f"cost_ratio={cost_ratio} and the tree's cost_ratio={tree.cost_ratio} differ; give it once")
+    return tree if cost_ratio is None else dataclasses.replace(tree, cost_ratio=cost_ratio)
+
+
+def check_draft(draft: Any) -> None:
+    """Refuse a call without a draft."""
     if draft is None:
         raise UsageError("speculative_generate needs draft=<the draft model>; transformers does not hand "
                          "assistant_model to a custom_generate callable")
+
+
+def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -> None:
+    """Refuse a head that cannot read this draft's states or was trained for another sampling transform."""
+    check_draft(draft)
     hidden = getattr(draft.config, "hidden_size", None)
     if hidden != head.hidden_size:
         raise UsageError(f"the head reads draft states of size {head.hidden_size}, this draft's are {hidden}: it was "
@@ -168,7 +204,7 @@ def loaded_from(model: Any) -> Path | None:
 
 def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
     """What provably differs between `model` and the weights a head's config.json records for it
-    (`specheads.models.weights_identity`), or None. Provable: another model class, or the very folder the head's
+    (`specheads.pair.models.weights_identity`), or None. Provable: another model class, or the very folder the head's
     data was made from whose files no longer hash as recorded. Not provable, so let through: a model from the Hub (the
     revision it was loaded at is not on the model), from another folder (the same weights can be laid out in other
     files), or built in memory."""
@@ -299,18 +335,24 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
                          stopping_criteria: StoppingCriteriaList, generation_config: Any, synced_gpus: bool = False,
                          streamer: Any = None, draft: Any = None, head: Any = None, token_streamer: Any = None,
                          stats: list[DecodeResult] | None = None, cost_ratio: float | None = None,
-                         **model_kwargs: Any) -> torch.LongTensor:
+                         tree: TreeRule | dict[str, Any] | None = None, **model_kwargs: Any) -> torch.LongTensor:
     """A `custom_generate` callable for `target.generate`: speculative decoding with `draft` and the exported `head`
     (module docstring). Returns the sequences as `generate` does (prompt, new tokens, then pad ids where a row ended
     early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens). `cost_ratio`:
-    your t_draft/t_target, for a head whose rule is read from the costs (`rule_policy`)."""
-    module, rule = resolve_head(head)
-    policy = rule_policy(rule, cost_ratio)
+    your t_draft/t_target, for a head whose rule is read from the costs (`rule_policy`) or for a tree's growth.
+    `tree`: tree drafts under that `TreeRule` (or dict of its fields) in place of the head's chain rule."""
+    rule_of_tree = tree_rule(tree, cost_ratio)
+    module, policy = None, None
+    if head is not None or rule_of_tree is None or rule_of_tree.reads_head:
+        module, rule = resolve_head(head)
+        policy = rule_policy(rule, cost_ratio) if rule_of_tree is None else None
     check_options(generation_config, model_kwargs, synced_gpus, streamer if streamer is not None else generate_streamer())
     transform = sampling_of(logits_processor, bool(generation_config.do_sample))
-    check_pair(module, draft, transform)
-    check_decodable_head(module)
-    check_trained_for(module, draft, model)
+    check_draft(draft)
+    if module is not None:
+        check_pair(module, draft, transform)
+        check_decodable_head(module)
+        check_trained_for(module, draft, model)
     if token_streamer is not None and input_ids.shape[0] > 1:
         raise UsageError("token_streamer streams one sequence; generate one prompt at a time to stream")
     prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))
@@ -328,9 +370,14 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
 
     if token_streamer is not None:  # as generate does with its own streamer: the prompt first (skip_prompt drops it)
         token_streamer.put(input_ids.cpu())
-    results = engine.decode(prompts, policy, max_new_tokens, seeds, module.to(next(draft.parameters()).device),
-                            stop_check=stop_check_of(stopping_criteria, set(stop_ids), input_ids.cpu(), input_ids.device),
-                            on_emit=emit if token_streamer is not None else None)
+    on_device = None if module is None else module.to(next(draft.parameters()).device)
+    stop_check = stop_check_of(stopping_criteria, set(stop_ids), input_ids.cpu(), input_ids.device)
+    on_emit = emit if token_streamer is not None else None
+    if rule_of_tree is not None:
+        results = decode_tree(engine, prompts, rule_of_tree, max_new_tokens, seeds, on_device, stop_check=stop_check,
+                              on_emit=on_emit)
+    else:
+        results = engine.decode(prompts, policy, max_new_tokens, seeds, on_device, stop_check=stop_check, on_emit=on_emit)
     if token_streamer is not None:
         token_streamer.end()
     if stats is not None:

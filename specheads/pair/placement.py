@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 if TYPE_CHECKING:
-    from specheads.models import ModelSpec
+    from specheads.pair.model_spec import ModelSpec
 
 OFFLOAD = ("cpu", "disk")
 PLACEMENT_FIELDS = ("device_map", "max_memory")

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from specheads.errors import UsageError
-from specheads.sampling import SamplingTransform
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 FeaturesAt = Literal["all", "drafted", "drafted_candidate", "drafted_context"]
 FeaturesDtype = Literal["float16", "bfloat16"]

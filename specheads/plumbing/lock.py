@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock, SoftFileLock, Timeout
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 
 def lock_files(command: str) -> tuple[str, str]:

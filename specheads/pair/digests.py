@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specheads.embedded import cache_root, file_sha256
-from specheads.files import write_text_atomic
+from specheads.pair.embedded import cache_root, file_sha256
+from specheads.plumbing.files import write_text_atomic
 
 CACHE_FILE = "file-facts.jsonl"
 COMPACT_AFTER = 1000

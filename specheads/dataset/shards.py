@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from specheads.digests import cached_fact, cached_sha256
-from specheads.embedded import file_sha256
-from specheads.errors import UsageError
-from specheads.files import write_json_atomic
-from specheads.storage import float_values
+from specheads.dataset.storage import float_values
+from specheads.pair.digests import cached_fact, cached_sha256
+from specheads.pair.embedded import file_sha256
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import write_json_atomic
 
 SHARDS = "shards"
 RUN_PREFIX = "specheads-run-"

@@ -21,12 +21,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from specheads.errors import UsageError
-from specheads.files import write_json_atomic
+from specheads.dataset.prompts import prompt_digest
+from specheads.dataset.storage import as_tensor, kept_rows, require_states, storage_of
+from specheads.dataset.store import load_labelled, read_manifest
 from specheads.heads.base import with_derived_signals
-from specheads.prompts import prompt_digest
-from specheads.storage import as_tensor, kept_rows, require_states, storage_of
-from specheads.store import load_labelled, read_manifest
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import write_json_atomic
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
@@ -240,7 +240,7 @@ class AcceptanceDataModule(L.LightningDataModule):
 
     @property
     def state_layer(self) -> int | None:
-        """Which draft state the data's features hold (`specheads.states`; None: the last layer)."""
+        """Which draft state the data's features hold (`specheads.model_outputs.states`; None: the last layer)."""
         return self.manifest["identity"].get("state_layer")
 
     @property

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specheads.errors import UsageError
-from specheads.hub import hub_unreachable, offline_mode, reach_fix
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.hub import hub_unreachable, offline_mode, reach_fix
 
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).with_name("builtin_prompts.jsonl")
@@ -126,7 +126,7 @@ def _builtin() -> list[Prompt]:
 
 
 def refuse_unreachable_dataset(source: str) -> None:
-    """Refuse a Hub dataset id at once when the Hub cannot be reached (`specheads.hub`), instead of letting datasets
+    """Refuse a Hub dataset id at once when the Hub cannot be reached (`specheads.plumbing.hub`), instead of letting datasets
     retry for a minute; with HF_HUB_OFFLINE set, datasets reads its cache itself."""
     reason = hub_unreachable()
     if reason and not offline_mode():

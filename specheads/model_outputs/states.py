@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 
 def describe_state(state_layer: int | None) -> str:
@@ -76,7 +76,7 @@ def decoder_forward(model: Any, state_layer: int | None, **inputs: Any) -> tuple
 def decoder_states(model: Any, sequences: list[list[int]], pad_id: int, device: torch.device,
                    state_layer: int | None = None) -> torch.Tensor:
     """The decoder's states for right-padded `sequences`: [B, L, h] on `device` (wherever a split model's last layer
-    ran); the last layer's (after the final norm) unless `state_layer` names an inner one (`specheads.states`)."""
+    ran); the last layer's (after the final norm) unless `state_layer` names an inner one (`specheads.model_outputs.states`)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

@@ -18,9 +18,7 @@ import numpy as np
 import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 
-from specheads.errors import UsageError
-from specheads.files import atomic_path
-from specheads.shards import (
+from specheads.dataset.shards import (
     arrow_fingerprint,
     changed_bytes,
     check_shard_values,
@@ -29,7 +27,9 @@ from specheads.shards import (
     shard_problem,
     write_record,
 )
-from specheads.storage import ARROW_DTYPES
+from specheads.dataset.storage import ARROW_DTYPES
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import atomic_path
 
 MANIFEST = "manifest.json"
 FORMAT = "specheads-labels"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 SUFFIXES = (".yaml", ".yml")
 

@@ -22,8 +22,8 @@ from typing import Literal
 
 import torch
 
-from specheads.errors import UsageError
-from specheads.states import mixed_states
+from specheads.model_outputs.states import mixed_states
+from specheads.plumbing.errors import UsageError
 
 CANDIDATE_STATE = "candidate_state"
 CONTEXT_STATE = "context_state"

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter, set_parsing_settings
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 Config = TypeVar("Config")
 

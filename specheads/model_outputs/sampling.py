@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass(frozen=True)

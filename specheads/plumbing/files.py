@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from specheads.errors import UsageError
+from specheads.plumbing.errors import UsageError
 
 
 def check_output_folder(folder: Path, flag: str = "--out") -> None:

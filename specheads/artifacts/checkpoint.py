@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from specheads.errors import UsageError
 from specheads.heads import AcceptanceHead, build_head
 from specheads.heads.loading import COST_RULE, DecisionRule, load_head, read_head_config, resolve_folder
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TrainedHead:
 
     @property
     def used_prompts(self) -> set[str] | None:
-        """The prompts training used, to fit the head or its calibration (`specheads.prompts.prompt_digest` of their
+        """The prompts training used, to fit the head or its calibration (`specheads.dataset.prompts.prompt_digest` of their
         token ids): eval holds out every other prompt. None for a head trained before specheads recorded them."""
         recorded = self.split.get("train_prompts")
         return None if recorded is None else set(recorded) | set(self.split.get("calibration_prompts") or [])

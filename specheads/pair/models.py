@@ -1,4 +1,5 @@
-"""Model specs: a Hub id or local folder, a GGUF file, the embedded default, or a derived draft.
+"""Loading models from their specs (`specheads.pair.model_spec.ModelSpec`, importable from here too): a Hub id or local
+folder, a GGUF file, the embedded default, or a derived draft.
 
 A derived draft is the target with a block of decoder layers skipped (self-speculative). It gets
 its own module objects with renumbered cache indices but shares the target's weight tensors, so it
@@ -11,17 +12,17 @@ import copy
 import hashlib
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from specheads.digests import cached_sha256
-from specheads.embedded import EMBEDDED_NAME, embedded_folder
-from specheads.errors import UsageError
-from specheads.hub import hub_unreachable, reach_fix
-from specheads.placement import (
+from specheads.model_outputs.signals import output_width
+from specheads.pair.digests import cached_sha256
+from specheads.pair.embedded import EMBEDDED_NAME, embedded_folder
+from specheads.pair.model_spec import ModelSpec
+from specheads.pair.placement import (
     PLACEMENT_FIELDS,
     RankDevices,
     check_no_spill,
@@ -29,51 +30,10 @@ from specheads.placement import (
     offloaded_weights,
     visible_devices,
 )
-from specheads.signals import output_width
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.hub import hub_unreachable, reach_fix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelSpec:
-    """Where a model comes from.
-
-    Args:
-        path: Hub id, local folder, `.gguf` file, or `embedded:smollm2`; empty for a draft derived from the target.
-        revision: Hub branch, tag or commit (Hub ids only).
-        gguf_file: GGUF file name inside `path` when `path` is a folder or Hub id.
-        skip_layers: decoder layers to skip (0-based); with an empty `path` the draft is the target minus these.
-        dtype: weights dtype: float32, bfloat16 or float16.
-        device_map: spread the model over the rank's GPUs with accelerate (`auto`, `balanced`, `balanced_low_0`,
-            `sequential`, or `{module: device}`); unset = the whole model on the rank's device (data_gen.placement).
-        max_memory: memory per device for `device_map`, e.g. `{0: 70GiB, 1: 70GiB}`; GPUs count from the rank's
-            first (0 .. gpus_per_rank − 1); `cpu` and `disk` allow offloading there (slow).
-    """
-
-    path: str | None = None
-    revision: str | None = None
-    gguf_file: str | None = None
-    skip_layers: list[int] = field(default_factory=list)
-    dtype: str = "float32"
-    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, int | str] | None = None
-    max_memory: dict[str, int | str] | None = None
-
-    def describe(self) -> str:
-        """A short human name for messages and summaries."""
-        base = self.path or "target"
-        if self.revision:
-            base += f"@{self.revision}"
-        if self.skip_layers:
-            base += f" minus layers {format_layers(self.skip_layers)}"
-        return base
-
-
-def format_layers(layers: list[int]) -> str:
-    """`[20, 21]` -> `20-21`; other lists comma-separated."""
-    ordered = sorted(layers)
-    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 1:
-        return f"{ordered[0]}-{ordered[-1]}"
-    return ",".join(map(str, ordered))
 
 
 @dataclass
@@ -103,7 +63,7 @@ def resolve_source(spec: ModelSpec) -> ResolvedSource:
 
 
 def hub_offline(source: ResolvedSource) -> str | None:
-    """Why a Hub source must come from the local cache (`specheads.hub`: offline mode, or no connection); None for a
+    """Why a Hub source must come from the local cache (`specheads.plumbing.hub`: offline mode, or no connection); None for a
     local source or a reachable Hub."""
     return None if source.is_local else hub_unreachable()
 
@@ -265,7 +225,7 @@ def hub_commit(source: ResolvedSource) -> str | None:
 
 def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
     """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole
-    (`specheads.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
+    (`specheads.pair.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
     spec_fields = {name: value for name, value in asdict(spec).items() if name not in PLACEMENT_FIELDS}
     identity: dict[str, Any] = {"spec": spec_fields, "class": type(model).__name__}
     source = resolve_source(spec)

