@@ -42,7 +42,6 @@ NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and l
                           "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices",
               "sv_companion": "its companion runs a forward beside each draft forward, which this model's round cost "
                               "(draft steps and one target forward) does not price"}
-BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive")
 
 LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
 """(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""

@@ -26,7 +26,7 @@ from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.online import ADAEDL_GAMMA, SGLANG_START
 from specheads.decoding.rules import ONLINE_POLICIES
-from specheads.decoding.tree import TreeRule, decode_tree
+from specheads.decoding.tree import TreeRule, child_values_refusal, decode_tree
 from specheads.eval.likelihood import target_log_likelihoods
 from specheads.eval.offline import interval
 from specheads.heads import STOP_PURPOSES, AcceptanceHead
@@ -451,10 +451,10 @@ def tree_head_refusal(head: AcceptanceHead, purpose: str) -> str | None:
     if purpose not in STOP_PURPOSES:
         return (f"a {head.head_type} head predicts whether a token may pass unverified, not a child's acceptance "
                 "min(1, p/q): only the confidence-valued trees are decoded")
-    if head.decides not in ("at_draft", "before_draw"):
-        return (f"a {head.head_type} head decides {head.decides} (it reads the state after a child), but a tree scores "
-                "each child from its parent's state: only the confidence-valued trees are decoded; train an on-time "
-                "head (configs/train/specdecpp-ontime.yaml) for head values")
+    refusal = child_values_refusal(head)
+    if refusal:
+        return (f"{refusal}: only the confidence-valued trees are decoded; train an on-time head "
+                "(configs/train/specdecpp-ontime.yaml) for head values")
     return None
 
 

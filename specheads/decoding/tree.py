@@ -133,9 +133,18 @@ class TreeRule:
             return
         if head is None:
             raise UsageError("a tree with head values needs an acceptance head")
-        if head.decides not in ("at_draft", "before_draw"):
-            raise UsageError(f"a tree scores each child from its parent's state; a {head.head_type} head decides "
-                             f"{head.decides} (it reads the state after the child), use an at_draft or before_draw head")
+        refusal = child_values_refusal(head)
+        if refusal:
+            raise UsageError(f"{refusal}; use an at_draft or before_draw head")
+
+
+def child_values_refusal(head: AcceptanceHead) -> str | None:
+    """Why `head` cannot score a tree's children (None: it can): a tree scores each child from its parent's state
+    when the child is drawn, which only a head deciding at the draw or before it does."""
+    if head.decides in ("at_draft", "before_draw"):
+        return None
+    return (f"a tree scores each child from its parent's state; a {head.head_type} head decides {head.decides} (it "
+            "reads the state after the child)")
 
 
 @dataclass
