@@ -182,7 +182,7 @@ def settings(config: Config, step: str) -> list[tuple[str, float]]:
     extra = [("head_cost", c) for c in config.cost_ratios]
     if config.transformers_default:
         extra.append(("transformers", 0.4))
-    return sorted(chosen) + extra
+    return extra + sorted(chosen)
 
 
 def decode(config: Config, step: str) -> None:

@@ -67,6 +67,8 @@ class Config:
         width: most children per node.
         expand: most nodes the draft reads per forward.
         cost_ratio: c = t_draft / t_target of the modelled speedup and of the trees whose growth reads the costs.
+        kinds: decode only these kinds' settings (all when not given): the chain and the trees grown by their costs
+            need no tune step.
         resamples: bootstrap resamples of the paired intervals.
     """
 
@@ -90,6 +92,7 @@ class Config:
     width: int = 4
     expand: int = 4
     cost_ratio: float = 0.2
+    kinds: list[str] | None = None
     resamples: int = 2000
 
 
@@ -111,7 +114,7 @@ def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -
                 + [{"kind": "tree_eagle", "budget": config.tune_budget, "knob": f} for f in config.eagle_floors])
     assert tuned is not None
     return ([{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
-             for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain")]
+             for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain") if kind == "chain" or kind in tuned]
             + [{"kind": kind, "budget": n, "knob": 0.0} for n in config.budgets
                for kind in ("tree_head_cost", "tree_confidence_cost")]
             + [{"kind": "tree_eagle", "budget": n, "knob": tuned["tree_eagle"]} for n in config.eagle_budgets
@@ -183,9 +186,9 @@ def decode(config: Config, step: str) -> None:
         torch.set_num_threads(config.threads)
     out = Path(config.out)
     index, count = (int(part) for part in config.shard.split("/"))
-    tuned = tuned_floors(out) if step == "confirm" else None
+    tuned = (tuned_floors(out) if (out / "tune.json").exists() else {}) if step == "confirm" else None
     todo = [s for i, s in enumerate(settings(config, step, tuned)) if i % count == index
-            and not (out / step / f"{setting_name(s)}.json").exists()]
+            and not (out / step / f"{setting_name(s)}.json").exists() and (config.kinds is None or s["kind"] in config.kinds)]
     if not todo:
         return
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
@@ -280,7 +283,9 @@ def main() -> None:
         return
     if config.head is None:
         raise SystemExit("tree_drafts.py: --head is required for the tune and confirm steps; give the on-time head's .ckpt")
-    if config.step in ("confirm", "siblings") and not (Path(config.out) / "tune.json").exists():
+    untuned = config.step == "confirm" and config.kinds is not None and all(
+        kind == "chain" or TREE_KINDS[kind][2] for kind in config.kinds)
+    if config.step in ("confirm", "siblings") and not untuned and not (Path(config.out) / "tune.json").exists():
         raise SystemExit("tree_drafts.py: no tune.json in --out; run --step tune, then --step report, first")
     siblings(config) if config.step == "siblings" else decode(config, config.step)
 

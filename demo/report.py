@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specheads.artifacts.report_file import Report
-from specheads.demo.stages import HEADS, Layout
+from specheads.demo.stages import TITLES, Layout
 from specheads.demo.summary import decoding_line, duration, serving_line
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
 
@@ -21,7 +21,8 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
             ("serving", lambda f: serving_line(f) or "–"),
             ("decision rule", lambda f: f"`{f['decision_rule']['rule']}` at {f['decision_rule']['threshold']:g}"
                                         f"{'' if f['decision_rule']['tuned'] else ' (untuned)'}"),
-            ("exported to", lambda f: f"`heads/{f['exported'].rsplit('/', 1)[-1]}`")]
+            ("exported to", lambda f: f"`{f['exported']}`" if f["exported"].startswith("load_head")
+             else f"`heads/{f['exported'].rsplit('/', 1)[-1]}`")]
     lines = ["| | " + " | ".join(f["title"] for f in heads.values()) + " |", "|---|" + "---|" * len(heads)]
     lines += [f"| {name} | " + " | ".join(cell(f) for f in heads.values()) + " |" for name, cell in rows]
     return lines
@@ -41,7 +42,7 @@ def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
               for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
     lines.append("")
     for head in reports:
-        lines += [f"## {HEADS[head]}", "", report_markdown(reports[head], plot_dir=f"eval/{head}/", depth=3)]
+        lines += [f"## {TITLES[head]}", "", report_markdown(reports[head], plot_dir=f"eval/{head}/", depth=3)]
     return "\n".join(lines)
 
 

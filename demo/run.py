@@ -12,7 +12,18 @@ from specheads.artifacts.report_file import REPORT_FILE, read_report
 from specheads.dataset.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.report import write_demo_report
-from specheads.demo.stages import EVALUATED, HEADS, Layout, Stage, eval_stage, export_stage, gen_stage, train_stage
+from specheads.demo.stages import (
+    EVALUATED,
+    HEADS,
+    SHIPPED,
+    Layout,
+    Stage,
+    eval_stage,
+    export_stage,
+    gen_stage,
+    shipped_eval_stage,
+    train_stage,
+)
 from specheads.demo.summary import summarise, summary_text
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
@@ -34,15 +45,15 @@ def prepare_folder(root: Path, overwrite: bool) -> None:
 
 
 def evaluated(layout: Layout, head: str) -> bool:
-    """Whether the head's report folder holds an evaluation of this very checkpoint (by its weights digest), and of
-    the expected-acceptance head the on-time head's verify budget planned with."""
-    if not ((layout.report(head) / REPORT_FILE).is_file() and layout.checkpoint(head).is_file()):
+    """Whether the head's report folder holds an evaluation of this very checkpoint (or shipped head, by its weights
+    digest), and of the expected-acceptance head the on-time head's verify budget planned with."""
+    if not ((layout.report(head) / REPORT_FILE).is_file() and (head == SHIPPED or layout.checkpoint(head).is_file())):
         return False
     try:
         report = read_report(layout.report(head))
     except UsageError:  # a damaged report: evaluate again
         return False
-    if report.head.weights_digest != load_trained(str(layout.checkpoint(head))).head.weights_digest():
+    if report.head.weights_digest != load_trained(layout.evaluated_head(head)).head.weights_digest():
         return False
     planner = ((report.decoding or {}).get("serving") or {}).get("budget") or {}
     if head == "ontime" and planner.get("head"):
@@ -72,6 +83,7 @@ def demo(config: DemoConfig) -> dict[str, Any]:
     stages = [gen_stage(layout, config.size, config.progress)]
     stages += [train_stage(layout, config.size, head, config.progress) for head in HEADS]
     stages += [eval_stage(layout, config.size, head, config.progress) for head in EVALUATED]
+    stages += [shipped_eval_stage(layout, config.size, config.progress)]
     stages += [export_stage(layout, head) for head in HEADS]
     seconds: dict[str, float] = {}
     for number, stage in enumerate(stages, 1):
@@ -82,7 +94,7 @@ def demo(config: DemoConfig) -> dict[str, Any]:
             continue
         seconds[stage.key] = run_stage(stage, number, len(stages))
     seconds["total"] = time.perf_counter() - started
-    reports = {head: read_report(layout.report(head)) for head in EVALUATED}
+    reports = {head: read_report(layout.report(head)) for head in (*EVALUATED, SHIPPED)}
     summary = summarise(layout, read_manifest(layout.data), reports, seconds, [s.command() for s in stages],
                         config.size)
     write_json_atomic(layout.root / "summary.json", summary)

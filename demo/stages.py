@@ -15,6 +15,10 @@ TRAIN_CONFIGS = {"ontime": "train/specdecpp-ontime.yaml", "expected": "train/exp
                  "sprinter": "train/sprinter.yaml"}
 EVALUATED = ("ontime", "sprinter")
 """The heads evaluated on their own: the expected-acceptance head plans the verify budget in the on-time head's eval."""
+SHIPPED = "shipped"
+SHIPPED_HEAD = "smollm2-ontime"
+"""The head that ships with specheads (`load_head` finds it by this name), decoded beside the one the demo trains."""
+TITLES = {**HEADS, SHIPPED: f"on-time head shipped with specheads ({SHIPPED_HEAD}, trained on 16x the data's samples)"}
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,20 @@ class Layout:
         """The checkpoint eval and export read (the run's newest)."""
         return self.run(head) / "checkpoints" / "last.ckpt"
 
+    def evaluated_head(self, head: str) -> str:
+        """What eval reads for `head`: its checkpoint, or the shipped head's name."""
+        return SHIPPED_HEAD if head == SHIPPED else str(self.checkpoint(head))
+
     def report(self, head: str) -> Path:
         """The eval report folder of `head`."""
         return self.root / "eval" / head
 
     def exported(self, head: str) -> Path:
-        """The exported head folder."""
+        """The exported head folder (the shipped head's own folder for it)."""
+        if head == SHIPPED:
+            from specheads.heads.loading import shipped_heads
+
+            return shipped_heads()[SHIPPED_HEAD]
         return self.root / "heads" / head
 
 
@@ -95,6 +107,16 @@ def eval_stage(layout: Layout, size: str, head: str, progress: bool) -> Stage:
     else:
         argv += ["--reuse-runs", str(layout.report("ontime"))]
     return Stage(f"eval_{head}", f"evaluate the {HEADS[head]}", tuple(argv))
+
+
+def shipped_eval_stage(layout: Layout, size: str, progress: bool) -> Stage:
+    """The shipped on-time head on the demo's data and decode prompts, as the on-time head's eval takes them, less
+    every prompt it trained or calibrated on (its config.json lists them): its held-out rows and decoding runs, without
+    the serving table."""
+    argv = ("eval", "--config", str(stage_config(size, "eval-ontime")), "--head", SHIPPED_HEAD, "--data",
+            str(layout.data), "--out", str(layout.report(SHIPPED)), "--allow-other-data", "true",
+            "--serving-batch-sizes", "null", "--progress", str(progress).lower())
+    return Stage(f"eval_{SHIPPED}", f"evaluate the {TITLES[SHIPPED]}", argv)
 
 
 def export_stage(layout: Layout, head: str) -> Stage:

@@ -6,7 +6,7 @@ from typing import Any
 
 from specheads.artifacts.report_file import REPORT_FILE, Report
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
-from specheads.demo.stages import HEADS, Layout, relative
+from specheads.demo.stages import SHIPPED, SHIPPED_HEAD, TITLES, Layout, relative
 from specheads.eval.report import MIN_TEST_PROMPTS, PLANNED_BY_HEAD, interval_cell, logprob_difference
 from specheads.plumbing.text import count
 
@@ -15,11 +15,11 @@ def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
     """One head's figures: its report's headline (the same numbers export puts into config.json), what the demo
     screen adds, and where the files are."""
     result: dict[str, Any] = {
-        **report.headline(), "title": HEADS[head], "label": report.data["label"],
+        **report.headline(), "title": TITLES[head], "label": report.data["label"],
         "held_out_tokens": report.data["tokens"], "held_out_prompts": report.data["prompts"],
         "decision_rule": report.decision_rule.as_dict(),
         "metrics": str(layout.report(head) / REPORT_FILE), "report": str(layout.report(head) / "report.html"),
-        "exported": str(layout.exported(head)),
+        "exported": f'load_head("{SHIPPED_HEAD}")' if head == SHIPPED else str(layout.exported(head)),
     }
     if report.decoding:
         decoding = report.decoding
@@ -192,6 +192,11 @@ def scale_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def exported_words(exported: str) -> str:
+    """Where a head's folder is: the demo's export, or the name a shipped head loads by."""
+    return f"loads as {exported}" if exported.startswith("load_head") else f"exported {relative(exported)}"
+
+
 def summary_text(summary: dict[str, Any]) -> str:
     """The one-screen summary printed at the end of the demo."""
     data, pair = summary["data"], summary["pair"]
@@ -209,7 +214,7 @@ def summary_text(summary: dict[str, Any]) -> str:
                   f"    binary KL {figures['binary_kl']:.3f} vs constant predictor {figures['binary_kl_constant']:.3f}",
                   f"    {decoding_line(figures)}",
                   *[f"    {line}" for line in [serving_line(figures)] if line],
-                  f"    exported {relative(figures['exported'])}   report {relative(figures['report'])}"]
+                  f"    {exported_words(figures['exported'])}   report {relative(figures['report'])}"]
     lines += scale_lines(summary)
     stages = " · ".join(f"{key} {duration(value)}" for key, value in summary["seconds"].items() if key != "total")
     lines += [f"  stages   {stages}", f"  report   {relative(summary['report'])}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -17,6 +18,8 @@ class ExportConfig:
         private: create the Hub repo private.
         revision: the branch to push to (created when missing).
         overwrite: replace an existing, non-empty `out`.
+        weights_dtype: the dtype model.safetensors stores the weight matrices in (float16 halves the file; vectors
+            and the input statistics stay float32); loading upcasts them into the head's float32.
     """
 
     ckpt: str
@@ -26,3 +29,4 @@ class ExportConfig:
     private: bool = False
     revision: str | None = None
     overwrite: bool = False
+    weights_dtype: Literal["float32", "float16", "bfloat16"] = "float32"

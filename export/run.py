@@ -3,12 +3,15 @@ atomically, and push it to the Hub."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from specheads import __version__
 from specheads.artifacts.checkpoint import TrainedHead, load_trained
@@ -98,7 +101,8 @@ def commands(config: ExportConfig, trained: TrainedHead, report: Report | None) 
         c = report.config
         lines.append(f"specheads eval --head {c.get('head')} --data {c.get('data')} --out {c.get('out')} "
                      f"--num-decode-prompts {c.get('num_decode_prompts')} --cost-ratio {c.get('cost_ratio')}")
-    lines.append(f"specheads export --ckpt {config.ckpt} --out {config.out}" + (f" --report {config.report}" if config.report else ""))
+    lines.append(f"specheads export --ckpt {config.ckpt} --out {config.out}" + (f" --report {config.report}" if config.report else "")
+                 + (f" --weights-dtype {config.weights_dtype}" if config.weights_dtype != "float32" else ""))
     return lines
 
 
@@ -112,16 +116,29 @@ def custom_generate_files(head: AcceptanceHead, rule: DecisionRule) -> dict[str,
             "custom_generate/requirements.txt": f"specheads>={__version__}\n"}
 
 
+def stored_head(head: AcceptanceHead, weights_dtype: str) -> AcceptanceHead:
+    """`head` as model.safetensors stores it: its weight matrices in `weights_dtype` (a copy when that is not the
+    head's own), vectors and input statistics as they are."""
+    dtype = getattr(torch, weights_dtype)
+    if all(parameter.dtype == dtype for parameter in head.parameters() if parameter.ndim >= 2):
+        return head
+    stored = copy.deepcopy(head)
+    for parameter in stored.parameters():
+        if parameter.ndim >= 2:
+            parameter.data = parameter.data.to(dtype)
+    return stored
+
+
 def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], card_commands: list[str],
-                 roc: Path | None, overwrite: bool, code: dict[str, str]) -> None:
-    """Build the folder beside `out` (with the `custom_generate_files` in `code`) and move it into place in one
-    rename (nothing half-written)."""
+                 roc: Path | None, overwrite: bool, code: dict[str, str], weights_dtype: str = "float32") -> None:
+    """Build the folder beside `out` (with the `custom_generate_files` in `code`, the weight matrices stored in
+    `weights_dtype`) and move it into place in one rename (nothing half-written)."""
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"{out} already holds files; choose another --out or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        trained.head.save_pretrained(staging, config=config_json)
+        stored_head(trained.head, weights_dtype).save_pretrained(staging, config=config_json)
         if roc is not None:
             shutil.copyfile(roc, staging / "roc.png")
         for name, text in code.items():
@@ -183,9 +200,12 @@ def export(config: ExportConfig) -> dict[str, Any]:
     config_json = head_config(trained, rule, metrics)
     if choice is not None:
         config_json["rule_choice"] = choice
+    if config.weights_dtype != "float32":
+        config_json["weights_dtype"] = config.weights_dtype
     out, code = Path(config.out), custom_generate_files(trained.head, rule)
     if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json, code)):
-        write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite, code)
+        write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite, code,
+                     config.weights_dtype)
     if config.push_to_hub:
         config_json["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
                                         f"specheads export of {Path(config.ckpt).name}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from specheads.plumbing.hub import hub_unreachable, reach_fix
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
+SHIPPED_FOLDER = "shipped"
+"""Where the heads that ship with specheads live (package data of specheads.heads), each in a folder named as
+`load_head` finds it."""
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 STOP_RULE = "stop_drafting_when_rejection_risk_above"
 COST_RULE = "draft_while_the_next_candidate_pays"
@@ -133,13 +137,25 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def shipped_heads() -> dict[str, Path]:
+    """The heads that ship with specheads, by the name `load_head` finds them under."""
+    root = Path(str(files("specheads.heads").joinpath(SHIPPED_FOLDER)))
+    return {folder.name: folder for folder in sorted(root.iterdir()) if (folder / CONFIG_FILE).is_file()} \
+        if root.is_dir() else {}
+
+
 def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
-    """A local folder as given, or the safetensors + config files of a Hub repo downloaded to the cache."""
+    """A local folder as given, a shipped head by its name (`shipped_heads`), or the safetensors + config files of a
+    Hub repo downloaded to the cache."""
     folder = Path(path_or_repo_id)
     if folder.is_dir():
         return folder
+    shipped = shipped_heads()
+    if path_or_repo_id in shipped:
+        return shipped[path_or_repo_id]
     if folder.exists() or path_or_repo_id.count("/") != 1 or path_or_repo_id.startswith((".", "/")):
-        raise UsageError(f"{path_or_repo_id} is neither a head folder nor a Hub repo id (owner/name); "
+        names = f" or one of the heads shipped with specheads ({', '.join(shipped)})" if shipped else ""
+        raise UsageError(f"{path_or_repo_id} is neither a head folder nor a Hub repo id (owner/name){names}; "
                          "give the folder `specheads export --out` wrote or its repo id")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
@@ -268,7 +284,8 @@ def draft_differences(trained_for: dict[str, Any], expected: dict[str, Any]) -> 
 
 def load_head(path_or_repo_id: str, revision: str | None = None,
               expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
-    """A ready head (eval mode) and its decision rule from a head folder or a Hub repo id.
+    """A ready head (eval mode) and its decision rule from a head folder, a Hub repo id or the name of a head that
+    ships with specheads (`shipped_heads`: `smollm2-ontime`, the on-time head of the embedded pair's 16x data).
 
     The head carries `trained_for` (the draft, the sampling transform and the purpose its config.json records), which
     a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as export records it

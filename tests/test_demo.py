@@ -11,7 +11,7 @@ import yaml
 
 from specheads.cli import main
 from specheads.demo.config import CONFIGS, DemoConfig
-from specheads.demo.stages import EVALUATED, HEADS, TRAIN_CONFIGS
+from specheads.demo.stages import EVALUATED, HEADS, SHIPPED, TRAIN_CONFIGS
 
 SIZES = ("full", "quick")
 
@@ -165,12 +165,19 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     summary = json.loads((out / "summary.json").read_text())
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     assert manifest["complete"] and summary["data"]["labelled_tokens"] == manifest["counts"]["labelled_tokens"] > 500
-    assert set(summary["heads"]) == set(EVALUATED)
+    assert set(summary["heads"]) == {*EVALUATED, SHIPPED}
     report = (out / "report.html").read_text()
     for head in HEADS:
         assert (out / "train" / head / "checkpoints" / "last.ckpt").is_file()
     module, _ = load_head(str(out / "heads" / "expected"))
     assert module.decides == "before_draw"  # the verify budget's planner, exported beside the evaluated heads
+    # the head that ships with specheads (package data of the installed copy) decoded beside the demo's, on the demo's
+    # prompts less the ones it trained or calibrated on, with the rule its folder carries read from the costs
+    shipped = json.loads((out / "eval" / SHIPPED / "metrics.json").read_text())
+    assert summary["heads"][SHIPPED]["exported"] == 'load_head("smollm2-ontime")' in printed
+    assert summary["heads"][SHIPPED]["auc"] == shipped["offline"]["head"]["auc"]
+    assert shipped["decoding"]["prompts_dropped_as_seen_in_training"] > 0 and shipped["data"]["prompts"] >= 1
+    assert summary["heads"][SHIPPED]["decoding"]["head_cost_speedup"] > 0
     for head in EVALUATED:
         metrics = json.loads((out / "eval" / head / "metrics.json").read_text())
         figures = summary["heads"][head]
@@ -210,7 +217,7 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
     # a second run resumes: no retraining, no re-evaluation
     again = demo("--quick")
-    assert again.returncode == 0 and again.stdout.count("already evaluated") == 2, again.stderr[-3000:]
+    assert again.returncode == 0 and again.stdout.count("already evaluated") == 3, again.stderr[-3000:]
     assert stamps == {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
     # the full-size demo into the quick demo's folder is refused, naming what differs
     full = demo()

@@ -275,3 +275,31 @@ def test_an_exported_folder_is_readable_by_others_under_the_usual_umask(trained,
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
         "README.md": 0o644, "config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_half_precision_export_halves_the_file_and_loads_as_float32(trained, tmp_path):
+    _, root = trained
+    checkpoint = str(root / "specdecpp" / "checkpoints" / "last.ckpt")
+    for dtype in ("float32", "float16"):
+        assert main(["export", "--ckpt", checkpoint, "--out", str(tmp_path / dtype), "--weights-dtype", dtype]) == 0
+    full, half = (tmp_path / "float32" / "model.safetensors").stat().st_size, (tmp_path / "float16" / "model.safetensors").stat().st_size
+    assert half < 0.6 * full
+    original = load_trained(checkpoint).head
+    head, _ = load_head(str(tmp_path / "float16"))
+    assert {p.dtype for p in head.parameters()} == {torch.float32}
+    assert json.loads((tmp_path / "float16" / "config.json").read_text())["weights_dtype"] == "float16"
+    assert "--weights-dtype float16" in (tmp_path / "float16" / "README.md").read_text()
+    hidden, signals = torch.randn(64, 32), torch.randn(64, len(original.extra_features))
+    assert not torch.equal(original.predict(hidden, signals), head.predict(hidden, signals))  # stored rounded
+    assert torch.allclose(original.predict(hidden, signals), head.predict(hidden, signals), atol=2e-3)
+
+
+def test_the_shipped_head_loads_by_its_name_and_an_unknown_name_lists_the_shipped_ones():
+    from specheads.heads.loading import shipped_heads
+
+    head, rule = load_head("smollm2-ontime", expect_draft="target minus layers 20-21")
+    assert "smollm2-ontime" in shipped_heads() and head.decides == "at_draft" and head.state_layer == 20
+    # calibrated within the bar on held-out prompts, so it carries the rule read from the costs, tuned nowhere
+    assert rule.rule == "draft_while_the_next_candidate_pays" and not rule.tuned
+    with pytest.raises(UsageError, match="smollm2-ontime"):
+        load_head("smollm2-ontimee")

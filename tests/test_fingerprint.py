@@ -44,3 +44,39 @@ def test_a_fine_tune_of_the_same_shape_gets_another_fingerprint_and_digests_are_
     stat = (base / "model.safetensors").stat()
     os.utime(base / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert identity(base) != first and "model.safetensors" in hashed
+
+
+def with_metadata_order(source, target, order) -> None:
+    """A copy of the safetensors file `source` whose header lists its metadata keys in `order` (safetensors itself
+    writes them in a per-process hash order)."""
+    import json
+    import struct
+
+    data = source.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"] = {key: header["__metadata__"][key] for key in order}
+    text = json.dumps(header, separators=(",", ":")).ljust(size)
+    assert len(text) == size
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data[:8] + text.encode() + data[8 + size:])
+
+
+def test_the_same_tensors_saved_with_metadata_in_another_order_keep_their_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    written = tmp_path / "written.safetensors"
+    save_file({"w": torch.arange(6.0)}, str(written), metadata={"format": "pt", "source": "a", "zz": "1"})
+    for name, order in (("one", ["format", "source", "zz"]), ("two", ["zz", "format", "source"]),
+                        ("other", ["source", "zz", "format"])):
+        with_metadata_order(written, tmp_path / name / "model.safetensors", order)
+    (tmp_path / "other" / "model.safetensors").write_bytes(
+        (tmp_path / "other" / "model.safetensors").read_bytes().replace(b'"a"', b'"b"'))
+
+    def identity(folder):
+        return weights_identity(ModelSpec(path=str(tmp_path / folder)), Weighted())["weights_sha256"]
+
+    one, two = tmp_path / "one" / "model.safetensors", tmp_path / "two" / "model.safetensors"
+    assert one.read_bytes() != two.read_bytes()
+    assert identity("one") == identity("two") != identity("other")
+    # a header already in sorted order (a single-key one included) hashes as its bytes: recorded digests still hold
+    assert digests.weights_sha256(one) == digests.file_sha256(one) != digests.file_sha256(two)

@@ -2,7 +2,9 @@
 
 A model's fingerprint must change whenever any byte of its weights does (a fine-tune of the same shape
 included), so every file is hashed whole; a labelled shard's values are range-checked before anything
-trains on them. Both read whole files, so the result is kept in `$SPECHEADS_CACHE/file-facts.jsonl`, keyed by
+trains on them. A safetensors file is hashed with its header's metadata keys in sorted order: safetensors writes
+that map in a per-process hash order, so the same tensors saved twice (the embedded model converted on two machines)
+would otherwise get two fingerprints. Both read whole files, so the result is kept in `$SPECHEADS_CACHE/file-facts.jsonl`, keyed by
 the file's path, and reused while its size and modification time are unchanged.
 
 The cache is a journal: read once per process, one line appended per new fact (a later line wins), so recording
@@ -12,7 +14,9 @@ n facts costs O(n) in all. When it has grown to twice the facts it held after it
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,55 @@ def cached_fact(path: Path, kind: str, compute: Callable[[Path], Any]) -> Any:
 def cached_sha256(path: Path) -> str:
     """The hex sha256 of the whole file at `path` (cached)."""
     return str(cached_fact(path, "sha256", file_sha256))
+
+
+def cached_weights_sha256(path: Path) -> str:
+    """The hex sha256 of a weight or config file (cached): whole, with a safetensors header's metadata in sorted
+    order."""
+    return str(cached_fact(path, "weights-sha256", weights_sha256))
+
+
+def weights_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of the file at `path`, hashed as if a safetensors header's `__metadata__` keys were written in sorted
+    order; a file already written so (or any other file) hashes as its bytes do."""
+    canonical = canonical_safetensors_header(path) if path.suffix == ".safetensors" else None
+    if canonical is None:
+        return file_sha256(path)
+    digest = hashlib.sha256(struct.pack("<Q", len(canonical)) + canonical)
+    with open(path, "rb") as handle:
+        handle.seek(8 + len(canonical))
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical_safetensors_header(path: Path) -> bytes | None:
+    """The header of the safetensors file at `path` with its metadata keys sorted, or None when that is the header
+    as written (or the file is no safetensors this can re-serialise byte for byte)."""
+    with open(path, "rb") as handle:
+        size_bytes = handle.read(8)
+        if len(size_bytes) < 8:
+            return None
+        size = struct.unpack("<Q", size_bytes)[0]
+        header = handle.read(size) if size < 1 << 30 else b""
+    try:
+        text = header.decode("utf-8")
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    metadata = parsed.get("__metadata__") if isinstance(parsed, dict) else None
+    body = text.rstrip(" ")
+    if not isinstance(metadata, dict) or compact_json(parsed) != body:
+        return None  # nothing to reorder, or written by a serialiser this would not reproduce
+    canonical = compact_json({**parsed, "__metadata__": dict(sorted(metadata.items()))})
+    if canonical == body:
+        return None
+    return (canonical + text[len(body):]).encode("utf-8")
+
+
+def compact_json(value: Any) -> str:
+    """JSON as safetensors (serde_json) writes a header: no spaces, non-ASCII characters as they are."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def file_stamp(path: Path) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from specheads.model_outputs.signals import output_width
-from specheads.pair.digests import cached_sha256
+from specheads.pair.digests import cached_weights_sha256
 from specheads.pair.embedded import EMBEDDED_NAME, embedded_folder
 from specheads.pair.model_spec import ModelSpec
 from specheads.pair.placement import (
@@ -224,8 +224,9 @@ def hub_commit(source: ResolvedSource) -> str | None:
 
 
 def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
-    """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole
-    (`specheads.pair.digests`: computed once per file version, then cached). Where the model runs is no part of it."""
+    """What identifies the weights: the Hub commit, or the sha256 of every local weight and config file, whole (a
+    safetensors header's metadata in sorted order; `specheads.pair.digests`: computed once per file version, then
+    cached). Where the model runs is no part of it."""
     spec_fields = {name: value for name, value in asdict(spec).items() if name not in PLACEMENT_FIELDS}
     identity: dict[str, Any] = {"spec": spec_fields, "class": type(model).__name__}
     source = resolve_source(spec)
@@ -238,7 +239,7 @@ def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
              [file for file in sorted(folder.iterdir()) if file.suffix in WEIGHT_SUFFIXES and file.is_file()])
     digest = hashlib.sha256()
     for file in files:
-        digest.update(f"{file.name}:{cached_sha256(file)}\n".encode())
+        digest.update(f"{file.name}:{cached_weights_sha256(file)}\n".encode())
     identity["weights_sha256"] = digest.hexdigest()[:16]
     return identity
 
