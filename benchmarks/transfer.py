@@ -37,6 +37,8 @@ from specheads.eval.sweep import modelled_speedup  # noqa: E402
 from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
 from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
+POOLED = "all"
+"""The tuning source of the in-distribution table: every family's dev prompts together."""
 FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive")
 """The free rules tuned per family (the strongest of issue 34's table, with AdaEDL and SGLang's EMA of accepted lengths
 as the run-time adapted ones)."""
@@ -158,7 +160,8 @@ def family_of(records: list[dict[str, Any]], family: str) -> list[dict[str, Any]
 
 
 def tuned_thresholds(config: Config) -> dict[str, dict[str, dict[str, float]]]:
-    """{c: {policy: {family: the dev threshold of the highest modelled speedup on that family's dev prompts}}}."""
+    """{c: {policy: {family: the dev threshold of the highest modelled speedup on that family's dev prompts}}}, and
+    under POOLED the one of all families' dev prompts together."""
     decoded = load_records(Path(config.out) / "tune")
     families = sorted({r["category"] for r in dev_rows(config)})
     tuned: dict[str, dict[str, dict[str, float]]] = {}
@@ -170,6 +173,7 @@ def tuned_thresholds(config: Config) -> dict[str, dict[str, dict[str, float]]]:
             tuned.setdefault(f"{c:g}", {})[policy] = {
                 family: max(options, key=lambda item: float(speedup(totals(family_of(item[1], family)), c)))[0]
                 for family in families}
+            tuned[f"{c:g}"][policy][POOLED] = max(options, key=lambda item: float(speedup(totals(item[1]), c)))[0]
     return tuned
 
 
@@ -253,7 +257,7 @@ def report(config: Config) -> None:
             for policy in rules:
                 chosen = tuned[key][policy]
                 by_source = {source: totals(family_of(test[(policy, threshold)], family))
-                             for source, threshold in chosen.items()}
+                             for source, threshold in chosen.items() if source != POOLED}
                 others = {source: float(speedup(table, c)) for source, table in by_source.items() if source != family}
                 strongest = max(others, key=others.__getitem__)
                 versus = gain(mine, by_source[strongest], c, draws)
@@ -274,7 +278,32 @@ def report(config: Config) -> None:
                 cells.append("–")
             results["rows"].append(row)
             print(f"| {family} | " + " | ".join(cells) + " |")
+        results["pooled"] = results.get("pooled", []) + [pooled_row(config, test, tuned[key], c, rules, rng)]
     write_json_atomic(out / f"results-{config.report_on}.json", results)
+
+
+def pooled_row(config: Config, test: dict[tuple[str, float], list[dict[str, Any]]], tuned: dict[str, dict[str, float]],
+               c: float, rules: list[str], rng: np.random.Generator) -> dict[str, Any]:
+    """The in-distribution comparison at c over every test prompt: head_cost (tuned nowhere) and each rule at the
+    threshold all families' dev prompts chose together, with head_cost's paired gain over each (printed as a table)."""
+    by_prompt = sorted(test[("head_cost", c)], key=lambda r: (r["family"], r["prompt"]))
+    mine = totals(by_prompt)
+    draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
+    row: dict[str, Any] = {"c": c, "head_cost": float(speedup(mine, c)), "rules": {}}
+    print(f"\nAll {len(mine)} test prompts, each rule at the threshold all families' dev prompts chose together:\n")
+    print("| rule | threshold | modelled speedup | head_cost's gain over it [95 % paired] |")
+    print("|---|---|---|---|")
+    print(f"| head_cost (tuned nowhere) | c = {c:g} | {row['head_cost']:.3f}× | – |")
+    for policy in rules:
+        threshold = tuned[policy].get(POOLED)
+        if (policy, threshold) not in test:
+            continue
+        theirs = totals(sorted(test[(policy, threshold)], key=lambda r: (r["family"], r["prompt"])))
+        versus = gain(mine, theirs, c, draws)
+        row["rules"][policy] = {"threshold": threshold, "speedup": float(speedup(theirs, c)), "head_cost_gain": versus}
+        print(f"| {policy} | {threshold:g} | {row['rules'][policy]['speedup']:.3f}× | "
+              f"{100 * versus[0]:+.1f} % [{100 * versus[1]:+.1f}, {100 * versus[2]:+.1f}] |")
+    return row
 
 
 def main() -> None:

@@ -157,9 +157,10 @@ def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePromp
     each output under the target (one more target forward per batch; NaN when not asked)."""
     ids = [list(prompt.ids) for prompt in prompts]
     tree = tree_policy(setting.policy)
-    if tree is not None:  # each prompt alone (B = 1), a draft forward over a tree's nodes counting as one forward
+    if tree is not None:  # the prompts' trees verified together, a draft forward over a tree's nodes counting as one
         tree_rule = tree.rule(setting.threshold)
-        results = decode_tree(engine, ids, tree_rule, max_new_tokens, seeds, head if tree_rule.reads_head else None)
+        results = decode_tree(engine, ids, tree_rule, max_new_tokens, seeds, head if tree_rule.reads_head else None,
+                              batch_size=len(ids))
         return [record_of(setting, prompt, result, math.nan) for prompt, result in zip(prompts, results)]
     rule = make_policy(setting.policy, setting.threshold, max_draft)
     results = engine.decode(ids, rule, max_new_tokens, seeds, head if rule.reads_head else None, planner=planner)

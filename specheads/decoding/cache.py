@@ -87,36 +87,52 @@ class BatchCache:
         self.forward_seconds += time.perf_counter() - start
         return result
 
-    @torch.no_grad()
     def feed_tree(self, tokens: list[int], positions: list[int], sees: list[list[int]], logits_from: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """One forward of a one-row cache over tokens the row does not hold yet (a draft tree's nodes, or the tokens
-        a tree round verifies): token i sits at `positions[i]` and attends to the row's held slots, to the slots
-        `sees[i]` (its ancestors, fed earlier or earlier in this call) and to itself, through a 4D mask. Returns the
-        float32 logits and `state_layer` states of the tokens from `logits_from` on, and the slots all took; `hold` makes some of them the
-        row's, the others stay masked and `trim` drops them."""
-        if len(self.slots) != 1:
-            raise ValueError("feed_tree decodes one row (B = 1); build the cache with rows=1")
+        """`feed_trees` for row 0 alone: the float32 logits and states of the tokens from `logits_from` on, and the
+        slots all took."""
+        return self.feed_trees({0: (tokens, positions, sees)}, {0: logits_from})[0]
+
+    @torch.no_grad()
+    def feed_trees(self, trees: dict[int, tuple[list[int], list[int], list[list[int]]]],
+                   logits_from: dict[int, int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        """One forward over tokens the rows do not hold yet (draft trees' nodes, or the tokens tree rounds verify),
+        for each row in `trees` its (tokens, positions, sees): token i sits at `positions[i]` and attends to the row's
+        held slots, to the slots `sees[i]` (its ancestors, fed earlier or earlier in this call) and to itself, through
+        a 4D mask; other rows and the padding attend to nothing else. Per row: the float32 logits and `state_layer`
+        states of its tokens from `logits_from[row]` (default 0) on, and the slots all its tokens took; `hold` makes
+        some of them the row's, the others stay masked and `trim` drops them."""
         start = time.perf_counter()
-        used, width = self.mask.shape[1], len(tokens)
-        taken = list(range(used, used + width))
-        allowed = torch.zeros(width, used + width, dtype=torch.bool, device=self.device)
-        allowed[:, :used] = self.mask[0].bool()
-        for index, seen in enumerate(sees):
-            allowed[index, seen + [used + index]] = True
+        rows, used = len(self.slots), self.mask.shape[1]
+        width = max(len(tokens) for tokens, _, _ in trees.values())
+        allowed = torch.zeros(rows, width, used + width, dtype=torch.bool, device=self.device)
+        columns = torch.arange(width, device=self.device)
+        allowed[:, columns, used + columns] = True  # every query sees itself (no empty row)
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        for row, (tokens, at, sees) in trees.items():
+            allowed[row, : len(tokens), :used] = self.mask[row].bool()
+            for index, seen in enumerate(sees):
+                allowed[row, index, seen] = True
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            positions[row, : len(tokens)] = torch.tensor(at)
+            self.forwards[row] += 1
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        mask = torch.zeros(1, 1, width, used + width, dtype=dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        self.mask = torch.cat([self.mask, torch.zeros(1, width, dtype=torch.long, device=self.device)], dim=1)
-        output, states = decoder_forward(self.model, self.state_layer, input_ids=torch.tensor([tokens], device=self.device),
-                                         attention_mask=mask, position_ids=torch.tensor([positions], device=self.device),
+        mask = torch.zeros(rows, 1, width, used + width, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        self.mask = torch.cat([self.mask, torch.zeros(rows, width, dtype=torch.long, device=self.device)], dim=1)
+        output, states = decoder_forward(self.model, self.state_layer, input_ids=input_ids.to(self.device),
+                                         attention_mask=mask, position_ids=positions.to(self.device),
                                          use_cache=True, **{self.cache_argument: self.cache})
         self.cache = returned_cache(output)
-        logits = output_logits(self.model, output.last_hidden_state[0, logits_from:])
-        self.forwards[0] += 1
+        result = {}
+        for row, (tokens, _, _) in trees.items():
+            first = (logits_from or {}).get(row, 0)
+            result[row] = (output_logits(self.model, output.last_hidden_state[row, first : len(tokens)]),
+                           states[row, first : len(tokens)], list(range(used, used + len(tokens))))
         self.passes += 1
         self.forward_seconds += time.perf_counter() - start
-        return logits, states[0, logits_from:], taken
+        return result
 
     def hold(self, row: int, slots: list[int]) -> None:
         """Make slots `feed_tree` took the row's next tokens, in order (a tree round's accepted path)."""

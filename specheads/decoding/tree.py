@@ -1,4 +1,5 @@
-"""Tree drafts (B = 1): a token tree whose shape the values decide, verified exactly in one target forward.
+"""Tree drafts: a token tree whose shape the values decide, verified exactly in one target forward (several requests'
+trees in one forward with `decode_tree(..., batch_size=B)`).
 
 A round:
 1. **draft**: the draft reads the context and opens the root (its q). Every node the draft has read has *slots* for
@@ -360,44 +361,72 @@ class TreeDrafter:
         return score
 
 
-def verify_tree(engine: RoundEngine, target: BatchCache, tail: list[int], tree: DraftTree,
-                generator: torch.Generator, tested: list[tuple[int, bool]] | None = None) -> tuple[list[int], int, list[int]]:
-    """One target forward over `tail` and every node (module docstring, step 2): (the accepted path's nodes, the
-    token after them, the target slots of the tail and of the path's nodes in order). `tested`, when given,
-    receives (node, accepted) for every node the walk checked."""
-    base, first = target.length(0), target.mask.shape[1]  # the tail and the nodes take the slots from `first` on
-    tail_slots = list(range(first, first + len(tail)))
-    node_slot = [first + len(tail) + i for i in range(len(tree.nodes))]
-    sees = ([tail_slots[:i] for i in range(len(tail))]
-            + [tail_slots + [node_slot[a] for a in tree.path(i)[:-1]] for i in range(len(tree.nodes))])
-    positions = list(range(base, base + len(tail))) + [base + len(tail) + n.depth - 1 for n in tree.nodes]
-    logits, _, _ = target.feed_tree(tail + [n.token for n in tree.nodes], positions, sees, logits_from=len(tail) - 1)
-    row_of = {-1: 0, **{i: 1 + i for i in range(len(tree.nodes))}}  # rows of `logits`, which start at the tail's last
-    at, path = -1, []
-    while True:
-        logp = engine.transform.log_probs(logits[row_of[at]])
-        children = tree.children(at)
-        if not children:
-            token = draw(logp, generator)
-            break
-        accepted, token = verify_siblings(logp, [(tree.nodes[c].token, tree.nodes[c].proposal) for c in children],
-                                          generator)
-        if tested is not None:
-            tested += [(child, k == accepted) for k, child in enumerate(children[: len(children) if accepted is None
-                                                                                 else accepted + 1])]
-        if accepted is None:
-            break
-        at = children[accepted]
-        path.append(at)
-    return path, token, tail_slots + [node_slot[i] for i in path]
+def verify_trees(engine: RoundEngine, target: BatchCache, rounds: dict[int, tuple[list[int], DraftTree, torch.Generator]],
+                 tested: dict[int, list[tuple[int, bool]]] | None = None) -> dict[int, tuple[list[int], int, list[int]]]:
+    """One target forward over each row's `tail` and every node of its tree (module docstring, step 2; `rounds`:
+    row -> (tail, tree, the row's generator)): per row, (the accepted path's nodes, the token after them, the target
+    slots of the tail and of the path's nodes in order). `tested[row]`, when given, receives (node, accepted) for
+    every node the row's walk checked."""
+    fed, node_slots = {}, {}
+    for row, (tail, tree, _) in rounds.items():
+        base, first = target.length(row), target.mask.shape[1]  # the tail and the nodes take the slots from `first` on
+        tail_slots = list(range(first, first + len(tail)))
+        node_slots[row] = [first + len(tail) + i for i in range(len(tree.nodes))]
+        sees = ([tail_slots[:i] for i in range(len(tail))]
+                + [tail_slots + [node_slots[row][a] for a in tree.path(i)[:-1]] for i in range(len(tree.nodes))])
+        positions = list(range(base, base + len(tail))) + [base + len(tail) + n.depth - 1 for n in tree.nodes]
+        fed[row] = (tail + [n.token for n in tree.nodes], positions, sees)
+    outputs = target.feed_trees(fed, {row: len(tail) - 1 for row, (tail, _, _) in rounds.items()})
+    walks = {}
+    for row, (tail, tree, generator) in rounds.items():
+        logits, _, slots = outputs[row]
+        row_of = {-1: 0, **{i: 1 + i for i in range(len(tree.nodes))}}  # rows of `logits`, which start at the tail's last
+        at, path = -1, []
+        while True:
+            logp = engine.transform.log_probs(logits[row_of[at]])
+            children = tree.children(at)
+            if not children:
+                token = draw(logp, generator)
+                break
+            accepted, token = verify_siblings(logp, [(tree.nodes[c].token, tree.nodes[c].proposal) for c in children],
+                                              generator)
+            if tested is not None:
+                tested.setdefault(row, []).extend(
+                    (child, k == accepted) for k, child in enumerate(children[: len(children) if accepted is None
+                                                                              else accepted + 1]))
+            if accepted is None:
+                break
+            at = children[accepted]
+            path.append(at)
+        walks[row] = (path, token, slots[: len(tail)] + [node_slots[row][i] for i in path])
+    return walks
+
+
+@dataclass
+class TreeRequest:
+    """One request while it holds a row of a batched tree decode: its own draft cache (B = 1) and drafter, its
+    generator, tokens and counts."""
+
+    index: int
+    tokens: list[int]
+    generator: torch.Generator
+    draft: BatchCache
+    drafter: TreeDrafter
+    start: float
+    generated: list[int] = field(default_factory=list)
+    result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
+    target_passes: int = 0
+    target_seconds: float = 0.0
 
 
 @torch.no_grad()
 def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
                 head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None,
-                stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None
-                ) -> list[DecodeResult]:
-    """`engine.decode` with tree drafts under `rule`, each prompt decoded alone (B = 1); the counts are those of
+                stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None,
+                batch_size: int = 1) -> list[DecodeResult]:
+    """`engine.decode` with tree drafts under `rule`: up to `batch_size` requests at once, their trees verified in
+    one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
+    tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
     `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
     once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
     the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
@@ -409,50 +438,80 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         raise UsageError(f"tree drafts need a draft that predicts the target's {engine.vocabulary} tokens; this draft "
                          f"predicts {engine.draft_vocabulary}: decode chains (engine.decode) with it, or pick a draft with "
                          "the target's vocabulary")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"decode_tree's batch_size is the rows decoded together, a whole number from 1; got {batch_size!r}")
     check_decodable_head(head)
     rule.check_head(head)
     head = head if rule.reads_head else None
-    results = []
-    for request, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        start = time.perf_counter()
-        generator = torch.Generator().manual_seed(seed)
-        draft, target = BatchCache(engine.draft, 1, head.state_layer if head else None), BatchCache(engine.target, 1)
-        for name, cache in (("draft", draft), ("target", target)):
-            if not cache.plain_layers():
-                raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer: a tree mask would "
-                                 "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
-        drafter = TreeDrafter(engine, rule, head, generator)
-        tokens, generated, result = list(prompt), [], DecodeResult(tokens=[])
-        while len(generated) < max_new_tokens:
-            room = max_new_tokens - len(generated)
-            forwards = draft.forwards[0]
-            tree = drafter.grow(draft, tokens[draft.length(0):], min(rule.budget, room - 1))  # the last slot: the target's token
-            forwards = draft.forwards[0] - forwards
-            tested: list[tuple[int, bool]] = []
-            path, token, target_slots = verify_tree(engine, target, tokens[target.length(0):], tree, generator, tested)
+    target = BatchCache(engine.target, min(batch_size, max(len(prompts), 1)))
+    for name, cache in (("draft", BatchCache(engine.draft, 1)), ("target", target)):
+        if not cache.plain_layers():
+            raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer: a tree mask would "
+                             "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
+    results: list[DecodeResult | None] = [None] * len(prompts)
+    waiting = list(range(len(prompts)))[::-1]
+    rows: list[TreeRequest | None] = [None] * len(target.slots)
+    while waiting or any(rows):
+        for row, held in enumerate(rows):
+            if held is None and waiting:
+                index = waiting.pop()
+                generator = torch.Generator().manual_seed(seeds[index])
+                target.crop_row(row, 0)
+                rows[row] = TreeRequest(index, list(prompts[index]), generator,
+                                        BatchCache(engine.draft, 1, head.state_layer if head else None),
+                                        TreeDrafter(engine, rule, head, generator), time.perf_counter())
+        active = {row: request for row, request in enumerate(rows) if request is not None}
+        trees, forwards = {}, {}
+        for row, request in active.items():
+            before = request.draft.forwards[0]
+            room = max_new_tokens - len(request.generated)  # the last slot: the target's token
+            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):],
+                                              min(rule.budget, room - 1))
+            forwards[row] = request.draft.forwards[0] - before
+        tested: dict[int, list[tuple[int, bool]]] = {}
+        started, passes = time.perf_counter(), target.passes
+        walks = verify_trees(engine, target, {row: (request.tokens[target.length(row):], trees[row], request.generator)
+                                              for row, request in active.items()}, tested)
+        share = (time.perf_counter() - started) / len(active)
+        for row, request in active.items():
+            tree, (path, token, target_slots) = trees[row], walks[row]
+            request.target_passes += target.passes - passes
+            request.target_seconds += share
             if checked is not None:
-                checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok) for i, ok in tested]
+                checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok)
+                            for i, ok in tested.get(row, [])]
             check = None if stop_check is None else (
-                lambda round_tokens, request=request, before=list(generated): stop_check(request, before + round_tokens))
+                lambda round_tokens, request=request: stop_check(request.index, request.generated + round_tokens))
+            room = max_new_tokens - len(request.generated)
             standing, emitted, ended = engine.round_output([tree.nodes[i].token for i in path], len(path), token, room,
                                                            check)
-            target.hold(0, target_slots[: len(target_slots) - len(path) + standing])
+            target.hold(row, target_slots[: len(target_slots) - len(path) + standing])
             read = [tree.nodes[i].draft_slot for i in path[:standing]]
-            draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
-            for cache in (draft, target):
-                cache.trim()
-            count_round(result, len(tree.nodes), standing, called=True)
-            if drafter.costs is not None:
-                drafter.costs.observe(len(path), forwards, len(tree.nodes))
-            tokens += emitted
-            generated += emitted
+            request.draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
+            request.draft.trim()
+            count_round(request.result, len(tree.nodes), standing, called=True)
+            if request.drafter.costs is not None:
+                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes))
+            request.tokens += emitted
+            request.generated += emitted
             if on_emit is not None and emitted:
-                on_emit(request, emitted)
-            if ended:
-                break
-        result.tokens, result.emitted = generated, len(generated)
-        result.draft_forwards = draft.forwards[0]
-        result.seconds = time.perf_counter() - start
-        result.time_forwards(draft, target)
-        results.append(result)
-    return results
+                on_emit(request.index, emitted)
+            if ended or len(request.generated) >= max_new_tokens:
+                results[request.index] = finished(request)
+                rows[row] = None
+                target.crop_row(row, 0)
+        target.trim()
+    return [result for result in results if result is not None]
+
+
+def finished(request: TreeRequest) -> DecodeResult:
+    """The request's result: its tokens and counts, and its own forwards' time (its share of each batched target
+    forward it took part in)."""
+    result = request.result
+    result.tokens, result.emitted = request.generated, len(request.generated)
+    result.draft_forwards = request.draft.forwards[0]
+    result.seconds = time.perf_counter() - request.start
+    result.draft_seconds, result.draft_passes = request.draft.forward_seconds, request.draft.passes
+    result.target_seconds, result.target_passes = request.target_seconds, request.target_passes
+    result.forward_seconds = result.draft_seconds + result.target_seconds
+    return result

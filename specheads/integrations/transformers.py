@@ -375,7 +375,7 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     on_emit = emit if token_streamer is not None else None
     if rule_of_tree is not None:
         results = decode_tree(engine, prompts, rule_of_tree, max_new_tokens, seeds, on_device, stop_check=stop_check,
-                              on_emit=on_emit)
+                              on_emit=on_emit, batch_size=len(prompts))
     else:
         results = engine.decode(prompts, policy, max_new_tokens, seeds, on_device, stop_check=stop_check, on_emit=on_emit)
     if token_streamer is not None:
