@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,8 +303,10 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
         section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
                                         tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
                                         trees_left_out, config.tree_floors)
-    if config.serving_batch_sizes:
-        section["serving"] = serving_section(config, pair, device, records, tuned, engine, prompts, trained)
+    if config.serving_batch_sizes:  # the trees are per-request rules too: served from their runs beside the chains
+        served = {**tuned, **{policy: floor for policy, floor in (section.get("trees") or {}).get("tuned_floors", {}).items()
+                              if not math.isnan(floor)}}
+        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained)
     return Decoding(section, records, tuned.get(learned), context, journal)
 
 

@@ -7,15 +7,17 @@ takes the next prompt of the queue), rounds in lockstep, and each round costs
 
     Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
 
-seconds, with c(n) a model's forward time against the tokens in the forward (`specheads.decoding.costs`), in each
+seconds (a tree's s-th draft forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a
+model's forward time against the tokens in the forward (`specheads.decoding.costs`), in each
 cost view asked for: the curves measured on the decoding device or given in a table, each also with the draft
 `cost_ratio` times as costly as the target (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view), and
 the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
 
 - **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
   is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
-- **Per-request policies** (constant K, SVIP, confidence, the head's stop rule, the oracle) decide per row with the
-  row's own generator, so a request's rounds are the same whatever B (tests/test_batched.py, float64): their test
+- **Per-request policies** (constant K, SVIP, confidence, the head's stop rule, the oracle, the trees) decide per row
+  with the row's own generator, so a request's rounds are the same whatever B (tests/test_batched.py and
+  tests/test_tree_batched.py, float64): their test
   runs' rounds are served B at a time in the same lockstep and priced the same way.
 
 Paired intervals: each round's seconds are shared equally by its rows (in lockstep every row waits for the whole
@@ -47,16 +49,18 @@ LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
 """(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""
 
 
-def request_rounds(record: Any) -> list[tuple[int, int]]:
-    """A run's rounds as (candidates k, tokens yielded): a + 1 each, the last one what the run emitted after the
-    others (less where it ended at a stop token or at max_new_tokens)."""
+def request_rounds(record: Any) -> list[tuple[int, int, list[int]]]:
+    """A run's rounds as (candidates k, tokens yielded, the tokens of each draft forward): a + 1 each, the last one
+    what the run emitted after the others (less where it ended at a stop token or at max_new_tokens); a chain's k
+    forwards of one token, a tree's as it recorded them."""
     yielded = [a + 1 for a in record.accepted_per_round]
     if yielded:
         yielded[-1] = record.emitted - sum(yielded[:-1])
-    return list(zip(record.drafted_per_round, yielded))
+    widths = getattr(record, "draft_widths_per_round", None) or [[1] * k for k in record.drafted_per_round]
+    return list(zip(record.drafted_per_round, yielded, widths))
 
 
-def replay(requests: list[list[tuple[int, int]]], batch_size: int) -> list[RoundRecord]:
+def replay(requests: list[list[tuple[int, int, list[int]]]], batch_size: int) -> list[RoundRecord]:
     """The rounds of per-request runs (`request_rounds`) served `batch_size` at a time with continuous batching."""
     queue = deque((index, deque(rounds)) for index, rounds in enumerate(requests) if rounds)
     slots: list[tuple[int, deque]] = []
@@ -66,18 +70,20 @@ def replay(requests: list[list[tuple[int, int]]], batch_size: int) -> list[Round
             slots.append(queue.popleft())
         record = RoundRecord()
         for index, rounds in slots:
-            drafted, yielded = rounds.popleft()
+            drafted, yielded, widths = rounds.popleft()
             record.requests.append(index)
             record.drafted.append(drafted)
             record.verified.append(drafted)
             record.emitted.append(yielded)
+            record.draft_widths.append(list(widths))
         log.append(record)
         slots = [slot for slot in slots if slot[1]]
     return log
 
 
-def serve(requests: list[list[tuple[int, int]]], batch_size: int, draft: CostCurve, target: CostCurve) -> dict[str, Any]:
-    """Serve `requests` (each a list of rounds (candidates k, tokens yielded)) `batch_size` at a time; the modelled
+def serve(requests: list[list[tuple[int, int, list[int]]]], batch_size: int, draft: CostCurve, target: CostCurve
+          ) -> dict[str, Any]:
+    """Serve `requests` (each a list of rounds (candidates k, tokens yielded, draft widths)) `batch_size` at a time; the modelled
     seconds, tokens and throughput (module docstring)."""
     return served_throughput(replay(requests, batch_size), ServingCosts(draft, target))
 

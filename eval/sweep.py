@@ -82,6 +82,7 @@ class RunRecord:
     draft_passes: float = 0.0  # forward passes of the draft (a batched run's share of its batch's)
     target_passes: float = 0.0
     companion_forwards: int = 0  # SV's companion's forwards (0 in older reports)
+    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # a tree's draft forwards (DecodeResult's)
 
 
 def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
@@ -146,7 +147,8 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      list(result.accepted_per_round), logprob, drafted_per_round=list(result.drafted_per_round),
                      draft_seconds=result.draft_seconds, target_seconds=result.target_seconds,
                      draft_passes=result.draft_passes, target_passes=result.target_passes,
-                     companion_forwards=result.companion_forwards)
+                     companion_forwards=result.companion_forwards,
+                     draft_widths_per_round=[list(widths) for widths in result.draft_widths_per_round])
 
 
 def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],

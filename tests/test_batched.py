@@ -177,7 +177,8 @@ def test_serving_accounting_on_a_hand_computed_case():
 
     draft = CostCurve((1, 2), (2.0, 3.0))  # 1 + n seconds for n tokens, extrapolated linearly
     target = CostCurve((1, 2), (11.0, 12.0))  # 10 + n
-    requests = [[(2, 2), (1, 2)], [(3, 1)]]  # rounds of (candidates, tokens yielded = accepted + 1)
+    requests = [[(2, 2, [1, 1]), (1, 2, [1])], [(3, 1, [1, 1, 1])]]  # rounds of (candidates, tokens yielded =
+    # accepted + 1, the tokens of each draft forward: a chain's one a step)
     # B = 1: (2 + 2 + 13) + (2 + 12) + (2 + 2 + 2 + 14) = 51 s for 2 + 2 + 1 tokens
     alone = serve(requests, 1, draft, target)
     assert (alone["seconds"], alone["tokens"]) == (51.0, 5.0)
@@ -185,6 +186,10 @@ def test_serving_accounting_on_a_hand_computed_case():
     together = serve(requests, 2, draft, target)
     assert (together["seconds"], together["tokens"], together["batched_rounds"]) == (39.0, 5.0, 2)
     assert target(30) == 40.0 and draft(0) == 0.0
+    # a tree round: 4 nodes, drafted in two forwards (the tail's, then 3 nodes read together), beside a chain of 2:
+    # the draft's forwards read 1 + 1 and 3 + 1 tokens (3 + 5), the target checks 5 + 3 tokens (18)
+    tree = serve([[(4, 3, [1, 3])], [(2, 1, [1, 1])]], 2, draft, target)
+    assert (tree["seconds"], tree["tokens"]) == (26.0, 4.0)
 
 
 def test_eval_serving_report_and_batched_sweep_agree_with_batch_1(trained, tmp_path):

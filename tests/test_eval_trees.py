@@ -257,7 +257,14 @@ def test_tuned_floors_are_confirmed_on_fresh_prompts_and_given_ones_decoded_as_g
              "2", "--max-new-tokens", "6", "--max-draft", "3", "--bootstrap", "20", "--progress", "false",
              "--fixed-thresholds", json.dumps({"head": 0.5, "constant_k": 2, "tree_confidence": 0.15}),
              "--tree-budgets", "[2]"]
-    assert main(fixed) == 0
+    assert main([*fixed, "--serving-batch-sizes", "[2]", "--serving-costs", "h100-llama3.1-8b-llama3.2-1b",
+                 "--serving-batch-policies", "[]"]) == 0
+    # the trees are served beside the chains, each round's draft forwards priced as the tree read its nodes
+    metrics = json.loads((tmp_path / "fixed" / "metrics.json").read_text())
+    served = {row["policy"] for row in metrics["decoding"]["serving"]["rows"]}
+    assert {"tree_confidence_n2", "tree_confidence_cost_n2", "constant_k"} <= served
+    tree_runs = [r for r in runs_of(tmp_path / "fixed") if r["policy"] == "tree_confidence_n2"]
+    assert all(sum(map(len, r["draft_widths_per_round"])) == r["draft_forwards"] for r in tree_runs)
     trees = json.loads((tmp_path / "fixed" / "metrics.json").read_text())["decoding"]["trees"]
     assert {(r["policy"], r["threshold"]) for r in runs_of(tmp_path / "fixed") if r["policy"].startswith("tree")} == {
         ("tree_confidence_n2", 0.15), ("tree_confidence_cost_n2", 0.2)}

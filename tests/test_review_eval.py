@@ -118,7 +118,7 @@ def test_the_serving_table_says_why_sprinter_is_not_in_it_and_counts_what_runs_e
     run = RunRecord("constant_k", 3.0, "p", "test", emitted=7, drafted=9, accepted=6, target_calls=3, draft_forwards=9,
                     seconds=1.0, forward_seconds=1.0, accepted_per_round=[2, 2, 2], target_logprob=-1.0,
                     drafted_per_round=[3, 3, 3])
-    assert request_rounds(run) == [(3, 3), (3, 3), (3, 1)]
+    assert request_rounds(run) == [(3, 3, [1, 1, 1]), (3, 3, [1, 1, 1]), (3, 1, [1, 1, 1])]
     flat = CostCurve((1, 128), (1.0, 1.0))
     assert serve([request_rounds(run)], 1, flat, flat)["tokens"] == 7
 

@@ -33,6 +33,9 @@ def test_a_row_of_a_batched_tree_decodes_what_it_decodes_alone(values, cost_rati
     alone = decode_tree(engine, PROMPTS, rule, 12, seeds, head)
     together = decode_tree(engine, PROMPTS, rule, 12, seeds, head, batch_size=3)
     assert [counts(r) for r in together] == [counts(r) for r in alone]
+    # each round's draft forwards, as the serving table prices them: the tail's, then each read of nodes
+    assert all(sum(map(len, r.draft_widths_per_round)) == r.draft_forwards for r in alone)
+    assert [r.draft_widths_per_round for r in together] == [r.draft_widths_per_round for r in alone]
     assert len({r.emitted for r in alone}) > 1  # some ended at the stop token: their rows took the next request
     assert any(size > 1 for r in alone for size in r.accepted_per_round)
 

@@ -119,13 +119,19 @@ class RoundRecord:
     drafted: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
+    draft_widths: list[list[int]] = field(default_factory=list)  # per row, the tokens of each of its draft forwards
+    # (a tree's nodes read together); when empty, a chain's: one token in each of its `drafted` steps
 
 
 def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
-    """The modelled seconds of one round (module docstring)."""
+    """The modelled seconds of one round (module docstring): the draft's s-th forward reads every row's s-th step
+    (one token a row for a chain, the nodes a tree reads together), then one target forward checks every row's
+    candidates and its own token."""
     if not record.drafted:
         return 0.0
-    draft = sum(costs.draft(sum(k >= s for k in record.drafted)) for s in range(1, max(record.drafted) + 1))
+    widths = record.draft_widths or [[1] * k for k in record.drafted]
+    steps = max((len(row) for row in widths), default=0)
+    draft = sum(costs.draft(sum(row[s] for row in widths if len(row) > s)) for s in range(steps))
     return draft + costs.target(sum(v + 1 for v in record.verified))
 
 

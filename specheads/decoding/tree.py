@@ -185,6 +185,7 @@ class DraftTree:
     nodes: list[Node] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
     opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
+    widths: list[int] = field(default_factory=list)  # the nodes each draft forward read (the tail's forward: 1)
 
     def children(self, index: int) -> list[int]:
         return self.roots if index < 0 else self.nodes[index].children
@@ -257,7 +258,7 @@ class TreeDrafter:
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree()
+        tree = DraftTree(widths=[1])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -319,6 +320,7 @@ class TreeDrafter:
                                                      [tree.nodes[tree.nodes[i].parent].draft_slot]) for i in chosen]
         logits, states, slots = draft.feed_tree([tree.nodes[i].token for i in chosen],
                                                 [base + tree.nodes[i].depth - 1 for i in chosen], sees)
+        tree.widths.append(len(chosen))
         for row, (index, slot) in enumerate(zip(chosen, slots)):
             tree.nodes[index].draft_slot = slot
             opened[index] = self._open(logits[row], states[row], tree.nodes[index].value, sees[row])
@@ -490,6 +492,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             request.draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
             request.draft.trim()
             count_round(request.result, len(tree.nodes), standing, called=True)
+            request.result.draft_widths_per_round.append(list(tree.widths))
             if request.drafter.costs is not None:
                 request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes))
             request.tokens += emitted
