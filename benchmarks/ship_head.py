@@ -13,7 +13,6 @@ same bytes, named the portable way. Any other difference is refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specheads.pair.digests import cached_sha256  # noqa: E402
 from specheads.pair.model_spec import ModelSpec  # noqa: E402
-from specheads.pair.models import WEIGHT_SUFFIXES, load_model, resolve_source, weights_identity  # noqa: E402
+from specheads.pair.models import load_model, weights_identity, whole_file_weights_sha256  # noqa: E402
 from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
 from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
@@ -45,16 +43,6 @@ class Config:
     out: str = "heads/shipped/smollm2-ontime"
 
 
-def whole_file_digest(spec: ModelSpec) -> str:
-    """`weights_sha256` as recorded before the metadata keys were sorted: every weight and config file hashed whole."""
-    folder = Path(resolve_source(spec).location)
-    digest = hashlib.sha256()
-    for file in sorted(folder.iterdir()):
-        if file.suffix in WEIGHT_SUFFIXES and file.is_file():
-            digest.update(f"{file.name}:{cached_sha256(file)}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def portable(recorded: dict[str, Any]) -> dict[str, Any]:
     """`recorded` (a local model's `weights_identity`) with today's digest of the same files."""
     if not recorded or "weights_sha256" not in recorded:
@@ -65,7 +53,7 @@ def portable(recorded: dict[str, Any]) -> dict[str, Any]:
         return recorded
     if {**today, "weights_sha256": None} != {**recorded, "weights_sha256": None}:
         raise SystemExit(f"ship_head.py: {spec.describe()} differs from what the data recorded in more than its digest")
-    if whole_file_digest(spec) != recorded["weights_sha256"]:
+    if whole_file_weights_sha256(spec) != recorded["weights_sha256"]:
         raise SystemExit(f"ship_head.py: the files of {spec.describe()} here are not the ones the data was labelled with")
     return today
 

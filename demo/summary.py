@@ -190,7 +190,7 @@ def scale_lines(summary: dict[str, Any]) -> list[str]:
     if trained_here:  # the shipped head was trained on far more than the demo's data
         tokens = summary.get("data", {}).get("labelled_tokens", 0)
         lines.append(f"           a head trained on {tokens:,} labelled tokens reads little beyond the draft's own "
-                     "signals; docs/results.md has the heads' standing on 214 k tokens and 160 test prompts")
+                     "signals; docs/results.md has the heads' standing on 66 k tokens and 160 test prompts")
     return lines
 
 

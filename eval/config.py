@@ -99,9 +99,9 @@ class EvalConfig:
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off. Counted forwards are the same either way.
-        tree_budgets: also decode tree drafts (`specheads.decoding.tree`, each prompt alone) with at most N nodes per
-            target forward, for each N given: the head-valued tree (an on-time or expected-acceptance head) and the
-            confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other
+        tree_budgets: also decode tree drafts (`specheads.decoding.tree`, a batch's trees verified together) with at
+            most N nodes per target forward, for each N given: the head-valued tree (an on-time or expected-acceptance
+            head) and the confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other
             thresholds (or given by --tuned-from / --fixed-thresholds), and both grown by the costs at --cost-ratio
             (floor 0, tuned nowhere); reported against the head's stop rule and constant K, paired over test
             prompts. Off unless given (trees decode one prompt at a time: slower than the chains).

@@ -282,9 +282,9 @@ def tree_lines(trees: dict[str, Any], decoding: dict[str, Any], section: str) ->
              f"Token trees of at most N nodes per target forward (N = {', '.join(str(n) for n in trees['budgets'])}; at "
              f"most {trees['width']} children a node, {trees['expand']} nodes read per draft forward), drawn from q "
              "without replacement and verified by recursive rejection sampling, so the output is the target's "
-             f"distribution; each prompt decoded alone. Growth either by a floor ({origin}) or read from the costs at "
-             f"c = {c:g} (floor 0, tuned nowhere). Counting: {trees['counting']}. Modelled speedup at c = {c:g}; the "
-             "chain rules are at their tuned thresholds.", "",
+             "distribution; the prompts' trees verified together, each as it decodes alone. Growth either by a floor "
+             f"({origin}) or read from the costs at c = {c:g} (floor 0, tuned nowhere). Counting: {trees['counting']}. "
+             f"Modelled speedup at c = {c:g}; the chain rules are at their tuned thresholds.", "",
              "| N | values | growth | tokens/target call | draft forwards/target call | mean accepted length "
              "| modelled speedup |", "|---|---|---|---|---|---|---|"]
     tuned = [r for r in trees["policies"] if r.get("tuned")]

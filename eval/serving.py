@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve, served_throughput
+from specheads.eval.sweep import is_tree
 
 __all__ = ["CostCurve", "measure_cost_curve"]
 
@@ -133,6 +134,8 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
         runs = [r for r in records if r.split == split and r.policy == policy and r.threshold == threshold]
         if not runs or policy in NOT_SERVED or any(len(r.drafted_per_round) != len(r.accepted_per_round) for r in runs):
             continue
+        if is_tree(policy) and any(r.drafted_per_round and not getattr(r, "draft_widths_per_round", None) for r in runs):
+            continue  # runs from before trees recorded their draft forwards: they cannot be priced
         requests = [request_rounds(r) for r in runs]
         for size in batch_sizes:
             log = replay(requests, size)

@@ -173,16 +173,18 @@ def push(out: Path, repo_id: str, private: bool, revision: str | None, message: 
     return str(getattr(info, "commit_url", None) or repo_id)
 
 
-def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any], code: dict[str, str]) -> bool:
-    """True when `out` holds exactly this export already (same config.json, same weights, the same custom_generate/
-    files and no others): a push can be retried without writing the folder again."""
+def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any], code: dict[str, str],
+                     weights_dtype: str = "float32") -> bool:
+    """True when `out` holds exactly this export already (same config.json, the same weights as `weights_dtype` stores
+    them, the same custom_generate/ files and no others): a push can be retried without writing the folder again."""
     from specheads.heads.loading import load_head
 
     try:
         same_config = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(config_json))
         held = {p.relative_to(out).as_posix() for p in (out / "custom_generate").rglob("*") if p.is_file()}
         same_code = held == set(code) and all((out / name).read_text() == text for name, text in code.items())
-        return same_config and same_code and load_head(str(out))[0].weights_digest() == trained.head.weights_digest()
+        stored = stored_head(trained.head, weights_dtype).weights_digest()
+        return same_config and same_code and load_head(str(out))[0].weights_digest() == stored
     except (OSError, ValueError, UsageError):
         return False
 
@@ -203,7 +205,8 @@ def export(config: ExportConfig) -> dict[str, Any]:
     if config.weights_dtype != "float32":
         config_json["weights_dtype"] = config.weights_dtype
     out, code = Path(config.out), custom_generate_files(trained.head, rule)
-    if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json, code)):
+    if not (config.push_to_hub and not config.overwrite and already_exported(out, trained, config_json, code,
+                                                                                    config.weights_dtype)):
         write_folder(out, trained, config_json, commands(config, trained, report), roc, config.overwrite, code,
                      config.weights_dtype)
     if config.push_to_hub:

@@ -80,3 +80,25 @@ def test_the_same_tensors_saved_with_metadata_in_another_order_keep_their_finger
     assert identity("one") == identity("two") != identity("other")
     # a header already in sorted order (a single-key one included) hashes as its bytes: recorded digests still hold
     assert digests.weights_sha256(one) == digests.file_sha256(one) != digests.file_sha256(two)
+
+
+def test_a_head_recorded_before_the_metadata_was_sorted_still_fits_its_unchanged_model(tmp_path, monkeypatch):
+    """A record of the old whole-file digest is honoured for the very files it was made from; a changed file is not."""
+    from specheads.integrations.transformers import weights_mismatch
+    from specheads.pair.models import whole_file_weights_sha256
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    written = tmp_path / "written.safetensors"
+    save_file({"w": torch.arange(6.0)}, str(written), metadata={"format": "pt", "source": "a", "zz": "1"})
+    folder = tmp_path / "model"
+    with_metadata_order(written, folder / "model.safetensors", ["zz", "format", "source"])
+    spec = ModelSpec(path=str(folder))
+
+    class Loaded(Weighted):
+        config = type("config", (), {"_commit_hash": None, "name_or_path": str(folder)})
+
+    old = whole_file_weights_sha256(spec)
+    assert old != weights_identity(spec, Loaded())["weights_sha256"]  # the unsorted header: two digests
+    recorded = {"class": "Loaded", "spec": {"path": str(folder)}, "weights_sha256": old}
+    assert weights_mismatch(recorded, Loaded()) is None
+    assert weights_mismatch({**recorded, "weights_sha256": "0" * 16}, Loaded()) is not None

@@ -3,6 +3,8 @@ it decodes alone, and the batch samples the target's distribution."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
@@ -72,10 +74,19 @@ def test_one_forward_verifies_every_rows_tree_and_a_bad_batch_size_is_refused():
     engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     rule = TreeRule("confidence", 0.1, 4, 2, 2)
     alone = decode_tree(engine, PROMPTS[:4], rule, 8, [0, 1, 2, 3])
+    start = time.perf_counter()
     together = decode_tree(engine, PROMPTS[:4], rule, 8, [0, 1, 2, 3], batch_size=4)
-    # B = 4 with four requests: the target's passes are the longest request's rounds, shared by the rows
+    wall = time.perf_counter() - start
+    # B = 4 with four requests: the target's forwards are the longest request's rounds, each shared by its rows, and
+    # the requests' shares of the wall time add up to the decode's (as the chain engine's do)
     assert sum(r.target_passes for r in alone) == sum(r.target_calls for r in alone)
-    assert max(r.target_passes for r in together) == max(r.target_calls for r in together)
+    assert sum(r.target_passes for r in together) == pytest.approx(max(r.target_calls for r in together))
+    assert 0.5 * wall < sum(r.seconds for r in together) <= wall
+    assert all(r.target_seconds <= r.seconds for r in together)
+    empty = decode_tree(engine, PROMPTS[:3], rule, 0, [0, 1, 2], batch_size=2)
+    assert [(r.tokens, r.target_calls, r.draft_forwards) for r in empty] == [([], 0, 0)] * 3
+    with pytest.raises(UsageError, match="empty"):
+        decode_tree(engine, [[0, 1], []], rule, 4, [0, 1])
     with pytest.raises(UsageError, match="batch_size"):
         decode_tree(engine, PROMPTS[:2], rule, 8, [0, 1], batch_size=0)
     assert BatchCache(target, 2).plain_layers()

@@ -414,10 +414,10 @@ class TreeRequest:
     generator: torch.Generator
     draft: BatchCache
     drafter: TreeDrafter
-    start: float
     generated: list[int] = field(default_factory=list)
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
-    target_passes: int = 0
+    seconds: float = 0.0  # its share of the decode's wall time: each round's, split equally among the rows in it
+    target_passes: float = 0.0  # its share of the target's batched forwards (and their time)
     target_seconds: float = 0.0
 
 
@@ -442,6 +442,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                          "the target's vocabulary")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UsageError(f"decode_tree's batch_size is the rows decoded together, a whole number from 1; got {batch_size!r}")
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise UsageError("decode_tree needs at least one token in every prompt (a chat template's, at least); an empty "
+                         "prompt has no context to draft from: drop it or give it text")
     check_decodable_head(head)
     rule.check_head(head)
     head = head if rule.reads_head else None
@@ -450,8 +453,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         if not cache.plain_layers():
             raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer: a tree mask would "
                              "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
-    results: list[DecodeResult | None] = [None] * len(prompts)
-    waiting = list(range(len(prompts)))[::-1]
+    results: list[DecodeResult | None] = [DecodeResult(tokens=[]) if max_new_tokens <= 0 else None for _ in prompts]
+    waiting = [index for index in range(len(prompts)) if results[index] is None][::-1]
     rows: list[TreeRequest | None] = [None] * len(target.slots)
     while waiting or any(rows):
         for row, held in enumerate(rows):
@@ -461,8 +464,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                 target.crop_row(row, 0)
                 rows[row] = TreeRequest(index, list(prompts[index]), generator,
                                         BatchCache(engine.draft, 1, head.state_layer if head else None),
-                                        TreeDrafter(engine, rule, head, generator), time.perf_counter())
+                                        TreeDrafter(engine, rule, head, generator))
         active = {row: request for row, request in enumerate(rows) if request is not None}
+        round_start = time.perf_counter()
         trees, forwards = {}, {}
         for row, request in active.items():
             before = request.draft.forwards[0]
@@ -471,14 +475,14 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                                               min(rule.budget, room - 1))
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
-        started, passes = time.perf_counter(), target.passes
+        done: list[int] = []
+        seconds, passes = target.forward_seconds, target.passes
         walks = verify_trees(engine, target, {row: (request.tokens[target.length(row):], trees[row], request.generator)
                                               for row, request in active.items()}, tested)
-        share = (time.perf_counter() - started) / len(active)
         for row, request in active.items():
             tree, (path, token, target_slots) = trees[row], walks[row]
-            request.target_passes += target.passes - passes
-            request.target_seconds += share
+            request.target_passes += (target.passes - passes) / len(active)
+            request.target_seconds += (target.forward_seconds - seconds) / len(active)
             if checked is not None:
                 checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok)
                             for i, ok in tested.get(row, [])]
@@ -500,20 +504,25 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             if on_emit is not None and emitted:
                 on_emit(request.index, emitted)
             if ended or len(request.generated) >= max_new_tokens:
-                results[request.index] = finished(request)
-                rows[row] = None
-                target.crop_row(row, 0)
+                done.append(row)
+        spent = (time.perf_counter() - round_start) / len(active)
+        for request in active.values():
+            request.seconds += spent
+        for row in done:
+            results[rows[row].index] = finished(rows[row])
+            rows[row] = None
+            target.crop_row(row, 0)
         target.trim()
     return [result for result in results if result is not None]
 
 
 def finished(request: TreeRequest) -> DecodeResult:
-    """The request's result: its tokens and counts, and its own forwards' time (its share of each batched target
-    forward it took part in)."""
+    """The request's result: its tokens and counts, its own draft forwards, and its shares of the decode's wall time and
+    of each batched target forward it took part in (so that shares over the requests add up to the decode's)."""
     result = request.result
     result.tokens, result.emitted = request.generated, len(request.generated)
     result.draft_forwards = request.draft.forwards[0]
-    result.seconds = time.perf_counter() - request.start
+    result.seconds = request.seconds
     result.draft_seconds, result.draft_passes = request.draft.forward_seconds, request.draft.passes
     result.target_seconds, result.target_passes = request.target_seconds, request.target_passes
     result.forward_seconds = result.draft_seconds + result.target_seconds

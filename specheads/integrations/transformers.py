@@ -73,7 +73,7 @@ from specheads.heads import AcceptanceHead, load_head
 from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.embedded import EMBEDDED_NAME
-from specheads.pair.models import ModelSpec, resolve_source, weights_identity
+from specheads.pair.models import ModelSpec, resolve_source, weights_identity, whole_file_weights_sha256
 from specheads.plumbing.errors import UsageError
 
 UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
@@ -223,7 +223,8 @@ def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
     source = resolve_source(named)
     if not source.is_local or Path(source.location).resolve() != folder:
         return None
-    if weights_identity(named, model).get("weights_sha256") != recorded["weights_sha256"]:
+    if (weights_identity(named, model).get("weights_sha256") != recorded["weights_sha256"]
+            and whole_file_weights_sha256(named) != recorded["weights_sha256"]):  # a record made before metadata sorting
         return f"the files of {folder} have changed since the head's data was made from them"
     return None
 

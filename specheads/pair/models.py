@@ -12,6 +12,7 @@ import copy
 import hashlib
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from specheads.model_outputs.signals import output_width
-from specheads.pair.digests import cached_weights_sha256
+from specheads.pair.digests import cached_sha256, cached_weights_sha256
 from specheads.pair.embedded import EMBEDDED_NAME, embedded_folder
 from specheads.pair.model_spec import ModelSpec
 from specheads.pair.placement import (
@@ -234,14 +235,26 @@ def weights_identity(spec: ModelSpec, model: torch.nn.Module) -> dict:
     if commit:
         identity["revision"] = commit
         return identity
+    identity["weights_sha256"] = local_weights_sha256(source, cached_weights_sha256)
+    return identity
+
+
+def local_weights_sha256(source: ResolvedSource, file_digest: Callable[[Path], str]) -> str:
+    """The short digest of a local model's weight and config files (the GGUF alone for a GGUF), each by
+    `file_digest`."""
     folder = Path(source.location)
     files = ([folder / source.gguf_file] if source.gguf_file else
              [file for file in sorted(folder.iterdir()) if file.suffix in WEIGHT_SUFFIXES and file.is_file()])
     digest = hashlib.sha256()
     for file in files:
-        digest.update(f"{file.name}:{cached_weights_sha256(file)}\n".encode())
-    identity["weights_sha256"] = digest.hexdigest()[:16]
-    return identity
+        digest.update(f"{file.name}:{file_digest(file)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def whole_file_weights_sha256(spec: ModelSpec) -> str:
+    """A local model's `weights_sha256` as specheads recorded it before a safetensors header's metadata keys were
+    sorted (every file hashed as its bytes), for records made then."""
+    return local_weights_sha256(resolve_source(spec), cached_sha256)
 
 
 def context_length(model: torch.nn.Module) -> int:
