@@ -39,9 +39,10 @@ from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
 POOLED = "all"
 """The tuning source of the in-distribution table: every family's dev prompts together."""
-FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive")
-"""The free rules tuned per family (the strongest of issue 34's table, with AdaEDL and SGLang's EMA of accepted lengths
-as the run-time adapted ones)."""
+FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive", "vllm_online")
+"""The free rules tuned per family (the strongest of issue 34's table, with AdaEDL, SGLang's EMA of accepted lengths
+and vLLM's online acceptance estimator as the run-time adapted ones); a rule whose tune records are missing is left
+out of the tables."""
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Config:
         confidence: draft confidence's grid (stop when q(ŷ) < h).
         adaedl: AdaEDL's grid of starting λ.
         sglang_adaptive: SGLang's adaptive rule's grid of starting K (it then moves among 1, 3, 7 at run time).
+        vllm_online: vLLM's online estimator's grid of h (end the round once 1 − Π of its acceptance estimates > h).
         head: the head's tuned stop rule's grid (1 − Π â > h), for reference.
         transformers_default: decode transformers' untuned default (confidence 0.4, ROC-retuned) on the test prompts.
         report_on: the prompts the report step's tables rest on: the confirmation prompts, or the dev prompts (each
@@ -94,6 +96,7 @@ class Config:
     confidence: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.34, 0.5, 0.7])
     adaedl: list[float] = field(default_factory=lambda: [0.2, 0.36, 0.5, 0.6, 0.7])
     sglang_adaptive: list[int] = field(default_factory=lambda: [1, 3, 7])
+    vllm_online: list[float] = field(default_factory=lambda: [0.15, 0.3, 0.45, 0.6, 0.75])
     head_thresholds: list[float] = field(default_factory=lambda: [0.45, 0.6, 0.75])
     transformers_default: bool = True
     report_on: Literal["confirm", "dev"] = "confirm"
@@ -104,6 +107,7 @@ def grid(config: Config) -> list[tuple[str, float]]:
     """The tuned rules' settings: policy and threshold (K for constant K)."""
     return ([("constant_k", float(k)) for k in config.constant_ks] + [("confidence", t) for t in config.confidence]
             + [("adaedl", t) for t in config.adaedl] + [("sglang_adaptive", float(k)) for k in config.sglang_adaptive]
+            + [("vllm_online", t) for t in config.vllm_online]
             + [("head", t) for t in config.head_thresholds] + [("head_cost", c) for c in config.cost_ratios])
 
 
