@@ -48,11 +48,7 @@ class Layout:
         return self.root / "eval" / head
 
     def exported(self, head: str) -> Path:
-        """The exported head folder (the shipped head's own folder for it)."""
-        if head == SHIPPED:
-            from specheads.heads.loading import shipped_heads
-
-            return shipped_heads()[SHIPPED_HEAD]
+        """The exported head folder."""
         return self.root / "heads" / head
 
 

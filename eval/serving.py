@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, measure_cost_curve, served_throughput
+from specheads.decoding.costs import (
+    CostCurve,
+    RoundRecord,
+    ServingCosts,
+    chain_widths,
+    measure_cost_curve,
+    served_throughput,
+)
 from specheads.eval.sweep import is_tree
 
 __all__ = ["CostCurve", "measure_cost_curve"]
@@ -57,7 +64,7 @@ def request_rounds(record: Any) -> list[tuple[int, int, list[int]]]:
     yielded = [a + 1 for a in record.accepted_per_round]
     if yielded:
         yielded[-1] = record.emitted - sum(yielded[:-1])
-    widths = getattr(record, "draft_widths_per_round", None) or [[1] * k for k in record.drafted_per_round]
+    widths = getattr(record, "draft_widths_per_round", None) or chain_widths(record.drafted_per_round)
     return list(zip(record.drafted_per_round, yielded, widths))
 
 

@@ -123,13 +123,18 @@ class RoundRecord:
     # (a tree's nodes read together); when empty, a chain's: one token in each of its `drafted` steps
 
 
+def chain_widths(drafted: list[int]) -> list[list[int]]:
+    """The draft forwards of chain rounds of `drafted` candidates each: one token a forward."""
+    return [[1] * k for k in drafted]
+
+
 def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
     """The modelled seconds of one round (module docstring): the draft's s-th forward reads every row's s-th step
     (one token a row for a chain, the nodes a tree reads together), then one target forward checks every row's
     candidates and its own token."""
     if not record.drafted:
         return 0.0
-    widths = record.draft_widths or [[1] * k for k in record.drafted]
+    widths = record.draft_widths or chain_widths(record.drafted)
     steps = max((len(row) for row in widths), default=0)
     draft = sum(costs.draft(sum(row[s] for row in widths if len(row) > s)) for s in range(steps))
     return draft + costs.target(sum(v + 1 for v in record.verified))

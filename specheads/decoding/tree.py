@@ -405,6 +405,14 @@ def verify_trees(engine: RoundEngine, target: BatchCache, rounds: dict[int, tupl
 
 
 @dataclass
+class ForwardShare:
+    """A request's share of a shared cache's timed forwards, as `DecodeResult.time_forwards` reads a cache."""
+
+    forward_seconds: float = 0.0
+    passes: float = 0.0
+
+
+@dataclass
 class TreeRequest:
     """One request while it holds a row of a batched tree decode: its own draft cache (B = 1) and drafter, its
     generator, tokens and counts."""
@@ -417,8 +425,8 @@ class TreeRequest:
     generated: list[int] = field(default_factory=list)
     result: DecodeResult = field(default_factory=lambda: DecodeResult(tokens=[]))
     seconds: float = 0.0  # its share of the decode's wall time: each round's, split equally among the rows in it
-    target_passes: float = 0.0  # its share of the target's batched forwards (and their time)
-    target_seconds: float = 0.0
+    target: ForwardShare = field(default_factory=ForwardShare)  # its share of the target's forwards
+
 
 
 @torch.no_grad()
@@ -481,8 +489,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                                               for row, request in active.items()}, tested)
         for row, request in active.items():
             tree, (path, token, target_slots) = trees[row], walks[row]
-            request.target_passes += (target.passes - passes) / len(active)
-            request.target_seconds += (target.forward_seconds - seconds) / len(active)
+            request.target.passes += (target.passes - passes) / len(active)
+            request.target.forward_seconds += (target.forward_seconds - seconds) / len(active)
             if checked is not None:
                 checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok)
                             for i, ok in tested.get(row, [])]
@@ -523,7 +531,5 @@ def finished(request: TreeRequest) -> DecodeResult:
     result.tokens, result.emitted = request.generated, len(request.generated)
     result.draft_forwards = request.draft.forwards[0]
     result.seconds = request.seconds
-    result.draft_seconds, result.draft_passes = request.draft.forward_seconds, request.draft.passes
-    result.target_seconds, result.target_passes = request.target_seconds, request.target_passes
-    result.forward_seconds = result.draft_seconds + result.target_seconds
+    result.time_forwards(request.draft, request.target)
     return result

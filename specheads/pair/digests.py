@@ -14,7 +14,6 @@ n facts costs O(n) in all. When it has grown to twice the facts it held after it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Callable
@@ -60,18 +59,11 @@ def cached_weights_sha256(path: Path) -> str:
     return str(cached_fact(path, "weights-sha256", weights_sha256))
 
 
-def weights_sha256(path: Path, chunk: int = 1 << 22) -> str:
+def weights_sha256(path: Path) -> str:
     """sha256 of the file at `path`, hashed as if a safetensors header's `__metadata__` keys were written in sorted
     order; a file already written so (or any other file) hashes as its bytes do."""
     canonical = canonical_safetensors_header(path) if path.suffix == ".safetensors" else None
-    if canonical is None:
-        return file_sha256(path)
-    digest = hashlib.sha256(struct.pack("<Q", len(canonical)) + canonical)
-    with open(path, "rb") as handle:
-        handle.seek(8 + len(canonical))
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path) if canonical is None else file_sha256(path, head=struct.pack("<Q", len(canonical)) + canonical)
 
 
 def canonical_safetensors_header(path: Path) -> bytes | None:

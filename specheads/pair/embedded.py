@@ -39,10 +39,11 @@ def gguf_path() -> Path:
     return path
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a whole file."""
-    digest = hashlib.sha256()
+def file_sha256(path: Path, chunk: int = 1 << 22, head: bytes | None = None) -> str:
+    """Hex sha256 of a whole file; with `head`, of the file with its first len(head) bytes replaced by `head`."""
+    digest = hashlib.sha256(head or b"")
     with open(path, "rb") as handle:
+        handle.seek(len(head or b""))
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
