@@ -49,6 +49,9 @@ class EvalConfig:
             that heads trained on different splits of one dataset decode the same prompts (and one eval can take the
             other's head-free runs with --reuse-runs).
         num_decode_prompts: how many held-out prompts to decode (half tune thresholds, half are reported).
+        test_samples: how many times each test prompt is decoded, each time with its own seed (sample s ≥ 1 as
+            `<id>#sample<s>`, numbered after every prompt, so sample 0 decodes as without it): a serving queue long
+            enough to fill B = 256 from 160 prompts. The paired intervals resample prompts with all their samples.
         max_new_tokens: tokens generated per decoding run.
         max_draft: cap on a round's candidates (K_max) for the adaptive policies and the oracle.
         cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B).
@@ -116,6 +119,7 @@ class EvalConfig:
     decode_prompts_column: str | None = None
     unseen_prompts_only: bool = False
     num_decode_prompts: NonNegativeInt = 16
+    test_samples: PositiveInt = 1
     max_new_tokens: PositiveInt = 48
     max_draft: PositiveInt = 8
     cost_ratio: OpenUnitInterval = 0.2

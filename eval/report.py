@@ -347,6 +347,15 @@ def ci_note(ci: list[float] | None) -> str:
     return f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
 
 
+def queue_note(serving: dict[str, Any]) -> str:
+    """How long the queue is when the test prompts are sampled more than once (`eval --test-samples`)."""
+    samples = serving.get("samples_per_test_prompt", 1)
+    if samples <= 1:
+        return ""
+    return (f" (a queue of {serving['requests']} requests: {samples} samples of each test prompt, each with its own "
+            "seed; a prompt's samples are resampled together)")
+
+
 def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]:
     """The serving-batch section: throughput per policy, batch size and cost view, which policy wins where, and the
     verify budget's share of the oracle's gain."""
@@ -366,7 +375,7 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
              f"{budget.get('floor')}, K_max {budget.get('max_draft')}; SmartSpec's K; the goodput planner fed the head, "
              "D-Cut's or vLLM's signal) are decoded live at every B and view; the per-request policies are served from "
              "their test runs' rounds. Modelled tokens/s, the change against constant K at the same B with its paired "
-             "95 % interval over prompts:", ""]
+             "95 % interval over prompts" + queue_note(serving) + ":", ""]
     for view in serving.get("views") or sorted({row["costs"] for row in serving["rows"]}):
         lines += [f"Costs: {view}", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
                   "|---|" + "---|" * len(sizes)]

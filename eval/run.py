@@ -62,6 +62,7 @@ from specheads.eval.sweep import (
     paired_gain_interval,
     records_as_dicts,
     run_sweep,
+    sample_prompt_id,
     signal_thresholds,
     tree_section,
     tree_settings,
@@ -143,7 +144,7 @@ def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: s
     out: the head trained on them (`trained_on`: `prompt_digest`s; with `unseen_prompts_only`, every prompt of the
     data), or they leave no room in the models' context (`max_context` positions) for `config.max_new_tokens`, the
     limit gen's `long_prompts` policy applies. They come from `config.decode_prompts`, else from the evaluated data's
-    prompt source."""
+    prompt source. Each test prompt's further samples (`config.test_samples`) follow them all."""
     if config.decode_prompts:
         prompts = load_prompts(config.decode_prompts, column=config.decode_prompts_column,
                                column_flag="--decode-prompts-column")
@@ -163,7 +164,9 @@ def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: s
         if len(chosen) < config.num_decode_prompts:
             split = "dev" if len(chosen) % 2 == 0 and config.tunes_here else "test"
             chosen.append(DecodePrompt(prompt.id, ids, split))
-    return chosen, left_out
+    samples = [DecodePrompt(sample_prompt_id(p.prompt_id, sample), p.ids, p.split)
+               for sample in range(1, config.test_samples) for p in chosen if p.split == "test"]
+    return chosen + samples, left_out
 
 
 def held_out_data(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any]) -> tuple[AcceptanceDataModule, set[str]]:
@@ -364,9 +367,10 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
 
     views = serving_views(sources, config.cost_ratio)
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
-                         resamples=config.bootstrap, seed=config.seed)
+                         resamples=config.bootstrap, seed=config.seed, queue=[p.prompt_id for _, p in test])
     left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
-    return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views),
+    return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views), "requests": len(test),
+            "samples_per_test_prompt": config.test_samples,
             "cost_curves": curves, "scaled_draft_ratio": config.cost_ratio,
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),

@@ -21,7 +21,8 @@ the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput
   runs' rounds are served B at a time in the same lockstep and priced the same way.
 
 Paired intervals: each round's seconds are shared equally by its rows (in lockstep every row waits for the whole
-round), so a request has tokens and seconds; the prompts are resampled and the ratio of throughputs recomputed.
+round), so a request has tokens and seconds; the prompts are resampled (a prompt's samples, `eval --test-samples`,
+with it) and the ratio of throughputs recomputed.
 
 SPRINTER is not served here: its target call checks one flagged token and lets the row's other drafted tokens pass
 unverified, with no bonus token, and a row's last round may call no target at all, so its rounds are not the verify
@@ -44,7 +45,7 @@ from specheads.decoding.costs import (
     measure_cost_curve,
     served_throughput,
 )
-from specheads.eval.sweep import is_tree
+from specheads.eval.sweep import grouped_rows, is_tree, prompt_group
 
 __all__ = ["CostCurve", "measure_cost_curve"]
 
@@ -115,10 +116,10 @@ def serving_views(sources: list[tuple[str, CostView, bool]], cost_ratio: float) 
     return views
 
 
-def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, list[float]], resamples: int,
+def paired_ratio_interval(policy: dict[Any, list[float]], baseline: dict[Any, list[float]], resamples: int,
                           seed: int) -> list[float] | None:
-    """95 % interval of throughput(policy) / throughput(baseline) − 1 over resampled prompts (per-request tokens and
-    seconds, keyed by prompt number)."""
+    """95 % interval of throughput(policy) / throughput(baseline) − 1 over resampled prompts (per-prompt tokens and
+    seconds, keyed by prompt)."""
     prompts = sorted(set(policy) & set(baseline))
     if len(prompts) < 2 or not resamples:
         return None
@@ -131,14 +132,19 @@ def paired_ratio_interval(policy: dict[int, list[float]], baseline: dict[int, li
 
 def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], views: dict[str, CostView],
                   live: LiveDecode | None = None, batch_policies: dict[str, float] | None = None, split: str = "test",
-                  resamples: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+                  resamples: int = 1000, seed: int = 0, queue: list[str] | None = None) -> list[dict[str, Any]]:
     """Per policy, batch size and cost view: the modelled throughput of the `split` prompts served B at a time, its
     ratio to the tuned constant K's at the same B and view with a paired interval, and the share of the oracle's
     gain it captures. Per-request policies are served from their runs' rounds, `batch_policies` ({policy:
-    threshold}) decoded by `live` (module docstring)."""
+    threshold}) decoded by `live` (module docstring). `queue`, the prompt ids in the order `live` serves them,
+    orders the runs the same way and groups a prompt's samples for the intervals; without it the runs' order is
+    the queue and each request is its own prompt."""
     rows = []
+    position = {prompt: index for index, prompt in enumerate(queue or [])}
     for policy, threshold in tuned.items():
         runs = [r for r in records if r.split == split and r.policy == policy and r.threshold == threshold]
+        if queue is not None:
+            runs = sorted((r for r in runs if r.prompt_id in position), key=lambda r: position[r.prompt_id])
         if not runs or policy in NOT_SERVED or any(len(r.drafted_per_round) != len(r.accepted_per_round) for r in runs):
             continue
         if is_tree(policy) and any(r.drafted_per_round and not getattr(r, "draft_widths_per_round", None) for r in runs):
@@ -147,7 +153,8 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
         for size in batch_sizes:
             log = replay(requests, size)
             for view, costs in views.items():
-                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs(size)), "replayed"))
+                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs(size)), "replayed",
+                                      [r.prompt_id for r in runs]))
     for policy, threshold in (batch_policies or {}).items():
         for size in batch_sizes:
             decoded: dict[tuple, list[RoundRecord]] = {}
@@ -156,14 +163,24 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
-                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live"))
+                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live",
+                                      queue))
     compare(rows, resamples, seed)
     return rows
 
 
-def table_row(policy: str, threshold: float, size: int, view: str, served: dict[str, Any], how: str) -> dict[str, Any]:
+def table_row(policy: str, threshold: float, size: int, view: str, served: dict[str, Any], how: str,
+              prompts: list[str] | None) -> dict[str, Any]:
+    """One row of the table; its per-request tokens and seconds summed per prompt (request i serves `prompts[i]`;
+    without `prompts` each request is its own) for the paired intervals."""
+    requests = sorted(served["per_request"])
+    per_prompt = served["per_request"]
+    if prompts is not None:
+        summed = grouped_rows([prompts[i] for i in requests], np.array([per_prompt[i] for i in requests]).reshape(-1, 2))
+        per_prompt = {group: list(row) for group, row in
+                      zip(dict.fromkeys(prompt_group(prompts[i]) for i in requests), summed)}
     return {"policy": policy, "threshold": threshold, "batch_size": size, "costs": view, "decoded": how,
-            "requests": len(served["per_request"]), **served}
+            **served, "requests": len(requests), "per_request": per_prompt}
 
 
 def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:

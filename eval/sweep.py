@@ -46,6 +46,28 @@ class Setting:
     threshold: float
 
 
+SAMPLE_SUFFIX = "#sample"  # a test prompt's further samples are decoded as `<id>#sample<s>`
+
+
+def sample_prompt_id(prompt_id: str, sample: int) -> str:
+    """The id sample `sample` (≥ 1) of a test prompt decodes under (sample 0 keeps the prompt's own id)."""
+    return f"{prompt_id}{SAMPLE_SUFFIX}{sample}"
+
+
+def prompt_group(prompt_id: str) -> str:
+    """The prompt a decoded id samples: the unit the paired intervals resample, so a prompt's samples move together."""
+    return re.sub(rf"{SAMPLE_SUFFIX}\d+$", "", prompt_id)
+
+
+def grouped_rows(keys: list[str], rows: np.ndarray) -> np.ndarray:
+    """`rows` (one per key) summed per `prompt_group` of the key, groups in order of first appearance."""
+    groups: dict[str, int] = {}
+    index = [groups.setdefault(prompt_group(key), len(groups)) for key in keys]
+    summed = np.zeros((len(groups), rows.shape[1]), dtype=np.float64)
+    np.add.at(summed, index, rows)
+    return summed
+
+
 @dataclass(frozen=True)
 class DecodePrompt:
     """A held-out prompt to decode: its id, token ids and whether it tunes (dev) or reports (test)."""
@@ -342,18 +364,21 @@ def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting
                          resamples: int = 1000, seed: int = 0, split: str = "test") -> list[float] | None:
     """95 % interval of `mine`'s modelled speedup over `other`'s, minus 1, resampling the split's prompts with
     replacement (paired: each resample draws the same prompts for both; counts are summed over the drawn prompts,
-    as in `aggregate`). None when fewer than two prompts ran under both."""
+    as in `aggregate`; a prompt's samples, `prompt_group`, are drawn together). None when fewer than two prompts ran
+    under both."""
     def per_prompt(setting: Setting) -> dict[str, RunRecord]:
         return {r.prompt_id: r for r in records
                 if r.split == split and (r.policy, r.threshold) == (setting.policy, setting.threshold)}
 
     runs_a, runs_b = per_prompt(mine), per_prompt(other)
     prompts = sorted(set(runs_a) & set(runs_b))
-    if len(prompts) < 2 or resamples < 1:
+    counts = {name: grouped_rows(prompts, np.array([[r.emitted, r.draft_forwards, r.target_calls]
+                                                    for r in (runs[p] for p in prompts)], dtype=np.float64).reshape(-1, 3))
+              for name, runs in (("a", runs_a), ("b", runs_b))}
+    groups = len(counts["a"])
+    if groups < 2 or resamples < 1:
         return None
-    counts = {name: np.array([[r.emitted, r.draft_forwards, r.target_calls] for r in (runs[p] for p in prompts)],
-                             dtype=np.float64) for name, runs in (("a", runs_a), ("b", runs_b))}
-    draws = np.random.default_rng(seed).integers(0, len(prompts), (resamples, len(prompts)))
+    draws = np.random.default_rng(seed).integers(0, groups, (resamples, groups))
     speedups = {}
     for name, table in counts.items():
         emitted, forwards, calls = (table[:, column][draws].sum(1) for column in range(3))
