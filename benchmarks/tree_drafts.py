@@ -3,7 +3,8 @@ draft-confidence values (EAGLE-2's) and a tree with the head's values, at N = 4,
 and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, values Π q). The two sampled trees also
 run with growth read from the costs (`TreeRule(cost_ratio=c)`, floor 0, nothing tuned; docs/method.md "Trees whose
 growth weighs their costs"): `tree_head_cost` against `tree_confidence_cost` is the same growth rule with two value
-sources.
+sources. With `--sibling_head` (a head trained on second children, configs/train/sibling-ontime.yaml) the cost-grown
+head tree also runs with it scoring the later siblings (`tree_sibling_cost`, sibling-aware values).
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):
@@ -69,6 +70,8 @@ class Config:
         cost_ratio: c = t_draft / t_target of the modelled speedup and of the trees whose growth reads the costs.
         kinds: decode only these kinds' settings (all when not given): the chain and the trees grown by their costs
             need no tune step.
+        sibling_head: a head of second children (`data.children: second`): adds `tree_sibling_cost`, the cost-grown
+            head tree whose later siblings it scores.
         resamples: bootstrap resamples of the paired intervals.
     """
 
@@ -93,16 +96,21 @@ class Config:
     expand: int = 4
     cost_ratio: float = 0.2
     kinds: list[str] | None = None
+    sibling_head: str | None = None
     resamples: int = 2000
 
 
-KINDS = ("chain", "tree_eagle", "tree_confidence", "tree_head", "tree_confidence_cost", "tree_head_cost")
+KINDS = ("chain", "tree_eagle", "tree_confidence", "tree_head", "tree_confidence_cost", "tree_head_cost",
+         "tree_sibling_cost")
 TREE_KINDS = {"tree_confidence": ("confidence", "sampled", False), "tree_head": ("head", "sampled", False),
               "tree_eagle": ("confidence", "top", False), "tree_confidence_cost": ("confidence", "sampled", True),
-              "tree_head_cost": ("head", "sampled", True)}
-"""kind -> (values, children, whether growth is read from the costs at --cost_ratio: floor 0, not tuned)"""
+              "tree_head_cost": ("head", "sampled", True), "tree_sibling_cost": ("head", "sampled", True)}
+"""kind -> (values, children, whether growth is read from the costs at --cost_ratio: floor 0, not tuned); the
+`tree_sibling_cost` tree scores its later siblings with --sibling_head"""
 GAINS = (("tree_head", "chain"), ("tree_head", "tree_confidence"), ("tree_head", "tree_eagle"),
-         ("tree_head_cost", "tree_confidence_cost"), ("tree_head_cost", "chain"), ("tree_head_cost", "tree_head"))
+         ("tree_head_cost", "tree_confidence_cost"), ("tree_head_cost", "chain"), ("tree_head_cost", "tree_head"),
+         ("tree_sibling_cost", "tree_head_cost"), ("tree_sibling_cost", "tree_confidence_cost"),
+         ("tree_sibling_cost", "chain"))
 """The paired comparisons of the report: (kind, against)."""
 
 
@@ -116,7 +124,8 @@ def settings(config: Config, step: str, tuned: dict[str, float] | None = None) -
     return ([{"kind": kind, "budget": n, "knob": config.chain_threshold if kind == "chain" else tuned[kind]}
              for n in config.budgets for kind in ("tree_head", "tree_confidence", "chain") if kind == "chain" or kind in tuned]
             + [{"kind": kind, "budget": n, "knob": 0.0} for n in config.budgets
-               for kind in ("tree_head_cost", "tree_confidence_cost")]
+               for kind in ("tree_head_cost", "tree_confidence_cost", "tree_sibling_cost")
+               if kind != "tree_sibling_cost" or config.sibling_head]
             + [{"kind": "tree_eagle", "budget": n, "knob": tuned["tree_eagle"]} for n in config.eagle_budgets
                if "tree_eagle" in tuned])
 
@@ -193,6 +202,7 @@ def decode(config: Config, step: str) -> None:
         return
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
     head = load_trained(config.head).head
+    sibling_head = load_trained(config.sibling_head).head if config.sibling_head else None
     source = load_prompts(config.dev_file)[::2][: config.dev_prompts] if step == "tune" else \
         load_prompts(config.test_file)[: config.test_prompts]
     prompts = [encode_prompt(pair.tokenizer, p) for p in source]
@@ -208,7 +218,8 @@ def decode(config: Config, step: str) -> None:
             values, children, costs = TREE_KINDS[setting["kind"]]
             rule = TreeRule(values, setting["knob"], setting["budget"], config.width, config.expand, children,
                             cost_ratio=config.cost_ratio if costs else None)
-            results = decode_tree(engine, prompts, rule, config.max_new_tokens, seeds, head)
+            results = decode_tree(engine, prompts, rule, config.max_new_tokens, seeds, head,
+                                  sibling_head=sibling_head if setting["kind"] == "tree_sibling_cost" else None)
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
                     "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
         write_json_atomic(out / step / f"{setting_name(setting)}.json", {"setting": setting, "records": records})

@@ -22,7 +22,9 @@ SIBLING_ROWS = ("| `sibling_ids` | a tree's second child: drawn from q without `
                 "has no other token) |\n"
                 "| `sibling_accept` | its acceptance once the drafted candidate was rejected, min(1, p₂/q₂), p₂ = "
                 "norm(max(0, p − q)), q₂ = q without the candidate (recursive rejection sampling) |\n"
-                "| `sibling_beta` | the same known before it is drawn, Σ min(p₂, q₂) |\n")
+                "| `sibling_beta` | the same known before it is drawn, Σ min(p₂, q₂) |\n"
+                "| `sibling_logq` | log q(x₂) under the whole q (0 where there is no second child): the signal a head "
+                "reads of a tree's child |\n")
 TARGET_STATES_ROW = ("| `target_features` | the target's own states (after its final norm) on the same tokens and rows as `features`: "
                      "what the target computed at the positions it verified |\n")
 

@@ -122,7 +122,8 @@ class GenConfig:
     sibling_labels: bool = False
     """also label a tree's second child at each position: `sibling_ids` drawn from q without the drafted candidate,
     its acceptance `sibling_accept` = min(1, p₂/q₂) once the drafted candidate was rejected (p₂ = norm(max(0, p −
-    q)), recursive rejection sampling) and `sibling_beta` = Σ min(p₂, q₂) (docs/data.md)."""
+    q)), recursive rejection sampling), `sibling_beta` = Σ min(p₂, q₂) and its draft signal `sibling_logq` = log q(x₂)
+    (docs/data.md)."""
     long_prompts: Literal["skip", "fail"] = "skip"
     """a prompt too long for the context: `skip` it (counted, its id kept in the manifest) or `fail`."""
     max_prompt_tokens: PositiveInt | None = None

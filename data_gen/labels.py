@@ -34,17 +34,19 @@ class PositionLabels:
     sibling_ids: torch.Tensor | None = None
     sibling_accept: torch.Tensor | None = None
     sibling_beta: torch.Tensor | None = None
+    sibling_logq: torch.Tensor | None = None
 
 
-SIBLING_COLUMNS = ("sibling_ids", "sibling_accept", "sibling_beta")
+SIBLING_COLUMNS = ("sibling_ids", "sibling_accept", "sibling_beta", "sibling_logq")
 
 
 def sibling_labels(logp_all: torch.Tensor, logq_all: torch.Tensor, candidates: torch.Tensor,
-                   draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree's second child at each position, as recursive rejection sampling checks it once the drafted candidate
     ŷ was rejected: x₂ drawn from q₂ = q without ŷ (renormalised), accepted with min(1, p₂(x₂)/q₂(x₂)), where
-    p₂ = norm(max(0, p − q)); and the acceptance known before x₂ is drawn, Σ min(p₂, q₂). Returns (x₂, its
-    acceptance, Σ min(p₂, q₂)); where q has no other token, x₂ is −1 and both are 0."""
+    p₂ = norm(max(0, p − q)); the acceptance known before x₂ is drawn, Σ min(p₂, q₂); and log q(x₂) under the whole
+    q, the signal a head reads of a tree's child. Returns (x₂, its acceptance, Σ min(p₂, q₂), log q(x₂)); where q
+    has no other token, x₂ is −1 and the rest 0."""
     rest = logq_all.scatter(-1, candidates.unsqueeze(-1), float("-inf"))
     has_rest = torch.isfinite(rest).any(-1)
     rest = torch.where(has_rest.unsqueeze(-1), rest, logq_all).log_softmax(-1)
@@ -53,7 +55,9 @@ def sibling_labels(logp_all: torch.Tensor, logq_all: torch.Tensor, candidates: t
     q_second = rest.gather(-1, second.unsqueeze(-1)).squeeze(-1).exp()
     accept = (p_rest.gather(-1, second.unsqueeze(-1)).squeeze(-1) / q_second).clamp(max=1.0)
     beta = torch.minimum(p_rest, rest.exp()).sum(-1).clamp(max=1.0)
-    return (torch.where(has_rest, second, -1), torch.where(has_rest, accept, 0.0), torch.where(has_rest, beta, 0.0))
+    logq_second = logq_all.gather(-1, second.unsqueeze(-1)).squeeze(-1)
+    return (torch.where(has_rest, second, -1), torch.where(has_rest, accept, 0.0), torch.where(has_rest, beta, 0.0),
+            torch.where(has_rest, logq_second, 0.0))
 
 
 def label_positions(
@@ -78,12 +82,11 @@ def labels_from_log_probs(
     beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
     entropy, top1 = signal_statistics(signal_log_probs(draft_logits, logq_all, transform))
     siblings = ([t.cpu() for t in sibling_labels(logp_all, logq_all, candidates, sibling_draws)]
-                if sibling_draws is not None else [None, None, None])
+                if sibling_draws is not None else [None] * len(SIBLING_COLUMNS))
     return PositionLabels(
         draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
-        entropy=entropy.cpu(), top1=top1.cpu(), sibling_ids=siblings[0], sibling_accept=siblings[1],
-        sibling_beta=siblings[2],
+        entropy=entropy.cpu(), top1=top1.cpu(), **dict(zip(SIBLING_COLUMNS, siblings)),
     )
 
 

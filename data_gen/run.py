@@ -22,7 +22,7 @@ from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.engines import BuiltinEngine
-from specheads.data_gen.labels import LABELLER
+from specheads.data_gen.labels import LABELLER, SIBLING_COLUMNS
 from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
@@ -174,7 +174,8 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         **({"state_layer": config.state_layer} if config.state_layer is not None else {}),
         **({"target_states": True, "target_hidden_size": int(pair.target.config.hidden_size)}
            if config.target_states else {}),
-        **({"sibling_labels": True} if config.sibling_labels else {}),
+        # the columns too: data labelled before `sibling_logq` was one is told apart (and not resumed into)
+        **({"sibling_labels": True, "sibling_columns": list(SIBLING_COLUMNS)} if config.sibling_labels else {}),
         **feature_storage(config).identity(),  # likewise only the options that differ from the default
         "long_prompts": config.long_prompts,
         "max_prompt_tokens": config.max_prompt_tokens,

@@ -431,6 +431,7 @@ def evaluate(config: EvalConfig) -> Report:
         raise UsageError(f"{config.data} holds no finished labelled dataset (no complete manifest.json); "
                          f"run `specheads gen --out {config.data}` first")
     trained = load_trained(config.head)
+    trained.refuse_second_children("be evaluated as a chain rule's head")
     check_data(trained, manifest, config.data, config.allow_other_data)
     with folder_lock(Path(config.out), "eval"):
         try:

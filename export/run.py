@@ -193,6 +193,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
     """Export the checkpoint's head; returns config.json's content."""
     check_output_folder(Path(config.out))
     trained = load_trained(config.ckpt)
+    trained.refuse_second_children("be exported with a chain rule")
     report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)
     choice = None
     if report:

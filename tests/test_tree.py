@@ -188,9 +188,10 @@ def test_the_sibling_label_is_what_recursive_rejection_sampling_accepts_after_th
     q_rest = [0.0 if v == drafted else x / (1 - q[drafted].item()) for v, x in enumerate(q.tolist())]
     by_hand = sum(min(a, b) for a, b in zip(p_rest, q_rest))
     generator = torch.Generator().manual_seed(1)
-    second, accept, beta = sibling_labels(p.log().expand(runs, -1), q.log().expand(runs, -1),
-                                          torch.full((runs,), drafted), torch.rand(runs, generator=generator, dtype=torch.float64))
+    second, accept, beta, logq = sibling_labels(p.log().expand(runs, -1), q.log().expand(runs, -1), torch.full((runs,), drafted),
+                                                torch.rand(runs, generator=generator, dtype=torch.float64))
     assert torch.allclose(beta, torch.tensor(by_hand, dtype=torch.float64)) and (second != drafted).all()
+    assert torch.equal(logq, q.log()[second])  # the child's signal under the whole q, as a tree scores it
     counts = torch.bincount(second, minlength=5).double().numpy()
     assert chisquare(counts[1:], np.array(q_rest[1:]) * runs).pvalue > 1e-3
     rest = torch.tensor(q_rest, dtype=torch.float64).log()
@@ -222,5 +223,9 @@ def test_gen_labels_a_second_child_on_its_own_stream(tiny_model, prompts_file, t
         assert len(row["sibling_ids"]) == len(row["draft_ids"]) == len(row["sibling_accept"])
         assert all(s != d for s, d in zip(row["sibling_ids"], row["draft_ids"]) if s >= 0)
         assert all(0 <= a <= 1 and 0 <= b <= 1 for a, b in zip(row["sibling_accept"], row["sibling_beta"]))
+        # q(x₂) and q(ŷ) are two tokens of one distribution; no second child, no signal
+        assert all(math.exp(s) + math.exp(d) <= 1 + 1e-5 if i >= 0 else s == 0
+                   for i, s, d in zip(row["sibling_ids"], row["sibling_logq"], row["logq"]))
+        assert any(s < 0 for s in row["sibling_logq"])
     with pytest.raises(UsageError, match="at temperature 0 q is one-hot"):
         GenConfig(sibling_labels=True, sampling=SamplingConfig(temperature=0.0)).validate()

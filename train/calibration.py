@@ -3,10 +3,13 @@
 For k = 1..K the map of position k is fitted with the maps of positions < k fixed, by minimising the
 binary cross-entropy of the cumulative product Π_{j≤k} â_j against the cumulative soft label
 Π_{j≤k} min(1, p_j/q_j) over every run of k consecutive drafted candidates (DSpark's sequential
-scheme): the product, not each factor, is what the stop rule thresholds.
+scheme): the product, not each factor, is what the stop rule thresholds. A head of a tree's second children
+is calibrated per depth instead (`fit_sibling_calibration`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 from scipy.optimize import minimize
@@ -26,30 +29,68 @@ def product_cross_entropy(parameters: np.ndarray, prefix: np.ndarray, last_logit
     return float(-np.mean(label * np.log(product) + (1 - label) * np.log1p(-product)))
 
 
-def fit_position_calibration(logits: np.ndarray, accept: np.ndarray, row: np.ndarray, position: np.ndarray,
-                             max_positions: int) -> PositionCalibration:
-    """The per-position maps fitted on drafted tokens sorted by (row, position): `logits` are the head's corrected
-    logits, `accept` the soft labels min(1, p/q). A position with no run of that length keeps the previous map."""
+Map = tuple[float, float]  # (scale, bias) of one position
+
+
+def fitted_maps(row: np.ndarray, position: np.ndarray, max_positions: int,
+                fit: Callable[[int, np.ndarray, list[Map]], Map | None]) -> PositionCalibration:
+    """One map per position k = 1..max_positions, in order: `fit(k, windows of k tokens, the maps of positions < k)`
+    gives (scale, bias), or None where there is nothing to fit; a position with no run of length k, or nothing to
+    fit, keeps the previous map."""
     if max_positions < 1:
         raise UsageError(f"calibrate_positions must be at least 1 to fit a calibration, got {max_positions}")
     windows = round_windows(row, position, max_positions)
     if not len(windows[0]):
         raise UsageError("no drafted token to fit the calibration on; give the calibration split more prompts")
-    scales: list[float] = []
-    biases: list[float] = []
+    maps: list[Map] = []
     for k, index in enumerate(windows, start=1):
-        if not len(index):
-            scales.append(scales[-1])
-            biases.append(biases[-1])
-            continue
+        fitted = fit(k, index, maps) if len(index) else None
+        maps.append(fitted or (maps[-1] if maps else (1.0, 0.0)))
+    return PositionCalibration(tuple(m[0] for m in maps), tuple(m[1] for m in maps))
+
+
+def minimised(loss: Callable[..., float], maps: list[Map], *args: np.ndarray) -> Map:
+    """The (scale, bias) minimising `loss((log_scale, bias), *args)`, started from the last of `maps` (identity when
+    there is none)."""
+    start = np.array([np.log(maps[-1][0]), maps[-1][1]]) if maps else np.array([0.0, 0.0])
+    result = minimize(loss, start, args=args, method="L-BFGS-B", bounds=[LOG_SCALE_BOUNDS, BIAS_BOUNDS])
+    return float(np.exp(result.x[0])), float(result.x[1])
+
+
+def fit_position_calibration(logits: np.ndarray, accept: np.ndarray, row: np.ndarray, position: np.ndarray,
+                             max_positions: int) -> PositionCalibration:
+    """The per-position maps fitted on drafted tokens sorted by (row, position): `logits` are the head's corrected
+    logits, `accept` the soft labels min(1, p/q). A position with no run of that length keeps the previous map."""
+    def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map:
         z = logits[index]
         prefix = np.ones(len(index))
-        for j in range(k - 1):
-            prefix *= sigmoid(scales[j] * z[:, j] + biases[j])
-        label = accept[index].prod(axis=1)
-        start = np.array([0.0, 0.0]) if k == 1 else np.array([np.log(scales[-1]), biases[-1]])
-        fit = minimize(product_cross_entropy, start, args=(prefix, z[:, -1], label), method="L-BFGS-B",
-                       bounds=[LOG_SCALE_BOUNDS, BIAS_BOUNDS])
-        scales.append(float(np.exp(fit.x[0])))
-        biases.append(float(fit.x[1]))
-    return PositionCalibration(tuple(scales), tuple(biases))
+        for j, (scale, bias) in enumerate(maps):
+            prefix *= sigmoid(scale * z[:, j] + bias)
+        return minimised(product_cross_entropy, maps, prefix, z[:, -1], accept[index].prod(axis=1))
+
+    return fitted_maps(row, position, max_positions, fit)
+
+
+def weighted_cross_entropy(parameters: np.ndarray, logit: np.ndarray, label: np.ndarray, weight: np.ndarray) -> float:
+    """Weighted mean BCE of σ(exp(log_scale) · z + bias) against the soft `label`; parameters = (log_scale, bias)."""
+    predicted = np.clip(sigmoid(np.exp(parameters[0]) * logit + parameters[1]), EPSILON, 1 - EPSILON)
+    loss = -(label * np.log(predicted) + (1 - label) * np.log1p(-predicted))
+    return float((weight * loss).sum() / max(weight.sum(), EPSILON))
+
+
+def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept: np.ndarray, row: np.ndarray,
+                            position: np.ndarray, max_positions: int) -> PositionCalibration:
+    """Per-depth maps for a head of a tree's second children (`data.children: second`), fitted on drafted positions
+    sorted by (row, position): `logits` are its corrected logits of the second children, `accept` their labels
+    min(1, p₂/q₂) and `first_accept` the first children's min(1, p/q) there.
+
+    A tree checks the second child at depth k of a path only when the first children at depths 1..k−1 were accepted
+    and the one at depth k was rejected; so the map of depth k is fitted on every run of k drafted positions with
+    weight Π_{j<k} first_accept_j · (1 − first_accept_k), the chance the tree gets there. A depth with no run (or no
+    weight) keeps the previous map."""
+    def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map | None:
+        last = index[:, -1]
+        weight = first_accept[index[:, :-1]].prod(axis=1) * (1 - first_accept[last])
+        return minimised(weighted_cross_entropy, maps, logits[last], accept[last], weight) if weight.sum() > 0 else None
+
+    return fitted_maps(row, position, max_positions, fit)

@@ -24,7 +24,7 @@ from specheads.dataset.targets import Contexts, draft_features, head_inputs, sta
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
-from specheads.train.calibration import fit_position_calibration
+from specheads.train.calibration import fit_position_calibration, fit_sibling_calibration
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe
 
@@ -137,7 +137,8 @@ class AcceptanceModule(L.LightningModule):
         # (every prompt of the training split, also those a `data.train_rows` subset leaves out)
         self.hparams.data_split = {"val_fraction": data.val_fraction, "split_seed": data.split_seed,
                                    "train_prompts": data.training_prompts,
-                                   **({"train_rows": data.train_rows} if data.train_rows is not None else {})}
+                                   **({"train_rows": data.train_rows} if data.train_rows is not None else {}),
+                                   **({"children": data.children} if data.children != "first" else {})}
         if self.hparams.calibrate_positions:
             if "calibration" not in data.splits:
                 raise UsageError(f"model.calibrate_positions is {self.hparams.calibrate_positions} but the data holds no "
@@ -277,9 +278,10 @@ class AcceptanceModule(L.LightningModule):
         `position_gamma`), plus `alpha_weight` × the auxiliary output's BCE against α at the same tokens."""
         hidden, signals, embedding, labels, mask, target, staleness = self.batch_inputs(batch)
         features = self.head.features(hidden, signals, embedding, target, staleness)
-        weights = None
+        weights = batch["child_weight"][mask].float() if "child_weight" in batch else None  # second children
         if self.hparams.position_gamma is not None:
-            weights = position_weights(run_positions(batch["is_draft"])[mask], self.hparams.position_gamma)
+            position = position_weights(run_positions(batch["is_draft"])[mask], self.hparams.position_gamma)
+            weights = position if weights is None else weights * position
         if self.alpha_out is None:
             return weighted_bce(self.head.score(features), labels, self.hparams.w_acc, self.hparams.w_rej, weights), len(labels)
         trunk = self.head.trunk(features)
@@ -331,19 +333,23 @@ class AcceptanceModule(L.LightningModule):
         hyperparameters, so that every checkpoint carries the map that fits its weights. Every rank fits the same
         map from the same ordered rows."""
         data = self.trainer.datamodule
-        logits, accept, rows, positions, offset = [], [], [], [], 0
+        logits, accept, first, rows, positions, offset = [], [], [], [], [], 0
         for index, batch in enumerate(data.ordered_batches("calibration", with_features=True)):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, seed=index)
             logits.append((self.head(hidden, signals, embedding, target, staleness)
                            + self.head.logit_correction).double().cpu())
             accept.append(label.double().cpu())
+            if "first_accept" in batch:
+                first.append(batch["first_accept"][mask].double().cpu())
             row, position = mask.nonzero(as_tuple=True)
             rows.append((row + offset).cpu())
             positions.append(position.cpu())
             offset += len(mask)
-        calibration = fit_position_calibration(*(torch.cat(part).numpy() for part in (logits, accept, rows, positions)),
-                                               self.hparams.calibrate_positions)
+        columns = [torch.cat(part).numpy() for part in (logits, accept, rows, positions)]
+        calibration = (fit_sibling_calibration(*columns[:2], torch.cat(first).numpy(), *columns[2:],
+                                               self.hparams.calibrate_positions) if first else
+                       fit_position_calibration(*columns, self.hparams.calibrate_positions))
         self.head.set_calibration(calibration)
         self.hparams.head_args = {**(self.hparams.head_args or {}), "calibration": calibration.as_dict()}
 

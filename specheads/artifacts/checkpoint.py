@@ -48,6 +48,20 @@ class TrainedHead:
         return self.head.purpose
 
     @property
+    def children(self) -> str:
+        """Which children the head learned to score: `first` (drafted candidates) or `second` (a tree's second
+        children, `data.children: second`)."""
+        return str(self.split.get("children", "first"))
+
+    def refuse_second_children(self, what: str) -> None:
+        """Refuse to `what` a head of a tree's second children: it is no chain rule's head, and its labels are not
+        the drafted candidates'."""
+        if self.children == "second":
+            raise UsageError(f"{self.source} scores a tree's second children (trained with data.children: second), "
+                             f"not drafted candidates, so it cannot {what}; give it to a head-valued tree as its "
+                             "sibling head (decode_tree(..., sibling_head=), benchmarks/sibling_values.py)")
+
+    @property
     def used_prompts(self) -> set[str] | None:
         """The prompts training used, to fit the head or its calibration (`specheads.dataset.prompts.prompt_digest` of their
         token ids): eval holds out every other prompt. None for a head trained before specheads recorded them."""

@@ -30,6 +30,10 @@ from specheads.plumbing.files import write_json_atomic
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
+SECOND_CHILD_COLUMNS = {"draft_ids": "sibling_ids", "accept": "sibling_accept", "beta": "sibling_beta",
+                        "logq": "sibling_logq"}
+"""With `children: second`, the columns a batch takes from the second-child labels (`gen --sibling_labels true`)."""
+CHILDREN = ("first", "second")
 
 
 def prompt_draw(prompt_id: str, seed: int) -> float:
@@ -49,6 +53,18 @@ def prompt_split(prompt_id: str, seed: int, val_fraction: float, calibration_fra
     return "val" if draw < val_fraction else "calibration" if draw < val_fraction + calibration_fraction else "train"
 
 
+def second_children(columns: dict[str, Any]) -> dict[str, Any]:
+    """A row's (or a padded batch's) columns as a tree's second children: the candidate, its signal and labels are the
+    second child's (`SECOND_CHILD_COLUMNS`), `first_accept` keeps the drafted candidate's acceptance, and
+    `child_weight` = 1 − it is how often a tree checks the second child there (only once the first was rejected).
+    Positions without a second child (−1: q had no other token) are marked in `has_second`."""
+    second = np.asarray(columns["sibling_ids"])
+    remapped = {name: columns[source] for name, source in SECOND_CHILD_COLUMNS.items()}
+    remapped["draft_ids"] = np.maximum(second, 0)
+    first = np.asarray(columns["accept"], dtype=np.float32)
+    return {**columns, **remapped, "first_accept": first, "child_weight": 1.0 - first, "has_second": second >= 0}
+
+
 class RowDataset(Dataset):
     """Rows of a labelled dataset as numpy dicts; `features` ([kept positions, hidden], float16 or bfloat16's uint16
     bits) only in offline mode, with `state_rows` (which of the n + 1 positions they are) when the data keeps only
@@ -58,8 +74,10 @@ class RowDataset(Dataset):
     Arrow take per batch instead of one per row, and the states stay views of the taken table."""
 
     def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all",
-                 with_target_states: bool = False):
-        self.rows = rows.with_format("numpy", columns=list(SMALL_COLUMNS))
+                 with_target_states: bool = False, children: str = "first"):
+        self.columns = SMALL_COLUMNS + (tuple(SECOND_CHILD_COLUMNS.values()) if children == "second" else ())
+        self.children = children
+        self.rows = rows.with_format("numpy", columns=list(self.columns))
         self.state_columns = ["features", *(["target_features"] if with_target_states else [])] if with_features else []
         self.features = rows.with_format("arrow", columns=self.state_columns) if with_features else None
         self.features_at = features_at
@@ -73,7 +91,9 @@ class RowDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         indices = [int(i) for i in indices]
         columns = self.rows[indices]
-        rows = [{name: columns[name][i] for name in SMALL_COLUMNS} for i in range(len(indices))]
+        rows = [{name: columns[name][i] for name in self.columns} for i in range(len(indices))]
+        if self.children == "second":
+            rows = [second_children(row) for row in rows]
         if self.features is not None:
             table = self.features[indices]  # one take for every state column
             for name in self.state_columns:
@@ -96,15 +116,17 @@ def feature_rows(table: pa.Table, name: str = "features") -> list[np.ndarray]:
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pad per-position columns to the longest response; `valid` marks real positions; derived signals added."""
+    """Pad per-position columns to the longest response; `valid` marks real positions (of second children, those that
+    have one: `second_children`); derived signals added."""
     width = max(len(row["accept"]) for row in rows)
+    floats = PER_POSITION_FLOATS + (("first_accept", "child_weight") if "child_weight" in rows[0] else ())
     padded = {"valid": np.zeros((len(rows), width), dtype=bool), "is_draft": np.zeros((len(rows), width), dtype=bool),
               "draft_ids": np.zeros((len(rows), width), dtype=np.int64),
-              **{name: np.zeros((len(rows), width), dtype=np.float32) for name in PER_POSITION_FLOATS}}
+              **{name: np.zeros((len(rows), width), dtype=np.float32) for name in floats}}
     for index, row in enumerate(rows):
         n = len(row["accept"])
-        padded["valid"][index, :n] = True
-        for name in ("is_draft", "draft_ids", *PER_POSITION_FLOATS):
+        padded["valid"][index, :n] = row.get("has_second", True)
+        for name in ("is_draft", "draft_ids", *floats):
             padded[name][index, :n] = row[name]
     if "features" in rows[0]:
         padded.update(padded_states(rows, width))
@@ -197,11 +219,15 @@ class AcceptanceDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
         train_rows: train on this many rows of the training split (a seeded choice; each smaller subset lies inside
             every larger one), for learning curves; the validation and calibration prompts stay the same. Null: all.
+        children: `first`, the drafted candidates (a chain's, a tree's first children); `second`, a tree's second
+            children (data labelled with `specheads gen --sibling_labels true`): the candidate, its signals and labels
+            are the second child's and each position weighs 1 − the first child's acceptance, how often a tree checks
+            a second child there (`second_children`). A head trained so scores a tree's later siblings.
     """
 
     def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,
                  split_seed: int = 0, batch_size: int = 32, num_workers: int = 0, calibration_fraction: float = 0.0,
-                 train_rows: int | None = None):
+                 train_rows: int | None = None, children: Literal["first", "second"] = "first"):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise UsageError(f"data.val_fraction must lie in (0, 1), got {val_fraction}")
@@ -221,6 +247,12 @@ class AcceptanceDataModule(L.LightningDataModule):
         if mode == "offline" and not stored:
             raise UsageError(f"{path} stores no hidden-state features; use --data.mode online (or auto), or regenerate "
                              "with --store-features true")
+        if children not in CHILDREN:
+            raise UsageError(f"data.children must be one of {', '.join(CHILDREN)}, got {children!r}")
+        if children == "second" and "sibling_logq" not in manifest["identity"].get("sibling_columns", ()):
+            raise UsageError(f"{path} holds no second-child labels with their signals (sibling_logq), which "
+                             "data.children: second trains on; label it with `specheads gen --sibling_labels true`")
+        self.children = children
         self.path = path
         self.manifest = manifest
         self.mode = "offline" if mode == "auto" and stored else ("online" if mode == "auto" else mode)
@@ -340,7 +372,8 @@ class AcceptanceDataModule(L.LightningDataModule):
         trainer = self.trainer
         sampler = RankBatchSampler(lengths, self.batch_size, shuffle, self.split_seed,
                                    trainer.global_rank if trainer else 0, trainer.world_size if trainer else 1)
-        return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at, self.with_target_states),
+        return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at, self.with_target_states,
+                                     self.children),
                           batch_sampler=sampler,
                           collate_fn=collate_rows, num_workers=self.num_workers)
 
@@ -354,6 +387,6 @@ class AcceptanceDataModule(L.LightningDataModule):
         """The whole split in a fixed order (every rank sees the same), for statistics; per-position columns only
         unless `with_features` (stored features in offline mode, token ids for the draft in online mode)."""
         return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline", self.features_at,
-                                     self.with_target_states),
+                                     self.with_target_states, self.children),
                           batch_size=rows_per_batch or self.batch_size, collate_fn=collate_rows,
                           num_workers=self.num_workers)

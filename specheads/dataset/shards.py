@@ -148,6 +148,7 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "sibling_accept": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "sibling_beta": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "logq": (lambda v: np.isfinite(v) & (v <= 0), "not a finite log-probability"),
+    "sibling_logq": (lambda v: np.isfinite(v) & (v <= 0), "not a finite log-probability"),
     "logp": (lambda v: v <= 0, "not a log-probability (−inf is allowed where the transform gives p = 0)"),
     "entropy": (lambda v: np.isfinite(v) & (v >= 0), "not a finite entropy"),
     "features": (lambda v: np.isfinite(float_values(v)), "not finite"),

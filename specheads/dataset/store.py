@@ -55,7 +55,7 @@ def row_features(hidden_size: int | None, features_dtype: str = "float16",
         **{name: floats for name in PER_POSITION_FLOATS},
     }
     if siblings:
-        schema.update(sibling_ids=ints, sibling_accept=floats, sibling_beta=floats)
+        schema.update(sibling_ids=ints, sibling_accept=floats, sibling_beta=floats, sibling_logq=floats)
     if hidden_size:
         schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype=ARROW_DTYPES[features_dtype])
     if target_hidden_size:

@@ -25,6 +25,12 @@ a valid speculative-sampling step; nodes chosen rather than drawn (greedy) are e
 that reads a drawn token decides only its descendants and later siblings, never whether that token is verified —
 the budget's trap (ranking drawn tokens by a score that read them) is not open here.
 
+**Sibling-aware values** (`decode_tree(..., sibling_head=)`): a head trained on a tree's second children
+(`data.children: second`, docs/method.md "Sibling-aware values") scores every later sibling, the chain head the first
+children. The later sibling is checked against the residual p₂ = norm(max(0, p − q)), where the chain label
+overstates it; its score sets the reach past it and its value. It reads the sibling's own token, as the chain head
+reads a first child's: a score decides only descendants and later siblings, so exactness is as above.
+
 With `width` 1 the tree is the chain: the slot rule is SpecDec++'s stop rule (draft on while Π â ≥ floor = 1 − h),
 and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` decodes.
 
@@ -128,15 +134,23 @@ class TreeRule:
         """Whether growth weighs what a level and a slot cost (a `cost_ratio` is given)."""
         return self.cost_ratio is not None
 
-    def check_head(self, head: AcceptanceHead | None) -> None:
-        """Refuse a head the tree cannot score children with."""
+    def check_head(self, head: AcceptanceHead | None, sibling_head: AcceptanceHead | None = None) -> None:
+        """Refuse a head the tree cannot score children with, and a sibling head it cannot use beside it."""
+        if sibling_head is not None and not self.reads_head:
+            raise UsageError("a sibling head scores a head-valued tree's later siblings; give the tree values: head "
+                             "(and the chain head), or drop sibling_head")
         if not self.reads_head:
             return
         if head is None:
             raise UsageError("a tree with head values needs an acceptance head")
-        refusal = child_values_refusal(head)
-        if refusal:
-            raise UsageError(f"{refusal}; use an at_draft or before_draw head")
+        for name, scorer in (("head", head), ("sibling head", sibling_head)):
+            refusal = None if scorer is None else child_values_refusal(scorer)
+            if refusal:
+                raise UsageError(f"the {name}: {refusal}; use an at_draft or before_draw head")
+        if sibling_head is not None and sibling_head.state_layer != head.state_layer:
+            raise UsageError(f"the sibling head reads the draft's state at layer {sibling_head.state_layer} and the "
+                             f"head at {head.state_layer}; a tree reads one state per node: train both on data of one "
+                             "state layer")
 
 
 def child_values_refusal(head: AcceptanceHead) -> str | None:
@@ -246,8 +260,10 @@ class TreeDrafter:
     """Grows one round's tree from the draft's cache (module docstring, step 1); one drafter serves one request, whose
     history cost-aware growth reads (`costs`, None without a `cost_ratio`)."""
 
-    def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator):
+    def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator,
+                 sibling_head: AcceptanceHead | None = None):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
+        self.sibling_head = sibling_head  # scores the later siblings when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
         self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
@@ -341,7 +357,7 @@ class TreeDrafter:
         if self.fixed and not math.isfinite(float(logq[token])):  # a greedy tree's later child: one-hot q gives it 0
             logq = signal_log_probs(at.logits, logq, self.transform)  # so its signals read the untempered draft
         signals = candidate_signals(at.logits, logq, token, self.transform)
-        score = self._score(at, signals, token, depth)
+        score = self._score(at, signals, token, depth, len(siblings) + 1)
         score = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
         if self.costs is not None:
             self.costs.scored(len(siblings) + 1, score)
@@ -349,12 +365,14 @@ class TreeDrafter:
         siblings.append(len(tree.nodes) - 1)
         at.reach *= 1.0 - score
 
-    def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int) -> float:
-        """The child's score: the head's â, or its draft confidence; for a fixed child, its confidence over the mass
-        the earlier siblings left (the chance it is the target's token once they were not), so that a node's value
-        is Π q along its path, EAGLE-2's value."""
+    def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int, place: int) -> float:
+        """The child's score: the head's â (the sibling head's for a later sibling, `place` > 1, when there is one),
+        or its draft confidence; for a fixed child, its confidence over the mass the earlier siblings left (the
+        chance it is the target's token once they were not), so that a node's value is Π q along its path,
+        EAGLE-2's value."""
         if self.head is not None:
-            return acceptance_batch(self.head, [at.state], [signals], [self.engine.candidate_embedding(self.head, token)],
+            head = self.sibling_head if place > 1 and self.sibling_head is not None else self.head
+            return acceptance_batch(head, [at.state], [signals], [self.engine.candidate_embedding(head, token)],
                                     [depth])[0]
         if not self.fixed:
             return signals["prob"]
@@ -433,14 +451,15 @@ class TreeRequest:
 def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
                 head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None,
                 stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None,
-                batch_size: int = 1) -> list[DecodeResult]:
+                batch_size: int = 1, sibling_head: AcceptanceHead | None = None) -> list[DecodeResult]:
     """`engine.decode` with tree drafts under `rule`: up to `batch_size` requests at once, their trees verified in
     one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
     tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
     `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
     once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
     the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
-    a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
+    a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer). `sibling_head`, a
+    head trained on second children, scores a head-valued tree's later siblings (module docstring)."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
@@ -454,7 +473,12 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         raise UsageError("decode_tree needs at least one token in every prompt (a chat template's, at least); an empty "
                          "prompt has no context to draft from: drop it or give it text")
     check_decodable_head(head)
-    rule.check_head(head)
+    check_decodable_head(sibling_head)
+    rule.check_head(head, sibling_head)
+    if sibling_head is not None and (engine.transform.greedy or rule.children == "top"):
+        raise UsageError("a sibling head scores later siblings drawn from q (it was trained on second children drawn "
+                         "so); these children are the draft's best tokens (greedy decoding or children: top): drop "
+                         "sibling_head")
     head = head if rule.reads_head else None
     target = BatchCache(engine.target, min(batch_size, max(len(prompts), 1)))
     for name, cache in (("draft", BatchCache(engine.draft, 1)), ("target", target)):
@@ -472,7 +496,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                 target.crop_row(row, 0)
                 rows[row] = TreeRequest(index, list(prompts[index]), generator,
                                         BatchCache(engine.draft, 1, head.state_layer if head else None),
-                                        TreeDrafter(engine, rule, head, generator))
+                                        TreeDrafter(engine, rule, head, generator, sibling_head))
         active = {row: request for row, request in enumerate(rows) if request is not None}
         round_start = time.perf_counter()
         trees, forwards = {}, {}
