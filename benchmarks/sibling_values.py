@@ -62,13 +62,18 @@ class Config:
 
 def weighted_metrics(label: np.ndarray, score: np.ndarray, weight: np.ndarray, bins: int) -> dict[str, float]:
     """Weighted soft AUC (each token a positive of weight w·a and a negative of weight w·(1 − a)), mean score − mean
-    label, ECE over equal-width bins and binary KL (weighted means)."""
+    label, ECE over equal-width bins and binary KL (weighted means); NaN where the weights leave no positive or no
+    negative mass (AUC) or no mass at all."""
     from sklearn.metrics import roc_auc_score
 
     total = weight.sum()
+    nan = float("nan")
+    if total <= 0:
+        return {"auc": nan, "overstates_by": nan, "ece": nan, "binary_kl": nan, "mean_label": nan}
+    positive, negative = weight * label, weight * (1 - label)
     y = np.concatenate([np.ones_like(label), np.zeros_like(label)])
-    auc = float(roc_auc_score(y, np.concatenate([score, score]),
-                              sample_weight=np.concatenate([weight * label, weight * (1 - label)])))
+    auc = float(roc_auc_score(y, np.concatenate([score, score]), sample_weight=np.concatenate([positive, negative]))
+                ) if positive.sum() > 0 and negative.sum() > 0 else nan
     which = np.minimum((score * bins).astype(int), bins - 1)
     ece = sum(abs(float((weight[which == b] * (score[which == b] - label[which == b])).sum())) for b in range(bins)) / total
     clipped = np.clip(score, 1e-6, 1 - 1e-6)
@@ -99,6 +104,9 @@ def collect(config: Config) -> dict[str, Any]:
         held |= trained.used_prompts
     data = AcceptanceDataModule(config.data, children="second")
     data.split_by_trained_prompts(held)
+    if not len(data.splits["val"]):
+        raise SystemExit(f"sibling_values.py: every prompt of {config.data} trained or calibrated one of the heads; give "
+                         "data with prompts neither saw")
     draft = load_draft(data.manifest)
     with torch.no_grad():
         tables = {name: collect_tokens(trained, data, draft) for name, trained in (("chain", chain), ("sibling", sibling))}
@@ -120,6 +128,8 @@ def compare(tokens: dict[str, Any], config: Config) -> dict[str, Any]:
     rng = np.random.default_rng(config.seed)
     results = []
     for k, index in enumerate(windows, start=1):
+        if not len(index):
+            break  # no run of k drafted positions: none deeper either
         last = index[:, -1]
         weight = tokens["first"][index[:, :-1]].prod(axis=1) * (1 - tokens["first"][last])
         label, group = tokens["label"][last], tokens["group"][last]
@@ -141,9 +151,9 @@ def compare(tokens: dict[str, Any], config: Config) -> dict[str, Any]:
                     draws[name][metric].append(figures[metric])
         for name in SCORERS:
             for metric, values in draws[name].items():
-                row["scorers"][name][f"{metric}_ci"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+                row["scorers"][name][f"{metric}_ci"] = [float(np.nanpercentile(values, q)) for q in (2.5, 97.5)]
         row["sibling_head_minus"] = {
-            other: {metric: [float(np.percentile(np.subtract(draws["sibling_head"][metric], draws[other][metric]), q))
+            other: {metric: [float(np.nanpercentile(np.subtract(draws["sibling_head"][metric], draws[other][metric]), q))
                              for q in (2.5, 97.5)] for metric in ("auc", "overstates_by")}
             for other in ("chain_head", "confidence")}
         results.append(row)

@@ -201,8 +201,21 @@ def decode(config: Config, step: str) -> None:
     if not todo:
         return
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
-    head = load_trained(config.head).head
-    sibling_head = load_trained(config.sibling_head).head if config.sibling_head else None
+    chain = load_trained(config.head)
+    sibling = load_trained(config.sibling_head) if config.sibling_head else None
+    if chain.children != "first" or (sibling is not None and sibling.children != "second"):
+        raise SystemExit("tree_drafts.py: --head must score drafted candidates and --sibling_head a tree's second "
+                         "children (trained with data.children: second)")
+    head, sibling_head = chain.head, None if sibling is None else sibling.head
+    digest = None if sibling_head is None else sibling_head.weights_digest()
+    for setting in todo:
+        if setting["kind"] == "tree_sibling_cost" and digest is None:
+            raise SystemExit("tree_drafts.py: tree_sibling_cost needs --sibling_head")
+    for path in (out / step).glob("tree_sibling_cost-*.json") if digest else ():
+        made_with = json.loads(path.read_text()).get("sibling_head_digest")
+        if made_with != digest:
+            raise SystemExit(f"tree_drafts.py: {path} was decoded with another sibling head ({made_with}); give that "
+                             "head, or another --out")
     source = load_prompts(config.dev_file)[::2][: config.dev_prompts] if step == "tune" else \
         load_prompts(config.test_file)[: config.test_prompts]
     prompts = [encode_prompt(pair.tokenizer, p) for p in source]
@@ -222,7 +235,10 @@ def decode(config: Config, step: str) -> None:
                                   sibling_head=sibling_head if setting["kind"] == "tree_sibling_cost" else None)
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
                     "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
-        write_json_atomic(out / step / f"{setting_name(setting)}.json", {"setting": setting, "records": records})
+        payload = {"setting": setting, "records": records}
+        if setting["kind"] == "tree_sibling_cost":
+            payload["sibling_head_digest"] = digest
+        write_json_atomic(out / step / f"{setting_name(setting)}.json", payload)
         print(setting_name(setting), summary(records, config.cost_ratio), flush=True)
 
 

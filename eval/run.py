@@ -48,6 +48,7 @@ from specheads.eval.reuse import companion_context, decoding_context, load_reusa
 from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
 from specheads.eval.sweep import (
     COUNTED,
+    SAMPLE_SUFFIX,
     DecodePrompt,
     RunKey,
     RunRecord,
@@ -60,6 +61,7 @@ from specheads.eval.sweep import (
     is_tree,
     measure_costs,
     paired_gain_interval,
+    prompt_group,
     records_as_dicts,
     run_sweep,
     sample_prompt_id,
@@ -154,6 +156,9 @@ def held_out_prompts(config: EvalConfig, manifest: dict[str, Any], trained_on: s
     left_out = LeftOut(limit=prompt_token_limit(max_context, config.max_new_tokens))
     chosen = []
     for prompt in prompts:
+        if prompt_group(prompt.id) != prompt.id:
+            raise UsageError(f"decode prompt id {prompt.id!r} ends like the id of a prompt's further sample "
+                             f"(`<id>{SAMPLE_SUFFIX}<n>`, eval --test-samples); rename it")
         ids = tuple(encode_prompt(tokenizer, prompt))
         if prompt_digest(ids) in trained_on:
             left_out.seen_in_training += 1
@@ -295,7 +300,9 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                                        config.bootstrap, config.seed)
                            for other in (learned, *BASELINE_POLICIES) if "head_cost" in tuned and other in tuned}
     section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
-               "prompts": {"dev": sum(p.split == "dev" for p in prompts), "test": sum(p.split == "test" for p in prompts)},
+               "prompts": {"dev": sum(p.split == "dev" for p in prompts),
+                           "test": len({prompt_group(p.prompt_id) for p in prompts if p.split == "test"})},
+               "samples_per_test_prompt": config.test_samples,
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
                "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals, "policies": test,
                "dev_policies": dev,
@@ -387,6 +394,7 @@ def expected_head(config: EvalConfig, trained: TrainedHead, device: torch.device
         return None, {"budget": "no expected-acceptance head to plan with: give --budget-head (a head trained with "
                                 "configs/train/expected-acceptance.yaml)"}
     other = load_trained(config.budget_head)
+    other.refuse_second_children("plan a verify budget")
     if other.purpose != "expect":
         raise UsageError(f"--budget-head {config.budget_head} holds a {other.head.head_type} head; the verify budget "
                          "needs an expected_acceptance head (it must decide before the draw to stay exact)")

@@ -154,7 +154,7 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
             log = replay(requests, size)
             for view, costs in views.items():
                 rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs(size)), "replayed",
-                                      [r.prompt_id for r in runs]))
+                                      None if queue is None else [r.prompt_id for r in runs]))
     for policy, threshold in (batch_policies or {}).items():
         for size in batch_sizes:
             decoded: dict[tuple, list[RoundRecord]] = {}

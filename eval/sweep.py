@@ -348,7 +348,8 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
         verification = calls / emitted
         logprobs = [r.target_logprob for r in runs if math.isfinite(r.target_logprob)]
         rows.append({
-            "policy": setting.policy, "threshold": setting.threshold, "prompts": len(runs), "tokens": emitted,
+            "policy": setting.policy, "threshold": setting.threshold,
+            "prompts": len({prompt_group(r.prompt_id) for r in runs}), "runs": len(runs), "tokens": emitted,
             "discard_rate": discard, "verification_rate": verification, "draft_forwards_per_token": forwards / emitted,
             "mean_accepted_length": sum(r.accepted for r in runs) / max(sum(len(r.accepted_per_round) for r in runs), 1),
             "tokens_per_target_call": emitted / max(calls, 1),

@@ -54,6 +54,49 @@ def test_second_children_batches_carry_the_second_childs_candidate_signal_labels
         AcceptanceDataModule(str(trained[0]), children="second")
 
 
+def test_positions_without_a_second_child_are_left_out_of_a_batch():
+    """q one-hot at a position leaves no second child (−1): the position is not valid, its candidate id is no index
+    error, and its weight still reads the first child's acceptance."""
+    from specheads.dataset.datamodule import collate_rows, second_children
+
+    def row(ids, first):
+        n = len(ids)
+        return second_children({"prompt_id": "p", "prompt_ids": np.arange(3), "mixed_ids": np.arange(n),
+                                "draft_ids": np.full(n, 7), "is_draft": np.ones(n, dtype=bool), "accept": np.array(first),
+                                "beta": np.full(n, 0.5), "logp": np.zeros(n), "logq": np.full(n, -0.1),
+                                "entropy": np.ones(n), "top1": np.full(n, 0.9), "sibling_ids": np.array(ids),
+                                "sibling_accept": np.array([0.3] * n), "sibling_beta": np.array([0.4] * n),
+                                "sibling_logq": np.array([-2.0 if i >= 0 else 0.0 for i in ids])})
+
+    batch = collate_rows([row([5, -1, 9], [0.2, 1.0, 0.6]), row([4, 8], [0.5, 0.1])])
+    assert batch["valid"].tolist() == [[True, False, True], [True, True, False]]
+    assert batch["draft_ids"].tolist() == [[5, 0, 9], [4, 8, 0]]
+    assert torch.allclose(batch["child_weight"], torch.tensor([[0.8, 0.0, 0.4], [0.5, 0.9, 0.0]]))
+    assert torch.allclose(batch["logq"][batch["valid"]], torch.full((4,), -2.0))
+
+
+def test_second_children_need_a_head_a_tree_can_use_and_untruncated_sampling(sibling_data, tmp_path, capsys):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from specheads.cli import main
+    from specheads.dataset.datamodule import AcceptanceDataModule
+
+    config = Path(__file__).parents[1] / "configs" / "train" / "specdecpp.yaml"  # reads the state after the candidate
+    assert main(["train", "fit", "--config", str(config), "--data.path", str(sibling_data), "--data.children", "second",
+                 "--data.val_fraction", "0.3", "--trainer.default_root_dir", str(tmp_path / "run"),
+                 "--trainer.accelerator", "cpu", "--trainer.max_epochs", "1"]) != 0
+    assert "data.children: second trains a head of a tree's later siblings" in capsys.readouterr().err
+    truncated = tmp_path / "top-p"
+    shutil.copytree(sibling_data, truncated)
+    manifest = json.loads((truncated / "manifest.json").read_text())
+    manifest["identity"]["sampling"]["top_p"] = 0.9
+    (truncated / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UsageError, match="sampled with top-k/top-p"):
+        AcceptanceDataModule(str(truncated), children="second")
+
+
 def test_the_sibling_calibration_of_depth_k_is_the_weighted_fit_of_the_second_children_a_tree_reaches_there():
     """Depth k's map is the logistic fit of the second children's labels at the last position of every run of k
     drafted positions, weighted by Π first_accept before it × (1 − first_accept) there (checked against sklearn)."""
@@ -81,11 +124,16 @@ def test_the_sibling_calibration_of_depth_k_is_the_weighted_fit_of_the_second_ch
     assert calibration.bias[0] != pytest.approx(calibration.bias[2], abs=0.05)  # deeper, the tree's reach differs
 
 
-def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_head(sibling_data, tmp_path):
+def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_head(sibling_data, tmp_path, monkeypatch,
+                                                                                      capsys):
     from pathlib import Path
 
     from specheads.artifacts.checkpoint import load_trained
     from specheads.cli import main
+    from specheads.train import module
+
+    fits, original = [], module.fit_sibling_calibration
+    monkeypatch.setattr(module, "fit_sibling_calibration", lambda *args: fits.append(args) or original(*args))
 
     config = Path(__file__).parents[1] / "configs" / "train" / "sibling-ontime.yaml"
     root = tmp_path / "sibling"
@@ -95,10 +143,11 @@ def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_he
                  "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "1"]) == 0
     trained = load_trained(str(root / "checkpoints" / "last.ckpt"))
     assert trained.children == "second" and trained.head.calibration.positions == 2
-    with pytest.raises(UsageError, match="scores a tree's second children"):
-        trained.refuse_second_children("be evaluated as a chain rule's head")
+    assert fits and all(len(args[2]) == len(args[0]) for args in fits)  # the per-depth fit, with the first children
+    capsys.readouterr()
     assert main(["eval", "--head", str(root / "checkpoints" / "last.ckpt"), "--data", str(sibling_data),
                  "--out", str(tmp_path / "eval")]) != 0
+    assert "scores a tree's second children" in capsys.readouterr().err
 
 
 def test_the_loss_of_second_children_weighs_each_by_how_often_a_tree_checks_it():
@@ -141,11 +190,16 @@ def test_trees_with_a_sibling_head_sample_the_target_distribution_and_it_scores_
     p_value = chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, SamplingTransform(1.0)))
     assert p_value > 1e-3
     assert any(place > 1 and accepted for place, _, accepted in checked)
-    # the same seeds without the sibling head: the first children score alike, the later siblings do not
+    # the same seeds without the sibling head: the later siblings score lower; a run's first child scores alike
     plain: list = []
     decode_tree(engine, [PROMPT] * 40, rule, LENGTH, list(range(40)), chain, plain)
     later = [score for place, score, _ in checked if place > 1]
     assert later and np.mean(later) < np.mean([score for place, score, _ in plain if place > 1]) - 0.05
+    for seed in range(5):
+        alone, without = [], []
+        decode_tree(engine, [PROMPT], rule, LENGTH, [seed], chain, alone, sibling_head=siblings)
+        decode_tree(engine, [PROMPT], rule, LENGTH, [seed], chain, without)
+        assert alone[0][0] == without[0][0] == 1 and alone[0][1] == without[0][1]
 
 
 def test_a_sibling_head_is_refused_where_it_cannot_score():

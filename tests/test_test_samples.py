@@ -10,8 +10,9 @@ import pytest
 
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.eval.config import EvalConfig
-from specheads.eval.serving import paired_ratio_interval, serving_table
+from specheads.eval.serving import paired_ratio_interval, replay, request_rounds, serving_table
 from specheads.eval.sweep import RunRecord, Setting, paired_gain_interval, prompt_group, sample_prompt_id
+from specheads.plumbing.errors import UsageError
 
 
 def run(policy: str, prompt_id: str, calls: int, accepted: int = 2) -> RunRecord:
@@ -47,13 +48,19 @@ def test_the_paired_interval_resamples_a_prompt_with_all_its_samples():
 
 def test_the_serving_table_serves_every_sample_and_pairs_by_prompt():
     """A queue of 2 samples × 3 prompts fills B = 6; each row counts 6 requests, and a policy that is better on one
-    prompt's samples only has an interval drawn over 3 prompts (it touches zero when that prompt is left out)."""
+    prompt's samples only has an interval drawn over 3 prompts (it touches zero when that prompt is left out). The
+    runs are served in the queue's order whatever their order in the records, and a live row's requests (numbered in
+    queue order) are grouped by prompt the same way."""
     queue = ["a", "b", "c", "a#sample1", "b#sample1", "c#sample1"]
-    records = [run("oracle", prompt, 2) for prompt in reversed(queue)]  # the runs' order is not the queue's
-    records += [run("constant_k", prompt, 2, accepted=0 if prompt_group(prompt) == "a" else 2) for prompt in queue]
+    records = [run("constant_k", prompt, 2, accepted=0 if prompt_group(prompt) == "a" else 2) for prompt in reversed(queue)]
+    records += [run("oracle", prompt, 2) for prompt in queue]
     flat = CostCurve((1, 512), (1.0, 1.0))
+
+    def live(policy, threshold, size, costs):  # the oracle's rounds, decoded "live" in queue order
+        return replay([request_rounds(r) for r in records[6:]], size)
+
     rows = serving_table(records, {"constant_k": 1.0, "oracle": 1.0}, [6], {"flat": lambda size: ServingCosts(flat, flat)},
-                         resamples=400, seed=0, queue=queue)
+                         live=live, batch_policies={"budget": 1.0}, resamples=400, seed=0, queue=queue)
     by_policy = {row["policy"]: row for row in rows}
     assert by_policy["constant_k"]["requests"] == by_policy["oracle"]["requests"] == 6
     low, high = by_policy["oracle"]["vs_constant_k_ci"]
@@ -61,6 +68,7 @@ def test_the_serving_table_serves_every_sample_and_pairs_by_prompt():
     per_prompt = {"oracle": {p: [12.0, 2.0] for p in "abc"},  # 2 rounds of 3 tokens a sample, 3 s a round over 6 rows
                   "constant_k": {"a": [4.0, 2.0], "b": [12.0, 2.0], "c": [12.0, 2.0]}}
     assert [low, high] == paired_ratio_interval(per_prompt["oracle"], per_prompt["constant_k"], 400, 0)
+    assert by_policy["budget"]["vs_constant_k_ci"] == [low, high]  # the live row pairs with the same prompts
 
 
 def test_test_samples_follow_every_prompt_so_sample_zero_keeps_its_seed(tmp_path, monkeypatch):
@@ -74,3 +82,14 @@ def test_test_samples_follow_every_prompt_so_sample_zero_keeps_its_seed(tmp_path
     assert [(p.prompt_id, p.split) for p in chosen[:4]] == [("q0", "dev"), ("q1", "test"), ("q2", "dev"), ("q3", "test")]
     assert [p.prompt_id for p in chosen[4:]] == ["q1#sample1", "q3#sample1", "q1#sample2", "q3#sample2"]
     assert all(p.split == "test" and p.ids == chosen[1 + 2 * (i % 2)].ids for i, p in enumerate(chosen[4:]))
+    prompts.write_text(json.dumps({"id": "q0#sample2", "prompt": "x"}) + "\n")
+    with pytest.raises(UsageError, match="ends like the id of a prompt's further sample"):
+        eval_run.held_out_prompts(config, {}, set(), None, 10_000)
+
+
+def test_a_prompts_samples_count_as_one_prompt_in_the_decoding_figures():
+    from specheads.eval.sweep import aggregate
+
+    records = [run("constant_k", prompt, 2) for prompt in ("a", "b", "a#sample1", "b#sample1")]
+    (row,) = aggregate(records, "test", 0.2, 0.2)
+    assert (row["prompts"], row["runs"]) == (2, 4)

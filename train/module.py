@@ -20,7 +20,14 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.artifacts.checkpoint import head_from_hyperparameters
 from specheads.artifacts.metrics import baseline_scores, binary_kl, expected_calibration_error, soft_auc
-from specheads.dataset.targets import Contexts, draft_features, head_inputs, stale_target_states, token_targets
+from specheads.dataset.targets import (
+    CONTEXT_STATE,
+    Contexts,
+    draft_features,
+    head_inputs,
+    stale_target_states,
+    token_targets,
+)
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
@@ -127,6 +134,10 @@ class AcceptanceModule(L.LightningModule):
         self.match_state_layer(data)
         self.match_target_states(data)
         data.require_states(self.hparams.head, self.reads, self.purpose)
+        if data.children == "second" and (self.purpose not in STOP_PURPOSES or self.reads != CONTEXT_STATE):
+            raise UsageError(f"data.children: second trains a head of a tree's later siblings, which a tree scores from "
+                             f"the parent's state before the sibling is read; a {self.hparams.head} head ({self.purpose}, "
+                             f"reads {self.reads}) cannot: use specdecpp_ontime or expected_acceptance")
         self.hparams.hidden_size = found
         self.hparams.draft = data.draft_name
         self.hparams.data_fingerprint = data.fingerprint
@@ -299,7 +310,8 @@ class AcceptanceModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         logits, labels, mask = self.head_inputs(batch, seed=batch_idx)
-        self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej),
+        weights = batch["child_weight"][mask].float() if "child_weight" in batch else None  # as the training loss
+        self.log("val/loss", weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej, weights),
                  batch_size=len(labels), sync_dist=True)
         values = {"prediction": self.head.probabilities(logits.float()), "label": labels,
                   **{name: batch[name][mask] for name in STORED_SIGNALS}}

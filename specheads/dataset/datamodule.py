@@ -252,6 +252,12 @@ class AcceptanceDataModule(L.LightningDataModule):
         if children == "second" and "sibling_logq" not in manifest["identity"].get("sibling_columns", ()):
             raise UsageError(f"{path} holds no second-child labels with their signals (sibling_logq), which "
                              "data.children: second trains on; label it with `specheads gen --sibling_labels true`")
+        sampling = manifest["identity"]["sampling"]
+        if children == "second" and (sampling.get("top_k") or sampling.get("top_p", 1.0) < 1.0):
+            # a position whose truncated q is one-hot has no second child and would cut the runs of drafted
+            # positions the per-depth weights are built from
+            raise UsageError(f"{path} was sampled with top-k/top-p, where q can be one-hot and a position have no "
+                             "second child; data.children: second needs data sampled without them (top_k 0, top_p 1)")
         self.children = children
         self.path = path
         self.manifest = manifest
