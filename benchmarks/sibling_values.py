@@ -64,23 +64,13 @@ def weighted_metrics(label: np.ndarray, score: np.ndarray, weight: np.ndarray, b
     """Weighted soft AUC (each token a positive of weight w·a and a negative of weight w·(1 − a)), mean score − mean
     label, ECE over equal-width bins and binary KL (weighted means); NaN where the weights leave no positive or no
     negative mass (AUC) or no mass at all."""
-    from sklearn.metrics import roc_auc_score
+    from specheads.artifacts.metrics import binary_kl, expected_calibration_error, soft_auc
 
-    total = weight.sum()
-    nan = float("nan")
-    if total <= 0:
-        return {"auc": nan, "overstates_by": nan, "ece": nan, "binary_kl": nan, "mean_label": nan}
-    positive, negative = weight * label, weight * (1 - label)
-    y = np.concatenate([np.ones_like(label), np.zeros_like(label)])
-    auc = float(roc_auc_score(y, np.concatenate([score, score]), sample_weight=np.concatenate([positive, negative]))
-                ) if positive.sum() > 0 and negative.sum() > 0 else nan
-    which = np.minimum((score * bins).astype(int), bins - 1)
-    ece = sum(abs(float((weight[which == b] * (score[which == b] - label[which == b])).sum())) for b in range(bins)) / total
-    clipped = np.clip(score, 1e-6, 1 - 1e-6)
-    kl = float((weight * (label * np.log(np.clip(label, 1e-12, 1) / clipped)
-                          + (1 - label) * np.log(np.clip(1 - label, 1e-12, 1) / (1 - clipped)))).sum() / total)
-    return {"auc": auc, "overstates_by": float((weight * (score - label)).sum() / total), "ece": float(ece),
-            "binary_kl": kl, "mean_label": float((weight * label).sum() / total)}
+    if weight.sum() <= 0:
+        return dict.fromkeys(("auc", "overstates_by", "ece", "binary_kl", "mean_label"), float("nan"))
+    return {"auc": soft_auc(label, score, weight), "overstates_by": float(np.average(score - label, weights=weight)),
+            "ece": expected_calibration_error(label, score, bins, weight), "binary_kl": binary_kl(label, score, weight),
+            "mean_label": float(np.average(label, weights=weight))}
 
 
 def collect(config: Config) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from specheads.decoding.costs import (
     measure_cost_curve,
     served_throughput,
 )
-from specheads.eval.sweep import grouped_rows, is_tree, prompt_group
+from specheads.eval.sweep import grouped_rows, is_tree
 
 __all__ = ["CostCurve", "measure_cost_curve"]
 
@@ -176,9 +176,8 @@ def table_row(policy: str, threshold: float, size: int, view: str, served: dict[
     requests = sorted(served["per_request"])
     per_prompt = served["per_request"]
     if prompts is not None:
-        summed = grouped_rows([prompts[i] for i in requests], np.array([per_prompt[i] for i in requests]).reshape(-1, 2))
-        per_prompt = {group: list(row) for group, row in
-                      zip(dict.fromkeys(prompt_group(prompts[i]) for i in requests), summed)}
+        per_prompt = {group: list(row) for group, row in grouped_rows(
+            [prompts[i] for i in requests], np.array([per_prompt[i] for i in requests]).reshape(-1, 2)).items()}
     return {"policy": policy, "threshold": threshold, "batch_size": size, "costs": view, "decoded": how,
             **served, "requests": len(requests), "per_request": per_prompt}
 

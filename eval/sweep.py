@@ -59,13 +59,13 @@ def prompt_group(prompt_id: str) -> str:
     return re.sub(rf"{SAMPLE_SUFFIX}\d+$", "", prompt_id)
 
 
-def grouped_rows(keys: list[str], rows: np.ndarray) -> np.ndarray:
-    """`rows` (one per key) summed per `prompt_group` of the key, groups in order of first appearance."""
+def grouped_rows(keys: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """`rows` (one per key) summed per `prompt_group` of the key, by group in order of first appearance."""
     groups: dict[str, int] = {}
     index = [groups.setdefault(prompt_group(key), len(groups)) for key in keys]
     summed = np.zeros((len(groups), rows.shape[1]), dtype=np.float64)
     np.add.at(summed, index, rows)
-    return summed
+    return dict(zip(groups, summed))
 
 
 @dataclass(frozen=True)
@@ -373,9 +373,13 @@ def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting
 
     runs_a, runs_b = per_prompt(mine), per_prompt(other)
     prompts = sorted(set(runs_a) & set(runs_b))
-    counts = {name: grouped_rows(prompts, np.array([[r.emitted, r.draft_forwards, r.target_calls]
-                                                    for r in (runs[p] for p in prompts)], dtype=np.float64).reshape(-1, 3))
-              for name, runs in (("a", runs_a), ("b", runs_b))}
+
+    def per_group(runs: dict[str, RunRecord]) -> np.ndarray:  # [prompts, 3]: emitted, draft forwards, target calls
+        table = np.array([[runs[p].emitted, runs[p].draft_forwards, runs[p].target_calls] for p in prompts],
+                         dtype=np.float64).reshape(-1, 3)
+        return np.array(list(grouped_rows(prompts, table).values())).reshape(-1, 3)
+
+    counts = {"a": per_group(runs_a), "b": per_group(runs_b)}
     groups = len(counts["a"])
     if groups < 2 or resamples < 1:
         return None

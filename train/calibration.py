@@ -23,10 +23,11 @@ BIAS_BOUNDS = (-15.0, 15.0)
 
 
 def product_cross_entropy(parameters: np.ndarray, prefix: np.ndarray, last_logit: np.ndarray,
-                          label: np.ndarray) -> float:
-    """Mean BCE of prefix · σ(exp(log_scale) · z + bias) against the soft `label`; parameters = (log_scale, bias)."""
+                          label: np.ndarray, weight: np.ndarray | None = None) -> float:
+    """Mean BCE (weighted by `weight`, when given) of prefix · σ(exp(log_scale) · z + bias) against the soft `label`;
+    parameters = (log_scale, bias)."""
     product = np.clip(prefix * sigmoid(np.exp(parameters[0]) * last_logit + parameters[1]), EPSILON, 1 - EPSILON)
-    return float(-np.mean(label * np.log(product) + (1 - label) * np.log1p(-product)))
+    return float(-np.average(label * np.log(product) + (1 - label) * np.log1p(-product), weights=weight))
 
 
 Map = tuple[float, float]  # (scale, bias) of one position
@@ -71,13 +72,6 @@ def fit_position_calibration(logits: np.ndarray, accept: np.ndarray, row: np.nda
     return fitted_maps(row, position, max_positions, fit)
 
 
-def weighted_cross_entropy(parameters: np.ndarray, logit: np.ndarray, label: np.ndarray, weight: np.ndarray) -> float:
-    """Weighted mean BCE of σ(exp(log_scale) · z + bias) against the soft `label`; parameters = (log_scale, bias)."""
-    predicted = np.clip(sigmoid(np.exp(parameters[0]) * logit + parameters[1]), EPSILON, 1 - EPSILON)
-    loss = -(label * np.log(predicted) + (1 - label) * np.log1p(-predicted))
-    return float((weight * loss).sum() / max(weight.sum(), EPSILON))
-
-
 def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept: np.ndarray, row: np.ndarray,
                             position: np.ndarray, max_positions: int) -> PositionCalibration:
     """Per-depth maps for a head of a tree's second children (`data.children: second`), fitted on drafted positions
@@ -91,6 +85,8 @@ def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept
     def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map | None:
         last = index[:, -1]
         weight = first_accept[index[:, :-1]].prod(axis=1) * (1 - first_accept[last])
-        return minimised(weighted_cross_entropy, maps, logits[last], accept[last], weight) if weight.sum() > 0 else None
+        if weight.sum() <= 0:
+            return None
+        return minimised(product_cross_entropy, maps, np.ones(len(last)), logits[last], accept[last], weight)
 
     return fitted_maps(row, position, max_positions, fit)
