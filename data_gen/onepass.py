@@ -7,7 +7,9 @@ target layers it keeps. So one pass over the target's layer modules serves three
   `responses.RowSeededSampler`) and are the labels' p;
 - D, the draft on y: it takes T's state after the shared layers (the same layers on the same tokens give the same
   states) and runs the layers it keeps; its logits q give the candidate ŷ_i and the labels' q;
-- Z, the draft on the mixed tokens z, up to the state layer: the stored `features`.
+- Z, the draft on the mixed tokens z, up to the state layer: the stored `features`. Nothing drawn depends on them,
+  so Z runs once the pass has ended, teacher-forced over every row's whole mix (a forward over many tokens costs
+  half what a decoding step's does a token).
 
 Streams that meet at a layer module go through it as one batch, each with its own rows of that layer's KV cache. Each
 distinct prompt is run once (the samples of a prompt share it) and its keys and values are copied to its rows. Against
@@ -177,9 +179,8 @@ def cache_keyword(layer: torch.nn.Module) -> str:
 
 @dataclass
 class StepOutput:
-    """One forward of the streams: T's and D's last-layer states at the last position (before the final norm), and
-    the draft's state at the state layer at every position, on the mixed tokens when Z ran, else on the tokens (None
-    when no features are stored)."""
+    """One forward of T and D: their last-layer states at the last position (before the final norm), and the draft's
+    state at the state layer at every position (None when no features are stored)."""
 
     target: torch.Tensor
     draft: torch.Tensor
@@ -218,40 +219,44 @@ class OnePass:
 
     # -- the streams' forward --------------------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, mixed: torch.Tensor | None, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 caches: list[LayerCache]) -> StepOutput:
-        """T and D on `tokens` [B, t] and Z on `mixed` (None: no Z) at `positions` [B, t], under the boolean `mask`
-        [B, 1, t, slots], each layer with its cache in `caches`."""
-        embed = self.target.get_input_embeddings()
-        hidden = embed(tokens)
-        z = None if mixed is None else embed(mixed)
+        """T and D on `tokens` [B, t] at `positions` [B, t], under the boolean `mask` [B, 1, t, slots], each layer
+        with its cache in `caches`."""
+        hidden = self.target.get_input_embeddings()(tokens)
         rotary = self.decoder.rotary_emb(hidden, positions)
         repeated = {count: (mask.repeat(count, 1, 1, 1), positions.repeat(count, 1),
-                            tuple(part.repeat(count, 1, 1) for part in rotary)) for count in (1, 2, 3)}
+                            tuple(part.repeat(count, 1, 1) for part in rotary)) for count in (1, 2)}
         draft = features = None
         for index, layer in enumerate(self.layers):
             if index == self.layout.shared:
                 draft = hidden
-            runs_draft, runs_z = self.layout.streams(index)
-            runs_z = runs_z and z is not None
-            parts = [hidden] + ([draft] if runs_draft else []) + ([z] if runs_z else [])
-            layer_mask, layer_positions, layer_rotary = repeated[len(parts)]
-            output = layer(torch.cat(parts) if len(parts) > 1 else hidden, attention_mask=layer_mask,
+            runs_draft = self.layout.streams(index)[0]
+            layer_mask, layer_positions, layer_rotary = repeated[1 + runs_draft]
+            output = layer(torch.cat([hidden, draft]) if runs_draft else hidden, attention_mask=layer_mask,
                            position_ids=layer_positions, position_embeddings=layer_rotary, use_cache=True,
                            **{self.keyword: caches[index]})
-            pieces = list((output[0] if isinstance(output, tuple) else output).split(len(hidden)))
-            hidden = pieces.pop(0)
+            hidden, *rest = (output[0] if isinstance(output, tuple) else output).split(len(hidden))
             if runs_draft:
-                draft = pieces.pop(0)
-            if runs_z:
-                z = pieces.pop(0)
+                draft = rest[0]
             if self.layout.depth and index == self.layout.feature_layer:
-                features = z if z is not None else (draft if draft is not None else hidden)
-                z = None
+                features = draft if draft is not None else hidden
         draft = hidden if draft is None else draft  # a draft that skips only the target's last layers
         if self.layout.final_norm:
             features = self.decoder.norm(draft if features is None else features)
         return StepOutput(hidden[:, -1], draft[:, -1], features)
+
+    def features_of(self, mixed: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                    caches: list[LayerCache]) -> torch.Tensor:
+        """Z: the draft's states at the state layer [B, t, h] on the mixed tokens `mixed` [B, t] at `positions`, under
+        `mask` [B, 1, t, slots], its layers' caches (`z_caches` of `prefill`) in `caches`."""
+        z = self.target.get_input_embeddings()(mixed)
+        rotary = self.decoder.rotary_emb(z, positions)
+        for cache, index in zip(caches, self.layout.kept[: self.layout.depth], strict=True):
+            output = self.layers[index](z, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
+                                        use_cache=True, **{self.keyword: cache})
+            z = output[0] if isinstance(output, tuple) else output
+        return self.decoder.norm(z) if self.layout.final_norm else z
 
     def logits(self, target_states: torch.Tensor, draft_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """p's and q's logits (float32) from T's and D's last-layer states: the final norm and the LM head (the pair's
@@ -259,39 +264,41 @@ class OnePass:
         both = output_logits(self.target, self.decoder.norm(torch.cat([target_states, draft_states])))
         return both[: len(target_states)], both[len(target_states) :]
 
-    def prefill(self, prompts: list[list[int]], copies: torch.Tensor, steps: int) -> tuple[list[LayerCache], StepOutput,
-                                                                                               torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], copies: torch.Tensor, steps: int
+                ) -> tuple[list[LayerCache], list[LayerCache], StepOutput, torch.Tensor]:
         """Run T and D over each distinct prompt and lay the caches out for the pass's rows, left-aligned to the longest
-        prompt: row r holds prompt `copies[r]`, with room for `steps` more tokens; Z's rows copy D's (over the prompt
-        both read the same tokens), or T's where D shares T's layers. The prompts' common beginning (a chat template's
-        system prompt) is run once, then each prompt's rest on its own (no padding). Returns the caches, the prompts'
-        last-position output (one row per prompt) and which prompt slots each row attends to [rows, width]."""
+        prompt: row r holds prompt `copies[r]`, with room for `steps` more tokens. The prompts' common beginning (a
+        chat template's system prompt) is run once, then each prompt's rest on its own (no padding). Returns the pass's
+        caches, Z's (one per layer of Z, a copy of D's rows, or T's where D shares T's layers: over the prompt both read
+        the same tokens; none when no features are stored), the prompts' last-position output (one row per prompt) and
+        which prompt slots each row attends to [rows, width]."""
         common = 0
         while common < min(len(p) for p in prompts) - 1 and len({p[common] for p in prompts}) == 1:
             common += 1
         start = [LayerCache() for _ in self.layers]
         if common:
-            self.forward(torch.tensor([prompts[0][:common]], device=self.device), None,
+            self.forward(torch.tensor([prompts[0][:common]], device=self.device),
                          torch.arange(common, device=self.device)[None], self.causal(common, common), start)
         outputs, kept = [], []
         for prompt in prompts:
             caches = [cache.extended(len(prompt)) for cache in start]
             rest = len(prompt) - common
-            outputs.append(self.forward(torch.tensor([prompt[common:]], device=self.device), None,
+            outputs.append(self.forward(torch.tensor([prompt[common:]], device=self.device),
                                         torch.arange(common, len(prompt), device=self.device)[None],
                                         self.causal(rest, len(prompt)), caches))
             kept.append(caches)
         width = max(len(p) for p in prompts)
-        caches = []
-        for index in range(len(self.layers)):
-            runs_draft, runs_z = self.layout.streams(index)
-            blocks = [0] + [1] * runs_draft + [int(runs_draft)] * runs_z  # the prefill row each stream's rows copy
-            caches.append(LayerCache.laid_out([caches_of[index] for caches_of in kept], copies, blocks, width, width + steps))
+
+        def laid_out(index: int, blocks: list[int]) -> LayerCache:
+            return LayerCache.laid_out([caches_of[index] for caches_of in kept], copies, blocks, width, width + steps)
+
+        caches = [laid_out(index, [0] + [1] * self.layout.streams(index)[0]) for index in range(len(self.layers))]
+        z_caches = [laid_out(index, [int(self.layout.streams(index)[0])]) for index in self.layout.kept[: self.layout.depth]]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device).index_select(0, copies.to(self.device))
         valid = torch.arange(width, device=self.device) >= (width - lengths)[:, None]
         output = StepOutput(torch.cat([o.target for o in outputs]), torch.cat([o.draft for o in outputs]),
                             None if outputs[0].features is None else torch.cat([o.features[:, -1:] for o in outputs]))
-        return caches, output, valid
+        return caches, z_caches, output, valid
 
     def causal(self, queries: int, slots: int) -> torch.Tensor:
         """The boolean mask [1, 1, queries, slots] of the last `queries` of `slots` tokens, each seeing itself and
@@ -301,7 +308,7 @@ class OnePass:
     def keep(self, caches: list[LayerCache], staying: torch.Tensor, rows: int) -> None:
         """Keep the batch rows `staying` (of `rows`) in every stream's block of every cache."""
         for index, cache in enumerate(caches):
-            blocks = 1 + sum(self.layout.streams(index))
+            blocks = 1 + self.layout.streams(index)[0]
             cache.keep(torch.cat([staying + block * rows for block in range(blocks)]))
 
     # -- the probe -------------------------------------------------------------------------------------------------------
@@ -311,11 +318,10 @@ class OnePass:
         different prompt lengths: at the prompts' last positions, and after one fed token of y (T, D) and of z (Z)."""
         token = [t % self.target.get_input_embeddings().weight.shape[0] for t in range(9)]  # ids of any vocabulary
         prompts, y, z = [token[1:4], [token[1], token[4]]], token[5:7], token[7:9]  # a common first token, then rests
-        caches, first, valid = self.prefill(prompts, torch.arange(2), 1)
+        caches, z_caches, first, valid = self.prefill(prompts, torch.arange(2), 1)
         mask = torch.cat([valid, torch.ones(2, 1, dtype=torch.bool, device=self.device)], 1)[:, None, None, :]
         positions = torch.tensor([[3], [2]], device=self.device)
-        second = self.forward(torch.tensor([y], device=self.device).T,
-                              torch.tensor([z], device=self.device).T if self.layout.depth else None, positions, mask, caches)
+        second = self.forward(torch.tensor([y], device=self.device).T, positions, mask, caches)
         found = [torch.stack(pair) for pair in zip(self.logits(first.target, first.draft),
                                                    self.logits(second.target, second.draft))]
         state_layer = None if self.layout.final_norm else self.layout.depth
@@ -324,7 +330,8 @@ class OnePass:
             states = [decoder_states(model, [p + [t]], 0, self.device)[0, -2:] for p, t in zip(prompts, y)]
             expected.append(torch.stack([output_logits(model, torch.stack([s[step] for s in states])) for step in (0, 1)]))
         if self.layout.depth:
-            found.append(torch.stack([first.features[:, -1], second.features[:, -1]]))
+            fed = self.features_of(torch.tensor([z], device=self.device).T, positions, mask, z_caches)
+            found.append(torch.stack([first.features[:, -1], fed[:, -1]]))
             mixed = [decoder_states(draft, [p + [t]], 0, self.device, state_layer)[0, -2:] for p, t in zip(prompts, z)]
             expected.append(torch.stack([torch.stack([s[step] for s in mixed]) for step in (0, 1)]))
         return all(a.shape == b.shape and float((a.float() - b.float()).abs().max())
@@ -364,28 +371,24 @@ class OnePass:
         """One pass over rows whose caches fit in memory together."""
         distinct: dict[tuple[int, ...], int] = {}
         copies = torch.tensor([distinct.setdefault(item.prompt_ids, len(distinct)) for item in items])
-        caches, prompt, valid = self.prefill([list(ids) for ids in distinct], copies, max_new_tokens + 1)
+        caches, z_caches, prompt, valid = self.prefill([list(ids) for ids in distinct], copies, max_new_tokens + 1)
         record = Record(items, global_seed, max_new_tokens, siblings)
         on_device = copies.to(self.device)
-        if store_features:
-            record.keep_features(0, torch.arange(len(items)), prompt.features[:, -1].index_select(0, on_device))
         logits = self.logits(prompt.target.index_select(0, on_device), prompt.draft.index_select(0, on_device))
         rows = torch.arange(len(items))  # the item each batch row holds
         generating = torch.ones(len(items), dtype=torch.bool)  # per batch row: still sampling its response
-        prompt_lengths = torch.tensor([len(item.prompt_ids) for item in items])
+        prompt_lengths = torch.tensor([len(item.prompt_ids) for item in items], device=self.device)
+        prompt_valid = valid
         stop = torch.tensor(stop_ids, dtype=torch.long)
         for step in range(1, max_new_tokens + 1):
             live = generating.nonzero().squeeze(1)
-            tokens, mixed = record.label(step, rows[live], logits, transform)
-            fed_tokens, fed_mixed = (torch.zeros(len(rows), dtype=torch.long) for _ in range(2))
-            fed_tokens[live], fed_mixed[live] = tokens, mixed
+            tokens = record.label(step, rows[live], logits, transform)
+            fed = torch.zeros(len(rows), dtype=torch.long)
+            fed[live] = tokens
             mask = torch.cat([valid, torch.ones(len(rows), caches[0].used + 1 - valid.shape[1], dtype=torch.bool,
                                                 device=self.device)], 1)[:, None, None, :]
-            positions = (prompt_lengths[rows] + step - 1).unsqueeze(1).to(self.device)
-            output = self.forward(fed_tokens[:, None].to(self.device),
-                                  fed_mixed[:, None].to(self.device) if store_features else None, positions, mask, caches)
-            if store_features:
-                record.keep_features(step, rows[live], output.features[:, -1].index_select(0, live.to(self.device)))
+            positions = (prompt_lengths[rows.to(self.device)] + step - 1).unsqueeze(1)
+            output = self.forward(fed[:, None].to(self.device), positions, mask, caches)
             generating[live[torch.isin(tokens, stop) | (step == max_new_tokens)]] = False
             if not generating.any():
                 break
@@ -395,6 +398,14 @@ class OnePass:
             if (len(rows) - len(staying)) * (max_new_tokens - step) >= DROP_AFTER:
                 self.keep(caches, on_device, len(rows))
                 rows, generating, valid = rows[staying], generating[staying], valid.index_select(0, on_device)
+        if store_features:
+            steps = int(record.lengths.max())
+            mixed = record.tokens["mixed_ids"][:steps].T.to(self.device)  # a row's slots after its end are never read
+            positions = prompt_lengths[:, None] + torch.arange(steps, device=self.device)
+            mask = torch.cat([prompt_valid.unsqueeze(1).expand(-1, steps, -1),
+                              self.causal(steps, steps)[0].expand(len(items), -1, -1)], 2)[:, None]
+            record.keep_features(prompt.features[:, -1].index_select(0, copies.to(self.device)),
+                                 self.features_of(mixed, positions, mask, z_caches))
         return record
 
 
@@ -419,15 +430,15 @@ class Record:
         self.features: torch.Tensor | None = None
         self.steps = steps
 
-    def keep_features(self, position: int, rows: torch.Tensor, states: torch.Tensor) -> None:
-        """The feature states [len(rows), h] of `rows` at `position` (0: the prompt's last token, i: after z_i)."""
-        if self.features is None:
-            self.features = torch.zeros(self.steps + 1, len(self.lengths), states.shape[-1])
-        self.features[position, rows] = states.float().cpu()
+    def keep_features(self, prompt: torch.Tensor, response: torch.Tensor) -> None:
+        """The feature states of every row: at the prompt's last token [rows, h], and after z_1 .. z_t [rows, t, h]."""
+        self.features = torch.zeros(self.steps + 1, len(self.lengths), prompt.shape[-1])
+        self.features[0] = prompt.float().cpu()
+        self.features[1 : response.shape[1] + 1] = response.transpose(0, 1).float().cpu()
 
     def label(self, step: int, rows: torch.Tensor, logits: tuple[torch.Tensor, torch.Tensor],
-              transform: SamplingTransform) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample position `step` of `rows` from p and label it from p and q; returns (y, z) of those rows."""
+              transform: SamplingTransform) -> torch.Tensor:
+        """Sample position `step` of `rows` from p, label it from p and q and mix it; returns y of those rows."""
         p_logits, q_logits = logits
         logp_all, logq_all = transform.log_probs(p_logits), transform.log_probs(q_logits)
         index = step - 1
@@ -442,7 +453,7 @@ class Record:
         self.flags[index, rows] = is_draft
         for name, values in self.values.items():
             values[index, rows] = getattr(labels, name).float()
-        return tokens, mixed
+        return tokens
 
     def columns(self, items: list[WorkItem], storage: FeatureStorage) -> dict[str, list]:
         """The rows' columns, as `label_batch` returns them."""
