@@ -1,10 +1,10 @@
 """Make the head that ships with specheads (`load_head("smollm2-ontime")`, heads/shipped/): the on-time head trained
-on the embedded pair's 16x data, exported with its rule read from the costs and its weight matrices in float16.
+on the embedded pair's 64x data, exported with its rule read from the costs and its weight matrices in float16.
 
-    python benchmarks/ship_head.py --ckpt runs/train/ontime-16x/checkpoints/last.ckpt \\
-        --report runs/offline/ontime-16x --out heads/shipped/smollm2-ontime
+    python benchmarks/ship_head.py --ckpt runs/train/ontime-64x/checkpoints/last.ckpt \\
+        --report runs/offline/ontime-64x --out heads/shipped/smollm2-ontime
 
-Its data was labelled before a safetensors file's fingerprint sorted the header's metadata keys (safetensors writes
+Data labelled before a safetensors file's fingerprint sorted the header's metadata keys (safetensors writes
 them in a per-process hash order, so the embedded model converted on two machines hashed two ways). The export
 records the identity the data recorded; this script replaces each such local model's `weights_sha256` by today's,
 after checking that the recorded one is what the old whole-file hashing gives for the very files found here: the

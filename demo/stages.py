@@ -18,7 +18,7 @@ EVALUATED = ("ontime", "sprinter")
 SHIPPED = "shipped"
 SHIPPED_HEAD = "smollm2-ontime"
 """The head that ships with specheads (`load_head` finds it by this name), decoded beside the one the demo trains."""
-TITLES = {**HEADS, SHIPPED: f"on-time head shipped with specheads ({SHIPPED_HEAD}, trained on 16x the data's samples)"}
+TITLES = {**HEADS, SHIPPED: f"on-time head shipped with specheads ({SHIPPED_HEAD}, trained on 64x the data's samples)"}
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,7 @@ def draft_differences(trained_for: dict[str, Any], expected: dict[str, Any]) -> 
 def load_head(path_or_repo_id: str, revision: str | None = None,
               expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
     """A ready head (eval mode) and its decision rule from a head folder, a Hub repo id or the name of a head that
-    ships with specheads (`shipped_heads`: `smollm2-ontime`, the on-time head of the embedded pair's 16x data).
+    ships with specheads (`shipped_heads`: `smollm2-ontime`, the on-time head of the embedded pair's 64x data).
 
     The head carries `trained_for` (the draft, the sampling transform and the purpose its config.json records), which
     a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as export records it
