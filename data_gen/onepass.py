@@ -66,14 +66,19 @@ class Layout:
     depth: int
     final_norm: bool
 
-    def streams(self, layer: int) -> tuple[bool, bool]:
-        """Whether D and Z run target layer `layer` (T runs every layer)."""
-        return layer >= self.shared and layer in self.kept, layer in self.kept[: self.depth]
+    def drafts(self, layer: int) -> bool:
+        """Whether D runs target layer `layer` beside T (T runs every layer; D shares T's before `shared`)."""
+        return layer >= self.shared and layer in self.kept
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers Z runs, in order (none when no features are stored)."""
+        return self.kept[: self.depth]
 
     @property
     def feature_layer(self) -> int:
         """The target layer after which the feature stream's state is read."""
-        return self.kept[self.depth - 1]
+        return self.feature_layers[-1]
 
 
 def derived_layout(target: Any, draft: Any, state_layer: int | None, features: bool = True) -> Layout | None:
@@ -231,7 +236,7 @@ class OnePass:
         for index, layer in enumerate(self.layers):
             if index == self.layout.shared:
                 draft = hidden
-            runs_draft = self.layout.streams(index)[0]
+            runs_draft = self.layout.drafts(index)
             layer_mask, layer_positions, layer_rotary = repeated[1 + runs_draft]
             output = layer(torch.cat([hidden, draft]) if runs_draft else hidden, attention_mask=layer_mask,
                            position_ids=layer_positions, position_embeddings=layer_rotary, use_cache=True,
@@ -252,7 +257,7 @@ class OnePass:
         `mask` [B, 1, t, slots], its layers' caches (`z_caches` of `prefill`) in `caches`."""
         z = self.target.get_input_embeddings()(mixed)
         rotary = self.decoder.rotary_emb(z, positions)
-        for cache, index in zip(caches, self.layout.kept[: self.layout.depth], strict=True):
+        for cache, index in zip(caches, self.layout.feature_layers, strict=True):
             output = self.layers[index](z, attention_mask=mask, position_ids=positions, position_embeddings=rotary,
                                         use_cache=True, **{self.keyword: cache})
             z = output[0] if isinstance(output, tuple) else output
@@ -292,8 +297,8 @@ class OnePass:
         def laid_out(index: int, blocks: list[int]) -> LayerCache:
             return LayerCache.laid_out([caches_of[index] for caches_of in kept], copies, blocks, width, width + steps)
 
-        caches = [laid_out(index, [0] + [1] * self.layout.streams(index)[0]) for index in range(len(self.layers))]
-        z_caches = [laid_out(index, [int(self.layout.streams(index)[0])]) for index in self.layout.kept[: self.layout.depth]]
+        caches = [laid_out(index, [0] + [1] * self.layout.drafts(index)) for index in range(len(self.layers))]
+        z_caches = [laid_out(index, [int(self.layout.drafts(index))]) for index in self.layout.feature_layers]
         lengths = torch.tensor([len(p) for p in prompts], device=self.device).index_select(0, copies.to(self.device))
         valid = torch.arange(width, device=self.device) >= (width - lengths)[:, None]
         output = StepOutput(torch.cat([o.target for o in outputs]), torch.cat([o.draft for o in outputs]),
@@ -308,7 +313,7 @@ class OnePass:
     def keep(self, caches: list[LayerCache], staying: torch.Tensor, rows: int) -> None:
         """Keep the batch rows `staying` (of `rows`) in every stream's block of every cache."""
         for index, cache in enumerate(caches):
-            blocks = 1 + self.layout.streams(index)[0]
+            blocks = 1 + self.layout.drafts(index)
             cache.keep(torch.cat([staying + block * rows for block in range(blocks)]))
 
     # -- the probe -------------------------------------------------------------------------------------------------------
@@ -344,7 +349,7 @@ class OnePass:
         config = self.target.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        blocks = sum(1 + sum(self.layout.streams(index)) for index in range(len(self.layers)))
+        blocks = sum(1 + self.layout.drafts(index) for index in range(len(self.layers))) + len(self.layout.feature_layers)
         per_slot = 2 * blocks * heads * head_dim * self.target.dtype.itemsize
         slots = max(len(item.prompt_ids) for item in items) + max_new_tokens + 1
         return max(1, min(len(items), KV_BUDGET // (per_slot * slots)))
