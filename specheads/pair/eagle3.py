@@ -14,6 +14,8 @@ speculators is imported only here, and only when a drafter is built or loaded.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +139,11 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, attention: str = "
     return drafter.to(parameter.dtype).eval().requires_grad_(False)
 
 
-def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the residual stream entering each of `layer_ids`, concatenated [B, L, 3h]; the last layer's output before
-    the final norm [B, L, h]) from one forward of the target's decoder, as vLLM hands them to an EAGLE-3 drafter
-    (layer id i reads the stream entering layer i; id = the layer count reads the last layer's output)."""
+@contextmanager
+def streams_captured(target: torch.nn.Module, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """While open, every forward of the target's decoder leaves in the yielded dict, by layer id, the residual stream
+    entering each layer of `layer_ids` and, under the layer count, the last layer's output before the final norm (as
+    vLLM hands them to an EAGLE-3 drafter: layer id i reads the stream entering layer i)."""
     decoder = target.get_decoder()
     layers = decoder.layers
     captured: dict[int, torch.Tensor] = {}
@@ -154,9 +156,17 @@ def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_
     points = {index: layers[index] if index < len(layers) else decoder.norm for index in {*layer_ids, len(layers)}}
     hooks = [module.register_forward_pre_hook(keeper(index), with_kwargs=True) for index, module in points.items()]
     try:
-        with torch.no_grad():
-            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        yield captured
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.cat([captured[index] for index in layer_ids], dim=-1), captured[len(layers)]
+
+
+def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the streams entering `layer_ids`, concatenated [B, L, 3h]; the last layer's output before the final norm
+    [B, L, h]) from one forward of the target's decoder (`streams_captured`)."""
+    with streams_captured(target, layer_ids) as captured, torch.no_grad():
+        target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    last = len(target.get_decoder().layers)
+    return torch.cat([captured[index] for index in layer_ids], dim=-1), captured[last]
