@@ -120,3 +120,15 @@ def test_a_rerun_reuses_the_data_and_resumes_the_training(recipe, tiny_model, pr
 def test_data_made_with_other_settings_is_refused(recipe, tiny_model, prompts_file, capsys):
     assert main(recipe_args(tiny_model, prompts_file, recipe, "--max-new-tokens", "9")) == 2
     assert "other settings (max_new_tokens)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, problem", [(["--layer-ids", "[1, 1, 2]"], "--layer-ids [1, 1, 2] must be three distinct"),
+                                            (["--layer-ids", "[1, 2, 5]"], "target layers in 0..4"),
+                                            (["--draft-vocab-size", "100000"], "exceeds the target's vocabulary")])
+def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tiny_model, prompts_file, tmp_path, capsys,
+                                                                          flags, problem):
+    pytest.importorskip("speculators.models.eagle3")
+    out = tmp_path / "run"
+    assert main(recipe_args(tiny_model, prompts_file, out, *flags)) == 2
+    error = capsys.readouterr().err.strip()
+    assert problem in error and error.count("\n") == 0 and not out.exists()

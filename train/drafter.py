@@ -28,7 +28,7 @@ import torch
 from jsonargparse.typing import NonNegativeFloat, OpenUnitInterval, PositiveInt
 
 from specheads.dataset.prompts import load_prompts
-from specheads.pair.eagle3 import NOT_SAVED, build_drafter, default_layer_ids, fill_from_target, save_drafter, vocab_maps
+from specheads.pair.eagle3 import NOT_SAVED, build_drafter, check_layer_ids, default_layer_ids, fill_from_target, save_drafter, vocab_maps
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, resolve_source, weights_identity
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
@@ -314,16 +314,15 @@ def run(config: DrafterConfig) -> dict[str, Any]:
     out = Path(config.out)
     check_output_folder(out)
     speculators_eagle3()  # refuse a missing extra before any model loads
-    say = logger_to(out / "recipe.log")
     device = device_for(config.accelerator)
     prompts = load_prompts(config.prompts, limit=config.num_prompts)
     target_config = AutoConfig.from_pretrained(resolve_source(config.target).location)
-    layer_ids = config.layer_ids or default_layer_ids(target_config.num_hidden_layers)
-    if len(layer_ids) != 3 or len(set(layer_ids)) != 3 or not all(0 <= i <= target_config.num_hidden_layers for i in layer_ids):
-        raise UsageError(f"--layer-ids {layer_ids} must be three distinct target layers in 0..{target_config.num_hidden_layers}")
+    count = target_config.num_hidden_layers
+    layer_ids = check_layer_ids(config.layer_ids or default_layer_ids(count), count, "--layer-ids")
     if config.draft_vocab_size > target_config.vocab_size:
         raise UsageError(f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
                          f"({target_config.vocab_size}); give at most that")
+    say = logger_to(out / "recipe.log")  # the first thing written, once the input is known good
     say(f"recipe: {len(prompts)} prompts × {config.samples_per_prompt} responses at T={config.temperature}, layers "
         f"{layer_ids}, draft vocabulary {config.draft_vocab_size}, {config.max_steps} steps, on {device}")
 

@@ -44,6 +44,15 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def check_layer_ids(layer_ids: list[int], count: int, flag: str = "layer_ids") -> list[int]:
+    """`layer_ids`, refused unless three distinct ids of a target with `count` layers (0..count: id i reads the
+    stream entering layer i, id count the last layer's output)."""
+    if len(layer_ids) != 3 or len(set(layer_ids)) != 3 or not all(0 <= i <= count for i in layer_ids):
+        raise UsageError(f"{flag} {layer_ids} must be three distinct target layers in 0..{count}; the default is "
+                         f"{default_layer_ids(count)}")
+    return layer_ids
+
+
 def vocab_maps(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for a draft vocabulary of the `size` most frequent target tokens by `counts` (one count per target
     token; ties go to the lower id), as speculators builds them: d2t holds offsets, t2d a mask over the target's."""
@@ -70,10 +79,7 @@ def build_drafter(target_config: Any, layer_ids: list[int], draft_vocab_size: in
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    count = target_config.num_hidden_layers
-    if len(layer_ids) != 3 or len(set(layer_ids)) != 3 or not all(0 <= i <= count for i in layer_ids):
-        raise UsageError(f"layer_ids {layer_ids} must be three distinct target layers in 0..{count}; "
-                         f"the default is {default_layer_ids(count)}")
+    check_layer_ids(layer_ids, target_config.num_hidden_layers)
     layer_config = copy.deepcopy(target_config)
     layer_config.num_hidden_layers = num_layers
     layer_config._attn_implementation = attention
