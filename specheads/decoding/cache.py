@@ -51,6 +51,10 @@ class BatchCache:
         """Tokens `row` holds."""
         return len(self.slots[row])
 
+    def can_draft(self, row: int) -> bool:
+        """Whether the row may draft this round (a draft that reads the target's states waits for its first call)."""
+        return True
+
     @torch.no_grad()
     def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

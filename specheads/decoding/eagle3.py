@@ -1,24 +1,27 @@
-"""EAGLE-3 drafts, exactly: a chain loop for one request (B = 1) whose draft is an EAGLE-3 drafter
-(`specheads.pair.eagle3`), fed as vLLM's EAGLE-3 proposer feeds it.
+"""EAGLE-3 drafts, exactly: an EAGLE-3 drafter (`specheads.pair.eagle3`) fed as vLLM's EAGLE-3 proposer feeds it, in
+a chain loop for one request (`eagle3_decode`) and behind the round engine's caches (`Eagle3Model`: B rows, continuous
+batching, every chain rule with a bonus token).
 
 Positions count the request's tokens from 0. The drafter's entry at position t reads token x_t with a feature of
 position t − 1: the target's three fused streams (projected by `fc`) where the target has read position t − 1, else
-the drafter's own state at t − 1 (its decoder output, normed where the drafter was trained so). A round, with x_0..x_{n−1}
-standing and the target holding positions 0..n − 2:
+the drafter's own state at t − 1 (its decoder output, normed where the drafter was trained so). A round, with
+x_0..x_{n−1} standing and the target holding positions 0..n − 2:
 
 1. **catch-up**: the drafter reads positions it lacks up to n − 1 with the target's features, one forward; its last
    row is q for x_n;
-2. **draft**: K candidates, each drawn from q (over the target's vocabulary: the drafter's logits placed at the d2t
-   rows, −inf elsewhere, then the sampling transform, so tokens outside the draft vocabulary have q = 0) and read
-   back with the drafter's own state, one forward each but the last;
+2. **draft**: K candidates (fewer where the request has less room: the token after them fills the last slot), each
+   drawn from q and read back with the drafter's own state, one forward each but the last. q is over the target's
+   vocabulary: the drafter's logits at their d2t rows, −inf elsewhere, then the sampling transform, so a token
+   outside the draft vocabulary has q = 0;
 3. **verify**: one target forward over x_{n−1} and the candidates, the p/q test of each
    (`specheads.decoding.sampler.verify`), the token after; the target's features of the positions that stand are
    kept, and the drafter's entries from its own states are dropped (vLLM recomputes the accepted positions with the
    target's features in the next catch-up).
 
-Each q is computed from the verified prefix, its target features and the candidates drawn before it, so the output
-follows the target's distribution (docs/method.md); greedy (T = 0) gives the target's greedy tokens.
-The round engine (`specheads.decoding.engine`) does not drive this draft yet.
+A request's first round drafts nothing: the drafter needs the target's streams of the prompt. Each q is computed from
+the verified prefix, its target features and the candidates drawn before it, so the output follows the target's
+distribution (docs/method.md); greedy (T = 0) gives the target's greedy tokens. Trees, the prompt cache and SV's
+companion do not run with this draft yet.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specheads.decoding.cache import BatchCache
 from specheads.decoding.sampler import draw, verify
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.eagle3 import draft_to_target, streams_captured
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass
@@ -151,19 +156,20 @@ def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: Sampl
     result.tokens.append(first)
     while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
         standing = len(tokens)
-        catch_up = tokens[draft.first_position + draft.length:]
-        features = verifier.features[draft.length:standing - 1]
-        logits, own = draft.feed(catch_up, features, fused=True)
+        drafting = min(max_draft, max_new_tokens - len(result.tokens) - 1)  # the bonus token fills the last slot
         candidates, log_qs = [], []
-        for k in range(max_draft):
+        if drafting > 0:
+            catch_up = tokens[draft.first_position + draft.length:]
+            logits, own = draft.feed(catch_up, verifier.features[draft.length:standing - 1], fused=True)
+        for k in range(drafting):
             log_q = draft.log_q(logits[-1], transform)
             candidates.append(draw(log_q, generator))
             log_qs.append(log_q)
-            if k + 1 < max_draft:
+            if k + 1 < drafting:
                 logits, own = draft.feed(candidates[-1:], own[-1:], fused=False)
         p_logits = verifier.feed([tokens[-1], *candidates])
         stood, new = verify(p_logits, candidates, log_qs, 0, True, transform, generator)
-        for k in range(max_draft):
+        for k in range(drafting):
             result.reached[k] += k <= stood
             result.accepted[k] += k < stood
         emitted = [*candidates[:stood], new]
@@ -177,3 +183,183 @@ def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: Sampl
     result.target_calls, result.draft_forwards = verifier.calls, draft.forwards
     result.seconds = time.perf_counter() - began
     return result
+
+
+# ---- the same draft behind the round engine's caches (`specheads.decoding.engine.RoundEngine`, B rows)
+
+
+class FullVocabularyHead(torch.nn.Module):
+    """The drafter's LM head with its logits placed at their d2t rows of the target's vocabulary, −inf elsewhere (q
+    is then zero off the draft vocabulary). `weight` has the target's rows and no columns: what `output_width` reads."""
+
+    def __init__(self, lm_head: torch.nn.Linear, rows: torch.Tensor, vocabulary: int) -> None:
+        super().__init__()
+        self.lm_head, self.vocabulary = lm_head, vocabulary
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("weight", lm_head.weight.new_zeros(vocabulary, 0), persistent=False)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(states)
+        full = logits.new_full((*logits.shape[:-1], self.vocabulary), -math.inf)
+        return full.index_copy_(-1, self.rows, logits)
+
+
+class Eagle3Decoder(torch.nn.Module):
+    """The drafter as a decoder `BatchCache` runs: its inputs' feature rows are set in `features` before each forward
+    (`Eagle3BatchCache.feed`); returns the normed states (what its head reads) and keeps the states a drafted token
+    feeds back in `own`."""
+
+    def __init__(self, drafter: Any) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.layers = drafter.layers
+        self.features: torch.Tensor | None = None  # [B, m, h]: fc of the target's streams, or own states
+        self.own: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                use_cache: bool = True, past_key_values: Any = None) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
+        count = input_ids.shape[1]
+        hidden = torch.cat([drafter.embed_tokens(input_ids), self.features.to(drafter.fc.weight.dtype)], dim=-1)
+        used = attention_mask.shape[1] - count
+        keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
+        queries = used + torch.arange(count, device=input_ids.device)
+        allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
+        allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
+        mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~allowed, -math.inf)
+        embeddings = drafter.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                           position_embeddings=embeddings)
+        normed = drafter.norm(hidden)
+        self.own = normed if drafter.config.norm_output else hidden
+        return BaseModelOutputWithPast(last_hidden_state=normed, past_key_values=cache)
+
+
+class Eagle3Model(torch.nn.Module):
+    """An EAGLE-3 drafter with the face of a causal LM over the target's vocabulary, as the round engine's draft:
+    `RoundEngine(target, Eagle3Model(drafter, target), ...)` decodes with it exactly (`Eagle3BatchCache`)."""
+
+    def __init__(self, drafter: Any, target: Any) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
+        self.config = drafter.config.transformer_layer_config
+        self.config.pad_token_id = target.config.pad_token_id
+        self.decoder = Eagle3Decoder(drafter)
+        self.head = FullVocabularyHead(drafter.lm_head, draft_to_target(drafter.d2t), target.config.vocab_size)
+
+    def get_decoder(self) -> Eagle3Decoder:
+        return self.decoder
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.drafter.embed_tokens
+
+    def get_output_embeddings(self) -> FullVocabularyHead:
+        return self.head
+
+
+class StreamBatchCache(BatchCache):
+    """The target's `BatchCache` that also keeps, per row and position, the three streams an EAGLE-3 drafter fuses."""
+
+    def __init__(self, model: Any, rows: int, layer_ids: list[int]) -> None:
+        super().__init__(model, rows)
+        self.layer_ids = layer_ids
+        self.streams: list[torch.Tensor | None] = [None] * rows
+
+    def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
+             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        before = {row: self.length(row) for row in tokens}
+        with streams_captured(self.model, self.layer_ids) as captured:
+            result = super().feed(tokens, logits_rows)
+        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
+        for row, fed in tokens.items():
+            kept = self.streams[row][: before[row]] if self.streams[row] is not None else fused[row, :0]
+            self.streams[row] = torch.cat([kept, fused[row, : len(fed)]])
+        return result
+
+    def crop_row(self, row: int, length: int) -> None:
+        super().crop_row(row, length)
+        if self.streams[row] is not None:
+            self.streams[row] = self.streams[row][:length]
+
+
+class Eagle3BatchCache(BatchCache):
+    """The drafter's `BatchCache`: a token at position t is read with the target's streams of t − 1 where the target
+    has read t − 1, else with the drafter's own state there (the module docstring's rounds, for B rows). Position 0
+    has no entry; a row's entries read from its own states are dropped when the row is cropped, so the accepted tokens
+    are read again with the target's streams, as vLLM's proposer does."""
+
+    def __init__(self, model: Eagle3Model, rows: int, target: StreamBatchCache, state_layer: int | None = None) -> None:
+        super().__init__(model, rows, state_layer)
+        self.target = target
+        self.started = [False] * rows  # whether position 0 is held (it takes no entry)
+        self.from_target = [0] * rows  # entries read with the target's streams
+        self.own: list[torch.Tensor | None] = [None] * rows  # the own state of the row's last position
+
+    def length(self, row: int) -> int:
+        return len(self.slots[row]) + self.started[row]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.length(row) for row in range(len(self.slots))]
+
+    def can_draft(self, row: int) -> bool:
+        """Only once the target has read the row's prompt: its first q needs the target's streams."""
+        return self.target.length(row) > 0
+
+    def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
+             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        decoder = self.model.get_decoder()
+        fed, features = {}, {}
+        for row, row_tokens in tokens.items():
+            if not self.started[row]:
+                self.started[row], row_tokens = True, row_tokens[1:]
+            start = self.length(row)
+            read = min(max(self.target.length(row) - (start - 1), 0), len(row_tokens))  # positions with the target's
+            if read == len(row_tokens):  # a catch-up: every position before these is the target's
+                features[row] = decoder.drafter.fc(self.target.streams[row][start - 1: start - 1 + read].to(self.device))
+                self.from_target[row] += read if len(self.slots[row]) == self.from_target[row] else 0
+            elif len(row_tokens) == 1 and self.own[row] is not None:  # a drafted token after the last position
+                features[row] = self.own[row][None]
+            else:
+                raise RuntimeError("an EAGLE-3 draft reads its own state only for one token after its last position")
+            fed[row] = row_tokens
+        width = max(len(row_tokens) for row_tokens in fed.values())
+        size = next(iter(features.values())).shape[-1]
+        padded = torch.zeros(len(self.slots), width, size, device=self.device)
+        for row, rows_features in features.items():
+            padded[row, : len(rows_features)] = rows_features
+        decoder.features = padded
+        result = super().feed(fed, {row: min((logits_rows or {}).get(row, 1), len(fed[row])) for row in fed})
+        for row, row_tokens in fed.items():
+            self.own[row] = decoder.own[row, len(row_tokens) - 1]
+        return result
+
+    def crop_row(self, row: int, length: int) -> None:
+        if length == 0:
+            self.started[row], self.from_target[row], self.own[row] = False, 0, None
+            super().crop_row(row, 0)
+            return
+        super().crop_row(row, min(length - 1, self.from_target[row]))
+        self.from_target[row] = min(self.from_target[row], len(self.slots[row]))
+
+
+def round_caches(target: Any, draft: Any, rows: int, state_layer: int | None) -> tuple[BatchCache, BatchCache]:
+    """(the draft's cache, the target's) for a round engine: plain `BatchCache`s, or an EAGLE-3 drafter's pair."""
+    if isinstance(draft, Eagle3Model):
+        target_cache = StreamBatchCache(target, rows, draft.layer_ids)
+        return Eagle3BatchCache(draft, rows, target_cache, state_layer), target_cache
+    return BatchCache(draft, rows, state_layer), BatchCache(target, rows)
+
+
+def refuse_for_eagle3(rule: Any, prompt_cache: Any, companion: Any) -> None:
+    """What the round engine cannot do yet with an EAGLE-3 draft, refused in one line before any forward."""
+    if not rule.bonus:
+        raise UsageError(f"the {rule.name} rule earns no bonus token, which an EAGLE-3 draft's first round needs; use a "
+                         "stop rule (constant_k, confidence, svip, head)")
+    if prompt_cache is not None or companion is not None:
+        raise UsageError("an EAGLE-3 draft runs without a prompt cache or SV's companion for now; build the engine "
+                         "without them")

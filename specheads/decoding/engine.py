@@ -49,6 +49,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion
 from specheads.decoding.costs import RoundRecord, ServingCosts
+from specheads.decoding.eagle3 import Eagle3Model, refuse_for_eagle3, round_caches
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
@@ -309,6 +310,8 @@ class RoundEngine:
         adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one). `stop_check(request,
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
+        if isinstance(self.draft, Eagle3Model):
+            refuse_for_eagle3(rule, self.prompt_cache, self.companion)
         rule.check_head(head)
         check_decodable_head(head if rule.reads_head else None)
         if rule.reads_companion and self.companion is None:
@@ -316,8 +319,7 @@ class RoundEngine:
                              "(eval: --sv-companion-skip-layers)")
         start = time.perf_counter()
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
-        draft = BatchCache(self.draft, slots, head.state_layer if rule.reads_head else None)
-        target = BatchCache(self.target, slots)
+        draft, target = round_caches(self.target, self.draft, slots, head.state_layer if rule.reads_head else None)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
         batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache,
                             self.companion.cost if companion is not None else 1.0, rule.hindsight)
@@ -329,7 +331,7 @@ class RoundEngine:
         head = head if rule.reads_head else None
         while batch.live:
             live = batch.live
-            caps = {row: rule.cap(batch.room(row)) for row in live}
+            caps = {row: rule.cap(batch.room(row)) if draft.can_draft(row) else 0 for row in live}
             if planner is not None:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}

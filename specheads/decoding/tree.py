@@ -60,6 +60,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
+from specheads.decoding.eagle3 import Eagle3Model
 from specheads.decoding.engine import (
     RoundEngine,
     StopCheck,
@@ -479,6 +480,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         raise UsageError("a sibling head scores later siblings drawn from q (it was trained on second children drawn "
                          "so); these children are the draft's best tokens (greedy decoding or children: top): drop "
                          "sibling_head")
+    if isinstance(engine.draft, Eagle3Model):
+        raise UsageError("tree drafts with an EAGLE-3 drafter are not supported yet; decode it with a chain rule "
+                         "(RoundEngine.decode)")
     head = head if rule.reads_head else None
     target = BatchCache(engine.target, min(batch_size, max(len(prompts), 1)))
     for name, cache in (("draft", BatchCache(engine.draft, 1)), ("target", target)):
