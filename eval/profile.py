@@ -40,6 +40,10 @@ class ProfileConfig:
     """the target model to measure (as `specheads gen` names it)."""
     draft: ModelSpec = field(default_factory=default_draft)
     """the draft model to measure; by default the target minus layers 20-21 (self-speculative)."""
+    eagle3: str | None = None
+    """an EAGLE-3 drafter folder (speculators' format, e.g. `specheads train drafter`'s DIR/drafter) measured as the
+    draft instead of `--draft`: its forward reads the target's fused streams, projects them, runs its decoder layer
+    and its head over the draft vocabulary (needs the eagle3 extra)."""
     preset: Literal[PRESET_NAMES] | None = None
     """write a roofline preset's modelled table instead of measuring (no model is loaded): an H100 SXM with a
     Llama-3.1-8B target and Llama-3.2-1B draft, or 4 H100s with Llama-3.1-70B (tensor parallel) and Llama-3.1-8B
@@ -70,6 +74,9 @@ class ProfileConfig:
         if self.preset and (self.target != default_target() or self.draft != default_draft()):
             raise UsageError(f"--preset {self.preset} models its own pair ({PRESETS[self.preset].description}); drop "
                              "--target/--draft, or drop --preset to measure those models")
+        if self.eagle3 and (self.preset or not Path(self.eagle3, "config.json").is_file()):
+            raise UsageError(f"--eagle3 {self.eagle3}: give the folder of a drafter (its config.json and "
+                             "model.safetensors) and no --preset")
         if self.batch_size is not None and not self.preset:
             raise UsageError("--batch-size shapes a roofline preset's curve; a measured curve times n rows of one token "
                              "each: drop --batch-size, or give --preset")
@@ -101,16 +108,24 @@ def measure_pair(config: ProfileConfig, tokens: tuple[int, ...]) -> dict:
     from specheads.pair.models import context_length, load_pair
 
     device = decoding_device(config.device)
-    pair = load_pair(config.target, config.draft)
+    if config.eagle3:  # the drafter reads the target's streams: no draft model of its own is loaded
+        from specheads.decoding.eagle3 import Eagle3Model
+        from specheads.pair.eagle3 import load_drafter
+        from specheads.pair.models import load_model
+
+        target, target_name = load_model(config.target), config.target.describe()
+        draft, draft_name = Eagle3Model(load_drafter(config.eagle3, target), target), f"EAGLE-3 {config.eagle3}"
+    else:
+        pair = load_pair(config.target, config.draft)
+        target, target_name, draft, draft_name = pair.target, pair.target_name, pair.draft, pair.draft_name
     contexts = list(config.contexts or [32])
-    room = min(context_length(pair.target), context_length(pair.draft))
+    room = min(context_length(target), context_length(draft))
     if max(contexts) + 1 > room:
         raise UsageError(f"--contexts {contexts} leaves no room for a new token: the models hold {room} positions; "
                          f"give contexts below {room}")
-    for model in (pair.target, pair.draft):
+    for model in (target, draft):
         place(model, device)
-    return measured_table((pair.draft_name, pair.draft), (pair.target_name, pair.target), contexts, tokens,
-                          config.repeats)
+    return measured_table((draft_name, draft), (target_name, target), contexts, tokens, config.repeats)
 
 
 def main(argv: list[str]) -> int:

@@ -132,3 +132,10 @@ def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tiny_mo
     assert main(recipe_args(tiny_model, prompts_file, out, *flags)) == 2
     error = capsys.readouterr().err.strip()
     assert problem in error and error.count("\n") == 0 and not out.exists()
+
+
+def test_profile_refuses_an_eagle3_folder_that_is_not_a_drafter_before_loading_anything(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["profile", "--eagle3", str(tmp_path / "empty"), "--out", str(tmp_path / "costs.json")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "give the folder of a drafter" in error and error.count("\n") == 0 and not (tmp_path / "costs.json").exists()

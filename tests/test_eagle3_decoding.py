@@ -2,6 +2,8 @@
 (chi-square on an enumerable tiny target, a drafter of speculators' classes whose vocabulary lacks a token), greedy
 decoding gives the target's own tokens, and the cached drafter computes what speculators' training forward computes."""
 
+import json
+
 import pytest
 import torch
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
@@ -186,3 +188,19 @@ def test_what_the_engine_cannot_do_yet_with_an_eagle3_draft_is_refused_in_one_li
         decode_tree(engine, [PROMPT], TreeRule(values="confidence", floor=0.3, budget=4), 4, [0])
     with pytest.raises(UsageError, match="earns no bonus token"):
         engine.decode([PROMPT], make_policy("sprinter", 0.5), 4, [0])
+
+
+def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model, tmp_path):
+    from specheads.cli import main
+    from specheads.pair.eagle3 import save_drafter
+
+    target, drafter = wide_eagle
+    save_drafter(drafter, tmp_path / "drafter")
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--target.path", str(tiny_model), "--eagle3", str(tmp_path / "drafter"), "--out", str(out),
+                 "--tokens", "[1, 2]", "--repeats", "1", "--device", "cpu"]) == 0
+    table = json.loads(out.read_text())
+    facts = table["models"]["draft"]
+    assert facts["name"] == f"EAGLE-3 {tmp_path / 'drafter'}" and facts["layers"] == 1
+    assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
+    assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])

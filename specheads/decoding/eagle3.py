@@ -222,7 +222,10 @@ class Eagle3Decoder(torch.nn.Module):
 
         drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
         count = input_ids.shape[1]
-        hidden = torch.cat([drafter.embed_tokens(input_ids), self.features.to(drafter.fc.weight.dtype)], dim=-1)
+        embedded = drafter.embed_tokens(input_ids)
+        # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
+        features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
+        hidden = torch.cat([embedded, features], dim=-1)
         used = attention_mask.shape[1] - count
         keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
         queries = used + torch.arange(count, device=input_ids.device)
@@ -333,7 +336,10 @@ class Eagle3BatchCache(BatchCache):
         for row, rows_features in features.items():
             padded[row, : len(rows_features)] = rows_features
         decoder.features = padded
-        result = super().feed(fed, {row: min((logits_rows or {}).get(row, 1), len(fed[row])) for row in fed})
+        try:
+            result = super().feed(fed, {row: min((logits_rows or {}).get(row, 1), len(fed[row])) for row in fed})
+        finally:
+            decoder.features = None
         for row, row_tokens in fed.items():
             self.own[row] = decoder.own[row, len(row_tokens) - 1]
         return result
