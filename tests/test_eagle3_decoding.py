@@ -2,6 +2,7 @@
 (chi-square on an enumerable tiny target, a drafter of speculators' classes whose vocabulary lacks a token), greedy
 decoding gives the target's own tokens, and the cached drafter computes what speculators' training forward computes."""
 
+import itertools
 import json
 
 import pytest
@@ -179,15 +180,51 @@ def test_the_round_engine_decodes_as_the_b1_eagle3_loop_and_greedy_as_the_target
 def test_what_the_engine_cannot_do_yet_with_an_eagle3_draft_is_refused_in_one_line(tiny_eagle):
     from specheads.decoding import RoundEngine, make_policy
     from specheads.decoding.eagle3 import Eagle3Model
-    from specheads.decoding.tree import TreeRule, decode_tree
     from specheads.plumbing.errors import UsageError
 
     target, drafter = tiny_eagle
     engine = RoundEngine(target, Eagle3Model(drafter, target), SamplingTransform(1.0), stop_ids=[])
-    with pytest.raises(UsageError, match="tree drafts with an EAGLE-3 drafter"):
-        decode_tree(engine, [PROMPT], TreeRule(values="confidence", floor=0.3, budget=4), 4, [0])
     with pytest.raises(UsageError, match="earns no bonus token"):
         engine.decode([PROMPT], make_policy("sprinter", 0.5), 4, [0])
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_eagle3_tree_drafts_sample_the_target_distribution(tiny_eagle, batch_size):
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.eagle3 import Eagle3Model
+    from specheads.decoding.tree import TreeRule, decode_tree
+
+    target, drafter = tiny_eagle
+    transform = SamplingTransform(1.0)
+    engine = RoundEngine(target, Eagle3Model(drafter, target), transform, stop_ids=[])
+    runs, length = 800, LENGTH + 1  # four tokens: the second round's tree is two levels deep
+    results = decode_tree(engine, [PROMPT] * runs, TreeRule(values="confidence", floor=0.05, budget=4, width=2), length,
+                          list(range(runs)), batch_size=batch_size)
+    with torch.no_grad():
+        exact = {tail: float(torch.tensor([transform.log_probs(target(torch.tensor([PROMPT + list(tail)])).logits[0])
+                                           [len(PROMPT) - 1 + i, t] for i, t in enumerate(tail)]).sum().exp())
+                 for tail in itertools.product(range(3), repeat=length)}
+    assert chi_square_p([tuple(r.tokens) for r in results], exact) > 1e-3
+    assert 0 < sum(r.accepted for r in results) < sum(r.drafted for r in results)
+    assert max(len(widths) for r in results for widths in r.draft_widths_per_round) > 1  # trees deeper than one level
+
+
+@pytest.mark.parametrize("pair, prompts", [("tiny_eagle", [[0, 1], [2, 0, 1, 1], [1]]),
+                                           ("wide_eagle", [[5, 9, 30, 41], [8, 3], [12, 60, 7, 99, 14, 2]])])
+def test_greedy_eagle3_trees_give_the_targets_greedy_tokens(pair, prompts, request):
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.eagle3 import Eagle3Model
+    from specheads.decoding.tree import TreeRule, decode_tree
+
+    target, drafter = request.getfixturevalue(pair)
+    engine = RoundEngine(target, Eagle3Model(drafter, target), SamplingTransform(0.0), stop_ids=[])
+    results = decode_tree(engine, prompts, TreeRule(values="confidence", floor=0.0, budget=6, width=2), 16, [0, 1, 2],
+                          batch_size=2)
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt])
+        greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert result.tokens == greedy
 
 
 def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model, tmp_path):
@@ -204,3 +241,41 @@ def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model,
     assert facts["name"] == f"EAGLE-3 {tmp_path / 'drafter'}" and facts["layers"] == 1
     assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
     assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])
+
+
+def test_a_greedy_tree_of_width_one_drafts_with_the_logits_of_the_b1_chain(tiny_eagle, monkeypatch):
+    """Each tree node is read with its parent's own state, as a chain's drafted token is: the same path gives the same
+    draft logits, round by round."""
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.eagle3 import Eagle3BatchCache, Eagle3Model
+    from specheads.decoding.tree import TreeRule, decode_tree
+
+    target, drafter = tiny_eagle
+    rows = drafter.d2t + torch.arange(len(drafter.d2t))
+    chain, tree = [], []
+    feed, feed_trees, chain_feed = Eagle3BatchCache.feed, Eagle3BatchCache.feed_trees, Eagle3Draft.feed
+
+    def record_feed(self, tokens, logits_rows=None):
+        result = feed(self, tokens, logits_rows)
+        tree.append(result[0][0][-1][rows])
+        return result
+
+    def record_feed_trees(self, trees, logits_from=None):
+        result = feed_trees(self, trees, logits_from)
+        tree.extend(logits[rows] for logits in result[0][0])
+        return result
+
+    def record_chain(self, tokens, features, fused):
+        logits, own = chain_feed(self, tokens, features, fused)
+        chain.append(logits[-1])
+        return logits, own
+
+    monkeypatch.setattr(Eagle3BatchCache, "feed", record_feed)
+    monkeypatch.setattr(Eagle3BatchCache, "feed_trees", record_feed_trees)
+    monkeypatch.setattr(Eagle3Draft, "feed", record_chain)
+    transform = SamplingTransform(0.0)
+    engine = RoundEngine(target, Eagle3Model(drafter, target), transform, stop_ids=[])
+    result = decode_tree(engine, [[2, 0, 1, 1]], TreeRule(values="confidence", floor=0.0, budget=3, width=1), 14, [0])[0]
+    alone = eagle3_decode(target, drafter, [2, 0, 1, 1], transform, 3, 14, seed=0)
+    assert result.tokens == alone.tokens and len(chain) == len(tree) > 6
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(chain, tree))

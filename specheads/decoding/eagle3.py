@@ -1,6 +1,6 @@
 """EAGLE-3 drafts, exactly: an EAGLE-3 drafter (`specheads.pair.eagle3`) fed as vLLM's EAGLE-3 proposer feeds it, in
 a chain loop for one request (`eagle3_decode`) and behind the round engine's caches (`Eagle3Model`: B rows, continuous
-batching, every chain rule with a bonus token).
+batching, every chain rule with a bonus token, and token trees through `decode_tree`).
 
 Positions count the request's tokens from 0. The drafter's entry at position t reads token x_t with a feature of
 position t − 1: the target's three fused streams (projected by `fc`) where the target has read position t − 1, else
@@ -20,8 +20,9 @@ x_0..x_{n−1} standing and the target holding positions 0..n − 2:
 
 A request's first round drafts nothing: the drafter needs the target's streams of the prompt. Each q is computed from
 the verified prefix, its target features and the candidates drawn before it, so the output follows the target's
-distribution (docs/method.md); greedy (T = 0) gives the target's greedy tokens. Trees, the prompt cache and SV's
-companion do not run with this draft yet.
+distribution (docs/method.md); greedy (T = 0) gives the target's greedy tokens. A tree's node is read with its
+parent's own state (a first-level node with the last position's), and none is held: the accepted path is read again
+with the target's streams. The prompt cache and SV's companion do not run with this draft yet.
 """
 
 from __future__ import annotations
@@ -226,12 +227,15 @@ class Eagle3Decoder(torch.nn.Module):
         # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
         features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
         hidden = torch.cat([embedded, features], dim=-1)
-        used = attention_mask.shape[1] - count
-        keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
-        queries = used + torch.arange(count, device=input_ids.device)
-        allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
-        allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
-        mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~allowed, -math.inf)
+        if attention_mask.dim() == 4:  # a tree's mask (`BatchCache.feed_trees`), additive already
+            mask = attention_mask.to(hidden.dtype)
+        else:  # the slots each row holds, and causal among the new tokens
+            used = attention_mask.shape[1] - count
+            keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
+            queries = used + torch.arange(count, device=input_ids.device)
+            allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
+            allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
+            mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~allowed, -math.inf)
         embeddings = drafter.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
@@ -271,6 +275,7 @@ class StreamBatchCache(BatchCache):
         super().__init__(model, rows)
         self.layer_ids = layer_ids
         self.streams: list[torch.Tensor | None] = [None] * rows
+        self.by_slot: dict[tuple[int, int], torch.Tensor] = {}  # the last tree feed's streams, by (row, slot)
 
     def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -288,6 +293,22 @@ class StreamBatchCache(BatchCache):
         if self.streams[row] is not None:
             self.streams[row] = self.streams[row][:length]
 
+    def feed_trees(self, trees: dict[int, tuple[list[int], list[int], list[list[int]]]],
+                   logits_from: dict[int, int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        """`BatchCache.feed_trees`, keeping each fed token's streams by its slot until `hold` makes it the row's."""
+        with streams_captured(self.model, self.layer_ids) as captured:
+            result = super().feed_trees(trees, logits_from)
+        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
+        self.by_slot = {(row, slot): fused[row, index] for row in trees for index, slot in enumerate(result[row][2])}
+        return result
+
+    def hold(self, row: int, slots: list[int]) -> None:
+        super().hold(row, slots)
+        held = [self.by_slot[(row, slot)] for slot in slots]
+        if held:
+            kept = self.streams[row] if self.streams[row] is not None else held[0].new_zeros(0, held[0].shape[-1])
+            self.streams[row] = torch.cat([kept, torch.stack(held)])
+
 
 class Eagle3BatchCache(BatchCache):
     """The drafter's `BatchCache`: a token at position t is read with the target's streams of t − 1 where the target
@@ -295,9 +316,12 @@ class Eagle3BatchCache(BatchCache):
     has no entry; a row's entries read from its own states are dropped when the row is cropped, so the accepted tokens
     are read again with the target's streams, as vLLM's proposer does."""
 
-    def __init__(self, model: Eagle3Model, rows: int, target: StreamBatchCache, state_layer: int | None = None) -> None:
+    def __init__(self, model: Eagle3Model, rows: int, target: StreamBatchCache, state_layer: int | None = None,
+                 target_row: int | None = None) -> None:
         super().__init__(model, rows, state_layer)
         self.target = target
+        self.target_row = target_row  # a tree request's own cache (one row) reads this row of the shared target's
+        self.own_by_slot: dict[int, torch.Tensor] = {}  # a tree's nodes' own states, by their slots
         self.started = [False] * rows  # whether position 0 is held (it takes no entry)
         self.from_target = [0] * rows  # entries read with the target's streams
         self.own: list[torch.Tensor | None] = [None] * rows  # the own state of the row's last position
@@ -309,21 +333,27 @@ class Eagle3BatchCache(BatchCache):
     def lengths(self) -> list[int]:
         return [self.length(row) for row in range(len(self.slots))]
 
+    def of_target(self, row: int) -> int:
+        """The target's row that `row` drafts for."""
+        return row if self.target_row is None else self.target_row
+
     def can_draft(self, row: int) -> bool:
         """Only once the target has read the row's prompt: its first q needs the target's streams."""
-        return self.target.length(row) > 0
+        return self.target.length(self.of_target(row)) > 0
 
     def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         decoder = self.model.get_decoder()
+        self.own_by_slot.clear()  # a catch-up or a chain's step: no tree node is an ancestor any more
         fed, features = {}, {}
         for row, row_tokens in tokens.items():
             if not self.started[row]:
                 self.started[row], row_tokens = True, row_tokens[1:]
             start = self.length(row)
-            read = min(max(self.target.length(row) - (start - 1), 0), len(row_tokens))  # positions with the target's
+            streams, held = self.target.streams[self.of_target(row)], self.target.length(self.of_target(row))
+            read = min(max(held - (start - 1), 0), len(row_tokens))  # positions with the target's streams
             if read == len(row_tokens):  # a catch-up: every position before these is the target's
-                features[row] = decoder.drafter.fc(self.target.streams[row][start - 1: start - 1 + read].to(self.device))
+                features[row] = decoder.drafter.fc(streams[start - 1: start - 1 + read].to(self.device))
                 self.from_target[row] += read if len(self.slots[row]) == self.from_target[row] else 0
             elif len(row_tokens) == 1 and self.own[row] is not None:  # a drafted token after the last position
                 features[row] = self.own[row][None]
@@ -344,6 +374,31 @@ class Eagle3BatchCache(BatchCache):
             self.own[row] = decoder.own[row, len(row_tokens) - 1]
         return result
 
+    def feed_trees(self, trees: dict[int, tuple[list[int], list[int], list[list[int]]]],
+                   logits_from: dict[int, int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        """A tree's nodes, each read with its parent's own state (the last held position's for a first-level node);
+        they are never held (`hold`): the accepted ones are read again with the target's streams."""
+        decoder = self.model.get_decoder()
+        width = max(len(tokens) for tokens, _, _ in trees.values())
+        size = decoder.drafter.config.transformer_layer_config.hidden_size
+        padded = torch.zeros(len(self.slots), width, size, device=self.device)
+        for row, (_, _, sees) in trees.items():
+            for index, seen in enumerate(sees):
+                parent = next((self.own_by_slot[slot] for slot in reversed(seen) if slot in self.own_by_slot), None)
+                padded[row, index] = self.own[row] if parent is None else parent
+        decoder.features = padded
+        try:
+            result = super().feed_trees(trees, logits_from)
+        finally:
+            decoder.features = None
+        for row in trees:
+            for index, slot in enumerate(result[row][2]):
+                self.own_by_slot[slot] = decoder.own[row, index]
+        return result
+
+    def hold(self, row: int, slots: list[int]) -> None:
+        """Nothing is held: a tree's accepted nodes were read with own states (the class docstring)."""
+
     def crop_row(self, row: int, length: int) -> None:
         if length == 0:
             self.started[row], self.from_target[row], self.own[row] = False, 0, None
@@ -351,6 +406,15 @@ class Eagle3BatchCache(BatchCache):
             return
         super().crop_row(row, min(length - 1, self.from_target[row]))
         self.from_target[row] = min(self.from_target[row], len(self.slots[row]))
+
+
+def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[BatchCache, Any]:
+    """(the shared target cache of a tree decode, a maker of each request's own draft cache: (target row, state layer)
+    -> cache), plain or an EAGLE-3 drafter's."""
+    if isinstance(engine_draft, Eagle3Model):
+        target = StreamBatchCache(engine_target, rows, engine_draft.layer_ids)
+        return target, lambda row, state_layer: Eagle3BatchCache(engine_draft, 1, target, state_layer, target_row=row)
+    return BatchCache(engine_target, rows), lambda row, state_layer: BatchCache(engine_draft, 1, state_layer)
 
 
 def round_caches(target: Any, draft: Any, rows: int, state_layer: int | None) -> tuple[BatchCache, BatchCache]:

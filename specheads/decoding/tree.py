@@ -60,7 +60,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
-from specheads.decoding.eagle3 import Eagle3Model
+from specheads.decoding.eagle3 import tree_caches
 from specheads.decoding.engine import (
     RoundEngine,
     StopCheck,
@@ -480,12 +480,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         raise UsageError("a sibling head scores later siblings drawn from q (it was trained on second children drawn "
                          "so); these children are the draft's best tokens (greedy decoding or children: top): drop "
                          "sibling_head")
-    if isinstance(engine.draft, Eagle3Model):
-        raise UsageError("tree drafts with an EAGLE-3 drafter are not supported yet; decode it with a chain rule "
-                         "(RoundEngine.decode)")
     head = head if rule.reads_head else None
-    target = BatchCache(engine.target, min(batch_size, max(len(prompts), 1)))
-    for name, cache in (("draft", BatchCache(engine.draft, 1)), ("target", target)):
+    target, draft_cache = tree_caches(engine.target, engine.draft, min(batch_size, max(len(prompts), 1)))
+    for name, cache in (("draft", draft_cache(0, None)), ("target", target)):
         if not cache.plain_layers():
             raise UsageError(f"tree drafts need a {name} whose KV cache is one tensor per layer: a tree mask would "
                              "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
@@ -498,8 +495,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                 index = waiting.pop()
                 generator = torch.Generator().manual_seed(seeds[index])
                 target.crop_row(row, 0)
-                rows[row] = TreeRequest(index, list(prompts[index]), generator,
-                                        BatchCache(engine.draft, 1, head.state_layer if head else None),
+                rows[row] = TreeRequest(index, list(prompts[index]), generator, draft_cache(row, head.state_layer if head else None),
                                         TreeDrafter(engine, rule, head, generator, sibling_head))
         active = {row: request for row, request in enumerate(rows) if request is not None}
         round_start = time.perf_counter()
@@ -507,8 +503,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         for row, request in active.items():
             before = request.draft.forwards[0]
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
-            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):],
-                                              min(rule.budget, room - 1))
+            depth_cap = min(rule.budget, room - 1) if request.draft.can_draft(0) else 0  # an EAGLE-3 drafter's first round
+            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):], depth_cap)
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
