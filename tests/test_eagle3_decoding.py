@@ -279,3 +279,29 @@ def test_a_greedy_tree_of_width_one_drafts_with_the_logits_of_the_b1_chain(tiny_
     alone = eagle3_decode(target, drafter, [2, 0, 1, 1], transform, 3, 14, seed=0)
     assert result.tokens == alone.tokens and len(chain) == len(tree) > 6
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(chain, tree))
+
+
+def test_eagle3_drafts_through_transformers_generate(tiny_eagle, wide_eagle):
+    """`target.generate(custom_generate=speculative_generate, draft=Eagle3Model(...), tree={...})`: a confidence-valued
+    tree needs no head; sampled it follows the target's distribution, greedy it is the target's own greedy output."""
+    from specheads.decoding.eagle3 import Eagle3Model
+    from specheads.integrations.transformers import speculative_generate
+
+    tree = {"values": "confidence", "floor": 0.05, "budget": 4, "width": 2}
+    target, drafter = tiny_eagle
+    torch.manual_seed(0)
+    runs = 600
+    ids = torch.tensor([PROMPT] * runs)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=speculative_generate,
+                          draft=Eagle3Model(drafter, target), tree=tree, do_sample=True, temperature=1.0, top_k=0,
+                          top_p=1.0, max_new_tokens=LENGTH, eos_token_id=None, pad_token_id=0)
+    samples = [tuple(row) for row in out[:, len(PROMPT):].tolist()]
+    assert chi_square_p(samples, sequence_probabilities(target, SamplingTransform(1.0))) > 1e-3
+    target, drafter = wide_eagle
+    prompt = [5, 9, 30, 41]
+    ids = torch.tensor([prompt])
+    common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False, "eos_token_id": None,
+              "pad_token_id": 0}
+    speculative = target.generate(ids, custom_generate=speculative_generate, draft=Eagle3Model(drafter, target),
+                                  tree=tree, **common)
+    assert torch.equal(speculative, target.generate(ids, **common))
