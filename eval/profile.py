@@ -125,5 +125,9 @@ def main(argv: list[str]) -> int:
               f"token(s), {target['seconds'][-1] * 1e3:.3g} ms at {target['tokens'][-1]}; draft "
               f"{draft['seconds'][0] * 1e3:.3g} ms and {draft['seconds'][-1] * 1e3:.3g} ms (t_draft/t_target at 1 "
               f"token: {draft['seconds'][0] / target['seconds'][0]:.3f})")
+    for entry in table.get("raised", []):
+        print(f"  context {entry['context']}: the {entry['model']}'s time fell at {entry['tokens']} token(s) below an "
+              "earlier count's (a busy machine?); raised to the running maximum and listed in the table's `raised`; "
+              "for a clean curve re-run on a quiet machine")
     print(f"wrote {config.out} (use it with `specheads eval --serving-costs {config.out}`)")
     return 0

@@ -7,11 +7,13 @@ takes the next prompt of the queue), rounds in lockstep, and each round costs
 
     Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
 
-seconds (a tree's s-th draft forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a
-model's forward time against the tokens in the forward (`specheads.decoding.costs`), in each
+seconds (a row's first draft forward counts the tokens its draft had not read, its catch-up; a tree's s-th draft
+forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a model's forward time against the
+tokens in the forward (`specheads.decoding.costs`), each forward priced on the rows live in it
+(`CostCurve.price`: exactly for a roofline preset, by its tokens for a measured or given curve), in each
 cost view asked for: the curves measured on the decoding device or given in a table, each also with the draft
 `cost_ratio` times as costly as the target (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view), and
-the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
+the roofline presets (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
 
 - **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
   is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
@@ -60,8 +62,9 @@ LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
 
 def request_rounds(record: Any) -> list[tuple[int, int, list[int]]]:
     """A run's rounds as (candidates k, tokens yielded, the tokens of each draft forward): a + 1 each, the last one
-    what the run emitted after the others (less where it ended at a stop token or at max_new_tokens); a chain's k
-    forwards of one token, a tree's as it recorded them."""
+    what the run emitted after the others (less where it ended at a stop token or at max_new_tokens); the draft
+    forwards as the run recorded them (its catch-up first), or k forwards of one token for a chain run recorded
+    before they were."""
     yielded = [a + 1 for a in record.accepted_per_round]
     if yielded:
         yielded[-1] = record.emitted - sum(yielded[:-1])

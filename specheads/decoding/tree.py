@@ -199,7 +199,8 @@ class DraftTree:
     nodes: list[Node] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
     opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
-    widths: list[int] = field(default_factory=list)  # the nodes each draft forward read (the tail's forward: 1)
+    widths: list[int] = field(default_factory=list)  # the tokens each draft forward read (the tail's forward: the
+    # tail's tokens, its catch-up, the prompt counting as its last token alone; then the nodes each read)
 
     def children(self, index: int) -> list[int]:
         return self.roots if index < 0 else self.nodes[index].children
@@ -268,13 +269,14 @@ class TreeDrafter:
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
         self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
 
-    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
+    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
-        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot)."""
+        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot); `priced`, the
+        tail's tokens its first forward is priced on (the prefill left out)."""
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree(widths=[1])
+        tree = DraftTree(widths=[priced])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -503,8 +505,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         for row, request in active.items():
             before = request.draft.forwards[0]
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
-            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):],
-                                              min(rule.budget, room - 1))
+            tail = request.tokens[request.draft.length(0):]
+            trees[row] = request.drafter.grow(request.draft, tail, min(rule.budget, room - 1),
+                                              min(len(tail), len(request.generated) + 1))
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
