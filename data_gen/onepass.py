@@ -430,7 +430,7 @@ class Record:
         self.tokens: dict[str, torch.Tensor] = {name: torch.zeros(steps, rows, dtype=torch.long) for name in
                                                 ("target_ids", "draft_ids", "mixed_ids", *SIBLING_COLUMNS[: int(siblings)])}
         self.flags = torch.zeros(steps, rows, dtype=torch.bool)
-        names = ("logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS[1:] if siblings else ()))
+        names = ("logp", "logq", "accept", "beta", "entropy", "top1", "top2", *(SIBLING_COLUMNS[1:] if siblings else ()))
         self.values: dict[str, torch.Tensor] = {name: torch.zeros(steps, rows) for name in names}
         self.features: torch.Tensor | None = None
         self.steps = steps

@@ -187,7 +187,7 @@ def test_data_labelled_before_the_mixing_stream_is_told_apart(tiny_model, prompt
     args = tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")
     assert main(args) == 0
     manifest = read_manifest(out)
-    assert manifest["identity"]["labeller"] == LABELLER == 2
+    assert manifest["identity"]["labeller"] == LABELLER == 3
     old = {name: value for name, value in manifest["identity"].items() if name != "labeller"}
     (out / MANIFEST).write_text(json.dumps({**manifest, "identity": old, "fingerprint": fingerprint_of(old)}))
     capsys.readouterr()
