@@ -56,18 +56,26 @@ from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
 from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.model_outputs.signals import output_width, signal_log_probs, signal_statistics
+from specheads.model_outputs.signals import (
+    output_width,
+    second_probability,
+    signal_log_probs,
+    signal_statistics,
+    top_two_margin,
+)
 from specheads.plumbing.errors import UsageError
 
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
                       transform: SamplingTransform) -> dict[str, float]:
-    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q), and
-    `prob`, the candidate's probability under the signal transform, for the confidence rule."""
+    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q),
+    `prob`, the candidate's probability under the signal transform, for the confidence rule, and `margin`, the top-2
+    logit margin (`top_two_margin`)."""
     logq_signal = signal_log_probs(draft_logits, logq_all, transform)
     entropy, top1 = signal_statistics(logq_signal)
+    margin = top_two_margin(float(top1), float(second_probability(logq_signal)))
     return with_derived_signals({"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
-                                 "prob": math.exp(float(logq_signal[token]))})
+                                 "prob": math.exp(float(logq_signal[token])), "margin": margin})
 
 
 @torch.no_grad()
@@ -454,7 +462,8 @@ class RoundEngine:
                 this.logq_rows.append(candidate.logq_all)
                 seen = Drafted(index=len(this.candidates), prob=candidate.signals["prob"],
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
-                               ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"])
+                               ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"],
+                               margin=candidate.signals["margin"])
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]

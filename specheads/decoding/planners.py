@@ -162,6 +162,13 @@ class Signal:
         """a_j of a drafted candidate."""
         raise NotImplementedError
 
+    def acceptance_at(self, row: int, drafted: Drafted) -> float:
+        """a_j of a candidate `row` drafted (a signal that keeps each request's history reads the row's)."""
+        return self.acceptance(drafted)
+
+    def admit(self, row: int) -> None:
+        """A new request takes `row`."""
+
     def observe(self, rounds: Mapping[int, list[Drafted]], outcomes: Mapping[int, list[Outcome]]) -> None:
         """A round's drafted candidates per row, and the outcomes of those the target checked."""
 
@@ -327,6 +334,9 @@ class GoodputPlanner(PassivePlanner):
     survival: dict[int, float] = field(default_factory=dict)  # each drafting row's S so far
     rounds: dict[int, list[Drafted]] = field(default_factory=dict)  # this round's drafted candidates per row
 
+    def admit(self, row: int) -> None:
+        self.signal.admit(row)
+
     def round_cap(self, rows: int, cap: int) -> int:
         largest = cap if self.max_k is None else min(cap, self.max_k)
         self.expected += [SIGNAL_PRIOR ** (j + 1) for j in range(len(self.expected), largest)]
@@ -340,7 +350,7 @@ class GoodputPlanner(PassivePlanner):
     def stops(self, row: int, drafted: Drafted) -> bool:
         if not self.signal.ready:
             return False
-        acceptance = clean(self.signal.acceptance(drafted))
+        acceptance = clean(self.signal.acceptance_at(row, drafted))
         survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
         self.survival[row] = survival
         return not self.worth_drafting(survival, drafted.index, acceptance)
@@ -367,7 +377,8 @@ class GoodputPlanner(PassivePlanner):
 
     def round_survival(self) -> dict[int, list[float]]:
         """The survival products of this round's drafted candidates, per row."""
-        return {row: survival_products([self.signal.acceptance(d) for d in seen]) for row, seen in self.rounds.items()}
+        return {row: survival_products([self.signal.acceptance_at(row, d) for d in seen])
+                for row, seen in self.rounds.items()}
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
         drafted = [survival for survival in self.round_survival().values() if survival]
