@@ -12,22 +12,23 @@ from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInte
 from specheads.artifacts.report_file import REPORT_FILE
 from specheads.plumbing.errors import UsageError
 
-FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "transformers", "transformers_heuristic",
-                  "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
+FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
+                  "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 FIXED_TREES = ("tree_head", "tree_confidence")
 """The trees --fixed-thresholds may give a floor (one for every N of --tree-budgets)."""
 WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
 FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
                 "svip": NON_NEGATIVE,
-                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "transformers", "sv_companion",
-                                               "head", "sprinter", *FIXED_TREES)}}
+                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
+                                               "transformers", "sv_companion", "head", "sprinter", *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
-sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â)."""
+sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
 MEASURED = "measured"
 """--serving-costs' name for the cost curves measured on the decoding device."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
+               "vllm_current": "head_thresholds", "vllm_history": "head_thresholds", "pmin": "stop_shares",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
@@ -61,8 +62,8 @@ class EvalConfig:
         constant_ks: the constant-K baselines' draft lengths (default 1, 2, 3, 4, 6, 8 up to max_draft, and max_draft).
         head_thresholds: the stop head's thresholds to sweep (default 0.3, 0.5, 0.65, 0.8, 0.9).
         sprinter_thresholds: the SPRINTER verifier's thresholds to sweep (default 0.3, 0.5, 0.7, 0.85).
-        stop_shares: SVIP's, confidence's and AdaEDL's (starting λ) thresholds are the quantiles at which each
-            signal stops after these shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
+        stop_shares: SVIP's, confidence's, AdaEDL's (starting λ) and llama.cpp's p_min thresholds are the quantiles at
+            which each signal stops after these shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per
             generated token (estimated on the held-out tokens) at or below this.
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
@@ -87,7 +88,7 @@ class EvalConfig:
             the companion (on the embedded pair 22-23: the draft's size, another pair skipped): scored offline and,
             for a stop head, decoded as the `sv_companion` stop rule on the head's thresholds (its companion forwards
             counted as draft forwards); off unless given.
-        reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
+        reuse_runs: an earlier report folder whose constant-K, SVIP, confidence and p_min runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
         tuned_from: an earlier report of this head whose tuned thresholds are decoded, one per policy, with every
@@ -98,7 +99,9 @@ class EvalConfig:
             demo takes the values docs/results.md tuned on dev prompts, so that all its prompts report).
         serving_batch_policies: the batch policies decoded live in the serving table (`budget`, `smartspec`, and
             the goodput planner fed by the expected-acceptance head, D-Cut's top-1 product or vLLM's estimate:
-            `goodput`, `dcut`, `vllm_adaptive`).
+            `goodput`, `dcut`, `vllm_adaptive`; on request, the same planner fed vLLM's merged estimator, its margin
+            revision, each request's history or the expected-acceptance head calibrated while serving:
+            `vllm_current_adaptive`, `vllm_margin_adaptive`, `vllm_history_adaptive`, `goodput_online`).
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off. Counted forwards are the same either way.
@@ -142,7 +145,8 @@ class EvalConfig:
     reuse_runs: str | None = None
     tuned_from: str | None = None
     fixed_thresholds: dict[str, float] | None = None
-    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"]] = field(
+    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
+                                         "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online"]] = field(
         default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
     prompt_cache_mb: NonNegativeInt = 2048
     tree_budgets: list[PositiveInt] | None = None

@@ -10,7 +10,7 @@ import markdown
 from specheads.artifacts.report_file import Report, tuned_row
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
-from specheads.eval.offline import BASELINES, READS_DRAWN_TOKEN, SIGNAL_ORDER
+from specheads.eval.offline import BASELINES, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
 from specheads.plumbing.files import write_text_atomic
 from specheads.plumbing.text import count
@@ -56,7 +56,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                              + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
                                 else "."))
         lines += strongest_baseline_lines(result)
-        lines += cost_rule_lines(decoding, result)
+        lines += cost_rule_lines(decoding, result) + cost_rule_lines(decoding, result, "head_cost_online")
         if "oracle_speedup" in result:
             lines += oracle_lines(decoding, result)
     else:
@@ -97,14 +97,15 @@ def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[str]:
-    """The head's rule read from the costs (decoded at the stated c, tuned nowhere) against the head's tuned threshold
-    and the strongest free rule, recorded in `result` as `head_cost_speedup` and `head_cost_gain_vs_*`."""
-    row = tuned_row(decoding, "head_cost")
+def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any], rule: str = "head_cost") -> list[str]:
+    """The head's rule read from the costs (decoded at the stated c, tuned nowhere; `head_cost_online`: on the head
+    calibrated while serving) against the head's tuned threshold and the strongest free rule, recorded in `result` as
+    `<rule>_speedup` and `<rule>_gain_vs_*`."""
+    row = tuned_row(decoding, rule)
     if row is None:
         return []
-    intervals = decoding.get("head_cost_gain_intervals") or {}
-    result["head_cost_speedup"] = row["modelled_speedup"]
+    intervals = decoding.get(f"{rule}_gain_intervals") or {}
+    result[f"{rule}_speedup"] = row["modelled_speedup"]
     against = [("head", "the head's tuned threshold", result["modelled_speedup"])]
     strongest = result.get("strongest_baseline")
     if strongest:
@@ -112,10 +113,11 @@ def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[st
     parts = []
     for other, what, theirs in against:
         gain, ci = row["modelled_speedup"] / theirs - 1, intervals.get(other)
-        result[f"head_cost_gain_vs_{other}"], result[f"head_cost_gain_vs_{other}_ci"] = gain, ci
+        result[f"{rule}_gain_vs_{other}"], result[f"{rule}_gain_vs_{other}_ci"] = gain, ci
         parts.append(f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
                      + f" against {what}")
-    return [f"The head's rule read from the costs (c = {row['threshold']:g}, tuned nowhere) reaches "
+    which = "The head's rule read from the costs" + (", the head calibrated while serving," if rule != "head_cost" else "")
+    return [f"{which} (c = {row['threshold']:g}, tuned nowhere) reaches "
             f"{row['modelled_speedup']:.3f}× on the test prompts: " + "; ".join(parts) + "."]
 
 
@@ -201,7 +203,7 @@ def offline_table(report: Report) -> list[str]:
         m = report.offline.get(name)
         if m is None:  # a report of an older version, before this signal was scored
             continue
-        reads = head_reads if name == "head" else ("yes" if READS_DRAWN_TOKEN[name] else "no")
+        reads = head_reads if name in HEAD_SIGNALS else ("yes" if READS_DRAWN_TOKEN[name] else "no")
         lines.append(f"| {name} | {reads} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
                      f"| {fmt(m['brier'])} | {fmt(m['ece'])} | {interval_cell(m['binary_kl'], m['binary_kl_ci'])} |")
     return lines

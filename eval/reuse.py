@@ -18,7 +18,7 @@ from specheads.dataset.prompts import prompt_digest
 from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.plumbing.errors import UsageError
 
-HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
+HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence", "pmin")
 ACCOUNTING = "counted forwards; a run ends at its first stop token"
 """How runs count what they emitted (a context field): runs of another accounting are not mixed with these. Runs
 decoded before this field existed counted tokens after a stop token and a bonus token beyond max_new_tokens."""

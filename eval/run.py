@@ -85,6 +85,14 @@ MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
 BASELINE_POLICIES = tuple(BASELINES)
+COST_RULES = ("head_cost", "head_cost_online")
+"""The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
+and on the head calibrated while serving (`specheads.decoding.calibration`)."""
+FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
+                       "vllm_history_adaptive")
+"""The serving table's batch rules that read no head (their value is the largest K)."""
+HEAD_BATCH_POLICIES = {"goodput", "goodput_online"}
+"""The goodput planner fed the expected-acceptance head: as it was trained, or calibrated while serving."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 
@@ -260,10 +268,10 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
-        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
+        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
-    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere
-        settings.append(Setting("head_cost", config.cost_ratio))
+    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
+        settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
     trees, trees_left_out = tree_settings(
         config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
         tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
@@ -288,23 +296,27 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     test = aggregate(chains, "test", config.cost_ratio, costs["ratio"])
     tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
                                                                              config.sprinter_max_tv)
-    if any(s.policy == "head_cost" for s in settings):  # its one setting, at the stated c, whatever was tuned or given
-        tuned["head_cost"] = config.cost_ratio
+    for rule in COST_RULES:  # its one setting, at the stated c, whatever was tuned or given
+        if any(s.policy == rule for s in settings):
+            tuned[rule] = config.cost_ratio
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}
-    cost_rule = Setting("head_cost", config.cost_ratio)
-    cost_rule_intervals = {other: paired_gain_interval(records, cost_rule, Setting(other, tuned[other]), config.cost_ratio,
-                                                       config.bootstrap, config.seed)
-                           for other in (learned, *BASELINE_POLICIES) if "head_cost" in tuned and other in tuned}
+    cost_rule_intervals = {rule: {other: paired_gain_interval(records, Setting(rule, config.cost_ratio),
+                                                              Setting(other, tuned[other]), config.cost_ratio,
+                                                              config.bootstrap, config.seed)
+                                  for other in (learned, *COST_RULES, *BASELINE_POLICIES)
+                                  if rule in tuned and other in tuned and other != rule}
+                           for rule in COST_RULES}
     section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts),
                            "test": len({prompt_group(p.prompt_id) for p in prompts if p.split == "test"})},
                "samples_per_test_prompt": config.test_samples,
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
-               "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals, "policies": test,
+               "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals["head_cost"],
+               "head_cost_online_gain_intervals": cost_rule_intervals["head_cost_online"], "policies": test,
                "dev_policies": dev,
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
@@ -354,22 +366,23 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
                                   "per_batch_size": table.source == "roofline" and name in PRESET_NAMES}
     budget_head, left_out = expected_head(config, trained, device)
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
-    batch_policies = {policy: float(config.max_draft) for policy in ("smartspec", "dcut", "vllm_adaptive")
+    batch_policies = {policy: float(config.max_draft) for policy in FREE_BATCH_POLICIES
                       if policy in config.serving_batch_policies}
     if budget_head is not None and "budget" in config.serving_batch_policies:
         batch_policies["budget"] = config.budget_floor
-    if "goodput" in config.serving_batch_policies:  # the same planner as dcut's, fed the head's survival products
+    for policy in HEAD_BATCH_POLICIES & set(config.serving_batch_policies):  # dcut's planner, fed the head's products
         if budget_head is not None:
-            batch_policies["goodput"] = float(config.max_draft)
+            batch_policies[policy] = float(config.max_draft)
         elif "budget" in left_out:
-            left_out["goodput"] = left_out["budget"]
+            left_out[policy] = left_out["budget"]
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
     def live(policy: str, threshold: float, size: int, view: ServingCosts) -> list[RoundRecord]:
         log: list[RoundRecord] = []
         engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
                       config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
-                      budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
+                      budget_head if policy in {"budget", *HEAD_BATCH_POLICIES} else None, batch_size=size, costs=view,
+                      log=log)
         return log
 
     views = serving_views(sources, config.cost_ratio)
@@ -476,6 +489,9 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if table.margin_note:  # data labelled before gen stored `top2`
+        data_section["margin_note"] = table.margin_note
+        print(f"Note: {table.margin_note}.", flush=True)
     decoding = None
     if config.num_decode_prompts:
         skipped = (trained_on | {digest for split in data.splits for digest in data.prompt_digests(split)}

@@ -54,7 +54,10 @@ __all__ = ["CostCurve", "measure_cost_curve"]
 NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and lets the other drafted tokens pass "
                           "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices",
               "sv_companion": "its companion runs a forward beside each draft forward, which this model's round cost "
-                              "(draft steps and one target forward) does not price"}
+                              "(draft steps and one target forward) does not price",
+              "pmin": "a round p_min ends checks one candidate fewer than it drafted, and its runs record what was "
+                      "drafted, not what was checked, so a replay would price the dropped candidate in the target's "
+                      "forward"}
 
 LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
 """(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""

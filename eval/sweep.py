@@ -108,16 +108,19 @@ class RunRecord:
     # round (DecodeResult's); empty in reports from before chains recorded them
 
 
-def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
-                      shares: Iterable[float] | None = None) -> dict[str, list[float]]:
-    """SVIP, confidence and AdaEDL (its starting λ) thresholds at which each signal stops after about `shares`
-    (default STOP_SHARES) of drafted tokens."""
+def signal_thresholds(entropy: np.ndarray, prob: np.ndarray, shares: Iterable[float] | None = None,
+                      top1: np.ndarray | None = None) -> dict[str, list[float]]:
+    """SVIP, confidence, AdaEDL (its starting λ) and, given the draft's `top1`, llama.cpp's p_min thresholds at which
+    each signal stops after about `shares` (default STOP_SHARES) of drafted tokens."""
     shares = STOP_SHARES if shares is None else tuple(shares)
     root_entropy = np.sqrt(np.clip(entropy, 0, None))
     bound = 1.0 - np.sqrt(ADAEDL_GAMMA) * root_entropy
-    return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
+    grid = {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
             "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares],
             "adaedl": [round(float(np.quantile(bound, s)), 4) for s in shares]}
+    if top1 is not None:
+        grid["pmin"] = [round(float(np.quantile(top1, s)), 4) for s in shares]
+    return grid
 
 
 APPROXIMATE_POLICIES = ("sprinter",)
@@ -146,6 +149,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("adaedl", t) for t in signal_grid["adaedl"]]  # λ starts at SVIP's stop shares
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
+        settings += [Setting(policy, t) for policy in ("vllm_current", "vllm_history") for t in head_thresholds]
+        settings += [Setting("pmin", t) for t in signal_grid.get("pmin", ())]  # max q < p_min, at the stop shares
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         if companion:
             settings += [Setting("sv_companion", t) for t in head_thresholds]  # 1 − Π p̂_k > h, as the head's rule

@@ -435,7 +435,9 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     assert main(eval_args(checkpoint, data, out, "--sv-companion-skip-layers", "[1]")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion",
+                                       "vllm_current", "vllm_margin", "head_online", "head_online_margin",
                                        "beta_oracle", "label_ceiling", "constant"}
+    assert "margin_note" not in metrics["data"]  # gen stores `top2`: the top-2 margin is scored
     for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
         assert name in metrics["offline"]["head"]
     assert metrics["offline"]["adaedl"]["ece"] is not None  # AdaEDL's bound claims a probability: calibration scored
@@ -598,7 +600,7 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
     assert main(eval_args(head, data, second, "--reuse-runs", str(first))) == 0
     before = {(r["policy"], r["threshold"], r["prompt_id"]): r for r in json.loads((first / "runs.json").read_text())["runs"]}
     after = json.loads((second / "runs.json").read_text())
-    head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence")]
+    head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence", "pmin")]
     assert head_free and all(r["reused"] for r in head_free)
     for run in after["runs"]:
         earlier = before[(run["policy"], run["threshold"], run["prompt_id"])]
