@@ -133,15 +133,16 @@ def online_scores(features: np.ndarray, start: tuple[float, ...], label: np.ndar
     """An online logistic fit (`specheads.decoding.calibration.OnlineLogistic`: vLLM's merged estimator's fit, slopes
     and intercept from `start`) run causally along the held-out tokens in their order: each token is scored by the fit
     made from the tokens before it, then its outcome, a seeded Bernoulli draw of its soft label, is folded in; a step
-    is `OFFLINE_STEP_TOKENS` tokens. Offline tokens have no position in a round, so the fit has one intercept."""
+    is `OFFLINE_STEP_TOKENS` tokens (the fit changes only at a step's end, so a step's tokens are scored together).
+    Offline tokens have no position in a round, so the fit has one intercept."""
     fit = OnlineLogistic(1, start[:-1], start[-1])
     outcomes = np.random.default_rng(seed).uniform(size=len(label)) < label
     scores = np.empty(len(label))
-    for index, (row, accepted) in enumerate(zip(features.tolist(), outcomes.tolist())):
-        scores[index] = fit.predict(row, 1)
-        fit.fold(row, 1, accepted)
-        if (index + 1) % OFFLINE_STEP_TOKENS == 0:
-            fit.step()
+    for begin in range(0, len(label), OFFLINE_STEP_TOKENS):
+        step = slice(begin, begin + OFFLINE_STEP_TOKENS)
+        scores[step] = fit.predictions(features[step], np.zeros(len(features[step]), dtype=int))
+        fit.fold(features[step], [1] * len(features[step]), outcomes[step])
+        fit.step()
     return scores
 
 

@@ -116,7 +116,7 @@ def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any], rule: str 
         result[f"{rule}_gain_vs_{other}"], result[f"{rule}_gain_vs_{other}_ci"] = gain, ci
         parts.append(f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
                      + f" against {what}")
-    which = "The head's rule read from the costs" + (", the head calibrated while serving," if rule != "head_cost" else "")
+    which = "The head's rule read from the costs" + (" on the head calibrated while serving" if rule != "head_cost" else "")
     return [f"{which} (c = {row['threshold']:g}, tuned nowhere) reaches "
             f"{row['modelled_speedup']:.3f}× on the test prompts: " + "; ".join(parts) + "."]
 

@@ -84,8 +84,7 @@ def test_a_refit_is_the_joint_newton_step_with_the_intercepts_profiled_out():
 
     def folded(damping: float, slope: float = 0.5) -> OnlineLogistic:
         fit = OnlineLogistic(3, (slope,), -0.2, refit_every=1000, damping=damping)
-        for feature, position, accepted in samples:
-            fit.fold((feature,), position, accepted)
+        fit.fold([[f] for f, _, _ in samples], [k for _, k, _ in samples], [y for _, _, y in samples])
         return fit
 
     fit = folded(0.0)
@@ -108,8 +107,8 @@ def test_a_refit_is_the_joint_newton_step_with_the_intercepts_profiled_out():
     intercept_steps = (undamped.residual - undamped.coupling[:, 0] * slope_step) / (undamped.weight + 1e-3)
     assert damped.intercepts[:2] == pytest.approx(-0.2 + (intercept_steps * counts / (counts + 50))[:2], abs=1e-9)
     falling = OnlineLogistic(1, (0.1,), 0.0, damping=0.0)
-    for feature in np.linspace(-3, 3, 60):  # acceptance falls as the feature rises: the slope would turn negative
-        falling.fold((feature,), 1, bool(feature < 0))
+    features = np.linspace(-3, 3, 60)  # acceptance falls as the feature rises: the slope would turn negative
+    falling.fold(features[:, None], [1] * 60, features < 0)
     falling.refit()
     assert falling.slopes[0] == 0.1
 
@@ -146,6 +145,20 @@ def test_a_stop_rule_learns_from_the_positions_the_target_checked_only():
     assert signal.fit.slope_score[0] == pytest.approx(
         sum((y - signal.acceptance(d)) * drawn_logit(d.top1)
             for d, y in ((rounds[0][0], 1), (rounds[0][1], 0), (rounds[1][0], 1))))
+
+
+def test_audited_rounds_draft_full_width_so_trimmed_positions_are_still_observed():
+    """With `audit_every` 3 the head's calibration drafts every third round to the cap (the rule does not stop it),
+    and the candidates the rule would have cut are then checked and learnt from."""
+    signal = head_signal(3, audit_every=3)
+    planner = SignalStop(signal, 0.1)
+    stops = []
+    for _ in range(6):
+        stops.append(planner.stops(0, drafted(1, score=0.5)))
+        drafts = 1 if stops[-1] else 3  # a stopped round drafted one candidate; an audited one all three
+        planner.verify_lengths({0: [drafted(k, score=0.5) for k in range(1, drafts + 1)]})
+        planner.observe({0: [Outcome(k, 0.5, k < 3) for k in range(1, drafts + 1)]})
+    assert stops == [False, True, True, False, True, True] and signal.fit.counts.tolist() == [6, 2, 2]
 
 
 def test_the_history_source_counts_each_requests_reached_and_verified_positions():

@@ -84,6 +84,7 @@ MARGIN_REVISION_WARMUP = 3
 
 
 def sigmoid(value: float) -> float:
+    """σ(value), the argument clamped to ±40."""
     value = min(max(value, -LOGIT_CLAMP), LOGIT_CLAMP)
     return 1.0 / (1.0 + math.exp(-value))
 
@@ -120,25 +121,32 @@ class OnlineLogistic:
         """p_k of a candidate at 1-based `position` with `features`."""
         return sigmoid(float(self.slopes @ np.asarray(features, dtype=float)) + self.intercepts[self.slot(position)])
 
+    def predictions(self, features: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """p of each row of `features` [n, features] at its 0-based intercept `slots` [n]."""
+        return 1.0 / (1.0 + np.exp(-np.clip(features @ self.slopes + self.intercepts[slots], -LOGIT_CLAMP, LOGIT_CLAMP)))
+
     @property
     def full_width(self) -> bool:
         """Whether the coming round drafts to its cap and checks everything: during the warm-up, and every
         `audit_every`-th round."""
         return self.refits < self.warmup_refits or (self.audit_every > 0 and self.steps % self.audit_every == 0)
 
-    def fold(self, features: Sequence[float], position: int, accepted: bool) -> None:
-        """Add one graded draft to the window, at the prediction the current coefficients make (those it was drafted
-        under: they change only at a refit, which comes after a step's drafts are folded)."""
-        f = np.asarray(features, dtype=float)
-        k = self.slot(position)
-        p = self.predict(f, position)
-        w, r = p * (1.0 - p), float(accepted) - p
-        self.coupling[k] += w * f
-        self.weight[k] += w
-        self.residual[k] += r
-        self.counts[k] += 1
-        self.slope_block += w * np.outer(f, f)
-        self.slope_score += r * f
+    def fold(self, features: Sequence[Sequence[float]], positions: Sequence[int], accepted: Sequence[bool]) -> None:
+        """Add graded drafts (one row of `features` each, their 1-based `positions` and outcomes) to the window, each
+        at the prediction the current coefficients make (those it was drafted under: they change only at a refit,
+        which comes after a step's drafts are folded)."""
+        f = np.asarray(features, dtype=float).reshape(-1, len(self.slopes))
+        if not len(f):
+            return
+        k = np.minimum(np.maximum(np.asarray(positions), 1), self.positions) - 1
+        p = self.predictions(f, k)
+        w, r = p * (1.0 - p), np.asarray(accepted, dtype=float) - p
+        np.add.at(self.coupling, k, w[:, None] * f)
+        np.add.at(self.weight, k, w)
+        np.add.at(self.residual, k, r)
+        np.add.at(self.counts, k, 1.0)
+        self.slope_block += (f * w[:, None]).T @ f
+        self.slope_score += f.T @ r
 
     def step(self) -> None:
         """End a step (a round of the batch); every `refit_every` steps, refit."""
@@ -194,10 +202,9 @@ class EstimatorSignal(Signal):
         return self.fit.predict(self.feature(drafted), drafted.index)
 
     def observe(self, rounds: Mapping[int, list[Drafted]], outcomes: Mapping[int, list[Outcome]]) -> None:
-        for row, checked in outcomes.items():
-            seen = rounds.get(row, [])
-            for outcome in checked:
-                self.fit.fold(self.feature(seen[outcome.position - 1]), outcome.position, outcome.accepted)
+        graded = [(rounds[row][o.position - 1], o) for row, checked in outcomes.items() for o in checked]
+        self.fit.fold([self.feature(seen) for seen, _ in graded], [o.position for _, o in graded],
+                      [o.accepted for _, o in graded])
         self.fit.step()
 
 
