@@ -58,6 +58,7 @@ from typing import ClassVar
 import torch
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.companion import head_forward_cost
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.engine import (
@@ -66,6 +67,7 @@ from specheads.decoding.engine import (
     acceptance_batch,
     candidate_signals,
     check_decodable_head,
+    count_head,
     count_round,
 )
 from specheads.decoding.result import DecodeResult
@@ -200,6 +202,8 @@ class DraftTree:
     roots: list[int] = field(default_factory=list)
     opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
     widths: list[int] = field(default_factory=list)  # the nodes each draft forward read (the tail's forward: 1)
+    scored: list[int] = field(default_factory=list)  # the nodes a head scored after each draft forward (head values)
+    head_forwards: float = 0.0  # those scores in draft forwards, each at its head's cost (`head_forward_cost`)
 
     def children(self, index: int) -> list[int]:
         return self.roots if index < 0 else self.nodes[index].children
@@ -267,6 +271,7 @@ class TreeDrafter:
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
         self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
+        self.head_costs = {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
@@ -274,7 +279,7 @@ class TreeDrafter:
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree(widths=[1])
+        tree = DraftTree(widths=[1], scored=[0])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -337,6 +342,7 @@ class TreeDrafter:
         logits, states, slots = draft.feed_tree([tree.nodes[i].token for i in chosen],
                                                 [base + tree.nodes[i].depth - 1 for i in chosen], sees)
         tree.widths.append(len(chosen))
+        tree.scored.append(0)
         for row, (index, slot) in enumerate(zip(chosen, slots)):
             tree.nodes[index].draft_slot = slot
             opened[index] = self._open(logits[row], states[row], tree.nodes[index].value, sees[row])
@@ -358,6 +364,9 @@ class TreeDrafter:
             logq = signal_log_probs(at.logits, logq, self.transform)  # so its signals read the untempered draft
         signals = candidate_signals(at.logits, logq, token, self.transform)
         score = self._score(at, signals, token, depth, len(siblings) + 1)
+        if self.head is not None:  # one head forward over this child, counted after the draft's latest forward
+            tree.scored[-1] += 1
+            tree.head_forwards += self.head_costs[id(self._scorer(len(siblings) + 1))]
         score = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
         if self.costs is not None:
             self.costs.scored(len(siblings) + 1, score)
@@ -371,7 +380,7 @@ class TreeDrafter:
         chance it is the target's token once they were not), so that a node's value is Π q along its path,
         EAGLE-2's value."""
         if self.head is not None:
-            head = self.sibling_head if place > 1 and self.sibling_head is not None else self.head
+            head = self._scorer(place)
             return acceptance_batch(head, [at.state], [signals], [self.engine.candidate_embedding(head, token)],
                                     [depth])[0]
         if not self.fixed:
@@ -379,6 +388,11 @@ class TreeDrafter:
         score = signals["prob"] / max(1.0 - at.taken, 1e-9)
         at.taken += signals["prob"]
         return score
+
+    def _scorer(self, place: int) -> AcceptanceHead:
+        """The head that scores a child at `place` among its siblings: the sibling head for a later sibling when there
+        is one, else the head."""
+        return self.sibling_head if place > 1 and self.sibling_head is not None else self.head
 
 
 def verify_trees(engine: RoundEngine, target: BatchCache, rounds: dict[int, tuple[list[int], DraftTree, torch.Generator]],
@@ -456,10 +470,11 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
     one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
     tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
     `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
-    once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
-    the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
-    a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer). `sibling_head`, a
-    head trained on second children, scores a head-valued tree's later siblings (module docstring)."""
+    once; `head_scored`: every node a head valued, one head forward each). `checked`, when given, receives (its place
+    among its siblings, 1-based; its score; accepted) for every node the target checked. `stop_check(request,
+    generated)` ends a request after the first token at which it holds, as a stop token does; `on_emit(request,
+    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children, scores a
+    head-valued tree's later siblings (module docstring)."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
@@ -529,6 +544,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             request.draft.trim()
             count_round(request.result, len(tree.nodes), standing, called=True)
             request.result.draft_widths_per_round.append(list(tree.widths))
+            if head is not None:
+                count_head(request.result, tree.scored, tree.head_forwards, called=True)
             if request.drafter.costs is not None:
                 request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes))
             request.tokens += emitted
