@@ -54,7 +54,8 @@ class EvalConfig:
             enough to fill B = 256 from 160 prompts. The paired intervals resample prompts with all their samples.
         max_new_tokens: tokens generated per decoding run.
         max_draft: cap on a round's candidates (K_max) for the adaptive policies and the oracle.
-        cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B).
+        cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B); a head's forwards
+            are charged beside it at the head's weights over the draft's (the report states both).
         bootstrap: resamples of the prompts for the confidence intervals.
         seed: seed of the Bernoulli draws, the bootstrap and the decoding runs.
         allow_other_data: evaluate data made with the head's models and sampling but other prompts or seeds.

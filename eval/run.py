@@ -16,9 +16,9 @@ from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
 from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.companion import Companion, forward_cost
+from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
-from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
@@ -45,7 +45,7 @@ from specheads.eval.plots import (
 )
 from specheads.eval.report import verdict, write_report
 from specheads.eval.reuse import companion_context, decoding_context, load_reusable
-from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
+from specheads.eval.serving import NOT_SERVED, PLANNED_BY_HEAD, best_per_batch_size, serving_table, serving_views
 from specheads.eval.sweep import (
     COUNTED,
     SAMPLE_SUFFIX,
@@ -251,6 +251,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     if companion is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion.cost)
+    head_cost = head_forward_cost(trained.head, pair.draft)  # the head's forwards are counted at it
+    context["head_forward_cost"] = round(head_cost, 6)
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"  # the evaluated head's own rule
     tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from
@@ -299,7 +301,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     cost_rule_intervals = {other: paired_gain_interval(records, cost_rule, Setting(other, tuned[other]), config.cost_ratio,
                                                        config.bootstrap, config.seed)
                            for other in (learned, *BASELINE_POLICIES) if "head_cost" in tuned and other in tuned}
-    section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
+    section = {"t_draft_over_t_target": config.cost_ratio, "head_forward_cost": head_cost, "speedup_from": COUNTED,
+               "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts),
                            "test": len({prompt_group(p.prompt_id) for p in prompts if p.split == "test"})},
                "samples_per_test_prompt": config.test_samples,
@@ -338,21 +341,26 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
     """Each policy at its tuned threshold, and the batch policies (the verify budget, SmartSpec's K), serving
     `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
     `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target."""
-    sources, curves = [], {}
+    budget_head, left_out = expected_head(config, trained, device)
+    heads = {"evaluated": trained.head, **({"budget": budget_head} if budget_head is not None else {})}
+    sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
     for name in config.serving_cost_sources:
         if name == MEASURED:
             measured = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
             sources.append((MEASURED, lambda size, measured=measured: measured, True))
+            measured_heads[MEASURED] = {head.weights_digest(): measure_head_curve(head) for head in heads.values()}
             curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
                                 "source": f"measured on {device_name(device)}", "modelled": False}
         else:
             table = read_cost_table(name, "--serving-costs")
             view = table.view if table.view not in curves else f"{table.view} ({name})"
             sources.append((view, table.at_batch_size, table.source != "roofline"))
+            measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
             curves[view] = {"draft": table.costs.draft.as_dict(), "target": table.costs.target.as_dict(),
                                   "source": table.describe(), "modelled": table.modelled,
                                   "per_batch_size": table.source == "roofline" and name in PRESET_NAMES}
-    budget_head, left_out = expected_head(config, trained, device)
+    for view, timed in measured_heads.items():
+        curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
     batch_policies = {policy: float(config.max_draft) for policy in ("smartspec", "dcut", "vllm_adaptive")
                       if policy in config.serving_batch_policies}
@@ -369,16 +377,22 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         log: list[RoundRecord] = []
         engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
                       config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
-                      budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
+                      budget_head if policy in PLANNED_BY_HEAD else None, batch_size=size, costs=view, log=log)
         return log
 
     views = serving_views(sources, config.cost_ratio)
+    digest_of = {policy: heads["budget" if policy in PLANNED_BY_HEAD else "evaluated"].weights_digest()
+                 for policy in (*tuned, *batch_policies) if policy not in PLANNED_BY_HEAD or "budget" in heads}
+    head_curves = {(policy, view): timed[digest] for view, timed in measured_heads.items()
+                   for policy, digest in digest_of.items() if digest in timed}
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
-                         resamples=config.bootstrap, seed=config.seed, queue=[p.prompt_id for _, p in test])
+                         resamples=config.bootstrap, seed=config.seed, queue=[p.prompt_id for _, p in test],
+                         head_curves=head_curves)
     left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
     return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views), "requests": len(test),
             "samples_per_test_prompt": config.test_samples,
             "cost_curves": curves, "scaled_draft_ratio": config.cost_ratio,
+            "head_forward_costs": {role: head_forward_cost(head, pair.draft) for role, head in heads.items()},
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),
                        "weights_digest": None if budget_head is None else budget_head.weights_digest()},

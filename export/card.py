@@ -41,6 +41,7 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
              "modelled_speedup_constant_k": "modelled speedup of the best constant K",
              "strongest_baseline_speedup": "modelled speedup of the strongest free rule",
              "gain_vs_strongest_baseline": "head's gain over the strongest free rule", "t_draft_over_t_target": "t_draft/t_target",
+             "head_forward_cost": "a head forward, in draft forwards (counted in every speedup)",
              "tokens": "evaluated tokens"}
     rows = ["| metric | value |", "|---|---|"]
     for key, label in names.items():

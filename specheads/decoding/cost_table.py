@@ -10,7 +10,9 @@ what describes it: `source` (`measured` or `roofline`), `modelled`, `context`, t
 repeats, and `curves`, one entry per context measured or modelled (the first is the top-level pair). A token count n
 is the tokens of one forward, each a row of the batch with its own `context` cached tokens (n rows of one new token:
 what `measure_cost_curve` times); a roofline table made for a batch size B counts min(n, B) rows instead
-(docs/decoding-core.md, "Cost curves: profiled and roofline").
+(docs/decoding-core.md, "Cost curves: profiled and roofline"). A measured table may also hold `head`, an acceptance
+head's forward time against the tokens it scores (`measure_head_curve`, `specheads profile --head`), with the head's
+weights digest under `models.head`, so that eval prices that head's forwards with it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any
 import torch
 
 from specheads import __version__
-from specheads.decoding.costs import CURVE_TOKENS, CostCurve, ServingCosts, measure_cost_curve
+from specheads.decoding.companion import head_forward_cost
+from specheads.decoding.costs import CURVE_TOKENS, CostCurve, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
@@ -210,9 +213,12 @@ def model_facts(name: str, model: torch.nn.Module) -> dict[str, Any]:
 
 
 def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.nn.Module], contexts: list[int],
-                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> dict[str, Any]:
+                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3,
+                   head: tuple[str, Any] | None = None) -> dict[str, Any]:
     """Each model's forward time on its device against the tokens in the forward (`measure_cost_curve`: the median of
-    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model)."""
+    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model). With
+    `head` (name, acceptance head), the head's forward time against the tokens it scores too (`measure_head_curve`, on
+    the draft's device: it reads no cache, so one curve serves every context)."""
     models = {"draft": draft, "target": target}
     for _, model in models.values():  # first forwards allocate and pick kernels: not timed
         measure_cost_curve(model, contexts[0], (tokens[0], tokens[-1]), repeats=1)
@@ -220,7 +226,14 @@ def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.
                                            for role, (_, model) in models.items()}} for context in contexts]
     device = next(target[1].parameters()).device
     facts = {role: model_facts(name, model) for role, (name, model) in models.items()}
-    return {**table_header("measured", curves, MEASURED_ROWS, None), "device": device_description(device),
+    timed_head = {}
+    if head is not None:
+        name, module = head
+        module.to(next(draft[1].parameters()).device).eval()
+        timed_head = {"head": measure_head_curve(module, tokens, repeats).as_dict()}
+        facts["head"] = {"name": name, "head_type": module.head_type, "parameters": module.num_parameters(),
+                         "weights_digest": module.weights_digest(), "forward_cost": head_forward_cost(module, draft[1])}
+    return {**table_header("measured", curves, MEASURED_ROWS, None), **timed_head, "device": device_description(device),
             "dtype": facts["target"]["dtype"], "models": facts, "repeats": repeats, "statistic": "median of the repeats"}
 
 
@@ -251,6 +264,14 @@ class CostTable:
     modelled: bool
     context: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head_digest(self) -> str | None:
+        """The weights digest of the head whose curve the table holds (None: no head curve)."""
+        if self.costs.head is None:
+            return None
+        head = (self.fields.get("models") or {}).get("head")
+        return head.get("weights_digest") if isinstance(head, dict) else None
 
     def describe(self) -> str:
         """Where the curves come from, in words, marked as modelled where they are."""
@@ -315,6 +336,8 @@ def check_table(table: Any, where: str) -> None:
         if role not in table:
             raise UsageError(f"{where}: has no `{role}` curve; {TABLE_FIX}")
         check_curve(table[role], role, where)
+    if table.get("head") is not None:
+        check_curve(table["head"], "head", where)
     if "modelled" in table and not isinstance(table["modelled"], bool):
         raise UsageError(f"{where}: `modelled` is {table['modelled']!r}, not true or false; {TABLE_FIX}")
     curves = table.get("curves", [])
@@ -345,7 +368,8 @@ def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
         except (OSError, UnicodeDecodeError, ValueError) as error:
             raise UsageError(f"{where}: not readable JSON ({str(error).splitlines()[0]}); {TABLE_FIX}") from None
         check_table(table, where)
-    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]))
+    head = CostCurve.from_dict(table["head"]) if table.get("head") is not None else None
+    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]), head)
     source_kind = table.get("source") if table.get("source") in ("measured", "roofline") else "given"
     return CostTable(source, costs, source_kind, bool(table.get("modelled", source_kind == "roofline")),
-                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "curves")})
+                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "head", "curves")})
