@@ -73,6 +73,7 @@ from specheads.eval.sweep import (
 from specheads.eval.tuned import given_tuning, load_tuning
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_rule_head_refusal
+from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
 from specheads.pair.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
@@ -394,10 +395,7 @@ def expected_head(config: EvalConfig, trained: TrainedHead, device: torch.device
         return None, {"budget": "no expected-acceptance head to plan with: give --budget-head (a head trained with "
                                 "configs/train/expected-acceptance.yaml)"}
     other = load_trained(config.budget_head)
-    other.refuse_second_children("plan a verify budget")
-    if other.purpose != "expect":
-        raise UsageError(f"--budget-head {config.budget_head} holds a {other.head.head_type} head; the verify budget "
-                         "needs an expected_acceptance head (it must decide before the draw to stay exact)")
+    other.check_role((EXPECTED_ACCEPTANCE,), "--budget-head")  # it must decide before the draw to stay exact
     if other.draft != trained.draft or other.sampling != trained.sampling:
         raise UsageError(f"--budget-head {config.budget_head} was trained for draft {other.draft!r} with sampling "
                          f"{other.sampling}, not the evaluated head's {trained.draft!r} with {trained.sampling}; "
@@ -439,7 +437,7 @@ def evaluate(config: EvalConfig) -> Report:
         raise UsageError(f"{config.data} holds no finished labelled dataset (no complete manifest.json); "
                          f"run `specheads gen --out {config.data}` first")
     trained = load_trained(config.head)
-    trained.refuse_second_children("be evaluated as a chain rule's head")
+    trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads eval --head")
     check_data(trained, manifest, config.data, config.allow_other_data)
     with folder_lock(Path(config.out), "eval"):
         try:

@@ -26,10 +26,11 @@ that reads a drawn token decides only its descendants and later siblings, never 
 the budget's trap (ranking drawn tokens by a score that read them) is not open here.
 
 **Sibling-aware values** (`decode_tree(..., sibling_head=)`): a head trained on a tree's second children
-(`data.children: second`, docs/method.md "Sibling-aware values") scores every later sibling, the chain head the first
-children. The later sibling is checked against the residual p₂ = norm(max(0, p − q)), where the chain label
-overstates it; its score sets the reach past it and its value. It reads the sibling's own token, as the chain head
-reads a first child's: a score decides only descendants and later siblings, so exactness is as above.
+(`data.children: second`, docs/method.md "Sibling-aware values") scores the second children, the chain head the first
+children and, as without a sibling head, the third and later ones (no data labels those). The second child is checked
+against the residual p₂ = norm(max(0, p − q)), where the chain label overstates it; its score sets the reach past it
+and its value. It reads the sibling's own token, as the chain head reads a first child's: a score decides only
+descendants and later siblings, so exactness is as above.
 
 With `width` 1 the tree is the chain: the slot rule is SpecDec++'s stop rule (draft on while Π â ≥ floor = 1 − h),
 and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` decodes.
@@ -71,6 +72,7 @@ from specheads.decoding.engine import (
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
+from specheads.heads.roles import CHAIN_HEADS, SIBLING, check_role
 from specheads.model_outputs.signals import signal_log_probs
 from specheads.plumbing.errors import UsageError
 
@@ -137,12 +139,15 @@ class TreeRule:
     def check_head(self, head: AcceptanceHead | None, sibling_head: AcceptanceHead | None = None) -> None:
         """Refuse a head the tree cannot score children with, and a sibling head it cannot use beside it."""
         if sibling_head is not None and not self.reads_head:
-            raise UsageError("a sibling head scores a head-valued tree's later siblings; give the tree values: head "
+            raise UsageError("a sibling head scores a head-valued tree's second children; give the tree values: head "
                              "(and the chain head), or drop sibling_head")
         if not self.reads_head:
             return
         if head is None:
             raise UsageError("a tree with head values needs an acceptance head")
+        check_role(head, CHAIN_HEADS, "a head-valued tree's head=")
+        if sibling_head is not None:
+            check_role(sibling_head, (SIBLING,), "decode_tree's sibling_head=")
         for name, scorer in (("head", head), ("sibling head", sibling_head)):
             refusal = None if scorer is None else child_values_refusal(scorer)
             if refusal:
@@ -264,7 +269,7 @@ class TreeDrafter:
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator,
                  sibling_head: AcceptanceHead | None = None):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
-        self.sibling_head = sibling_head  # scores the later siblings when given (module docstring)
+        self.sibling_head = sibling_head  # scores the second children when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
         self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
@@ -368,12 +373,12 @@ class TreeDrafter:
         at.reach *= 1.0 - score
 
     def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int, place: int) -> float:
-        """The child's score: the head's â (the sibling head's for a later sibling, `place` > 1, when there is one),
-        or its draft confidence; for a fixed child, its confidence over the mass the earlier siblings left (the
-        chance it is the target's token once they were not), so that a node's value is Π q along its path,
-        EAGLE-2's value."""
+        """The child's score: the head's â (the sibling head's for a second child, `place` 2, when there is one: it
+        was trained on second children only), or its draft confidence; for a fixed child, its confidence over the mass
+        the earlier siblings left (the chance it is the target's token once they were not), so that a node's value is
+        Π q along its path, EAGLE-2's value."""
         if self.head is not None:
-            head = self.sibling_head if place > 1 and self.sibling_head is not None else self.head
+            head = self.sibling_head if place == 2 and self.sibling_head is not None else self.head
             return acceptance_batch(head, [at.state], [signals], [self.engine.candidate_embedding(head, token)],
                                     [depth])[0]
         if not self.fixed:
@@ -461,7 +466,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
     once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
     the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
     a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer). `sibling_head`, a
-    head trained on second children, scores a head-valued tree's later siblings (module docstring)."""
+    head trained on second children (role `sibling`), scores a head-valued tree's second children (module docstring);
+    `head` must be a chain stop or expected-acceptance head (`specheads.heads.roles`)."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
