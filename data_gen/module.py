@@ -36,7 +36,8 @@ class LabellingModule(L.LightningModule):
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
                  transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
                  state_layer: int | None, run: str, storage: FeatureStorage = DEFAULT_STORAGE,
-                 engine: BuiltinEngine | None = None, target_states: bool = False, siblings: bool = False):
+                 engine: BuiltinEngine | None = None, target_states: bool = False, siblings: bool = False,
+                 threads: int | None = None):
         super().__init__()
         # Out of the module tree: Lightning would move (and under DDP broadcast) registered models whole, undoing a
         # target spread over the rank's GPUs. load_pair has put both on this rank's devices (data_gen.placement).
@@ -54,6 +55,7 @@ class LabellingModule(L.LightningModule):
         self.storage = storage
         self.target_states = target_states
         self.siblings = siblings
+        self.threads = threads  # torch threads this rank labels with (None: as they are)
         self.engine = engine or BuiltinEngine(tokenizer, transform, max_new_tokens, seed)  # responses not imported
         self._labellers: dict[str, OnePass | None] = {}
 
@@ -66,6 +68,11 @@ class LabellingModule(L.LightningModule):
     def draft(self) -> Any:
         """The draft model, where load_pair placed it."""
         return self._models["draft"]
+
+    def on_predict_start(self) -> None:
+        """Set this rank's torch threads: here, after Lightning's launcher has set its own (cores / ranks)."""
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
 
     def predict_dataloader(self) -> DataLoader:
         """This rank's shards: every world_size-th one, starting at its global rank. A rank left without a shard
