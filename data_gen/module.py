@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
-from specheads.data_gen.onepass import OnePass, derived_layout
+from specheads.data_gen.onepass import OnePass, ProbeFailed, derived_layout
 from specheads.data_gen.plan import Shard
 from specheads.dataset.shards import shard_problem
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
@@ -91,11 +91,17 @@ class LabellingModule(L.LightningModule):
             options = self.engine.options
             fits = (self.device.type == "cpu" and options.cache == "dynamic" and not options.compile
                     and not self.target_states)
-            labeller = OnePass.build(self.target, self.draft, self.state_layer, self.store_features) if fits else None
-            if fits and labeller is None and self.global_rank == 0 and derived_layout(self.target, self.draft, None):
-                print(f"specheads gen: the one-pass labeller cannot run {type(self.target).__name__} (its attention or "
-                      "its forward differs from what the pass computes); labelling with generate and teacher-forced "
-                      "forwards instead (slower)", file=sys.stderr)
+            labeller, why = None, None
+            if fits:
+                try:
+                    labeller = OnePass.build(self.target, self.draft, self.state_layer, self.store_features)
+                except ProbeFailed as failure:
+                    why = str(failure)
+                if labeller is None and why is None and derived_layout(self.target, self.draft, None):
+                    why = "its attention is not one the pass computes"
+            if why and self.global_rank == 0:
+                print(f"specheads gen: the one-pass labeller cannot run {type(self.target).__name__} ({why}); "
+                      "labelling with generate and teacher-forced forwards instead (slower)", file=sys.stderr)
             self._labellers["one_pass"] = labeller
         return self._labellers["one_pass"]
 

@@ -1,5 +1,6 @@
 """gen's rows and what they depend on (issue 60): the same config gives the same rows whatever torch's thread count
-was when gen started; the fingerprint records the arithmetic, and data labelled under another is not resumed into."""
+was when gen started; the fingerprint records the arithmetic, and data labelled under another is not resumed into;
+the one-pass labeller's probe falls back, saying why, on whatever a model's layers raise."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 import numpy as np
 import torch
 from conftest import tiny_args
+from transformers.models.llama import modeling_llama
 
+import specheads.data_gen.module as module
 from specheads.cli import main
+from specheads.data_gen.onepass import LayerCache
 from specheads.data_gen.run import fingerprint_of
 from specheads.dataset.store import MANIFEST, load_labelled, read_manifest
 
@@ -81,3 +85,30 @@ def test_data_labelled_under_other_arithmetic_is_not_resumed_into(tiny_model, pr
     assert main([*args, "--threads", "2"]) == 0  # the same arithmetic: finished, kept as it is
     assert read_manifest(out)["identity"]["arithmetic"]["threads"] == 2
 
+
+def test_whatever_the_probe_raises_gen_falls_back_and_says_why(tiny_model, prompts_file, tmp_path, monkeypatch, capsys):
+    """A family whose attention asks its cache for what the pass does not give (here a KeyError, once one of five
+    exception types the probe caught, the rest escaping as a crash): gen labels with `generate` and the teacher-forced
+    forwards instead, naming the error, and the rows are those of the one-pass labeller."""
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    assert main(tiny_args(tiny_model, prompts_file, fast, "--num-prompts", "2")) == 0
+    plain = modeling_llama.LlamaAttention.forward
+
+    def picky(self, *args, **kwargs):
+        if any(isinstance(value, LayerCache) for value in (*args, *kwargs.values())):
+            raise KeyError("cache_position")
+        return plain(self, *args, **kwargs)
+
+    ran, label_batch = [], module.label_batch
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", picky)
+    monkeypatch.setattr(module, "label_batch", lambda *args, **kwargs: ran.append(1) or label_batch(*args, **kwargs))
+    capsys.readouterr()
+    assert main(tiny_args(tiny_model, prompts_file, slow, "--num-prompts", "2")) == 0
+    assert ("the one-pass labeller cannot run LlamaForCausalLM (its layers raised KeyError: 'cache_position')"
+            in capsys.readouterr().err)
+    assert ran
+    a, b = rows(fast), rows(slow)
+    assert sorted(a) == sorted(b)
+    for key, row in a.items():
+        assert np.array_equal(row["target_ids"], b[key]["target_ids"]) and np.array_equal(row["is_draft"], b[key]["is_draft"])
+        assert np.allclose(row["logp"], b[key]["logp"], atol=1e-5)
