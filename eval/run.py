@@ -18,7 +18,7 @@ from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
-from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.costs import ServingCosts, measure_cost_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
@@ -45,7 +45,7 @@ from specheads.eval.plots import (
 )
 from specheads.eval.report import verdict, write_report
 from specheads.eval.reuse import companion_context, decoding_context, load_reusable
-from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
+from specheads.eval.serving import NOT_SERVED, LiveRun, best_per_batch_size, decode_live, serving_table, serving_views
 from specheads.eval.sweep import (
     COUNTED,
     SAMPLE_SUFFIX,
@@ -366,12 +366,10 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             left_out["goodput"] = left_out["budget"]
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
-    def live(policy: str, threshold: float, size: int, view: ServingCosts) -> list[RoundRecord]:
-        log: list[RoundRecord] = []
-        engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
-                      config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
-                      budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
-        return log
+    def live(policy: str, threshold: float, size: int, view: ServingCosts) -> LiveRun:
+        return decode_live(engine, [list(p.ids) for _, p in test], [config.seed * 1_000_003 + number for number, _ in test],
+                           make_policy(policy, threshold, config.max_draft), config.max_new_tokens, size, view,
+                           budget_head if policy in ("budget", "goodput") else None)
 
     views = serving_views(sources, config.cost_ratio)
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,

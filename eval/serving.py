@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,8 +57,36 @@ NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and l
               "sv_companion": "its companion runs a forward beside each draft forward, which this model's round cost "
                               "(draft steps and one target forward) does not price"}
 
-LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
-"""(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""
+@dataclass
+class LiveRun:
+    """A batch policy's decode of the test prompts: its rounds, and how many of them its planner spent warming up
+    (a signal still fitting itself drafts to the cap and checks every candidate: vLLM's adaptive verification until
+    its third refit, one every 100 rounds)."""
+
+    rounds: list[RoundRecord]
+    warmup_rounds: int = 0
+
+
+LiveDecode = Callable[[str, float, int, ServingCosts], LiveRun]
+"""(policy, threshold, batch size, costs) -> the test prompts decoded live at that batch size."""
+
+
+def decode_live(engine: Any, prompts: list[list[int]], seeds: list[int], rule: Any, max_new_tokens: int, batch_size: int,
+                costs: ServingCosts, head: Any = None) -> LiveRun:
+    """`prompts` decoded by the round engine under the batch `rule`, `batch_size` at a time (continuous batching),
+    its planner planning on `costs`: the rounds, and how many of them the planner spent warming up."""
+    log: list[RoundRecord] = []
+    planner = rule.planner(costs)
+    engine.decode(prompts, rule, max_new_tokens, seeds, head, batch_size=batch_size, costs=costs, log=log, planner=planner)
+    return LiveRun(log, getattr(planner, "warmup_rounds", 0))
+
+
+def warmup_record(run: LiveRun) -> dict[str, int] | None:
+    """A live row's record of its planner's warm-up: its rounds and how many came after the warm-up (None for a
+    planner that needs none)."""
+    if not run.warmup_rounds:
+        return None
+    return {"rounds": len(run.rounds), "past_warmup": len(run.rounds) - run.warmup_rounds}
 
 
 def request_rounds(record: Any) -> list[tuple[int, int, list[int]]]:
@@ -166,8 +195,8 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
-                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live",
-                                      queue))
+                row = table_row(policy, threshold, size, view, served_throughput(decoded[key].rounds, costs), "live", queue)
+                rows.append({**row, "warmup": warmup_record(decoded[key])} if decoded[key].warmup_rounds else row)
     compare(rows, resamples, seed)
     return rows
 
@@ -206,7 +235,8 @@ def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
                                                                    seed) if rival else None)
             row["vs_live"] = {other["policy"]: {
                 "change": row["tokens_per_s"] / other["tokens_per_s"] - 1,
-                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed)}
+                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed),
+                **({"warmup": other["warmup"]} if "warmup" in other else {})}
                 for other in same.values() if other["decoded"] == "live" and other is not row}
     for row in rows:
         row.pop("per_request")

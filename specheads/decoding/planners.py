@@ -326,6 +326,7 @@ class GoodputPlanner(PassivePlanner):
     rows: int = 0  # this round's rows
     survival: dict[int, float] = field(default_factory=dict)  # each drafting row's S so far
     rounds: dict[int, list[Drafted]] = field(default_factory=dict)  # this round's drafted candidates per row
+    warmup_rounds: int = 0  # rounds planned while the signal was still fitting (drafted to the cap, all checked)
 
     def round_cap(self, rows: int, cap: int) -> int:
         largest = cap if self.max_k is None else min(cap, self.max_k)
@@ -335,6 +336,7 @@ class GoodputPlanner(PassivePlanner):
             self.k, self.rate = plan_round(self.expected, rows, largest, self.costs)
         else:  # a signal still fitting: draft to the cap and check everything
             self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs)
+            self.warmup_rounds += 1
         return self.k
 
     def stops(self, row: int, drafted: Drafted) -> bool:
