@@ -16,10 +16,10 @@ def test_profile_measures_the_tiny_pair_and_its_table_prices_eval_serving(traine
     data, root = trained
     costs = tmp_path / "costs.json"
     assert main(["profile", "--target.path", str(tiny_model), "--draft.skip-layers", "[2]", "--device", "cpu",
-                 "--contexts", "[8, 24]", "--tokens", "[4, 1, 2]", "--repeats", "1", "--out", str(costs)]) == 0
+                 "--contexts", "[8, 24]", "--tokens", "[4, 1, 2, 16]", "--repeats", "1", "--out", str(costs)]) == 0
     table = json.loads(costs.read_text())
     assert (table["source"], table["modelled"], table["context"], table["repeats"]) == ("measured", False, 8, 1)
-    assert [(entry["context"], entry["draft"]["tokens"]) for entry in table["curves"]] == [(8, [1, 2, 4]), (24, [1, 2, 4])]
+    assert [(entry["context"], entry["draft"]["tokens"]) for entry in table["curves"]] == [(8, [1, 2, 4, 16]), (24, [1, 2, 4, 16])]
     assert (table["draft"], table["target"]) == (table["curves"][0]["draft"], table["curves"][0]["target"])
     assert table["device"].startswith("CPU") and table["dtype"] == "float32"
     assert (table["models"]["target"]["layers"], table["models"]["draft"]["layers"]) == (4, 3)  # the draft skips one
@@ -28,7 +28,7 @@ def test_profile_measures_the_tiny_pair_and_its_table_prices_eval_serving(traine
     common = ["eval", "--head", str(root / "specdecpp" / "checkpoints" / "last.ckpt"), "--data", str(data),
               "--num-decode-prompts", "6", "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]",
               "--head-thresholds", "[0.5]", "--stop-shares", "[0.5]", "--bootstrap", "5", "--progress", "false",
-              "--serving-batch-sizes", "[1, 3]"]
+              "--serving-batch-sizes", "[1, 3]", "--test-samples", "3"]  # 3 requests fill B = 3: 12 tokens, within 16
     out = tmp_path / "report"
     assert main([*common, "--out", str(out), "--serving-costs", str(costs)]) == 0
     serving = json.loads((out / "metrics.json").read_text())["decoding"]["serving"]
