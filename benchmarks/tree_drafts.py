@@ -4,7 +4,7 @@ and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, va
 run with growth read from the costs (`TreeRule(cost_ratio=c)`, floor 0, nothing tuned; docs/method.md "Trees whose
 growth weighs their costs"): `tree_head_cost` against `tree_confidence_cost` is the same growth rule with two value
 sources. With `--sibling_head` (a head trained on second children, configs/train/sibling-ontime.yaml) the cost-grown
-head tree also runs with it scoring the later siblings (`tree_sibling_cost`, sibling-aware values).
+head tree also runs with it scoring the second children (`tree_sibling_cost`, sibling-aware values).
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):

@@ -20,7 +20,16 @@ from specheads.decoding.costs import CURVE_TOKENS
 from specheads.pair.models import ModelSpec
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import check_output_folder
+from specheads.plumbing.files import check_output_file
+
+MAX_TOKENS = 65_536
+"""The most tokens a profiled forward may hold (and requests a preset's batch): 256 requests of 256 candidates."""
+PRESET_CONTEXT = 131_072
+"""Positions the presets' models hold (Llama-3.1 and 3.2: 128K)."""
+MAX_CONTEXT = 1_048_576
+"""The most cached tokens per row a measured curve may ask for before the models are loaded (their own context,
+checked once they are, is usually far less)."""
+MAX_REPEATS = 1_000
 
 
 def default_target() -> ModelSpec:
@@ -65,10 +74,8 @@ class ProfileConfig:
 
     def validate(self) -> None:
         """Refuse what cannot work before any model is loaded."""
-        out = Path(self.out)
-        if out.is_dir():
-            raise UsageError(f"--out {self.out} is a folder; give the JSON file to write, e.g. {out / 'costs.json'}")
-        check_output_folder(out.parent, "--out's folder")
+        check_output_file(Path(self.out))
+        self.check_bounds()
         if self.tokens is not None and len(set(self.tokens)) < 2:
             raise UsageError(f"--tokens {self.tokens} gives fewer than two token counts; a curve needs two or more, "
                              "e.g. [1, 8, 64]")
@@ -81,6 +88,20 @@ class ProfileConfig:
         if self.batch_size is not None and not self.preset:
             raise UsageError("--batch-size shapes a roofline preset's curve; a measured curve times n rows of one token "
                              "each: drop --batch-size, or give --preset")
+
+
+    def check_bounds(self) -> None:
+        """Refuse counts beyond what a forward can hold: token counts, contexts (a preset's models hold
+        PRESET_CONTEXT positions), repeats and a preset's batch size."""
+        limits = [("--tokens", self.tokens or [], MAX_TOKENS, "the tokens of one forward"),
+                  ("--contexts", self.contexts or [], PRESET_CONTEXT - 1 if self.preset else MAX_CONTEXT,
+                   "cached tokens per row" + (f", and the preset's models hold {PRESET_CONTEXT:,} positions"
+                                              if self.preset else "")),
+                  ("--batch-size", [self.batch_size or 0], MAX_TOKENS, "requests in one batch"),
+                  ("--repeats", [self.repeats], MAX_REPEATS, "timed forwards per token count")]
+        for option, values, bound, what in limits:
+            if max(values, default=0) > bound:
+                raise UsageError(f"{option} {max(values)} is above {bound:,}: {what}; give at most {bound:,}")
 
 
 def parse_config(argv: list[str]) -> ProfileConfig:
@@ -150,5 +171,9 @@ def main(argv: list[str]) -> int:
         print(f"  head {about['name']}: {head['seconds'][0] * 1e3:.3g} ms at {head['tokens'][0]} token(s), "
               f"{head['seconds'][-1] * 1e3:.3g} ms at {head['tokens'][-1]} (by its weights, {about['forward_cost']:.3g} "
               "of a draft forward)")
+    for entry in table.get("raised", []):
+        print(f"  context {entry['context']}: the {entry['model']}'s time fell at {entry['tokens']} token(s) below an "
+              "earlier count's (a busy machine?); raised to the running maximum and listed in the table's `raised`; "
+              "for a clean curve re-run on a quiet machine")
     print(f"wrote {config.out} (use it with `specheads eval --serving-costs {config.out}`)")
     return 0

@@ -401,11 +401,11 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
             for size in sizes:
                 row = next((r for r in serving["rows"] if (r["policy"], r["batch_size"], r["costs"]) == (policy, size, view)),
                            None)
-                cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}")
+                cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}{warmup_note(row.get('warmup'))}")
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
-        lines += ["", f"Best policy (the oracle aside): {best}.", *rival_lines(serving["rows"], view),
-                  *signal_lines(serving["rows"], view), ""]
+        lines += ["", f"Best policy (the oracle aside): {best}.", *warmup_lines(serving["rows"], view),
+                  *rival_lines(serving["rows"], view), *signal_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
 
 
@@ -441,12 +441,45 @@ def signal_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
     for policy in PLANNED_BY_HEAD:
         cells = []
         for row in (r for r in rows if (r["policy"], r["costs"], r["decoded"]) == (policy, view, "live")):
-            versus = [f"{other} {against['change']:+.1%}" + percent_ci(against["ci"])
+            versus = [f"{other} {against['change']:+.1%}" + percent_ci(against["ci"]) + judged_note(against.get("warmup"))
                       for other, against in row.get("vs_live", {}).items() if other not in PLANNED_BY_HEAD]
             if versus:
                 cells.append(f"B = {row['batch_size']}: " + ", ".join(versus))
         if cells:
             lines.append(f"{policy} (the trained head) against the planners of free signals: " + "; ".join(cells) + ".")
+    return lines
+
+
+def warmup_note(warmup: dict[str, int] | None) -> str:
+    """' [warm-up: P of N rounds past it]' for a live planner that warms up, or nothing."""
+    return f" [warm-up: {warmup['past_warmup']} of {warmup['rounds']} rounds past it]" if warmup else ""
+
+
+def judged_note(warmup: dict[str, int] | None) -> str:
+    """What a comparison with a planner still in its warm-up is worth: nothing is judged against one that never
+    left it (it checked every candidate to the cap throughout)."""
+    if not warmup:
+        return ""
+    if not warmup["past_warmup"]:
+        return f" (not judged: in its warm-up all {warmup['rounds']} rounds)"
+    return f" (past its warm-up in {warmup['past_warmup']} of {warmup['rounds']} rounds)"
+
+
+def warmup_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """For each live planner that warms up, how many of its rounds came after the warm-up at each B: until then it
+    drafts to the cap and checks every candidate, so where it never left it a comparison with it is one with constant
+    K_max and judges nothing of its rule."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["costs"] == view and r.get("warmup")):
+        runs = [r for r in rows if (r["policy"], r["costs"]) == (policy, view) and r.get("warmup")]
+        counts = ", ".join(f"B = {r['batch_size']}: {r['warmup']['past_warmup']} of {r['warmup']['rounds']}" for r in runs)
+        line = f"{policy}'s rounds past its warm-up (before it: drafting to the cap, every candidate checked): {counts}."
+        stayed = [str(r["batch_size"]) for r in runs if not r["warmup"]["past_warmup"]]
+        if stayed:
+            line += (f" At B = {', '.join(stayed)} it never left its warm-up: a comparison with it there is one with "
+                     "constant K_max and judges nothing of its rule (decode more rounds: more test prompts or "
+                     "--test-samples).")
+        lines.append(line)
     return lines
 
 

@@ -7,15 +7,17 @@ takes the next prompt of the queue), rounds in lockstep, and each round costs
 
     Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1)) + Σ_s c_head(tokens scored at s)
 
-seconds (a tree's s-th draft forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a
-model's forward time against the tokens in the forward (`specheads.decoding.costs`). The last term is the acceptance
-head's, for a policy that reads one (the stop head, the head trees, the budget and goodput planners' head): its curve
-measured beside the draft where there is one for that head (the measured view, or a table `specheads profile --head`
-wrote for it), else the head's share of the draft's weights times the draft's curve; policies reading free signals
-have none. In each
+seconds (a row's first draft forward counts the tokens its draft had not read, its catch-up; a tree's s-th draft
+forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a model's forward time against the
+tokens in the forward (`specheads.decoding.costs`), each forward priced on the rows live in it
+(`CostCurve.price`: exactly for a roofline preset, by its tokens for a measured or given curve). The last term is the
+acceptance head's, for a policy that reads one (the stop head, the head trees, the budget and goodput planners' head):
+its curve measured beside the draft where there is one for that head (the measured view, or a table `specheads
+profile --head` wrote for it), else the head's share of the draft's weights times the draft's curve; policies reading
+free signals have none. In each
 cost view asked for: the curves measured on the decoding device or given in a table, each also with the draft
 `cost_ratio` times as costly as the target (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view), and
-the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
+the roofline presets (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
 
 - **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
   is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -63,8 +65,36 @@ PLANNED_BY_HEAD = ("goodput", "budget")
 """The batch policies that plan with the trained expected-acceptance head (the budget head), judged against the others
 decoded live."""
 
-LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
-"""(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""
+@dataclass
+class LiveRun:
+    """A batch policy's decode of the test prompts: its rounds, and how many of them its planner spent warming up
+    (a signal still fitting itself drafts to the cap and checks every candidate: vLLM's adaptive verification until
+    its third refit, one every 100 rounds)."""
+
+    rounds: list[RoundRecord]
+    warmup_rounds: int = 0
+
+
+LiveDecode = Callable[[str, float, int, ServingCosts], LiveRun]
+"""(policy, threshold, batch size, costs) -> the test prompts decoded live at that batch size."""
+
+
+def decode_live(engine: Any, prompts: list[list[int]], seeds: list[int], rule: Any, max_new_tokens: int, batch_size: int,
+                costs: ServingCosts, head: Any = None) -> LiveRun:
+    """`prompts` decoded by the round engine under the batch `rule`, `batch_size` at a time (continuous batching),
+    its planner planning on `costs`: the rounds, and how many of them the planner spent warming up."""
+    log: list[RoundRecord] = []
+    planner = rule.planner(costs)
+    engine.decode(prompts, rule, max_new_tokens, seeds, head, batch_size=batch_size, costs=costs, log=log, planner=planner)
+    return LiveRun(log, getattr(planner, "warmup_rounds", 0))
+
+
+def warmup_record(run: LiveRun) -> dict[str, int] | None:
+    """A live row's record of its planner's warm-up: its rounds and how many came after the warm-up (None for a
+    planner that needs none)."""
+    if not run.warmup_rounds:
+        return None
+    return {"rounds": len(run.rounds), "past_warmup": len(run.rounds) - run.warmup_rounds}
 
 
 Round = tuple[int, int, list[int]] | tuple[int, int, list[int], list[int]]
@@ -74,8 +104,9 @@ head scored at each draft forward: none when left out])."""
 
 def request_rounds(record: Any) -> list[Round]:
     """A run's rounds (`Round`): a + 1 tokens yielded each, the last one what the run emitted after the others (less
-    where it ended at a stop token or at max_new_tokens); a chain's k forwards of one token, a tree's as it recorded
-    them; with the head's scores where a head scored."""
+    where it ended at a stop token or at max_new_tokens); the draft forwards as the run recorded them (its catch-up
+    first), or k forwards of one token for a chain run recorded before they were; with the head's scores where a head
+    scored."""
     yielded = [a + 1 for a in record.accepted_per_round]
     if yielded:
         yielded[-1] = record.emitted - sum(yielded[:-1])
@@ -192,8 +223,8 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
-                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live",
-                                      queue))
+                row = table_row(policy, threshold, size, view, served_throughput(decoded[key].rounds, costs), "live", queue)
+                rows.append({**row, "warmup": warmup_record(decoded[key])} if decoded[key].warmup_rounds else row)
     compare(rows, resamples, seed)
     return rows
 
@@ -232,7 +263,8 @@ def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
                                                                    seed) if rival else None)
             row["vs_live"] = {other["policy"]: {
                 "change": row["tokens_per_s"] / other["tokens_per_s"] - 1,
-                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed)}
+                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed),
+                **({"warmup": other["warmup"]} if "warmup" in other else {})}
                 for other in same.values() if other["decoded"] == "live" and other is not row}
     for row in rows:
         row.pop("per_request")

@@ -108,7 +108,8 @@ class RunRecord:
     draft_passes: float = 0.0  # forward passes of the draft (a batched run's share of its batch's)
     target_passes: float = 0.0
     companion_forwards: int = 0  # SV's companion's forwards (0 in older reports)
-    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # a tree's draft forwards (DecodeResult's)
+    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # the tokens of each draft forward per
+    # round (DecodeResult's); empty in reports from before chains recorded them
     head_scored: int = 0  # tokens the head scored, and their forwards in draft forwards (DecodeResult's; 0 in reports
     head_forwards: float = 0.0  # from before heads were priced)
     head_widths_per_round: list[list[int]] = field(default_factory=list)  # the tokens scored at each draft forward
@@ -169,9 +170,11 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
 
 def as_oracle(record: RunRecord) -> RunRecord:
     """The hindsight oracle's accounting of a constant-K_max run (the same tokens): it drafts only the candidates the
-    target accepts, one draft forward each, and calls the target as often."""
+    target accepts, one draft forward each (the first reading the run's catch-up), and calls the target as often."""
+    widths = [[first[0]] + [1] * (accepted - 1) if accepted else []
+              for first, accepted in zip(record.draft_widths_per_round, record.accepted_per_round)]
     return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round),
-                   draft_forwards=record.accepted)
+                   draft_forwards=record.accepted, draft_widths_per_round=widths)
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:

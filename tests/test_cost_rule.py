@@ -227,6 +227,7 @@ def test_generate_runs_the_cost_rule_a_head_carries_and_takes_the_callers_cost_r
     calibrated_on_time_head().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["decision_rule"] = DecisionRule(COST_RULE, 0.2, tuned=False, max_draft=6, cost_ratio=0.2).as_dict()
+    config["sampling"] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # greedy, as export records it
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = load_head(str(tmp_path))
     assert loaded[1].rule == COST_RULE

@@ -35,15 +35,16 @@ from specheads.plumbing.errors import UsageError
 
 def verify_step(curve: CostCurve | None, drafted: int) -> float:
     """v(k+1) − v(k) for k = `drafted`: what checking one more candidate adds to the target's forward, in units of
-    its one-token forward (0 on a flat curve, as counted forwards have it)."""
+    its one-token forward (0 on a flat curve, as counted forwards have it); the request's own forward, one row."""
     if curve is None:
         return 0.0
-    return (curve(drafted + 2) - curve(drafted + 1)) / curve(1)
+    return (curve.price(drafted + 2, 1) - curve.price(drafted + 1, 1)) / curve.price(1, 1)
 
 
 def verify_cost(curve: CostCurve | None, drafted: int) -> float:
-    """v(k): the target's forward over k + 1 tokens against its forward over one (1 on a flat curve)."""
-    return 1.0 if curve is None else curve(drafted + 1) / curve(1)
+    """v(k): the target's forward over k + 1 tokens of the request's row against its forward over one (1 on a flat
+    curve), each priced on that one row (`CostCurve.price`)."""
+    return 1.0 if curve is None else curve.price(drafted + 1, 1) / curve.price(1, 1)
 
 
 def drafting_gain(survival: float, next_acceptance: float, rate: float, cost_ratio: float, step: float) -> float:

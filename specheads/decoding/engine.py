@@ -153,10 +153,15 @@ class RowRound:
     previous: dict[str, float] | None = None  # the signals of the previous candidate (a one-step-late head's input)
     drafted: int = 0  # candidates drafted (a planner may send fewer to the target)
     scored: list[int] = field(default_factory=list)  # per draft forward, the candidates the head scored (0 or 1)
+    unread: int = 1  # the tokens its draft has not read, which its first draft forward reads (`ServedBatch.unread`)
 
     def keep(self, length: int) -> None:
         """Send only the first `length` candidates to the target (a planner's verify length); the rest are dropped."""
         del self.candidates[length:], self.logq_rows[length:], self.seen[length:]
+
+    def draft_widths(self, forwards: int) -> list[int]:
+        """The tokens each of `forwards` draft forwards read: its catch-up (`unread`) first, then one a candidate."""
+        return [self.unread] + [1] * (forwards - 1) if forwards else []
 
 
 class ServedBatch:
@@ -205,6 +210,12 @@ class ServedBatch:
     def room(self, row: int) -> int:
         """Tokens the row's request may still add."""
         return self.max_new_tokens - len(self.generated[row])
+
+    def unread(self, row: int) -> int:
+        """The tokens the row's draft has not read, which its next forward reads (its catch-up): the target's last
+        token, the last candidate too after a round that accepted them all, one more for each round since the draft
+        last ran (plain decoding, K = 0). The prompt counts as its last token alone: the prefill is not priced."""
+        return min(len(self.tokens[row]) - self.draft.length(row), len(self.generated[row]) + 1)
 
     def result(self, row: int) -> DecodeResult:
         return self.results[self.request[row]]
@@ -346,7 +357,7 @@ class RoundEngine:
             if planner is not None:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
-            rounds = {row: RowRound(cap=caps[row]) for row in live}
+            rounds = {row: RowRound(cap=caps[row], unread=batch.unread(row)) for row in live}
             self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
             lengths = planner.verify_lengths({row: rounds[row].seen for row in live}) if planner else None
             for row, length in (lengths or {}).items():
@@ -379,10 +390,14 @@ class RoundEngine:
                 if head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
                     count_head(result, this.scored, sum(this.scored) * head_cost, row in logits)
                     record.head_widths.append(list(this.scored))
+                widths = this.draft_widths(accepted if rule.hindsight else this.drafted)
+                if row in logits:
+                    result.draft_widths_per_round.append(widths)
                 record.requests.append(batch.request[row])
                 record.drafted.append(accepted if rule.hindsight else this.drafted)
                 record.verified.append(accepted if rule.hindsight else verified[row])
                 record.emitted.append(len(emitted))
+                record.draft_widths.append(widths)
                 for cache in batch.caches:
                     cache.crop_row(row, len(batch.tokens[row]) + accepted)
                 batch.remember_prompt(row)

@@ -25,8 +25,10 @@ class DecodeResult:
     # the head scored at each of its draft forwards; empty without a head
     accepted_per_round: list[int] = field(default_factory=list)  # per round that called the target
     drafted_per_round: list[int] = field(default_factory=list)  # candidates each such round drafted
-    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # a tree round's draft forwards: the nodes
-    # each read (the first, the context's tail, counted as 1 as a chain's step is); empty for chains (k steps of 1)
+    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # per such round, the tokens each draft
+    # forward read: the first, the tokens its draft had not read (its catch-up: the target's token, the last candidate
+    # after a round that accepted them all, one more per round of plain decoding since), then one a chain step, the
+    # nodes read together for a tree
     seconds: float = 0.0
     forward_seconds: float = 0.0
     draft_seconds: float = 0.0  # time in the draft's forwards (a batched run's share of its batch's)

@@ -26,10 +26,11 @@ that reads a drawn token decides only its descendants and later siblings, never 
 the budget's trap (ranking drawn tokens by a score that read them) is not open here.
 
 **Sibling-aware values** (`decode_tree(..., sibling_head=)`): a head trained on a tree's second children
-(`data.children: second`, docs/method.md "Sibling-aware values") scores every later sibling, the chain head the first
-children. The later sibling is checked against the residual p₂ = norm(max(0, p − q)), where the chain label
-overstates it; its score sets the reach past it and its value. It reads the sibling's own token, as the chain head
-reads a first child's: a score decides only descendants and later siblings, so exactness is as above.
+(`data.children: second`, docs/method.md "Sibling-aware values") scores the second children, the chain head the first
+children and, as without a sibling head, the third and later ones (no data labels those). The second child is checked
+against the residual p₂ = norm(max(0, p − q)), where the chain label overstates it; its score sets the reach past it
+and its value. It reads the sibling's own token, as the chain head reads a first child's: a score decides only
+descendants and later siblings, so exactness is as above.
 
 With `width` 1 the tree is the chain: the slot rule is SpecDec++'s stop rule (draft on while Π â ≥ floor = 1 − h),
 and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` decodes.
@@ -73,6 +74,7 @@ from specheads.decoding.engine import (
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
+from specheads.heads.roles import CHAIN_HEADS, SIBLING, check_role
 from specheads.model_outputs.signals import signal_log_probs
 from specheads.plumbing.errors import UsageError
 
@@ -139,12 +141,15 @@ class TreeRule:
     def check_head(self, head: AcceptanceHead | None, sibling_head: AcceptanceHead | None = None) -> None:
         """Refuse a head the tree cannot score children with, and a sibling head it cannot use beside it."""
         if sibling_head is not None and not self.reads_head:
-            raise UsageError("a sibling head scores a head-valued tree's later siblings; give the tree values: head "
+            raise UsageError("a sibling head scores a head-valued tree's second children; give the tree values: head "
                              "(and the chain head), or drop sibling_head")
         if not self.reads_head:
             return
         if head is None:
             raise UsageError("a tree with head values needs an acceptance head")
+        check_role(head, CHAIN_HEADS, "a head-valued tree's head=")
+        if sibling_head is not None:
+            check_role(sibling_head, (SIBLING,), "decode_tree's sibling_head=")
         for name, scorer in (("head", head), ("sibling head", sibling_head)):
             refusal = None if scorer is None else child_values_refusal(scorer)
             if refusal:
@@ -201,7 +206,8 @@ class DraftTree:
     nodes: list[Node] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
     opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
-    widths: list[int] = field(default_factory=list)  # the nodes each draft forward read (the tail's forward: 1)
+    widths: list[int] = field(default_factory=list)  # the tokens each draft forward read (the tail's forward: the
+    # tail's tokens, its catch-up, the prompt counting as its last token alone; then the nodes each read)
     scored: list[int] = field(default_factory=list)  # the nodes a head scored after each draft forward (head values)
     head_forwards: float = 0.0  # those scores in draft forwards, each at its head's cost (`head_forward_cost`)
 
@@ -267,19 +273,20 @@ class TreeDrafter:
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator,
                  sibling_head: AcceptanceHead | None = None):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
-        self.sibling_head = sibling_head  # scores the later siblings when given (module docstring)
+        self.sibling_head = sibling_head  # scores the second children when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
         self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
         self.head_costs = {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
 
-    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
+    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
-        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot)."""
+        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot); `priced`, the
+        tail's tokens its first forward is priced on (the prefill left out)."""
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree(widths=[1], scored=[0])
+        tree = DraftTree(widths=[priced], scored=[0])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -375,10 +382,10 @@ class TreeDrafter:
         at.reach *= 1.0 - score
 
     def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int, place: int) -> float:
-        """The child's score: the head's â (the sibling head's for a later sibling, `place` > 1, when there is one),
-        or its draft confidence; for a fixed child, its confidence over the mass the earlier siblings left (the
-        chance it is the target's token once they were not), so that a node's value is Π q along its path,
-        EAGLE-2's value."""
+        """The child's score: the head's â (the sibling head's for a second child, `place` 2, when there is one: it
+        was trained on second children only), or its draft confidence; for a fixed child, its confidence over the mass
+        the earlier siblings left (the chance it is the target's token once they were not), so that a node's value is
+        Π q along its path, EAGLE-2's value."""
         if self.head is not None:
             head = self._scorer(place)
             return acceptance_batch(head, [at.state], [signals], [self.engine.candidate_embedding(head, token)],
@@ -390,9 +397,9 @@ class TreeDrafter:
         return score
 
     def _scorer(self, place: int) -> AcceptanceHead:
-        """The head that scores a child at `place` among its siblings: the sibling head for a later sibling when there
-        is one, else the head."""
-        return self.sibling_head if place > 1 and self.sibling_head is not None else self.head
+        """The head that scores a child at `place` among its siblings: the sibling head for a second child when there
+        is one (it was trained on second children only), else the head."""
+        return self.sibling_head if place == 2 and self.sibling_head is not None else self.head
 
 
 def verify_trees(engine: RoundEngine, target: BatchCache, rounds: dict[int, tuple[list[int], DraftTree, torch.Generator]],
@@ -473,8 +480,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
     once; `head_scored`: every node a head valued, one head forward each). `checked`, when given, receives (its place
     among its siblings, 1-based; its score; accepted) for every node the target checked. `stop_check(request,
     generated)` ends a request after the first token at which it holds, as a stop token does; `on_emit(request,
-    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children, scores a
-    head-valued tree's later siblings (module docstring)."""
+    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children (role
+    `sibling`), scores a head-valued tree's second children (module docstring); `head` must be a chain stop or
+    expected-acceptance head (`specheads.heads.roles`)."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
@@ -518,8 +526,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         for row, request in active.items():
             before = request.draft.forwards[0]
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
-            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):],
-                                              min(rule.budget, room - 1))
+            tail = request.tokens[request.draft.length(0):]
+            trees[row] = request.drafter.grow(request.draft, tail, min(rule.budget, room - 1),
+                                              min(len(tail), len(request.generated) + 1))
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
