@@ -81,7 +81,7 @@ def test_a_wrong_budget_head_is_refused_before_any_model_loads(trained, tmp_path
     decode = ["--num-decode-prompts", "6", "--serving-batch-sizes", "[1]"]
     refused(capsys, "eval", eval_args(checkpoint_of(root), data, out, *decode, "--budget-head",
                                       str(root / "sprinter" / "checkpoints" / "last.ckpt")),
-            "--budget-head", "the verify budget needs an expected_acceptance head")
+            "--budget-head", "--budget-head takes an expected-acceptance head")
     refused(capsys, "eval", eval_args(checkpoint_of(root), data, out, *decode, "--budget-head", str(tmp_path / "none")))
     assert not out.exists()
 
