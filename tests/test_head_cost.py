@@ -82,6 +82,7 @@ def test_a_tree_charges_every_node_its_head_scored_at_that_heads_cost(pair):
     target, draft = pair
     engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     head, sibling = on_time_head(depth=1), on_time_head(depth=4, seed=5)
+    sibling.set_role("sibling")  # a head of second children
     cheap, dear = head_forward_cost(head, draft), head_forward_cost(sibling, draft)
     assert dear > cheap
     rule = TreeRule("head", floor=0.0, budget=6, width=3)

@@ -23,7 +23,7 @@ def test_profile_measures_the_tiny_pair_and_its_table_prices_eval_serving(traine
     table = json.loads(costs.read_text())
     # the head timed beside the draft against the tokens it scores, with the digest that ties the curve to it
     trained_head = load_trained(str(head)).head
-    assert table["head"]["tokens"] == [1, 2, 4] and 0 < table["head"]["seconds"][0] <= table["head"]["seconds"][-1]
+    assert table["head"]["tokens"] == [1, 2, 4, 16] and 0 < table["head"]["seconds"][0] <= table["head"]["seconds"][-1]
     assert table["models"]["head"]["weights_digest"] == trained_head.weights_digest()
     assert 0 < table["models"]["head"]["forward_cost"] < 1
     assert read_cost_table(str(costs)).head_digest == trained_head.weights_digest()
