@@ -47,7 +47,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     result["head_forward_cost"] = decoding.get("head_forward_cost")
     if learned == "head":
         where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
-        lines.append(f"At {costs} the head policy (threshold {mine['threshold']:g}, {where}) "
+        lines.append(f"At {costs}, the head policy (threshold {mine['threshold']:g}, {where}) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
         for baseline, what in DECODING_BASELINES.items():
             if f"gain_vs_{baseline}" in result:
