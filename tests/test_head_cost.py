@@ -152,3 +152,60 @@ def test_served_rounds_live_and_replayed_carry_the_heads_forwards(pair):
     replayed = replay([request_rounds(r) for r in records], 2, head_forward_cost(head, draft))
     assert [r.head_widths for r in replayed] == [[[1] * k for k in r.drafted] for r in replayed]
     assert head_part(replayed) > 0
+
+
+def decode_at(monkeypatch, module, head_cost: float, decode):
+    """`decode()` with every head priced at `head_cost` draft forwards (h) where `module` prices heads."""
+    monkeypatch.setattr(module, "head_forward_cost", lambda head, draft: head_cost)
+    return decode()
+
+
+def test_the_planners_that_read_a_head_draft_less_when_its_forward_is_dear(pair, monkeypatch):
+    """The engine tells the planner h once a decode: a head priced at h = 1 draft forward makes the cost rule draft
+    fewer candidates, the cost-grown head tree fewer nodes and the goodput planner plan smaller rounds than at h = 0."""
+    import specheads.decoding.engine as engine_module
+    import specheads.decoding.tree as tree_module
+    from specheads.heads import ExpectedAcceptanceHead
+
+    target, draft = pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    head, seeds = on_time_head(), list(range(len(PROMPTS)))
+    torch.manual_seed(4)
+    expected = ExpectedAcceptanceHead(16, depth=1, extra_features=["entropy", "top1"]).eval()
+    torch.nn.init.constant_(expected.out.bias, 2.0)  # survivals high enough that the planner drafts at h = 0
+    costs = ServingCosts(DRAFT, TARGET)
+    runs = {
+        "head_cost": (engine_module, lambda: engine.decode(PROMPTS, make_policy("head_cost", C, 8), 16, seeds, head)),
+        "tree": (tree_module, lambda: decode_tree(engine, PROMPTS, TreeRule("head", 0.0, budget=8, width=3, cost_ratio=C),
+                                                  16, seeds, head)),
+        "goodput": (engine_module, lambda: engine.decode(PROMPTS, make_policy("goodput", 4), 16, seeds, expected,
+                                                         batch_size=4, costs=costs)),
+    }
+    for name, (module, decode) in runs.items():
+        free, dear = (sum(r.drafted for r in decode_at(monkeypatch, module, h, decode)) for h in (0.0, 1.0))
+        assert dear < free, (name, dear, free)
+
+
+def test_the_free_signal_planners_decide_as_before_whatever_a_head_costs(pair, monkeypatch):
+    """D-Cut, vLLM's adaptive verification, SmartSpec, the confidence rule and the confidence tree read what the draft
+    computed: a head passed beside them, a dear h and a measured head curve change none of their decisions."""
+    import specheads.decoding.engine as engine_module
+    import specheads.decoding.tree as tree_module
+
+    target, draft = pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    head, seeds = on_time_head(), list(range(len(PROMPTS)))
+    plain, with_head = ServingCosts(DRAFT, TARGET), ServingCosts(DRAFT, TARGET, CostCurve((1, 8), (5.0, 9.0)))
+
+    def decisions(results) -> list:
+        return [(r.tokens, r.drafted_per_round, r.accepted_per_round) for r in results]
+
+    for name, threshold in (("dcut", 4), ("vllm_adaptive", 4), ("smartspec", 4), ("confidence", 0.3)):
+        before = engine.decode(PROMPTS, make_policy(name, threshold, 4), 16, seeds, batch_size=2, costs=plain)
+        after = decode_at(monkeypatch, engine_module, 1.0, lambda name=name, threshold=threshold: engine.decode(
+            PROMPTS, make_policy(name, threshold, 4), 16, seeds, head, batch_size=2, costs=with_head))
+        assert decisions(after) == decisions(before), name
+    rule = TreeRule("confidence", 0.0, budget=8, width=3, cost_ratio=C)
+    before = decode_tree(engine, PROMPTS, rule, 16, seeds)
+    after = decode_at(monkeypatch, tree_module, 1.0, lambda: decode_tree(engine, PROMPTS, rule, 16, seeds))
+    assert decisions(after) == decisions(before)

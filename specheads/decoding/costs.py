@@ -188,6 +188,14 @@ class ServingCosts:
         all accepted, the last of them never read by the draft)."""
         return self.draft.price(2 * rows, rows) - self.draft.price(rows, rows) if rows > 0 else 0.0
 
+    def scoring(self, tokens: int, head_cost: float | None) -> float:
+        """Seconds of one head forward over `tokens` scored tokens (a draft step's rows), as `head_seconds` prices it:
+        on the head's curve where measured, else `head_cost` (h, `head_forward_cost`) times the draft's forward over
+        them; nothing where no head scores (`head_cost` None: a free signal) or no token is scored."""
+        if head_cost is None or tokens <= 0:
+            return 0.0
+        return self.head(tokens) if self.head is not None else head_cost * self.draft.price(tokens, tokens)
+
 
 @dataclass
 class RoundRecord:
@@ -232,9 +240,7 @@ def head_seconds(record: RoundRecord, costs: ServingCosts) -> float:
     the tokens the rows' heads scored there (a head reads no cache: priced by its tokens, as rows of one token)."""
     steps = max((len(row) for row in record.head_widths), default=0)
     tokens = [sum(row[s] for row in record.head_widths if len(row) > s) for s in range(steps)]
-    if costs.head is not None:
-        return sum(costs.head(n) for n in tokens)
-    return record.head_cost * sum(costs.draft.price(n, n) for n in tokens)
+    return sum(costs.scoring(n, record.head_cost) for n in tokens)
 
 
 def served_throughput(log: list[RoundRecord], costs: ServingCosts) -> dict[str, float]:

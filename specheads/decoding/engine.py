@@ -351,6 +351,8 @@ class RoundEngine:
             batch.on_admit = planner.admit
         head = head if rule.reads_head else None
         head_cost = head_forward_cost(head, self.draft) if head is not None else 0.0
+        if planner is not None and head is not None:  # the planner prices the head's forwards as the counts do
+            planner.price_head(head_cost)
         while batch.live:
             live = batch.live
             caps = {row: rule.cap(batch.room(row)) for row in live}

@@ -37,15 +37,17 @@ and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` dec
 
 **Growth that weighs its costs** (`cost_ratio` c = t_draft/t_target given; docs/method.md "Trees whose growth weighs
 their costs"). Each step takes the action of highest gain in E[R − ρ·T] (`specheads.decoding.cost_rule`), if it pays:
-- fill a slot of reach r, the j-th child of its node: gain r·μ_j − ρ·Δv, where Δv is what one more token adds to the
-  target's forward on the cost curve in use (0 on the flat curve: width is free up to the budget);
-- read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + Δv), the forward paid for by
-  the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
-  own slot (v·μ_1 > ρ·Δv).
+- fill a slot of reach r, the j-th child of its node: gain r·μ_j − ρ·(c·h + Δv), where Δv is what one more token adds
+  to the target's forward on the cost curve in use (0 on the flat curve) and c·h the head's forward that scores the
+  child (h = `head_forward_cost` of the head scoring that place; 0 for confidence values, which the draft already
+  computed: their width is free up to the budget on the flat curve);
+- read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + c·h + Δv), the forward paid for
+  by the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
+  own slot (v·μ_1 > ρ·(c·h + Δv)).
 μ_j is the mean score of the request's children drawn so far at place j among their siblings (all places when none
-is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far; both are
-known before the slot's draw, so exactness is as above. The floor still applies (0 lets the costs alone decide).
-With width 1 this is the chain's rule read from the costs (`head_cost`), token for token.
+is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far (its head's
+forwards in the cost); both are known before the slot's draw, so exactness is as above. The floor still applies (0
+lets the costs alone decide). With width 1 this is the chain's rule read from the costs (`head_cost`), token for token.
 """
 
 from __future__ import annotations
@@ -232,6 +234,13 @@ class TreeCosts:
     curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat
     request: RequestState = field(default_factory=RequestState)
     scores: dict[int, list[float]] = field(default_factory=dict)  # place among siblings (1-based) -> [sum, count]
+    head_cost: float = 0.0  # h: the head's forward over one node in draft forwards (0: no head scores)
+    sibling_cost: float | None = None  # the sibling head's h, where one scores the second children
+
+    def scoring_cost(self, place: int) -> float:
+        """c·h: what scoring a node at `place` among its siblings adds, in target forwards (its scorer's h: the
+        sibling head's for a second child where one scores it, else the head's)."""
+        return self.cost_ratio * (self.sibling_cost if place == 2 and self.sibling_cost is not None else self.head_cost)
 
     def expected_score(self, place: int) -> float:
         """μ_j: the mean score of the request's children at `place` so far; of all its children when none is at
@@ -250,20 +259,22 @@ class TreeCosts:
 
     def slot_gain(self, reach: float, place: int, nodes: int) -> float:
         """What filling a slot of `reach` (the `place`-th child of its node), the tree holding `nodes` nodes, adds to
-        E[R − ρ·T]: r·μ_place − ρ·Δv."""
-        return drafting_gain(reach, self.expected_score(place), self.request.rate(), 0.0, verify_step(self.curve, nodes))
+        E[R − ρ·T]: r·μ_place − ρ·(c·h + Δv), c·h the child's scoring (`scoring_cost`)."""
+        return drafting_gain(reach, self.expected_score(place), self.request.rate(), self.scoring_cost(place),
+                             verify_step(self.curve, nodes))
 
     def read_gain(self, value: float, nodes: int) -> float:
         """What reading a node of `value` in a draft forward of its own adds, counting the first child it opens:
-        v·μ_1 − ρ·(c + Δv)."""
-        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio,
+        v·μ_1 − ρ·(c + c·h + Δv), c·h the first child's scoring."""
+        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio + self.scoring_cost(1),
                              verify_step(self.curve, nodes))
 
-    def observe(self, accepted: int, draft_forwards: int, nodes: int) -> None:
-        """Add a verified round to ρ: `accepted` nodes and the target's token, for `draft_forwards` draft forwards and
-        a target forward over the tail and `nodes` nodes."""
+    def observe(self, accepted: int, draft_forwards: int, nodes: int, head_forwards: float = 0.0) -> None:
+        """Add a verified round to ρ: `accepted` nodes and the target's token, for `draft_forwards` draft forwards,
+        `head_forwards` draft forwards' worth of head scores (`DraftTree.head_forwards`) and a target forward over the
+        tail and `nodes` nodes."""
         self.request.tokens += accepted + 1
-        self.request.cost += self.cost_ratio * draft_forwards + verify_cost(self.curve, nodes)
+        self.request.cost += self.cost_ratio * (draft_forwards + head_forwards) + verify_cost(self.curve, nodes)
 
 
 class TreeDrafter:
@@ -276,8 +287,10 @@ class TreeDrafter:
         self.sibling_head = sibling_head  # scores the second children when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
-        self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
         self.head_costs = {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
+        self.costs = None if rule.cost_ratio is None else TreeCosts(
+            rule.cost_ratio, rule.curve, head_cost=self.head_costs.get(id(head), 0.0),
+            sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)])
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
@@ -556,7 +569,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             if head is not None:
                 count_head(request.result, tree.scored, tree.head_forwards, called=True)
             if request.drafter.costs is not None:
-                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes))
+                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes), tree.head_forwards)
             request.tokens += emitted
             request.generated += emitted
             if on_emit is not None and emitted:
