@@ -126,7 +126,7 @@ def pareto_plot(rows: list[dict[str, Any]], path: Path, cost_ratio: float) -> No
     for speedup in np.unique(np.round([row["modelled_speedup"] for row in rows], 1)):
         # tokens / (c · drafts + calls) = s  ⇔  calls per token = 1/s − c · drafts per token
         axis.plot(xs, 1.0 / speedup - cost_ratio * xs, color="grey", linestyle=":", linewidth=0.7)
-    axis.set(xlim=(left, right), ylim=(bottom, top), xlabel="draft forwards per generated token",
+    axis.set(xlim=(left, right), ylim=(bottom, top), xlabel="draft forwards per generated token (a head's included)",
              ylabel="target calls per generated token",
              title=f"Pareto frontier (test prompts; dotted: equal speedup at c = {cost_ratio:g})")
     axis.legend(fontsize=8)

@@ -75,7 +75,8 @@ def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecor
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
     earlier, runs = saved_runs(folder, "its runs", "drop --reuse-runs to decode them again")
-    differs = context_differences(earlier, context, ignore=("sv_companion",))  # the runs taken read no companion
+    # the runs taken read no companion and no head
+    differs = context_differences(earlier, context, ignore=("sv_companion", "head_forward_cost"))
     if differs:
         raise UsageError(f"{Path(folder) / 'runs.json'} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")

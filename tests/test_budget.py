@@ -211,7 +211,7 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(out), "--num-decode-prompts", "6",
                  "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]", "--head-thresholds", "[0.5]",
                  "--stop-shares", "[0.5]", "--bootstrap", "10", "--progress", "false",
-                 "--serving-batch-sizes", "[1, 3]", "--serving-costs", str(write_costs(tmp_path))]) == 0
+                 "--serving-batch-sizes", "[1, 3]", "--test-samples", "3", "--serving-costs", str(write_costs(tmp_path))]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["data"]["label"].startswith("accept = min(1, p/q) of the drafted candidate")
     assert 0 <= metrics["offline"]["head"]["auc"] <= 1 and {r["k"] for r in metrics["cumulative"]} == {1, 2, 3}

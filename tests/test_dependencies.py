@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 NOT_IMPORTED = {"gguf", "accelerate", "tensorboard"}  # transformers loads GGUF with them; Lightning logs to tensorboard
 EXTRAS = {"vllm": "vllm"}  # imported only when asked for (module -> the extra of pyproject.toml that declares it)
+NO_DEPS_EXTRAS = {"speculators": "eagle3"}  # the same, installed with --no-deps beside the extra of its dependencies
 
 
 def test_every_third_party_import_is_declared_and_every_declared_package_is_used():
@@ -24,6 +25,9 @@ def test_every_third_party_import_is_declared_and_every_declared_package_is_used
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert all(re.search(rf'^{extra} = \[.*"{name}', pyproject, re.M) for name, extra in EXTRAS.items())
     third_party -= set(EXTRAS)
+    for name, extra in NO_DEPS_EXTRAS.items():
+        assert re.search(rf"^{extra} = \[", pyproject, re.M) and f"--no-deps {name}==" in pyproject
+    third_party -= set(NO_DEPS_EXTRAS)
     distributions = packages_distributions()
     needed = {distributions[name][0].lower().replace("_", "-") for name in third_party}
     declared = {req.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip().lower().replace("_", "-")

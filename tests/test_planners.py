@@ -12,7 +12,7 @@ from test_budget import output_distribution
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds
+from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, head_seconds, round_seconds
 from specheads.decoding.online import Outcome
 from specheads.decoding.planners import (
     GoodputPlanner,
@@ -279,3 +279,31 @@ def test_vllms_estimate_read_from_the_drawn_token_distorts_the_output_and_from_t
                                         checked_at_half)
     assert drawn_feature == pytest.approx([0.52, 0.36, 0.12], abs=1e-12)
     assert total_variation(drawn_feature, P) == pytest.approx(0.08) and math.isclose(signal.fit.theta[0], 1.0)
+
+
+def test_the_plan_prices_the_heads_forwards_as_round_seconds_does_and_a_dear_head_plans_smaller_k():
+    """A round of K candidates a row, each scored by the head: the plan's seconds are the served round's, the head's K
+    forwards over the B rows at h × the draft's curve or on the head's own curve, and nothing for a free signal (no
+    head: h None, whatever curve the costs carry). A dearer head plans a smaller K: 4 → 3 at B = 1 already at the
+    shipped head's h = 0.0315, 4 → 2 at h = 1."""
+    draft, target, curve = CostCurve((1, 8), (1.0, 1.7)), CostCurve((1, 8), (5.0, 6.4)), CostCurve((1, 8), (0.3, 0.37))
+    survival, rows, k, h = [0.8 ** j for j in range(1, 6)], 4, 3, 0.05
+    record = RoundRecord(requests=list(range(rows)), drafted=[k] * rows, verified=[k] * rows, emitted=[0] * rows,
+                         head_widths=[[1] * k] * rows, head_cost=h)
+    for costs in (ServingCosts(draft, target), ServingCosts(draft, target, curve)):
+        def seconds(head_cost: float | None, costs: ServingCosts = costs) -> float:
+            return rows * (1 + sum(survival[:k])) / planned_goodput(survival, rows, k, costs, head_cost=head_cost)
+
+        assert seconds(h) - seconds(None) == pytest.approx(head_seconds(record, costs)) and head_seconds(record, costs) > 0
+        assert plan_round(survival, 1, 5, costs, None) == plan_round(survival, 1, 5, ServingCosts(draft, target))
+    flat = ServingCosts(draft, target)
+    assert [plan_round(survival, 1, 5, flat, h)[0] for h in (0.0, 0.0315, 1.0)] == [4, 3, 2]
+    planner = make_policy("goodput", 5).planner(flat)
+    planner.expected = list(survival)
+    assert planner.round_cap(1, 5) == 4
+    planner.price_head(1.0)
+    assert planner.round_cap(1, 5) == 2
+    assert not planner.worth_drafting(0.7, 1, 0.7)  # a second candidate at 0.49 pays for h = 0, not for h = 1
+    planner.price_head(0.0)
+    planner.round_cap(1, 5)
+    assert planner.worth_drafting(0.7, 1, 0.7)

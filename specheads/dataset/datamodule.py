@@ -226,7 +226,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         children: `first`, the drafted candidates (a chain's, a tree's first children); `second`, a tree's second
             children (data labelled with `specheads gen --sibling_labels true`): the candidate, its signals and labels
             are the second child's and each position weighs 1 − the first child's acceptance, how often a tree checks
-            a second child there (`second_children`). A head trained so scores a tree's later siblings.
+            a second child there (`second_children`). A head trained so scores a tree's second children.
     """
 
     def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,

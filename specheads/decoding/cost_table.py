@@ -12,6 +12,9 @@ is the tokens of one forward, each a row of the batch with its own `context` cac
 what `measure_cost_curve` times); a roofline table made for a batch size B counts min(n, B) rows instead. A served
 round is priced on the rows live in it: a preset's curves (`RooflineCurve`) compute each forward on its own rows, a
 measured or given curve prices a forward by its tokens (docs/decoding-core.md, "Cost curves: profiled and roofline").
+A measured table may also hold `head`, an acceptance head's forward time against the tokens it scores
+(`measure_head_curve`, `specheads profile --head`), with the head's weights digest under `models.head`, so that eval
+prices that head's forwards with it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from typing import Any
 import torch
 
 from specheads import __version__
-from specheads.decoding.costs import CURVE_TOKENS, FALLING_FIX, CostCurve, ServingCosts, first_fall, measure_cost_curve
+from specheads.decoding.companion import head_forward_cost
+from specheads.decoding.costs import (
+    CURVE_TOKENS,
+    FALLING_FIX,
+    CostCurve,
+    ServingCosts,
+    first_fall,
+    measure_cost_curve,
+    measure_head_curve,
+)
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
@@ -244,9 +256,12 @@ def model_facts(name: str, model: torch.nn.Module) -> dict[str, Any]:
 
 
 def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.nn.Module], contexts: list[int],
-                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> dict[str, Any]:
+                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3,
+                   head: tuple[str, Any] | None = None) -> dict[str, Any]:
     """Each model's forward time on its device against the tokens in the forward (`measure_cost_curve`: the median of
-    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model)."""
+    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model). With
+    `head` (name, acceptance head), the head's forward time against the tokens it scores too (`measure_head_curve`, on
+    the draft's device: it reads no cache, so one curve serves every context)."""
     models = {"draft": draft, "target": target}
     for _, model in models.values():  # first forwards allocate and pick kernels: not timed
         measure_cost_curve(model, contexts[0], (tokens[0], tokens[-1]), repeats=1)
@@ -254,9 +269,16 @@ def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.
                                            for role, (_, model) in models.items()}} for context in contexts]
     device = next(target[1].parameters()).device
     facts = {role: model_facts(name, model) for role, (name, model) in models.items()}
+    timed_head = {}
+    if head is not None:
+        name, module = head
+        module.to(next(draft[1].parameters()).device).eval()
+        timed_head = {"head": measure_head_curve(module, tokens, repeats).as_dict()}
+        facts["head"] = {"name": name, "head_type": module.head_type, "parameters": module.num_parameters(),
+                         "weights_digest": module.weights_digest(), "forward_cost": head_forward_cost(module, draft[1])}
     raised = [{"context": entry["context"], "model": role, "tokens": entry[role]["raised"]}
               for entry in curves for role in models if entry[role].get("raised")]
-    return {**table_header("measured", curves, MEASURED_ROWS, None), "device": device_description(device),
+    return {**table_header("measured", curves, MEASURED_ROWS, None), **timed_head, "device": device_description(device),
             "dtype": facts["target"]["dtype"], "models": facts, "repeats": repeats,
             "statistic": "median of the repeats, raised to the running maximum where it fell (`raised`)",
             "raised": raised}
@@ -291,6 +313,14 @@ class CostTable:
     context: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     roofline: RooflinePreset | None = None
+
+    @property
+    def head_digest(self) -> str | None:
+        """The weights digest of the head whose curve the table holds (None: no head curve)."""
+        if self.costs.head is None:
+            return None
+        head = (self.fields.get("models") or {}).get("head")
+        return head.get("weights_digest") if isinstance(head, dict) else None
 
     def describe(self) -> str:
         """Where the curves come from, in words, marked as modelled where they are."""
@@ -372,6 +402,8 @@ def check_table(table: Any, where: str) -> None:
         if role not in table:
             raise UsageError(f"{where}: has no `{role}` curve; {TABLE_FIX}")
         check_curve(table[role], role, where)
+    if table.get("head") is not None:
+        check_curve(table["head"], "head", where)
     if "modelled" in table and not isinstance(table["modelled"], bool):
         raise UsageError(f"{where}: `modelled` is {table['modelled']!r}, not true or false; {TABLE_FIX}")
     curves = table.get("curves", [])
@@ -403,13 +435,14 @@ def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
         except (OSError, UnicodeDecodeError, ValueError) as error:
             raise UsageError(f"{where}: not readable JSON ({str(error).splitlines()[0]}); {TABLE_FIX}") from None
         check_table(table, where)
-    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]))
+    head = CostCurve.from_dict(table["head"]) if table.get("head") is not None else None
+    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]), head)
     source_kind = table.get("source") if table.get("source") in ("measured", "roofline") else "given"
     preset = written_by_preset(table, costs) if source_kind == "roofline" else None
     if preset is not None:
         costs = roofline_costs(preset, table["context"], tabulated=costs)
     return CostTable(source, costs, source_kind, bool(table.get("modelled", source_kind == "roofline")),
-                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "curves")},
+                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "head", "curves")},
                      preset)
 
 

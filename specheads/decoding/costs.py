@@ -9,11 +9,16 @@ of a batch as a `RoundRecord` (per row: the candidates it drafted, the tokens ea
 candidates it sent to the target); a round costs
 
     Σ_{s=1..max k} c_draft(tokens read at step s; rows drafting at step s) + c_target(Σ_rows (verified + 1); rows)
+      + Σ_s c_head(tokens scored at step s)
 
 seconds (`round_seconds`), the prompt's prefill left out (the same for every policy). A row's first draft forward of
 a round reads every token its draft has not read: the target's token, the last candidate too after a round that
 accepted them all, and one more for each round of plain decoding (K = 0) since the draft last ran (its catch-up). The
-planners read the same prices to choose how much to draft and verify (`specheads.decoding.planners`).
+last term is the acceptance head's forwards, where a rule reads one: at each draft step one head forward over the
+tokens the rows' heads scored there, on the head's own curve (`ServingCosts.head`: measured by `measure_head_curve`)
+or, without one, at the head's share of the draft's weights (`RoundRecord.head_cost`, `head_forward_cost`) times the
+draft's curve. A rule reading free signals (the draft's confidence or entropy) has no such term. The planners read
+the same prices to choose how much to draft and verify (`specheads.decoding.planners`).
 """
 
 from __future__ import annotations
@@ -131,6 +136,31 @@ def measure_cost_curve(model: Any, context: int = 32, tokens: tuple[int, ...] = 
     return monotone_curve(tuple(tokens), seconds)
 
 
+@torch.no_grad()
+def measure_head_curve(head: Any, tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> CostCurve:
+    """The forward time of an acceptance head on its device against the tokens it scores in one call (n rows of a draft
+    state, and of the candidate's embedding and signals where the head reads them, as the round engine scores a draft
+    step's rows): the median of `repeats` timings per n after one untimed call, made non-decreasing in n (a curve
+    this small is timed near the clock's resolution, where a larger n can time faster)."""
+    device = next(head.parameters()).device
+    seconds = []
+    for n in tokens:
+        inputs = (torch.randn(n, head.hidden_size, device=device),
+                  torch.randn(n, len(head.extra_features), device=device) if head.extra_features else None,
+                  torch.randn(n, head.candidate_embedding_size, device=device) if head.candidate_embedding_size else None,
+                  torch.ones(n, dtype=torch.long, device=device))
+        head.predict(*inputs)
+        timings = []
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            head.predict(*inputs)
+            synchronize(device)
+            timings.append(time.perf_counter() - start)
+        seconds.append(float(np.median(timings)))
+    return CostCurve(tuple(tokens), tuple(np.maximum.accumulate(seconds).tolist()))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the GPU's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -139,13 +169,17 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class ServingCosts:
-    """The draft's and the target's cost curves."""
+    """The draft's and the target's cost curves, and the acceptance head's where it was measured (None: a head's
+    forward is priced at its share of the draft's weights, `RoundRecord.head_cost`, times the draft's curve)."""
 
     draft: CostCurve
     target: CostCurve
+    head: CostCurve | None = None
 
     def scaled_draft(self, ratio: float) -> ServingCosts:
-        """The same target with a draft `ratio` times as costly as the target at every token count (a 7B/70B view)."""
+        """The same target with a draft `ratio` times as costly as the target at every token count (a 7B/70B view); a
+        head measured beside the real draft does not carry over: the head is priced at its share of the draft's
+        weights."""
         return ServingCosts(CostCurve(self.target.tokens, tuple(ratio * s for s in self.target.seconds)), self.target)
 
     def catch_up(self, rows: int) -> float:
@@ -153,6 +187,14 @@ class ServingCosts:
         its draft did not read its rows' last token (a round of plain decoding, K = 0; or one whose candidates were
         all accepted, the last of them never read by the draft)."""
         return self.draft.price(2 * rows, rows) - self.draft.price(rows, rows) if rows > 0 else 0.0
+
+    def scoring(self, tokens: int, head_cost: float | None) -> float:
+        """Seconds of one head forward over `tokens` scored tokens (a draft step's rows), as `head_seconds` prices it:
+        on the head's curve where measured, else `head_cost` (h, `head_forward_cost`) times the draft's forward over
+        them; nothing where no head scores (`head_cost` None: a free signal) or no token is scored."""
+        if head_cost is None or tokens <= 0:
+            return 0.0
+        return self.head(tokens) if self.head is not None else head_cost * self.draft.price(tokens, tokens)
 
 
 @dataclass
@@ -167,6 +209,10 @@ class RoundRecord:
     draft_widths: list[list[int]] = field(default_factory=list)  # per row, the tokens of each of its draft forwards
     # (the first: the tokens its draft had not read, its catch-up; then one a step for a chain, the nodes read
     # together for a tree); when empty (rounds recorded before widths were), one token in each of `drafted` steps
+    head_widths: list[list[int]] = field(default_factory=list)  # per row, the tokens its acceptance head scored at each
+    # of its draft forwards; empty when no head scored
+    head_cost: float = 0.0  # a head forward over one token in draft forwards (`head_forward_cost`): its price without a
+    # measured head curve
 
 
 def chain_widths(drafted: list[int]) -> list[list[int]]:
@@ -178,14 +224,23 @@ def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
     """The modelled seconds of one round (module docstring): the draft's s-th forward reads every drafting row's s-th
     step (its catch-up first, then one token a row for a chain, the nodes a tree reads together), then one target
     forward over the round's rows checks every row's candidates and its own token; each forward priced on its tokens
-    and its rows (`CostCurve.price`)."""
+    and its rows (`CostCurve.price`); and the head's forwards, where a head scored (`head_seconds`)."""
     if not record.drafted:
         return 0.0
     widths = record.draft_widths or chain_widths(record.drafted)
     steps = max((len(row) for row in widths), default=0)
     draft = sum(costs.draft.price(sum(row[s] for row in widths if len(row) > s), sum(len(row) > s for row in widths))
                 for s in range(steps))
-    return draft + costs.target.price(sum(v + 1 for v in record.verified), len(record.verified))
+    target = costs.target.price(sum(v + 1 for v in record.verified), len(record.verified))
+    return draft + target + head_seconds(record, costs)
+
+
+def head_seconds(record: RoundRecord, costs: ServingCosts) -> float:
+    """The modelled seconds of a round's head forwards (module docstring): at each draft step, one head forward over
+    the tokens the rows' heads scored there (a head reads no cache: priced by its tokens, as rows of one token)."""
+    steps = max((len(row) for row in record.head_widths), default=0)
+    tokens = [sum(row[s] for row in record.head_widths if len(row) > s) for s in range(steps)]
+    return sum(costs.scoring(n, record.head_cost) for n in tokens)
 
 
 def served_throughput(log: list[RoundRecord], costs: ServingCosts) -> dict[str, float]:

@@ -32,7 +32,8 @@ depend on the batch; each row's distribution stays the target's.
 The round primitives here are public for the tree engine (`specheads.decoding.tree`), which imports this module and
 is never imported by it: `candidate_signals` and `acceptance_batch` (a candidate's signals and a head's scores),
 `RoundEngine.candidate_embedding` (the candidate's input embedding a head reads), `RoundEngine.round_output` (what a
-round adds to the output, ended at a stop token or max_new_tokens) and `count_round` (a round into a request's counts).
+round adds to the output, ended at a stop token or max_new_tokens), `count_round` (a round into a request's counts)
+and `count_head` (the tokens a head scored in it, and what their forwards cost).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.companion import Companion
+from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
@@ -111,6 +112,16 @@ def check_decodable_head(head: AcceptanceHead | None) -> None:
                          "states")
 
 
+def count_head(result: DecodeResult, widths: list[int], forwards: float, called: bool) -> None:
+    """Add one round's head scores to a request's counts: `widths`, the tokens its head scored at each draft forward,
+    together `forwards` draft forwards' worth (each at its head's `head_forward_cost`); kept per round for a round
+    that `called` the target, as `count_round` keeps its per-round counts."""
+    result.head_scored += sum(widths)
+    result.head_forwards += forwards
+    if called:
+        result.head_widths_per_round.append(list(widths))
+
+
 def count_round(result: DecodeResult, drafted: int, accepted: int, called: bool, hindsight: bool = False) -> None:
     """Add one round of a request to its counts: `drafted` candidates (a tree's nodes), `accepted` of them standing in
     the output, and a target call when `called`; `hindsight` (the oracle) counts only the accepted ones as drafted."""
@@ -149,6 +160,7 @@ class RowRound:
     acceptance: float = 1.0
     previous: dict[str, float] | None = None  # the signals of the previous candidate (a one-step-late head's input)
     drafted: int = 0  # candidates drafted (a planner may send fewer to the target)
+    scored: list[int] = field(default_factory=list)  # per draft forward, the candidates the head scored (0 or 1)
     unread: int = 1  # the tokens its draft has not read, which its first draft forward reads (`ServedBatch.unread`)
 
     def keep(self, length: int) -> None:
@@ -346,6 +358,9 @@ class RoundEngine:
                 planner.admit(row)
             batch.on_admit = planner.admit
         head = head if rule.reads_head else None
+        head_cost = head_forward_cost(head, self.draft) if head is not None else 0.0
+        if planner is not None and head is not None:  # the planner prices the head's forwards as the counts do
+            planner.price_head(head_cost)
         while batch.live:
             live = batch.live
             caps = {row: rule.cap(batch.room(row)) for row in live}
@@ -362,7 +377,7 @@ class RoundEngine:
             logits = target.feed({row: batch.tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
                                   for row in called},
                                  {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
-            record = RoundRecord()
+            record = RoundRecord(head_cost=head_cost)
             verified, outcomes = {}, {}
             for row in live:
                 this = rounds[row]
@@ -382,6 +397,9 @@ class RoundEngine:
                                  for i, d in enumerate(this.seen[checks[row]: observed], start=checks[row])] if row in logits else []
                 result = batch.result(row)
                 count_round(result, this.drafted, accepted, row in logits, rule.hindsight)
+                if head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
+                    count_head(result, this.scored, sum(this.scored) * head_cost, row in logits)
+                    record.head_widths.append(list(this.scored))
                 widths = this.draft_widths(accepted if rule.hindsight else this.drafted)
                 if row in logits:
                     result.draft_widths_per_round.append(widths)
@@ -456,6 +474,8 @@ class RoundEngine:
             for row, candidate in drawn.items():
                 this = rounds[row]
                 this.drafted += 1
+                if companion is None and head is not None:
+                    this.scored.append(int(row in scores))
                 score = scores.get(row, 1.0)
                 this.acceptance *= score
                 this.candidates.append(candidate.token)

@@ -18,11 +18,13 @@ S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of �
 known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether
 it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
 The goodput `BudgetPlanner` maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the
-round's draft time is left out of it, since it depends on how far each row drafted, which depends on the row's later
-candidates. `GoodputPlanner` counts the draft's time without reading it: through the goodput it plans before the
-round (K = 0, plain decoding, among its choices), which prices its drafting and checking, and through the draft's
-curve at the round's B; a row's drafting reads only that row's candidates. Its signal (`Signal`) is an
-expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before the draw.
+round's draft time (the head's forwards with it) is left out of it, since it depends on how far each row drafted,
+which depends on the row's later candidates. `GoodputPlanner` counts the draft's time without reading it: through the
+goodput it plans before the round (K = 0, plain decoding, among its choices), which prices its drafting and checking,
+and through the draft's curve at the round's B; a row's drafting reads only that row's candidates. Its signal
+(`Signal`) is an expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before
+the draw; the head's forward over each candidate is priced with the draft's (`PassivePlanner.price_head`, as
+`round_seconds` prices it), the free signals' cost nothing.
 Fed a score that has read ŷ_j (an `at_draft` head, q(ŷ_j)), the same planners are lossy (tests/test_budget.py and
 tests/test_planners.py show by how much).
 
@@ -242,17 +244,21 @@ def survival_products(acceptances: list[float]) -> list[float]:
     return products
 
 
-def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCosts, verified: int | None = None) -> float:
+def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCosts, verified: int | None = None,
+                    head_cost: float | None = None) -> float:
     """The modelled goodput of a round in which each of `rows` rows drafts k candidates and the target checks
     `verified` of them (all, rows · k, by default), the likeliest first, S̄_j being position j's expected survival:
-    rows + Σ of the checked positions' S̄ tokens in k · t_draft(rows) + t_target(rows + verified) + the deferred
-    catch-up seconds, every forward on the round's rows. k = 0 is plain decoding: rows tokens in t_target(rows), the
-    draft's catch-up (one more token a row in its next forward, `ServingCosts.catch_up`) deferred; at k ≥ 1 a row
-    defers it when all its k candidates are checked and accepted (S̄_k), the last of them unread by the draft."""
+    rows + Σ of the checked positions' S̄ tokens in k · (t_draft(rows) + t_head(rows)) + t_target(rows + verified) +
+    the deferred catch-up seconds, every forward on the round's rows; t_head is the forward of the head that scores
+    each candidate, as `round_seconds` prices it (`ServingCosts.scoring` at h = `head_cost`; none for a free
+    signal). k = 0 is plain decoding: rows tokens in t_target(rows), the draft's catch-up (one more token a row in
+    its next forward, `ServingCosts.catch_up`) deferred; at k ≥ 1 a row defers it when all its k candidates are
+    checked and accepted (S̄_k), the last of them unread by the draft."""
     verified = rows * k if verified is None else verified
     full, part = divmod(verified, rows)  # every row's first `full` positions, then `part` rows' next one
     expected = rows * sum(survival[:full]) + (part * survival[full] if part else 0.0)
-    return (rows + expected) / (k * costs.draft.price(rows, rows) + costs.target.price(rows + verified, rows)
+    return (rows + expected) / (k * (costs.draft.price(rows, rows) + costs.scoring(rows, head_cost))
+                                + costs.target.price(rows + verified, rows)
                                 + deferred_share(survival, rows, k, verified) * costs.catch_up(rows))
 
 
@@ -265,18 +271,20 @@ def deferred_share(survival: list[float], rows: int, k: int, verified: int) -> f
     return min(max(verified - rows * (k - 1), 0), rows) / rows * survival[k - 1]
 
 
-def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts) -> tuple[int, float]:
-    """The K in 0..`largest` whose round has the largest `planned_goodput` when the target checks the best number of
-    its candidates (all of them among the choices; ties: the smaller K, then the fewer checked), and that goodput.
+def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts,
+               head_cost: float | None = None) -> tuple[int, float]:
+    """The K in 0..`largest` whose round has the largest `planned_goodput` (the head's forwards at `head_cost`) when
+    the target checks the best number of its candidates (all of them among the choices; ties: the smaller K, then the
+    fewer checked), and that goodput.
     Its K = 0, K = largest and every constant K in between are among the rounds it compares."""
     gains = np.concatenate([[0.0], np.cumsum(np.repeat(np.asarray(survival[:largest], float), rows))])
     target = np.asarray([costs.target.price(rows + verified, rows) for verified in range(rows * largest + 1)])
-    catch_up = costs.catch_up(rows)
+    catch_up, step = costs.catch_up(rows), costs.draft.price(rows, rows) + costs.scoring(rows, head_cost)
     best, rate = 0, rows / (float(target[0]) + catch_up)
     for k in range(1, largest + 1):
         verified = np.arange(rows * k + 1)
         complete = np.clip(verified - rows * (k - 1), 0, rows)  # rows whose k candidates are all checked
-        seconds = (k * costs.draft.price(rows, rows) + target[: rows * k + 1]
+        seconds = (k * step + target[: rows * k + 1]
                    + complete / rows * survival[k - 1] * catch_up)  # `deferred_share` for every verified count
         goodput = (rows + gains[: rows * k + 1]) / seconds
         if goodput.max() > rate:
@@ -308,13 +316,16 @@ class GoodputPlanner(PassivePlanner):
 
     1. `round_cap`, from the past only: S̄_j, the signal's recent mean survival at position j over the rows (a row
        that stopped drafting before j goes on at its last candidate's acceptance), and the K in 0..`max_k` whose
-       round has the largest `planned_goodput` (`plan_round`: the draft's forwards counted, its deferred catch-up
-       too; K = 0 is plain decoding). That goodput ρ is the rate every later choice of the round is priced at.
+       round has the largest `planned_goodput` (`plan_round`: the draft's forwards counted, the head's that scores
+       each candidate and the draft's deferred catch-up too; K = 0 is plain decoding). That goodput ρ is the rate
+       every later choice of the round is priced at.
     2. `stops`: a row that has drafted k candidates, with survival S_k and last acceptance a_k, drafts one more while
-       that candidate's expected token, S_k · a_k, pays at ρ for what the row adds to a draft forward of B rows and
-       one more token in the target's forward, less the catch-up it spares (u = catch-up(B) / B a row, deferred
-       with chance S_k when the row stops, S_k · a_k when it drafts on):
-       S_k · a_k > ρ · (t_draft(B) − t_draft(B − 1) − u · S_k (1 − a_k) + t_target(B(k + 1) + 1) − t_target(B(k + 1))),
+       that candidate's expected token, S_k · a_k, pays at ρ for what the row adds to a draft forward of B rows (and
+       to the head's forward of that step, t_head, where a head scores) and one more token in the target's forward,
+       less the catch-up it spares (u = catch-up(B) / B a row, deferred with chance S_k when the row stops,
+       S_k · a_k when it drafts on):
+       S_k · a_k > ρ · (t_draft(B) − t_draft(B − 1) + t_head(B) − t_head(B − 1) − u · S_k (1 − a_k)
+                        + t_target(B(k + 1) + 1) − t_target(B(k + 1))),
        every forward priced on the round's B rows (`CostCurve.price`).
        It reads the row's own candidates and the past only, never another row's: that keeps every row's drafting,
        and so the positions the verify step ranks, independent of the other rows' draws.
@@ -333,6 +344,11 @@ class GoodputPlanner(PassivePlanner):
     rows: int = 0  # this round's rows
     survival: dict[int, float] = field(default_factory=dict)  # each drafting row's S so far
     rounds: dict[int, list[Drafted]] = field(default_factory=dict)  # this round's drafted candidates per row
+    warmup_rounds: int = 0  # rounds planned while the signal was still fitting (drafted to the cap, all checked)
+    head_cost: float | None = None  # h of the head that scores each candidate (`price_head`); None: a free signal
+
+    def price_head(self, head_cost: float) -> None:
+        self.head_cost = head_cost
 
     def admit(self, row: int) -> None:
         self.signal.admit(row)
@@ -342,9 +358,10 @@ class GoodputPlanner(PassivePlanner):
         self.expected += [SIGNAL_PRIOR ** (j + 1) for j in range(len(self.expected), largest)]
         self.rows = rows
         if self.signal.ready:
-            self.k, self.rate = plan_round(self.expected, rows, largest, self.costs)
+            self.k, self.rate = plan_round(self.expected, rows, largest, self.costs, self.head_cost)
         else:  # a signal still fitting: draft to the cap and check everything
-            self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs)
+            self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs, head_cost=self.head_cost)
+            self.warmup_rounds += 1
         return self.k
 
     def stops(self, row: int, drafted: Drafted) -> bool:
@@ -362,7 +379,8 @@ class GoodputPlanner(PassivePlanner):
             return False
         rows, draft, target = self.rows, self.costs.draft, self.costs.target
         tokens = rows * (drafted + 1)
-        draft_step = draft.price(rows, rows) - draft.price(rows - 1, rows - 1)
+        draft_step = (draft.price(rows, rows) - draft.price(rows - 1, rows - 1)
+                      + self.costs.scoring(rows, self.head_cost) - self.costs.scoring(rows - 1, self.head_cost))
         # drafting on, the draft reads this candidate now, so its catch-up after a round that accepts it all is
         # deferred only when the next one stands too
         spared = self.costs.catch_up(rows) / rows * survival * (1.0 - acceptance)

@@ -18,6 +18,11 @@ class DecodeResult:
     draft_forwards: float = 0  # with SV's companion, its forwards too, each at its cost in draft forwards; the
     # oracle counts one per candidate it keeps (it would draft no other), as eval's accounting of it does
     companion_forwards: int = 0
+    head_scored: int = 0  # tokens an acceptance head scored (a stop or expected-acceptance head, a sibling head, the
+    # SPRINTER verifier): each a head forward's worth of work (SV's companion's forwards are `companion_forwards`)
+    head_forwards: float = 0.0  # those forwards in draft forwards, each at its head's cost (`head_forward_cost`)
+    head_widths_per_round: list[list[int]] = field(default_factory=list)  # per round that called the target: the tokens
+    # the head scored at each of its draft forwards; empty without a head
     accepted_per_round: list[int] = field(default_factory=list)  # per round that called the target
     drafted_per_round: list[int] = field(default_factory=list)  # candidates each such round drafted
     draft_widths_per_round: list[list[int]] = field(default_factory=list)  # per such round, the tokens each draft

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from specheads.heads.roles import CHAIN_HEADS, VERIFIER, check_role
 from specheads.plumbing.errors import UsageError
 
 if TYPE_CHECKING:
@@ -109,11 +110,15 @@ class StopPolicy:
         return cls(threshold=threshold, max_draft=max_draft)
 
     reads_companion: ClassVar[bool] = False  # SV's companion predictor scores the candidates
+    head_roles: ClassVar[tuple[str, ...]] = CHAIN_HEADS  # what the head it reads was trained for (`specheads.heads.roles`)
 
     def check_head(self, head: Any) -> None:
-        """Refuse a head this rule cannot use."""
-        if self.reads_head and head is None:
+        """Refuse a head this rule cannot use: none where it reads one, or one trained for another role."""
+        if not self.reads_head:
+            return
+        if head is None:
             raise UsageError(f"the {self.name} rule needs an acceptance head")
+        check_role(head, self.head_roles, f"the {self.name} rule")
 
 
 def require_whole(threshold: float, what: str) -> None:
@@ -211,6 +216,7 @@ class SprinterRule(StopPolicy):
     max_draft: int | None = None
     name: ClassVar[str] = "sprinter"
     reads_head: ClassVar[bool] = True
+    head_roles: ClassVar[tuple[str, ...]] = (VERIFIER,)
     bonus: ClassVar[bool] = False
 
     @classmethod
