@@ -150,8 +150,17 @@ def load_records(folder: Path) -> dict[tuple[str, float], list[dict[str, Any]]]:
 
 
 def totals(records: list[dict[str, Any]]) -> np.ndarray:
-    """[prompts, 3]: emitted, draft forwards, target calls."""
-    return np.array([[r["emitted"], r["draft_forwards"], r["target_calls"]] for r in records], dtype=float)
+    """[prompts, 3]: emitted, draft forwards (the head's forwards at their cost included), target calls."""
+    refuse_uncharged(records)
+    return np.array([[r["emitted"], r["draft_forwards"] + r["head_forwards"], r["target_calls"]] for r in records],
+                    dtype=float)
+
+
+def refuse_uncharged(records: list[dict[str, Any]]) -> None:
+    """Stop at records decoded before the head's forwards were counted: their speedups count the head free."""
+    if any("head_forwards" not in r for r in records):
+        raise SystemExit("transfer.py: these records were decoded before the head's forwards were counted (no "
+                         "head_forwards); remove them and decode again")
 
 
 def speedup(table: np.ndarray, cost_ratio: float) -> np.ndarray:
@@ -223,7 +232,8 @@ def decode(config: Config, step: str) -> None:
         results = engine.decode(prompts, rule, config.max_new_tokens, seeds, head if rule.reads_head else None,
                                 batch_size=config.batch_size)
         records = [{"prompt": row["id"], "family": row["category"], "emitted": r.emitted, "accepted": r.accepted,
-                    "drafted": r.drafted, "draft_forwards": r.draft_forwards, "target_calls": r.target_calls}
+                    "drafted": r.drafted, "draft_forwards": r.draft_forwards, "head_forwards": r.head_forwards,
+                    "target_calls": r.target_calls}
                    for row, r in zip(rows, results)]
         write_json_atomic(out / f"{setting_name(policy, threshold)}.json",
                           {"policy": policy, "threshold": threshold, "records": records})

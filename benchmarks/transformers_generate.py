@@ -102,23 +102,26 @@ def main() -> None:
         draft.generation_config.assistant_confidence_threshold = threshold
         return {"assistant_model": draft}
 
+    stats: list = []  # the head method's counts per row: its head's forwards, charged at their cost in draft forwards
     methods = {"target": lambda: {}, "assisted": lambda: assistant(20, "constant", 0.4),
                "heuristic": lambda: assistant(5, "heuristic", 0.0),
-               "head": lambda: {"custom_generate": speculative_generate, "draft": draft, "head": head}}
+               "head": lambda: {"custom_generate": speculative_generate, "draft": draft, "head": head, "stats": stats}}
     rows: dict[str, list[tuple[int, int, int, float]]] = {name: [] for name in methods}
     for name, extra in methods.items():
         options = extra()  # once per method; transformers copies the assistant's config per call (state is per call)
         for number, prompt in enumerate(prompts):
             torch.manual_seed(number)
             before = {role: counter.count for role, counter in counters.items()}
+            counted = len(stats)
             start = time.perf_counter()
             out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                   **common, **options)
             seconds = time.perf_counter() - start
             new = out[0, len(prompt):].tolist()
             ended = next((i + 1 for i, token in enumerate(new) if token in eos), len(new))
+            head_forwards = sum(s.head_forwards for s in stats[counted:])
             rows[name].append((ended, counters["target"].count - before["target"],
-                               counters["draft"].count - before["draft"], seconds))
+                               counters["draft"].count - before["draft"] + head_forwards, seconds))
         print(f"{name}: done", file=sys.stderr)
     c = config.cost_ratio
     costs = {name: np.array([(t, tf + c * df) for t, tf, df, _ in runs], dtype=float) for name, runs in rows.items()}

@@ -4,7 +4,7 @@ and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, va
 run with growth read from the costs (`TreeRule(cost_ratio=c)`, floor 0, nothing tuned; docs/method.md "Trees whose
 growth weighs their costs"): `tree_head_cost` against `tree_confidence_cost` is the same growth rule with two value
 sources. With `--sibling_head` (a head trained on second children, configs/train/sibling-ontime.yaml) the cost-grown
-head tree also runs with it scoring the later siblings (`tree_sibling_cost`, sibling-aware values).
+head tree also runs with it scoring the second children (`tree_sibling_cost`, sibling-aware values).
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):
@@ -234,7 +234,8 @@ def decode(config: Config, step: str) -> None:
             results = decode_tree(engine, prompts, rule, config.max_new_tokens, seeds, head,
                                   sibling_head=sibling_head if setting["kind"] == "tree_sibling_cost" else None)
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
-                    "draft_forwards": r.draft_forwards, "target_calls": r.target_calls} for p, r in zip(source, results)]
+                    "draft_forwards": r.draft_forwards, "head_forwards": r.head_forwards,
+                    "target_calls": r.target_calls} for p, r in zip(source, results)]
         payload = {"setting": setting, "records": records}
         if setting["kind"] == "tree_sibling_cost":
             payload["sibling_head_digest"] = digest
@@ -243,8 +244,17 @@ def decode(config: Config, step: str) -> None:
 
 
 def totals(records: list[dict[str, Any]]) -> np.ndarray:
-    """[prompts, 4]: emitted, accepted, draft forwards, target forwards."""
-    return np.array([[r["emitted"], r["accepted"], r["draft_forwards"], r["target_calls"]] for r in records], dtype=float)
+    """[prompts, 4]: emitted, accepted, draft forwards (the head's forwards at their cost included), target forwards."""
+    refuse_uncharged(records)
+    return np.array([[r["emitted"], r["accepted"], r["draft_forwards"] + r["head_forwards"], r["target_calls"]]
+                     for r in records], dtype=float)
+
+
+def refuse_uncharged(records: list[dict[str, Any]]) -> None:
+    """Stop at records decoded before the head's forwards were counted: their speedups count the head free."""
+    if any("head_forwards" not in r for r in records):
+        raise SystemExit("tree_drafts.py: these records were decoded before the head's forwards were counted (no "
+                         "head_forwards); remove them and decode again")
 
 
 def figures(table: np.ndarray, cost_ratio: float) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ LABELS_TABLE = """\
 | `accept` | min(1, p/q) of the candidate: SpecDec++'s soft label |
 | `beta` | Σ_v min(p(v), q(v)): expected acceptance at i whatever is drafted |
 | `entropy`, `top1` | H(q) and max q at i (at T = 0, of the untempered q) for the training-free baselines |
+| `top2` | the second-largest q at i: with `top1`, the top-2 margin |
 | `features` | the draft's hidden states, {state}, fp16 (bf16 as its uint16 bits with `features_dtype: bfloat16`), on prompt + `mixed_ids`: row 0 is the prompt's last position, row i the state that has read z_i; with `features_at` other than `all` only the rows it keeps (recomputed from `is_draft` by `specheads.dataset.storage.kept_rows`) |
 """
 SIBLING_ROWS = ("| `sibling_ids` | a tree's second child: drawn from q without `draft_ids`' candidate (−1 where q "

@@ -142,6 +142,11 @@ class GenConfig:
     """seed of sampling and mixing; each row's draws follow from it and the row alone."""
     devices: PositiveInt = 1
     """data-parallel ranks (processes) per node."""
+    threads: PositiveInt = 1
+    """torch threads each rank labels with. A CPU's float sums depend on it (a draw near a boundary of the
+    distribution then flips), so it is set, not taken from the machine or OMP_NUM_THREADS, and the data fingerprint
+    records it: the same config gives the same rows on 1 or N ranks. For speed on idle cores add ranks (--devices);
+    more threads give other rows (another fingerprint)."""
     gpus_per_rank: PositiveInt = 1
     """GPUs each rank spreads its models over (target.device_map; data_gen.placement)."""
     accelerator: str = "auto"

@@ -16,7 +16,7 @@ from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.decoding.sampler import residual
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.model_outputs.signals import output_logits, signal_log_probs, signal_statistics
+from specheads.model_outputs.signals import output_logits, second_probability, signal_log_probs, signal_statistics
 from specheads.model_outputs.states import decoder_states, mixed_states
 
 
@@ -31,6 +31,7 @@ class PositionLabels:
     beta: torch.Tensor
     entropy: torch.Tensor
     top1: torch.Tensor
+    top2: torch.Tensor  # the second-largest q of the signal distribution: with top1, the top-2 margin
     sibling_ids: torch.Tensor | None = None
     sibling_accept: torch.Tensor | None = None
     sibling_beta: torch.Tensor | None = None
@@ -80,13 +81,15 @@ def labels_from_log_probs(
     logp = logp_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
-    entropy, top1 = signal_statistics(signal_log_probs(draft_logits, logq_all, transform))
+    logq_signal = signal_log_probs(draft_logits, logq_all, transform)
+    entropy, top1 = signal_statistics(logq_signal)
     siblings = ([t.cpu() for t in sibling_labels(logp_all, logq_all, candidates, sibling_draws)]
                 if sibling_draws is not None else [None] * len(SIBLING_COLUMNS))
     return PositionLabels(
         draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
-        entropy=entropy.cpu(), top1=top1.cpu(), **dict(zip(SIBLING_COLUMNS, siblings)),
+        entropy=entropy.cpu(), top1=top1.cpu(), top2=second_probability(logq_signal).cpu(),
+        **dict(zip(SIBLING_COLUMNS, siblings)),
     )
 
 
@@ -110,10 +113,11 @@ def label_row(
                             for name in PositionLabels.__dataclass_fields__))
 
 
-LABELLER = 2
-"""The labelling's version, part of the data fingerprint. 2 (issue 50): the mixing draws come from a stream of their
-own (`mixing_draws`), so that a one-pass labeller (data_gen.onepass) can mix each position as it is sampled; 1 took
-them from the label stream after the row's candidates."""
+LABELLER = 3
+"""The labelling's version, part of the data fingerprint. 3 (issue 62): rows carry `top2`, the second-largest q, so
+that a dataset's shards all hold it. 2 (issue 50): the mixing draws come from a stream of their own (`mixing_draws`),
+so that a one-pass labeller (data_gen.onepass) can mix each position as it is sampled; 1 took them from the label
+stream after the row's candidates."""
 
 
 def mixing_draws(global_seed: int, item: WorkItem, n: int) -> torch.Tensor:
@@ -145,7 +149,7 @@ def label_batch(
     draft_states = decoder_states(draft, sequences, pad_id, device)
     columns: dict[str, list] = {name: [] for name in (
         "prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",
-        "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS if siblings else ()))}
+        "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1", "top2", *(SIBLING_COLUMNS if siblings else ()))}
     for row, (item, response) in enumerate(zip(items, responses)):
         generator = row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "label"))
         sibling_generator = (row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "sibling"))
@@ -162,7 +166,8 @@ def label_batch(
         columns["target_ids"].append(response)
         columns["mixed_ids"].append(mixed_ids.tolist())
         columns["is_draft"].append(is_draft.tolist())
-        for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS if siblings else ())):
+        for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1", "top2",
+                     *(SIBLING_COLUMNS if siblings else ())):
             columns[name].append(getattr(labels, name).numpy())
     del target_states, draft_states
     if store_features:

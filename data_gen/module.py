@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
-from specheads.data_gen.onepass import OnePass, derived_layout
+from specheads.data_gen.onepass import OnePass, ProbeFailed, derived_layout
 from specheads.data_gen.plan import Shard
 from specheads.dataset.shards import shard_problem
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
@@ -36,7 +36,8 @@ class LabellingModule(L.LightningModule):
     def __init__(self, target: Any, draft: Any, tokenizer: Any, shards: list[Shard], out: Path,
                  transform: SamplingTransform, max_new_tokens: int, seed: int, chunk: int, store_features: bool,
                  state_layer: int | None, run: str, storage: FeatureStorage = DEFAULT_STORAGE,
-                 engine: BuiltinEngine | None = None, target_states: bool = False, siblings: bool = False):
+                 engine: BuiltinEngine | None = None, target_states: bool = False, siblings: bool = False,
+                 threads: int | None = None):
         super().__init__()
         # Out of the module tree: Lightning would move (and under DDP broadcast) registered models whole, undoing a
         # target spread over the rank's GPUs. load_pair has put both on this rank's devices (data_gen.placement).
@@ -54,6 +55,7 @@ class LabellingModule(L.LightningModule):
         self.storage = storage
         self.target_states = target_states
         self.siblings = siblings
+        self.threads = threads  # torch threads this rank labels with (None: as they are)
         self.engine = engine or BuiltinEngine(tokenizer, transform, max_new_tokens, seed)  # responses not imported
         self._labellers: dict[str, OnePass | None] = {}
 
@@ -66,6 +68,11 @@ class LabellingModule(L.LightningModule):
     def draft(self) -> Any:
         """The draft model, where load_pair placed it."""
         return self._models["draft"]
+
+    def on_predict_start(self) -> None:
+        """Set this rank's torch threads: here, after Lightning's launcher has set its own (cores / ranks)."""
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
 
     def predict_dataloader(self) -> DataLoader:
         """This rank's shards: every world_size-th one, starting at its global rank. A rank left without a shard
@@ -84,11 +91,17 @@ class LabellingModule(L.LightningModule):
             options = self.engine.options
             fits = (self.device.type == "cpu" and options.cache == "dynamic" and not options.compile
                     and not self.target_states)
-            labeller = OnePass.build(self.target, self.draft, self.state_layer, self.store_features) if fits else None
-            if fits and labeller is None and self.global_rank == 0 and derived_layout(self.target, self.draft, None):
-                print(f"specheads gen: the one-pass labeller cannot run {type(self.target).__name__} (its attention or "
-                      "its forward differs from what the pass computes); labelling with generate and teacher-forced "
-                      "forwards instead (slower)", file=sys.stderr)
+            labeller, why = None, None
+            if fits:
+                try:
+                    labeller = OnePass.build(self.target, self.draft, self.state_layer, self.store_features)
+                except ProbeFailed as failure:
+                    why = str(failure)
+                if labeller is None and why is None and derived_layout(self.target, self.draft, None):
+                    why = "its attention is not one the pass computes"
+            if why and self.global_rank == 0:
+                print(f"specheads gen: the one-pass labeller cannot run {type(self.target).__name__} ({why}); "
+                      "labelling with generate and teacher-forced forwards instead (slower)", file=sys.stderr)
             self._labellers["one_pass"] = labeller
         return self._labellers["one_pass"]
 

@@ -22,7 +22,7 @@ It computes what `generate` and `label_batch` compute, with the same draws from 
 falls within that rounding of a boundary of the cumulative distribution, as between two `generate` batch sizes).
 `OnePass.build` returns a labeller only for a derived pair whose layers attend over every earlier token, and only once
 a probe shows that the pass gives the plain forwards' p, q and states on the model; gen falls back to `generate` and
-`label_batch` otherwise (`data_gen.module`).
+`label_batch` otherwise (`data_gen.module`), saying why where the probe failed (`ProbeFailed`).
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def plain_attention(model: Any) -> bool:
             and getattr(config, "sliding_window", None) is None
             and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
             and hasattr(decoder, "rotary_emb") and hasattr(decoder, "norm"))
+
+
+class ProbeFailed(Exception):
+    """The pass cannot label a derived pair: on the probe it gave other numbers than the model's own forwards, or the
+    model's layers raised when the pass called them (a family that wants other inputs). The message says which."""
 
 
 class LayerCache:
@@ -211,16 +216,22 @@ class OnePass:
     @classmethod
     def build(cls, target: Any, draft: Any, state_layer: int | None, features: bool = True) -> OnePass | None:
         """The labeller of a derived pair whose layers attend over every earlier token and on which the probe finds
-        the plain forwards' p, q and (with `features`) states at `state_layer`; None otherwise."""
+        the plain forwards' p, q and (with `features`) states at `state_layer`; None for any other pair. Raises
+        `ProbeFailed` for such a pair whose probe fails: whatever the probe raises means the same, that the pass does
+        not compute this model's forward, and the plain forwards are the answer either way."""
         layout = derived_layout(target, draft, state_layer, features)
         if layout is None or not plain_attention(target):
             return None
         labeller = cls(target, layout)
         try:
             with torch.no_grad():
-                return labeller if labeller.probe(draft) else None
-        except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):  # a layer that wants other inputs
-            return None
+                matches = labeller.probe(draft)
+        except Exception as error:  # a layer that wants other inputs, in whatever way it says so
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise ProbeFailed(f"its layers raised {type(error).__name__}" + (f": {detail}" if detail else "")) from error
+        if not matches:
+            raise ProbeFailed("its p, q or states differ from the model's own forwards")
+        return labeller
 
     # -- the streams' forward --------------------------------------------------------------------------------------------
 
@@ -430,7 +441,7 @@ class Record:
         self.tokens: dict[str, torch.Tensor] = {name: torch.zeros(steps, rows, dtype=torch.long) for name in
                                                 ("target_ids", "draft_ids", "mixed_ids", *SIBLING_COLUMNS[: int(siblings)])}
         self.flags = torch.zeros(steps, rows, dtype=torch.bool)
-        names = ("logp", "logq", "accept", "beta", "entropy", "top1", *(SIBLING_COLUMNS[1:] if siblings else ()))
+        names = ("logp", "logq", "accept", "beta", "entropy", "top1", "top2", *(SIBLING_COLUMNS[1:] if siblings else ()))
         self.values: dict[str, torch.Tensor] = {name: torch.zeros(steps, rows) for name in names}
         self.features: torch.Tensor | None = None
         self.steps = steps

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import transformers
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from specheads import __version__
@@ -149,8 +150,35 @@ def fingerprint_of(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> dict:
-    """What defines the dataset (docs/data.md "Manifest"); counts and times are left out on purpose."""
+def arithmetic(device: torch.device, threads: int, dtype: torch.dtype) -> dict[str, Any]:
+    """What the rows' floats depend on beside the inputs (docs/data.md "Reproducibility"): the kind of device (a GPU
+    by name), the models' dtype, torch's and transformers' versions (their kernels), and on a CPU its vector
+    instructions and the threads each rank labels with (a reduction split over more threads adds in another order)."""
+    record: dict[str, Any] = {"device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                              "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.type == "cuda":
+        record["device_name"] = torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        record |= {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads}
+    return record
+
+
+def arithmetic_refusal(out: Path, made: dict[str, Any] | None, here: dict[str, Any]) -> str:
+    """The one-line refusal to go on with data in `out` labelled under other arithmetic (`made`; None: before gen
+    recorded it) than this run's (`here`)."""
+    if made is None:
+        return (f"{out} was labelled before gen recorded the arithmetic its rows depend on (torch threads, device, "
+                "torch version), so this run's rows could differ from its shards; pick another --out or pass --overwrite")
+    differs = [name for name in sorted(set(made) | set(here)) if made.get(name) != here.get(name)]
+    fix = f"pass --threads {made['threads']}" if differs == ["threads"] else "go on with it where it was made"
+    what = "; ".join(f"{name} {made.get(name)} there, {here.get(name)} here" for name in differs)
+    return (f"{out} was labelled under other arithmetic ({what}), so this run's rows could differ from its shards; "
+            f"{fix}, or pick another --out or pass --overwrite")
+
+
+def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt], device: torch.device) -> dict:
+    """What defines the dataset (docs/data.md "Manifest"), the arithmetic of this rank's `device` included; counts and
+    times are left out on purpose."""
     return {
         "target": weights_identity(config.target, pair.target),
         "draft": draft_weights_identity(config.draft, pair.draft),
@@ -181,6 +209,7 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt]) -> 
         "max_prompt_tokens": config.max_prompt_tokens,
         "batch_size": config.batch_size,
         "rows_per_shard": config.rows_per_shard,
+        "arithmetic": arithmetic(device, config.threads, pair.target.dtype),
     }
 
 
@@ -220,6 +249,8 @@ def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool)
         if not overwrite:
             old = manifest.get("identity", {})
             differs = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))
+            if differs == ["arithmetic"]:
+                raise UsageError(arithmetic_refusal(out, old.get("arithmetic"), identity["arithmetic"]))
             raise UsageError(f"{out} holds a dataset with a different fingerprint ({manifest.get('fingerprint')} vs "
                              f"{fingerprint}; differs in: {', '.join(differs) or 'format'}); pick another --out or pass --overwrite")
         for name in (MANIFEST, "README.md"):
@@ -242,8 +273,7 @@ def run(config: GenConfig) -> Summary | None:
     tokenizer = load_tokenizers(config.target, config.draft)
     read = (read_imported_responses(Path(config.responses), tokenizer, {p.id for p in all_prompts})
             if config.responses else None)
-    note = ignored_settings(config)
-    if note and rank_zero_only.rank == 0:
+    for note in ignored_settings(config) if rank_zero_only.rank == 0 else []:
         print(f"specheads gen: {note}", file=sys.stderr)
     trainer = make_trainer(config)  # before the models: Lightning names this rank's devices, where they are loaded
     pair = load_pair(config.target, config.draft, tokenizer,
@@ -255,7 +285,7 @@ def run(config: GenConfig) -> Summary | None:
                              context_length(pair.target))
     items = selection.items
     shards = build_plan(items, config.batch_size, config.rows_per_shard)
-    identity = data_identity(config, pair, prompts)
+    identity = data_identity(config, pair, prompts, trainer.strategy.root_device)
     fingerprint = fingerprint_of(identity)
     started = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "complete": False, "fingerprint": fingerprint,
@@ -291,12 +321,17 @@ def run(config: GenConfig) -> Summary | None:
                      selection, trainer)
 
 
-def ignored_settings(config: GenConfig) -> str | None:
-    """One line naming a setting given that this run ignores, or None."""
+def ignored_settings(config: GenConfig) -> list[str]:
+    """A line for each setting given that this run ignores."""
+    notes = []
     if config.responses and config.samples_per_prompt != 1:
-        return (f"samples_per_prompt ({config.samples_per_prompt}) is ignored with --responses: each imported "
-                "response is one row; drop it, or import more responses per prompt")
-    return None
+        notes.append(f"samples_per_prompt ({config.samples_per_prompt}) is ignored with --responses: each imported "
+                     "response is one row; drop it, or import more responses per prompt")
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp and omp != str(config.threads):
+        notes.append(f"OMP_NUM_THREADS={omp} is ignored: each rank labels with --threads {config.threads} (the rows "
+                     "depend on it); pass --threads to change it")
+    return notes
 
 
 DECIDED = "SPECHEADS_GEN_DECIDED"
@@ -385,15 +420,26 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
     module = LabellingModule(pair.target, pair.draft, tokenizer, shards, out, transform,
                              config.sampling.max_new_tokens, config.seed, config.label_chunk_tokens,
                              config.store_features, config.state_layer, fingerprint, feature_storage(config),
-                             engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
+                             threads=config.threads, engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
                                                   config.generation), target_states=config.target_states,
                              siblings=config.sibling_labels)
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
                          fingerprint, config.features_dtype,
                          int(pair.target.config.hidden_size) if config.target_states else None, config.sibling_labels)
     trainer.callbacks.append(writer)
-    trainer.predict(module, return_predictions=False)
+    with threads_kept():  # the module sets this rank's labelling threads (config.threads) once Lightning has launched
+        trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0
+
+
+@contextmanager
+def threads_kept() -> Iterator[None]:
+    """torch's thread count as it was before the block, whatever the block sets."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_trainer(config: GenConfig) -> L.Trainer:

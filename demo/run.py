@@ -26,7 +26,7 @@ from specheads.demo.stages import (
 )
 from specheads.demo.summary import summarise, summary_text
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import write_json_atomic
+from specheads.plumbing.files import check_output_folder, write_json_atomic
 
 MARKER = ".specheads-demo"
 """The file that marks a folder `specheads demo` made: the only kind --overwrite deletes."""
@@ -77,6 +77,7 @@ def run_stage(stage: Stage, number: int, total: int) -> float:
 
 def demo(config: DemoConfig) -> dict[str, Any]:
     """Run (or resume) the demo into `config.folder`; returns summary.json's content."""
+    check_output_folder(config.folder)
     layout = Layout(config.folder.resolve())
     prepare_folder(layout.root, config.overwrite)
     started = time.perf_counter()

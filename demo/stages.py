@@ -111,7 +111,7 @@ def shipped_eval_stage(layout: Layout, size: str, progress: bool) -> Stage:
     the serving table."""
     argv = ("eval", "--config", str(stage_config(size, "eval-ontime")), "--head", SHIPPED_HEAD, "--data",
             str(layout.data), "--out", str(layout.report(SHIPPED)), "--allow-other-data", "true",
-            "--serving-batch-sizes", "null", "--progress", str(progress).lower())
+            "--serving-batch-sizes", "null", "--serving-costs", "null", "--progress", str(progress).lower())
     return Stage(f"eval_{SHIPPED}", f"evaluate the {TITLES[SHIPPED]}", argv)
 
 

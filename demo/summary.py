@@ -7,7 +7,8 @@ from typing import Any
 from specheads.artifacts.report_file import REPORT_FILE, Report
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.demo.stages import SHIPPED, SHIPPED_HEAD, TITLES, Layout, relative
-from specheads.eval.report import MIN_TEST_PROMPTS, PLANNED_BY_HEAD, interval_cell, logprob_difference
+from specheads.eval.report import MIN_TEST_PROMPTS, cost_words, interval_cell, logprob_difference
+from specheads.eval.serving import PLANNED_BY_HEAD
 from specheads.plumbing.text import count
 
 
@@ -24,6 +25,7 @@ def head_summary(report: Report, layout: Layout, head: str) -> dict[str, Any]:
     if report.decoding:
         decoding = report.decoding
         result["decoding"] = {**report.verdict["decoding"], "t_draft_over_t_target": decoding["t_draft_over_t_target"],
+                              "head_forward_cost": decoding.get("head_forward_cost"),
                               "measured_t_draft_over_t_target": decoding["measured_costs"]["ratio"],
                               "measured_ratio_ci": decoding["measured_costs"].get("ratio_ci"),
                               "measured_ratio_reliable": decoding["measured_costs"].get("reliable", False),
@@ -90,7 +92,7 @@ def decoding_line(figures: dict[str, Any]) -> str:
         return "no decoding runs"
     if "modelled_speedup" not in d:
         return d.get("note", "no decoding run of the learned policy")
-    c = f"t_draft/t_target = {d['t_draft_over_t_target']:g}"
+    c = cost_words(d["t_draft_over_t_target"], d.get("head_forward_cost"))
     if d["policy"] == "head":
         line = f"modelled speedup {d['modelled_speedup']:.3f}x at h = {d['threshold']:g}"
     else:

@@ -12,22 +12,31 @@ from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInte
 from specheads.artifacts.report_file import REPORT_FILE
 from specheads.plumbing.errors import UsageError
 
-FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "transformers", "transformers_heuristic",
-                  "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
+FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
+                  "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 FIXED_TREES = ("tree_head", "tree_confidence")
 """The trees --fixed-thresholds may give a floor (one for every N of --tree-budgets)."""
 WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
 FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
                 "svip": NON_NEGATIVE,
-                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "transformers", "sv_companion",
-                                               "head", "sprinter", *FIXED_TREES)}}
+                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
+                                               "transformers", "sv_companion", "head", "sprinter", *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
-sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â)."""
+sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
 MEASURED = "measured"
 """--serving-costs' name for the cost curves measured on the decoding device."""
+BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once more; 2 fill B = 256 from 160 prompts"),
+          "bootstrap": (100_000, "resamples of the prompts for each interval; 1,000 give stable 95 % bounds"),
+          "max_draft": (256, "candidates a round may draft"),
+          "constant_ks": (256, "candidates a constant-K round drafts"),
+          "decode_batch_size": (4_096, "prompts decoded together"),
+          "serving_batch_sizes": (65_536, "requests served together"),
+          "tree_budgets": (1_024, "nodes of one tree, each a row of the tree's attention mask")}
+"""Upper bounds on the counts that allocate (or decode) in proportion, with what each counts."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
+               "vllm_current": "head_thresholds", "vllm_history": "head_thresholds", "pmin": "stop_shares",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
@@ -51,18 +60,20 @@ class EvalConfig:
         num_decode_prompts: how many held-out prompts to decode (half tune thresholds, half are reported).
         test_samples: how many times each test prompt is decoded, each time with its own seed (sample s ≥ 1 as
             `<id>#sample<s>`, numbered after every prompt, so sample 0 decodes as without it): a serving queue long
-            enough to fill B = 256 from 160 prompts. The paired intervals resample prompts with all their samples.
+            enough to fill B = 256 from 160 prompts (at most 1 000). The paired intervals resample prompts with all
+            their samples.
         max_new_tokens: tokens generated per decoding run.
         max_draft: cap on a round's candidates (K_max) for the adaptive policies and the oracle.
-        cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B).
+        cost_ratio: t_draft/t_target of the deployment the modelled speedup is for (0.2 ≈ 7B/70B); a head's forwards
+            are charged beside it at the head's weights over the draft's (the report states both).
         bootstrap: resamples of the prompts for the confidence intervals.
         seed: seed of the Bernoulli draws, the bootstrap and the decoding runs.
         allow_other_data: evaluate data made with the head's models and sampling but other prompts or seeds.
         constant_ks: the constant-K baselines' draft lengths (default 1, 2, 3, 4, 6, 8 up to max_draft, and max_draft).
         head_thresholds: the stop head's thresholds to sweep (default 0.3, 0.5, 0.65, 0.8, 0.9).
         sprinter_thresholds: the SPRINTER verifier's thresholds to sweep (default 0.3, 0.5, 0.7, 0.85).
-        stop_shares: SVIP's, confidence's and AdaEDL's (starting λ) thresholds are the quantiles at which each
-            signal stops after these shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
+        stop_shares: SVIP's, confidence's, AdaEDL's (starting λ) and llama.cpp's p_min thresholds are the quantiles at
+            which each signal stops after these shares of drafted tokens (default 0.1, 0.25, 0.45, 0.65).
         sprinter_max_tv: a verifier's tuned threshold keeps SPRINTER's total-variation distance from the target per
             generated token (estimated on the held-out tokens) at or below this.
         device: where the decoding runs: `auto` (the first GPU when there is one), `cpu`, `cuda`, `cuda:1`.
@@ -72,7 +83,8 @@ class EvalConfig:
             row keeps its own seed, so the runs equal those decoded one at a time up to float rounding).
         serving_batch_sizes: also judge each policy at its tuned threshold, the verify budget and SmartSpec's K when
             B requests are served together (`eval.serving`): modelled throughput per B with each model's cost curve,
-            and with the draft at cost_ratio × the target; the batch policies are decoded live at every B.
+            and with the draft at cost_ratio × the target; the batch policies are decoded live at every B. Each B
+            given once, none above the test requests decoded (a batch the queue never fills is refused).
         serving_costs: the cost views of the serving table, one or a list: a cost table of forward time against
             tokens in the forward, `{draft: {tokens: [...], seconds: [...]}, target: {...}}` (`specheads profile
             --out FILE` measures one on the device it runs on), the name of a roofline preset (`specheads profile
@@ -87,7 +99,7 @@ class EvalConfig:
             the companion (on the embedded pair 22-23: the draft's size, another pair skipped): scored offline and,
             for a stop head, decoded as the `sv_companion` stop rule on the head's thresholds (its companion forwards
             counted as draft forwards); off unless given.
-        reuse_runs: an earlier report folder whose constant-K, SVIP and confidence runs are taken instead of
+        reuse_runs: an earlier report folder whose constant-K, SVIP, confidence and p_min runs are taken instead of
             decoded again, where its runs.json was decoded with the same models, sampling, max_new_tokens,
             max_draft, seed, device type and prompt at the same position (checked); to compare heads cheaply.
         tuned_from: an earlier report of this head whose tuned thresholds are decoded, one per policy, with every
@@ -95,10 +107,13 @@ class EvalConfig:
             fresh prompts.
         fixed_thresholds: `{policy: threshold}` (K for constant_k, K_max for the oracle) tuned elsewhere: each
             policy is decoded at its threshold alone and every prompt here is a test prompt, nothing is tuned (the
-            demo takes the values docs/results.md tuned on dev prompts, so that all its prompts report).
+            demo takes the values docs/results.md tuned on dev prompts, so that all its prompts report). Not empty;
+            not head_cost, which decodes at cost_ratio.
         serving_batch_policies: the batch policies decoded live in the serving table (`budget`, `smartspec`, and
             the goodput planner fed by the expected-acceptance head, D-Cut's top-1 product or vLLM's estimate:
-            `goodput`, `dcut`, `vllm_adaptive`).
+            `goodput`, `dcut`, `vllm_adaptive`; on request, the same planner fed vLLM's merged estimator, its margin
+            revision, each request's history or the expected-acceptance head calibrated while serving:
+            `vllm_current_adaptive`, `vllm_margin_adaptive`, `vllm_history_adaptive`, `goodput_online`).
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off. Counted forwards are the same either way.
@@ -142,7 +157,8 @@ class EvalConfig:
     reuse_runs: str | None = None
     tuned_from: str | None = None
     fixed_thresholds: dict[str, float] | None = None
-    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"]] = field(
+    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
+                                         "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online"]] = field(
         default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
     prompt_cache_mb: NonNegativeInt = 2048
     tree_budgets: list[PositiveInt] | None = None
@@ -162,14 +178,8 @@ class EvalConfig:
         if self.num_decode_prompts == 1:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
-        sources = self.serving_cost_sources
-        if len(set(sources)) < len(sources):
-            raise UsageError(f"--serving-costs names a view twice ({', '.join(sources)}); give each table or preset once")
-        for source in sources:  # a bad table is refused before any model loads
-            if source != MEASURED:
-                from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
-
-                read_cost_table(source, "--serving-costs")
+        self.check_bounds()
+        self.validate_serving()
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
         if self.tree_floors is not None and not self.tree_budgets:
@@ -180,10 +190,60 @@ class EvalConfig:
         if self.tree_budgets and self.num_decode_prompts < 1:
             raise UsageError("--tree-budgets decodes trees on the decode prompts; give --num-decode-prompts of at "
                              "least 2, or drop --tree-budgets")
-        if self.tuned_from and self.fixed_thresholds:
+        if self.tuned_from and self.fixed_thresholds is not None:
             raise UsageError("--tuned-from and --fixed-thresholds both say which thresholds to decode; give one")
-        if self.tuned_from or self.fixed_thresholds:
+        if self.tuned_from or self.fixed_thresholds is not None:
             self.validate_given_thresholds()
+
+    def check_bounds(self) -> None:
+        """Refuse a count beyond its bound in BOUNDS, naming what it counts."""
+        for name, (bound, what) in BOUNDS.items():
+            value = getattr(self, name)
+            largest = max(value, default=0) if isinstance(value, list) else value or 0
+            if largest > bound:
+                raise UsageError(f"{flag(name)} {largest} is above {bound:,}: {what}; give at most {bound:,}")
+
+    @property
+    def most_test_requests(self) -> int:
+        """The most test requests the decode prompts can give: every test prompt (half of them when tuning here) with
+        its samples."""
+        test_prompts = self.num_decode_prompts // 2 if self.tunes_here else self.num_decode_prompts
+        return test_prompts * self.test_samples
+
+    def validate_serving(self) -> None:
+        """The serving table's options: batch sizes given once each, none larger than the test requests can fill, and
+        every cost view readable (a bad table is refused before any model loads); its other options only with it."""
+        sizes = self.serving_batch_sizes
+        if sizes is None:
+            given = [option for option, value in (("--serving-costs", self.serving_costs),
+                                                  ("--budget-head", self.budget_head)) if value is not None]
+            if given:
+                raise UsageError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for the serving table, but no "
+                                 "batch size is served; give --serving-batch-sizes (e.g. [1, 8]) too, or drop "
+                                 f"{'it' if len(given) == 1 else 'them'}")
+            return
+        if not sizes:
+            raise UsageError("--serving-batch-sizes is empty; give batch sizes such as [1, 8], or drop it to serve none")
+        if len(set(sizes)) < len(sizes):
+            raise UsageError(f"--serving-batch-sizes {sizes} gives a batch size twice; give each once")
+        if self.num_decode_prompts < 1:
+            raise UsageError("--serving-batch-sizes serves the decoding runs; give --num-decode-prompts of at least 2, "
+                             "or drop --serving-batch-sizes")
+        if max(sizes) > self.most_test_requests:
+            raise UsageError(f"--serving-batch-sizes {max(sizes)} is more than the at most {self.most_test_requests} "
+                             "test requests this eval decodes, so that batch would never be full; give batch sizes up "
+                             "to that, or raise --test-samples or --num-decode-prompts")
+        sources = self.serving_cost_sources
+        if not sources:
+            raise UsageError("--serving-costs is empty; give `measured`, a cost table or a roofline preset (or a list "
+                             "of them), or drop it for the curves measured here")
+        if len(set(sources)) < len(sources):
+            raise UsageError(f"--serving-costs names a view twice ({', '.join(sources)}); give each table or preset once")
+        for source in sources:
+            if source != MEASURED:
+                from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
+
+                read_cost_table(source, "--serving-costs")
 
     @property
     def serving_cost_sources(self) -> list[str]:
@@ -199,6 +259,12 @@ class EvalConfig:
         if self.tuned_from:
             require_report_files("--tuned-from", self.tuned_from, (REPORT_FILE, "runs.json"))
         else:
+            if not self.fixed_thresholds:
+                raise UsageError("--fixed-thresholds is empty, so nothing would be decoded at a given threshold; give "
+                                 "{policy: threshold} (e.g. {head: 0.6, constant_k: 3}), or drop it to tune on dev prompts")
+            if "head_cost" in self.fixed_thresholds:
+                raise UsageError("--fixed-thresholds gives head_cost, but the head's cost rule has no threshold: it "
+                                 "decodes at c = --cost-ratio, tuned nowhere; drop it (and set --cost-ratio)")
             unknown = sorted(set(self.fixed_thresholds) - set(FIXED_POLICIES) - set(FIXED_TREES))
             if unknown:
                 raise UsageError(f"--fixed-thresholds names unknown policies {', '.join(unknown)}; use "

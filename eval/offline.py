@@ -29,17 +29,23 @@ from specheads.artifacts.metrics import (
 )
 from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.dataset.targets import draft_features, head_inputs, stale_target_states
-from specheads.decoding.online import AdaEdl, Outcome, VllmEstimator
+from specheads.decoding.calibration import MARGIN_REVISION_START, MAX_LOG_ODDS_START, OnlineLogistic
+from specheads.decoding.online import LOGIT_CLAMP, AdaEdl, Outcome, VllmEstimator
 from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows
+from specheads.model_outputs.signals import top_two_margin
 
-BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion")
-SIGNAL_ORDER = ("head", *BASELINES, "beta_oracle", "label_ceiling", "constant")
-PROBABILITY_SIGNALS = ("head", "draft_top1", "draft_prob", "vllm_online", "sv_companion", "beta_oracle", "label_ceiling",
-                       "constant")
-READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True, "adaedl": False,
-                     "sv_companion": True,
+BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "adaedl",
+             "sv_companion")
+HEAD_SIGNALS = ("head", "head_online", "head_online_margin")
+"""The head's scores: as trained, and calibrated online from the outcomes before each token (`online_scores`), on its
+logit alone or beside the top-2 margin."""
+SIGNAL_ORDER = (*HEAD_SIGNALS, *BASELINES, "beta_oracle", "label_ceiling", "constant")
+PROBABILITY_SIGNALS = (*HEAD_SIGNALS, "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "sv_companion",
+                       "beta_oracle", "label_ceiling", "constant")
+READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True,
+                     "vllm_current": False, "vllm_margin": False, "adaedl": False, "sv_companion": True,
                      "beta_oracle": False, "label_ceiling": True, "constant": False}
 """Whether a signal's score of ŷ_k reads ŷ_k itself: only the scores that do not may rank drafted positions for a
 verify budget (docs/decoding-core.md "Verify budgets"); the head's own answer is its `decides`."""
@@ -73,12 +79,20 @@ class TokenTable:
     position: np.ndarray
     prompts: int
     sv_companion: np.ndarray | None = None  # SV's companion predictor (eval.companion), when eval was asked for it
+    top2: np.ndarray | None = None  # the draft's second-largest q; None for data labelled before it was stored
 
     def scores(self, seed: int = 0) -> dict[str, np.ndarray]:
-        """Every signal's score per token (higher = more likely accepted)."""
+        """Every signal's score per token (higher = more likely accepted); the margin's only where the data has
+        `top2` (`margin_note` says so otherwise)."""
         companion = {} if self.sv_companion is None else {"sv_companion": self.sv_companion}
+        online = {"vllm_current": online_scores(np.c_[logits(self.top1)], MAX_LOG_ODDS_START, self.label, seed),
+                  "head_online": online_scores(np.c_[self.logit], (1.0, 0.0), self.label, seed)}
+        if self.top2 is not None:
+            margin = np.c_[top_two_margins(self.top1, self.top2)]
+            online.update(vllm_margin=online_scores(margin, MARGIN_REVISION_START, self.label, seed),
+                          head_online_margin=online_scores(np.c_[self.logit, margin], (1.0, 0.0, 0.0), self.label, seed))
         return {"head": self.prediction, **baseline_scores(self.logq, self.entropy, self.top1),
-                "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed),
+                "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed), **online,
                 "adaedl": adaedl_scores(self.entropy, self.label, self.row, seed), **companion,
                 "beta_oracle": self.beta, "label_ceiling": self.label,
                 "constant": np.full_like(self.label, self.label.mean())}
@@ -87,7 +101,49 @@ class TokenTable:
         """The tokens at `index` (a bootstrap resample)."""
         values = {name: getattr(self, name)[index] for name in TOKEN_COLUMNS}
         return TokenTable(**values, prompts=self.prompts,
-                          sv_companion=None if self.sv_companion is None else self.sv_companion[index])
+                          sv_companion=None if self.sv_companion is None else self.sv_companion[index],
+                          top2=None if self.top2 is None else self.top2[index])
+
+    @property
+    def margin_note(self) -> str | None:
+        """Why the top-2 margin's scores are missing, or None when they are there."""
+        if self.top2 is not None:
+            return None
+        return ("the top-2 margin's scores (vllm_margin, head_online_margin) are left out: this data was labelled "
+                "before gen stored the draft's second-largest q (`top2`, labeller 3); label it again to score them")
+
+
+OFFLINE_STEP_TOKENS = 64
+"""Held-out tokens per step of an online fit scored offline: a round of B = 64 rows, the serving table's smallest B in
+issue 62 (a refit every 100 steps, 6 400 tokens)."""
+
+
+def logits(probability: np.ndarray) -> np.ndarray:
+    """log(p / (1 − p)) per token, clamped to ±40 (`specheads.decoding.online.drawn_logit`)."""
+    with np.errstate(divide="ignore"):
+        return np.clip(np.log(probability) - np.log1p(-probability), -LOGIT_CLAMP, LOGIT_CLAMP)
+
+
+def top_two_margins(top1: np.ndarray, top2: np.ndarray) -> np.ndarray:
+    """The top-2 logit margin per token (`specheads.model_outputs.signals.top_two_margin`)."""
+    return np.array([top_two_margin(a, b) for a, b in zip(top1.tolist(), top2.tolist())])
+
+
+def online_scores(features: np.ndarray, start: tuple[float, ...], label: np.ndarray, seed: int) -> np.ndarray:
+    """An online logistic fit (`specheads.decoding.calibration.OnlineLogistic`: vLLM's merged estimator's fit, slopes
+    and intercept from `start`) run causally along the held-out tokens in their order: each token is scored by the fit
+    made from the tokens before it, then its outcome, a seeded Bernoulli draw of its soft label, is folded in; a step
+    is `OFFLINE_STEP_TOKENS` tokens (the fit changes only at a step's end, so a step's tokens are scored together).
+    Offline tokens have no position in a round, so the fit has one intercept."""
+    fit = OnlineLogistic(1, start[:-1], start[-1])
+    outcomes = np.random.default_rng(seed).uniform(size=len(label)) < label
+    scores = np.empty(len(label))
+    for begin in range(0, len(label), OFFLINE_STEP_TOKENS):
+        step = slice(begin, begin + OFFLINE_STEP_TOKENS)
+        scores[step] = fit.predictions(features[step], np.zeros(len(features[step]), dtype=int))
+        fit.fold(features[step], [1] * len(features[step]), outcomes[step])
+        fit.step()
+    return scores
 
 
 def vllm_online_scores(prob: np.ndarray, label: np.ndarray, seed: int) -> np.ndarray:
@@ -130,6 +186,7 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
     head = trained.head
     embeddings = draft.get_input_embeddings() if head.candidate_embedding_size and draft is not None else None
     columns: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
+    top2: list[np.ndarray] = []
     prompt_index: dict[str, int] = {}
     rows = data.splits[split]["prompt_id"]
     start = 0
@@ -153,11 +210,14 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         columns["position"].append(position.numpy())
         for name in POSITION_COLUMNS:
             columns[name].append(batch[name][mask].numpy())
+        if "top2" in batch:
+            top2.append(batch["top2"][mask].numpy())
         groups = torch.tensor([prompt_index.setdefault(i, len(prompt_index)) for i in ids]).unsqueeze(1)
         columns["group"].append(groups.expand_as(mask)[mask].numpy())
     arrays = {name: np.concatenate(parts).astype(np.int64 if name in INTEGER_COLUMNS else np.float64)
               for name, parts in columns.items()}
-    return TokenTable(**arrays, prompts=len(prompt_index))
+    return TokenTable(**arrays, prompts=len(prompt_index),
+                      top2=np.concatenate(top2).astype(np.float64) if top2 else None)
 
 
 def as_probability(name: str, score: np.ndarray) -> np.ndarray:

@@ -18,7 +18,10 @@ from specheads.plumbing.files import atomic_path  # noqa: E402
 PLOTS = {"roc": "roc.png", "reliability": "reliability.png", "cumulative_reliability": "cumulative_reliability.png",
          "pareto": "pareto.png", "acceptance_lengths": "acceptance_lengths.png", "serving": "serving.png"}
 LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1": "draft top-1 prob",
-          "draft_prob": "draft q(ŷ)", "vllm_online": "vLLM online estimator", "adaedl": "AdaEDL adapted bound",
+          "draft_prob": "draft q(ŷ)", "vllm_online": "vLLM online estimator (older form)",
+          "vllm_current": "vLLM estimator, logit(max q)", "vllm_margin": "vLLM estimator, top-2 margin",
+          "head_online": "head calibrated online", "head_online_margin": "head + margin calibrated online",
+          "adaedl": "AdaEDL adapted bound",
           "sv_companion": "SV companion bins",
           "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
 
@@ -123,7 +126,7 @@ def pareto_plot(rows: list[dict[str, Any]], path: Path, cost_ratio: float) -> No
     for speedup in np.unique(np.round([row["modelled_speedup"] for row in rows], 1)):
         # tokens / (c · drafts + calls) = s  ⇔  calls per token = 1/s − c · drafts per token
         axis.plot(xs, 1.0 / speedup - cost_ratio * xs, color="grey", linestyle=":", linewidth=0.7)
-    axis.set(xlim=(left, right), ylim=(bottom, top), xlabel="draft forwards per generated token",
+    axis.set(xlim=(left, right), ylim=(bottom, top), xlabel="draft forwards per generated token (a head's included)",
              ylabel="target calls per generated token",
              title=f"Pareto frontier (test prompts; dotted: equal speedup at c = {cost_ratio:g})")
     axis.legend(fontsize=8)

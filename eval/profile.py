@@ -1,6 +1,7 @@
 """`specheads profile --out FILE`: a draft/target pair's forward time against the tokens in the forward, measured on
 the device it runs on, or modelled by a roofline preset (`--preset`), written as the cost table that
-`specheads eval --serving-costs FILE` reads (`specheads.decoding.cost_table`).
+`specheads eval --serving-costs FILE` reads (`specheads.decoding.cost_table`); with `--head` the acceptance head's
+forward time against the tokens it scores too, the table's `head` curve, which eval prices that head's forwards with.
 
 It belongs to the eval stage, which prices served rounds with these curves and already measures them when no table
 is given; the table's format and the presets are in the core, which eval's serving table reads them through.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from jsonargparse.typing import PositiveInt
 
@@ -19,7 +20,16 @@ from specheads.decoding.costs import CURVE_TOKENS
 from specheads.pair.models import ModelSpec
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import check_output_folder
+from specheads.plumbing.files import check_output_file
+
+MAX_TOKENS = 65_536
+"""The most tokens a profiled forward may hold (and requests a preset's batch): 256 requests of 256 candidates."""
+PRESET_CONTEXT = 131_072
+"""Positions the presets' models hold (Llama-3.1 and 3.2: 128K)."""
+MAX_CONTEXT = 1_048_576
+"""The most cached tokens per row a measured curve may ask for before the models are loaded (their own context,
+checked once they are, is usually far less)."""
+MAX_REPEATS = 1_000
 
 
 def default_target() -> ModelSpec:
@@ -58,16 +68,18 @@ class ProfileConfig:
     preset (a curve is linear between its points and beyond the last two)."""
     repeats: PositiveInt = 3
     """timed forwards per token count; the table keeps their median."""
+    head: str | None = None
+    """an acceptance head (a `.ckpt`, an exported folder or Hub id, or a shipped head's name, e.g. smollm2-ontime) to
+    time beside the draft: its forward against the tokens it scores, written as the table's `head` curve (eval prices
+    that head's forwards with it; without one, at its share of the draft's weights times the draft's curve)."""
     batch_size: PositiveInt | None = None
     """a preset only: model forwards of a batch of this many requests, so that n tokens read min(n, batch size) rows'
     caches (a verify forward's candidates share their row's cache); default: every token a row of its own, as measured."""
 
     def validate(self) -> None:
         """Refuse what cannot work before any model is loaded."""
-        out = Path(self.out)
-        if out.is_dir():
-            raise UsageError(f"--out {self.out} is a folder; give the JSON file to write, e.g. {out / 'costs.json'}")
-        check_output_folder(out.parent, "--out's folder")
+        check_output_file(Path(self.out))
+        self.check_bounds()
         if self.tokens is not None and len(set(self.tokens)) < 2:
             raise UsageError(f"--tokens {self.tokens} gives fewer than two token counts; a curve needs two or more, "
                              "e.g. [1, 8, 64]")
@@ -77,9 +89,26 @@ class ProfileConfig:
         if self.eagle3 and (self.preset or not Path(self.eagle3, "config.json").is_file()):
             raise UsageError(f"--eagle3 {self.eagle3}: give the folder of a drafter (its config.json and "
                              "model.safetensors) and no --preset")
+        if self.head and self.preset:
+            raise UsageError(f"--head is timed beside a measured draft; --preset {self.preset} models its own pair, "
+                             "whose heads eval prices by their weights: drop --head, or drop --preset to measure")
         if self.batch_size is not None and not self.preset:
             raise UsageError("--batch-size shapes a roofline preset's curve; a measured curve times n rows of one token "
                              "each: drop --batch-size, or give --preset")
+
+
+    def check_bounds(self) -> None:
+        """Refuse counts beyond what a forward can hold: token counts, contexts (a preset's models hold
+        PRESET_CONTEXT positions), repeats and a preset's batch size."""
+        limits = [("--tokens", self.tokens or [], MAX_TOKENS, "the tokens of one forward"),
+                  ("--contexts", self.contexts or [], PRESET_CONTEXT - 1 if self.preset else MAX_CONTEXT,
+                   "cached tokens per row" + (f", and the preset's models hold {PRESET_CONTEXT:,} positions"
+                                              if self.preset else "")),
+                  ("--batch-size", [self.batch_size or 0], MAX_TOKENS, "requests in one batch"),
+                  ("--repeats", [self.repeats], MAX_REPEATS, "timed forwards per token count")]
+        for option, values, bound, what in limits:
+            if max(values, default=0) > bound:
+                raise UsageError(f"{option} {max(values)} is above {bound:,}: {what}; give at most {bound:,}")
 
 
 def parse_config(argv: list[str]) -> ProfileConfig:
@@ -91,19 +120,31 @@ def parse_config(argv: list[str]) -> ProfileConfig:
 
 
 def profile(config: ProfileConfig) -> dict:
-    """Measure (or model) the pair's curves and write the table; returns it."""
+    """Measure (or model) the pair's curves (and the head's, with `--head`) and write the table; returns it."""
     config.validate()
+    head = timed_head(config.head) if config.head else None  # a bad head is refused before the models load
     tokens = tuple(sorted(set(config.tokens))) if config.tokens else None
     if config.preset:
         table = roofline_table(config.preset, config.contexts, tokens or PRESET_TOKENS, config.batch_size)
     else:
-        table = measure_pair(config, tokens or CURVE_TOKENS)
+        table = measure_pair(config, tokens or CURVE_TOKENS, head)
     write_cost_table(Path(config.out), table)
     return table
 
 
-def measure_pair(config: ProfileConfig, tokens: tuple[int, ...]) -> dict:
-    """Load the pair onto `config.device` and measure both models at every context."""
+def timed_head(source: str) -> tuple[str, Any]:
+    """(`source`, the head) of `--head`, refused when decoding could not run it (it reads the target's state)."""
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.decoding.engine import check_decodable_head
+
+    head = load_trained(source).head
+    check_decodable_head(head)
+    return source, head
+
+
+def measure_pair(config: ProfileConfig, tokens: tuple[int, ...], head: tuple[str, Any] | None = None) -> dict:
+    """Load the pair onto `config.device` and measure both models at every context (and `head`, (name, head), beside
+    the draft)."""
     from specheads.eval.run import decoding_device, place
     from specheads.pair.models import context_length, load_pair
 
@@ -125,7 +166,7 @@ def measure_pair(config: ProfileConfig, tokens: tuple[int, ...]) -> dict:
                          f"give contexts below {room}")
     for model in (target, draft):
         place(model, device)
-    return measured_table((draft_name, draft), (target_name, target), contexts, tokens, config.repeats)
+    return measured_table((draft_name, draft), (target_name, target), contexts, tokens, config.repeats, head)
 
 
 def main(argv: list[str]) -> int:
@@ -140,5 +181,14 @@ def main(argv: list[str]) -> int:
               f"token(s), {target['seconds'][-1] * 1e3:.3g} ms at {target['tokens'][-1]}; draft "
               f"{draft['seconds'][0] * 1e3:.3g} ms and {draft['seconds'][-1] * 1e3:.3g} ms (t_draft/t_target at 1 "
               f"token: {draft['seconds'][0] / target['seconds'][0]:.3f})")
+    if "head" in table:
+        head, about = table["head"], table["models"]["head"]
+        print(f"  head {about['name']}: {head['seconds'][0] * 1e3:.3g} ms at {head['tokens'][0]} token(s), "
+              f"{head['seconds'][-1] * 1e3:.3g} ms at {head['tokens'][-1]} (by its weights, {about['forward_cost']:.3g} "
+              "of a draft forward)")
+    for entry in table.get("raised", []):
+        print(f"  context {entry['context']}: the {entry['model']}'s time fell at {entry['tokens']} token(s) below an "
+              "earlier count's (a busy machine?); raised to the running maximum and listed in the table's `raised`; "
+              "for a clean curve re-run on a quiet machine")
     print(f"wrote {config.out} (use it with `specheads eval --serving-costs {config.out}`)")
     return 0

@@ -10,8 +10,9 @@ import markdown
 from specheads.artifacts.report_file import Report, tuned_row
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
-from specheads.eval.offline import BASELINES, READS_DRAWN_TOKEN, SIGNAL_ORDER
+from specheads.eval.offline import BASELINES, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
+from specheads.eval.serving import PLANNED_BY_HEAD
 from specheads.plumbing.files import write_text_atomic
 from specheads.plumbing.text import count
 
@@ -42,10 +43,11 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                           "larger --sprinter-max-tv)" if learned == "sprinter" else "no decoding run of the head policy")
         return result, lines + [result["note"][0].upper() + result["note"][1:] + "."]
     result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
-    c = decoding["t_draft_over_t_target"]
+    costs = cost_words(decoding["t_draft_over_t_target"], decoding.get("head_forward_cost"))
+    result["head_forward_cost"] = decoding.get("head_forward_cost")
     if learned == "head":
         where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
-        lines.append(f"At t_draft/t_target = {c:g} the head policy (threshold {mine['threshold']:g}, {where}) "
+        lines.append(f"At {costs}, the head policy (threshold {mine['threshold']:g}, {where}) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
         for baseline, what in DECODING_BASELINES.items():
             if f"gain_vs_{baseline}" in result:
@@ -56,14 +58,14 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                              + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
                                 else "."))
         lines += strongest_baseline_lines(result)
-        lines += cost_rule_lines(decoding, result)
+        lines += cost_rule_lines(decoding, result) + cost_rule_lines(decoding, result, "head_cost_online")
         if "oracle_speedup" in result:
             lines += oracle_lines(decoding, result)
     else:
         plain = tuned_row(decoding, "constant_k")
         result["tokens_per_target_call"] = mine["tokens_per_target_call"]
         lines.append(f"SPRINTER at threshold {mine['threshold']:g} generates {mine['tokens_per_target_call']:.2f} tokens per "
-                     f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at t_draft/t_target = {c:g}).")
+                     f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at {costs}).")
         if plain and mine.get("mean_target_logprob") is not None and plain.get("mean_target_logprob") is not None:
             difference = mine["mean_target_logprob"] - plain["mean_target_logprob"]
             result["target_logprob_vs_sd"] = difference
@@ -72,6 +74,14 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
                          f"{mine['mean_target_logprob']:.3f} nats/token against {plain['mean_target_logprob']:.3f} for exact "
                          f"SD: {logprob_difference(difference)} (the quality proxy; SPRINTER is approximate by design).")
     return result, lines
+
+
+def cost_words(cost_ratio: float, head_cost: float | None) -> str:
+    """The costs a modelled speedup is counted at, as every figure states them: `t_draft/t_target = 0.2, a head forward
+    0.0315 of a draft forward`; a report from before the head's forwards were counted (`head_cost` None) says so."""
+    if head_cost is None:
+        return f"t_draft/t_target = {cost_ratio:g} (the head's forwards counted free: a report from before they were priced)"
+    return f"t_draft/t_target = {cost_ratio:g}, a head forward {head_cost:.3g} of a draft forward"
 
 
 def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
@@ -97,14 +107,15 @@ def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[str]:
-    """The head's rule read from the costs (decoded at the stated c, tuned nowhere) against the head's tuned threshold
-    and the strongest free rule, recorded in `result` as `head_cost_speedup` and `head_cost_gain_vs_*`."""
-    row = tuned_row(decoding, "head_cost")
+def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any], rule: str = "head_cost") -> list[str]:
+    """The head's rule read from the costs (decoded at the stated c, tuned nowhere; `head_cost_online`: on the head
+    calibrated while serving) against the head's tuned threshold and the strongest free rule, recorded in `result` as
+    `<rule>_speedup` and `<rule>_gain_vs_*`."""
+    row = tuned_row(decoding, rule)
     if row is None:
         return []
-    intervals = decoding.get("head_cost_gain_intervals") or {}
-    result["head_cost_speedup"] = row["modelled_speedup"]
+    intervals = decoding.get(f"{rule}_gain_intervals") or {}
+    result[f"{rule}_speedup"] = row["modelled_speedup"]
     against = [("head", "the head's tuned threshold", result["modelled_speedup"])]
     strongest = result.get("strongest_baseline")
     if strongest:
@@ -112,10 +123,11 @@ def cost_rule_lines(decoding: dict[str, Any], result: dict[str, Any]) -> list[st
     parts = []
     for other, what, theirs in against:
         gain, ci = row["modelled_speedup"] / theirs - 1, intervals.get(other)
-        result[f"head_cost_gain_vs_{other}"], result[f"head_cost_gain_vs_{other}_ci"] = gain, ci
+        result[f"{rule}_gain_vs_{other}"], result[f"{rule}_gain_vs_{other}_ci"] = gain, ci
         parts.append(f"{gain * 100:+.1f} %" + (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]" if ci else "")
                      + f" against {what}")
-    return [f"The head's rule read from the costs (c = {row['threshold']:g}, tuned nowhere) reaches "
+    which = "The head's rule read from the costs" + (" on the head calibrated while serving" if rule != "head_cost" else "")
+    return [f"{which} (c = {row['threshold']:g}, tuned nowhere) reaches "
             f"{row['modelled_speedup']:.3f}× on the test prompts: " + "; ".join(parts) + "."]
 
 
@@ -201,7 +213,7 @@ def offline_table(report: Report) -> list[str]:
         m = report.offline.get(name)
         if m is None:  # a report of an older version, before this signal was scored
             continue
-        reads = head_reads if name == "head" else ("yes" if READS_DRAWN_TOKEN[name] else "no")
+        reads = head_reads if name in HEAD_SIGNALS else ("yes" if READS_DRAWN_TOKEN[name] else "no")
         lines.append(f"| {name} | {reads} | {interval_cell(m['auc'], m['auc_ci'])} | {fmt(m['auc_bernoulli'])} | {fmt(m['pr_auc'])} "
                      f"| {fmt(m['brier'])} | {fmt(m['ece'])} | {interval_cell(m['binary_kl'], m['binary_kl_ci'])} |")
     return lines
@@ -209,7 +221,8 @@ def offline_table(report: Report) -> list[str]:
 
 def decoding_table(rows: list[dict[str, Any]]) -> list[str]:
     """The decoding runs (test prompts) as a markdown table; tuned thresholds in bold."""
-    lines = ["| policy | threshold | discard rate | verification rate | draft forwards/token | mean accepted length "
+    lines = ["| policy | threshold | discard rate | verification rate | draft forwards/token (head's included) "
+             "| mean accepted length "
              "| tokens/target call | tokens/s | modelled speedup | target log-lik |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         mark = "**" if row.get("tuned") else ""
@@ -284,8 +297,10 @@ def tree_lines(trees: dict[str, Any], decoding: dict[str, Any], section: str) ->
              "without replacement and verified by recursive rejection sampling, so the output is the target's "
              "distribution; the prompts' trees verified together, each as it decodes alone. Growth either by a floor "
              f"({origin}) or read from the costs at c = {c:g} (floor 0, tuned nowhere). Counting: {trees['counting']}. "
-             f"Modelled speedup at c = {c:g}; the chain rules are at their tuned thresholds.", "",
-             "| N | values | growth | tokens/target call | draft forwards/target call | mean accepted length "
+             f"Modelled speedup at {cost_words(c, decoding.get('head_forward_cost'))}; the chain rules are at their tuned "
+             "thresholds.", "",
+             "| N | values | growth | tokens/target call | draft forwards/target call (head's included) "
+             "| mean accepted length "
              "| modelled speedup |", "|---|---|---|---|---|---|---|"]
     tuned = [r for r in trees["policies"] if r.get("tuned")]
     for row in sorted(tuned, key=lambda r: (r["budget"], r["growth"] == "costs", r["values"] != "head")):
@@ -312,8 +327,12 @@ def speedup_basis(decoding: dict[str, Any]) -> str:
     c = decoding["t_draft_over_t_target"]
     companion = (f"; SV's companion forwards count as {decoding['sv_companion_cost']:.3g} draft forwards each"
                  if "sv_companion_cost" in decoding else "")
+    head = (f"; each token the head scores costs {decoding['head_forward_cost']:.3g} draft forwards (its weights over "
+            "the draft's), and the free signals (draft confidence, SVIP, AdaEDL, vLLM's estimator) read what the draft "
+            "computed, at no extra cost" if decoding.get("head_forward_cost") is not None else
+            "; the head's forwards are counted free (a report from before they were priced)")
     if decoding.get("speedup_from"):
-        return f"{decoding['speedup_from']} at c = t_draft/t_target = {c:g} (in target-forward units){companion}"
+        return f"{decoding['speedup_from']} at c = t_draft/t_target = {c:g} (in target-forward units){head}{companion}"
     return (f"SpecDec++ Eq. 5.1 at t_draft/t_target = {c:g} (this report predates counted speedups: Eq. 5.1 "
             "overstates SPRINTER; evaluate again)")
 
@@ -375,7 +394,7 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
              f"{budget.get('floor')}, K_max {budget.get('max_draft')}; SmartSpec's K; the goodput planner fed the head, "
              "D-Cut's or vLLM's signal) are decoded live at every B and view; the per-request policies are served from "
              "their test runs' rounds. Modelled tokens/s, the change against constant K at the same B with its paired "
-             "95 % interval over prompts" + queue_note(serving) + ":", ""]
+             "95 % interval over prompts" + queue_note(serving) + ". " + head_pricing_note(serving), ""]
     for view in serving.get("views") or sorted({row["costs"] for row in serving["rows"]}):
         lines += [f"Costs: {view}", "", "| policy | " + " | ".join(f"B = {b}" for b in sizes) + " |",
                   "|---|" + "---|" * len(sizes)]
@@ -384,12 +403,24 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
             for size in sizes:
                 row = next((r for r in serving["rows"] if (r["policy"], r["batch_size"], r["costs"]) == (policy, size, view)),
                            None)
-                cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}")
+                cells.append("" if row is None else f"{row['tokens_per_s']:.1f}{change_note(row)}{warmup_note(row.get('warmup'))}")
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
-        lines += ["", f"Best policy (the oracle aside): {best}.", *rival_lines(serving["rows"], view),
-                  *signal_lines(serving["rows"], view), ""]
+        lines += ["", f"Best policy (the oracle aside): {best}.", *warmup_lines(serving["rows"], view),
+                  *rival_lines(serving["rows"], view), *signal_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
+
+
+def head_pricing_note(serving: dict[str, Any]) -> str:
+    """How the serving table priced the heads' forwards (a table from before it did says they were free)."""
+    costs = serving.get("head_forward_costs")
+    if costs is None:
+        return "The heads' forwards are not priced (a report from before they were)."
+    timed = [view for view, about in serving["cost_curves"].items() if about.get("heads")]
+    shares = ", ".join(f"the {role} head's {cost:.3g}" for role, cost in costs.items())
+    return ("A head's forwards (one per draft step over the tokens it scored) are priced on its curve timed in "
+            + (", ".join(timed) if timed else "no view") + f", elsewhere at its share of the draft's weights ({shares}) "
+            "times the draft's curve; the free signals cost nothing extra.")
 
 
 def rival_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
@@ -406,22 +437,51 @@ def rival_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
     return lines
 
 
-PLANNED_BY_HEAD = ("goodput", "budget")
-"""The batch policies that plan with the trained expected-acceptance head, judged against the others decoded live."""
-
-
 def signal_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
     """Each planner fed the trained head against the batch policies fed free signals (or none) at each B, paired."""
     lines = []
     for policy in PLANNED_BY_HEAD:
         cells = []
         for row in (r for r in rows if (r["policy"], r["costs"], r["decoded"]) == (policy, view, "live")):
-            versus = [f"{other} {against['change']:+.1%}" + percent_ci(against["ci"])
+            versus = [f"{other} {against['change']:+.1%}" + percent_ci(against["ci"]) + judged_note(against.get("warmup"))
                       for other, against in row.get("vs_live", {}).items() if other not in PLANNED_BY_HEAD]
             if versus:
                 cells.append(f"B = {row['batch_size']}: " + ", ".join(versus))
         if cells:
             lines.append(f"{policy} (the trained head) against the planners of free signals: " + "; ".join(cells) + ".")
+    return lines
+
+
+def warmup_note(warmup: dict[str, int] | None) -> str:
+    """' [warm-up: P of N rounds past it]' for a live planner that warms up, or nothing."""
+    return f" [warm-up: {warmup['past_warmup']} of {warmup['rounds']} rounds past it]" if warmup else ""
+
+
+def judged_note(warmup: dict[str, int] | None) -> str:
+    """What a comparison with a planner still in its warm-up is worth: nothing is judged against one that never
+    left it (it checked every candidate to the cap throughout)."""
+    if not warmup:
+        return ""
+    if not warmup["past_warmup"]:
+        return f" (not judged: in its warm-up all {warmup['rounds']} rounds)"
+    return f" (past its warm-up in {warmup['past_warmup']} of {warmup['rounds']} rounds)"
+
+
+def warmup_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """For each live planner that warms up, how many of its rounds came after the warm-up at each B: until then it
+    drafts to the cap and checks every candidate, so where it never left it a comparison with it is one with constant
+    K_max and judges nothing of its rule."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["costs"] == view and r.get("warmup")):
+        runs = [r for r in rows if (r["policy"], r["costs"]) == (policy, view) and r.get("warmup")]
+        counts = ", ".join(f"B = {r['batch_size']}: {r['warmup']['past_warmup']} of {r['warmup']['rounds']}" for r in runs)
+        line = f"{policy}'s rounds past its warm-up (before it: drafting to the cap, every candidate checked): {counts}."
+        stayed = [str(r["batch_size"]) for r in runs if not r["warmup"]["past_warmup"]]
+        if stayed:
+            line += (f" At B = {', '.join(stayed)} it never left its warm-up: a comparison with it there is one with "
+                     "constant K_max and judges nothing of its rule (decode more rounds: more test prompts or "
+                     "--test-samples).")
+        lines.append(line)
     return lines
 
 

@@ -18,7 +18,7 @@ from specheads.dataset.prompts import prompt_digest
 from specheads.eval.sweep import DecodePrompt, RunKey, RunRecord
 from specheads.plumbing.errors import UsageError
 
-HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence")
+HEAD_FREE_POLICIES = ("constant_k", "svip", "confidence", "pmin")
 ACCOUNTING = "counted forwards; a run ends at its first stop token"
 """How runs count what they emitted (a context field): runs of another accounting are not mixed with these. Runs
 decoded before this field existed counted tokens after a stop token and a bonus token beyond max_new_tokens."""
@@ -75,7 +75,8 @@ def load_reusable(folder: str, context: dict[str, Any]) -> dict[RunKey, RunRecor
     """The head-free runs of the report in `folder` whose prompt sits at the same position in `context`,
     marked as reused; refuses a report decoded in another context, naming what differs."""
     earlier, runs = saved_runs(folder, "its runs", "drop --reuse-runs to decode them again")
-    differs = context_differences(earlier, context, ignore=("sv_companion",))  # the runs taken read no companion
+    # the runs taken read no companion and no head
+    differs = context_differences(earlier, context, ignore=("sv_companion", "head_forward_cost"))
     if differs:
         raise UsageError(f"{Path(folder) / 'runs.json'} was decoded with another {', '.join(differs)} than this run; reuse needs the same "
                          "models, sampling, max_new_tokens, max_draft, seed and device, so drop --reuse-runs")

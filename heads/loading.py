@@ -7,17 +7,21 @@ caller is about to use can be checked against the one the head was trained for.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from specheads import __version__
 from specheads.heads.base import AcceptanceHead, decision_timing
 from specheads.heads.registry import head_class
+from specheads.heads.roles import ROLES, role_of, roles_for
+from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.hub import hub_unreachable, reach_fix
 
@@ -42,6 +46,18 @@ HEAD_FORMAT_VERSION = 1
 `save_pretrained` alone declares neither."""
 TIMING_FIELDS = ("reads", "decides", "purpose")
 """The fields of config.json that declare when a head decides; each must be what its `head_type`'s class does."""
+MAX_DEPTH = 64
+"""The most residual blocks a head config may ask for (heads use 0 to 4)."""
+MAX_WIDTH = 1 << 16
+"""The widest input a head config may ask for: hidden, candidate-embedding and target-state sizes (wider than any
+model's hidden size today)."""
+MAX_LAYER = 1 << 10
+SIZE_FIELDS = {"hidden_size": (1, MAX_WIDTH), "depth": (0, MAX_DEPTH), "candidate_embedding_size": (0, MAX_WIDTH),
+               "target_state_size": (0, MAX_WIDTH), "state_layer": (1, MAX_LAYER)}
+"""config.json's sizes, each a whole number within its bounds (hidden_size required, the others where present), checked
+before anything is built: a config from an untrusted repo cannot make `load_head` allocate without bound."""
+OBJECT_FIELDS = ("draft", "target", "sampling", "training_data", "metrics", "training")
+"""config.json's fields that are objects where present."""
 
 
 @dataclass(frozen=True)
@@ -145,37 +161,67 @@ def shipped_heads() -> dict[str, Path]:
 
 
 def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
-    """A local folder as given, a shipped head by its name (`shipped_heads`), or the safetensors + config files of a
-    Hub repo downloaded to the cache."""
-    folder = Path(path_or_repo_id)
-    if folder.is_dir():
-        return folder
+    """A shipped head by its name (`shipped_heads`), a local folder (`~` expanded), or the safetensors + config files
+    of a Hub repo downloaded to the cache.
+
+    A shipped head's name wins over a folder of that name in the working directory: give the folder as a path
+    (`./smollm2-ontime`) to read it. A string that is neither is refused in one line naming what is wrong (an empty
+    name, a path that does not exist, a repo id the Hub would not accept)."""
+    if not isinstance(path_or_repo_id, str) or not path_or_repo_id.strip():
+        raise UsageError(f"no head given ({path_or_repo_id!r}); give a head folder, a Hub repo id (owner/name) or the "
+                         f"name of a shipped head ({', '.join(shipped_heads()) or 'none ship'})")
     shipped = shipped_heads()
     if path_or_repo_id in shipped:
         return shipped[path_or_repo_id]
-    if folder.exists() or path_or_repo_id.count("/") != 1 or path_or_repo_id.startswith((".", "/")):
-        names = f" or one of the heads shipped with specheads ({', '.join(shipped)})" if shipped else ""
-        raise UsageError(f"{path_or_repo_id} is neither a head folder nor a Hub repo id (owner/name){names}; "
-                         "give the folder `specheads export --out` wrote or its repo id")
+    folder = Path(path_or_repo_id).expanduser()
+    if folder.is_dir():
+        return folder
+    names = (f", nor the name of a shipped head ({', '.join(shipped)}; a folder of that name is read when given as "
+             "./NAME)") if shipped else ""
+    if folder.exists() or path_or_repo_id.startswith((".", "/", "~")) or path_or_repo_id.count("/") != 1:
+        missing = "is not a folder" if folder.exists() else "does not exist"
+        raise UsageError(f"{path_or_repo_id} is not a head: {folder} {missing}, and it is no Hub repo id "
+                         f"(owner/name){names}; give the folder `specheads export --out` wrote or its repo id")
+    problem = repo_id_problem(path_or_repo_id)
+    if problem:
+        raise UsageError(f"{path_or_repo_id!r} is not a head: no such folder here, and no valid Hub repo id "
+                         f"({problem}){names}; give the folder `specheads export --out` wrote or its repo id")
+    return downloaded(path_or_repo_id, revision)
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """What the Hub's own repo-id rules find wrong with `repo_id` (None: a valid id)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        return str(error).split(": '")[0].rstrip(".")
+    return None
+
+
+def downloaded(repo_id: str, revision: str | None) -> Path:
+    """The head files of Hub repo `repo_id` in the local cache, downloaded when the Hub can be reached."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
     offline = hub_unreachable()  # decided at once: without a network the Hub client retries for minutes
     try:
-        local = snapshot_download(repo_id=path_or_repo_id, revision=revision, local_files_only=offline is not None,
+        local = snapshot_download(repo_id=repo_id, revision=revision, local_files_only=offline is not None,
                                   allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, "README.md"])
     except (HfHubHTTPError, OSError, ValueError) as error:
         if offline:
-            raise UsageError(f"cannot load head {path_or_repo_id!r}: it is not a local folder nor in the Hugging Face "
+            raise UsageError(f"cannot load head {repo_id!r}: it is not a local folder nor in the Hugging Face "
                              f"cache, and the Hub cannot be used ({offline}); {reach_fix()}, or give the head's "
                              "folder") from None
-        raise UsageError(f"cannot download head {path_or_repo_id!r} (revision {revision or 'main'}): "
+        raise UsageError(f"cannot download head {repo_id!r} (revision {revision or 'main'}): "
                          f"{str(error).splitlines()[0]}; check the repo id, the revision and your token") from error
     return Path(local)
 
 
 def read_head_config(folder: Path) -> dict[str, Any]:
-    """The folder's config.json after the file checks (safetensors present, no pickled weights)."""
+    """The folder's config.json after the file checks (safetensors present, no pickled weights), parsed and its
+    fields' types and bounds checked (`check_config_values`)."""
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED_SUFFIXES)
     if pickled:
         raise UsageError(f"{folder} holds pickled weights ({', '.join(pickled)}), which can run code when loaded; "
@@ -184,30 +230,106 @@ def read_head_config(folder: Path) -> dict[str, Any]:
         if not (folder / name).is_file():
             raise UsageError(f"{folder} has no {name}; a head folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
                              "(write one with `specheads export`)")
+    where = folder / CONFIG_FILE
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise UsageError(f"{folder / CONFIG_FILE} is not valid JSON ({error}); re-export the head") from None
+        raise UsageError(f"{where} is not valid JSON ({error}); re-export the head") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{where} is not UTF-8 text (byte {error.start}: {error.reason}); re-export the head") from None
+    except RecursionError:
+        raise UsageError(f"{where} nests its JSON deeper than Python parses; a head config is a few levels deep: "
+                         "re-export the head") from None
     if not isinstance(config, dict) or "head_type" not in config:
-        raise UsageError(f"{folder / CONFIG_FILE} names no head_type; it is not a specheads head config: give a "
+        raise UsageError(f"{where} names no head_type; it is not a specheads head config: give a "
                          "folder `specheads export` wrote")
+    check_config_values(folder, config)
+    check_sampling(folder, config)
     return config
 
 
-def check_weights_shape(folder: Path, config: dict[str, Any]) -> None:
-    """Refuse weights whose hidden size differs from the config's (read from the safetensors header)."""
+def shown(value: Any, width: int = 60) -> str:
+    """`value` as JSON, cut to `width` characters, for a refusal."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def check_config_values(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse a config.json field of the wrong type or beyond its bound (`SIZE_FIELDS`), before anything is built: a
+    head from an untrusted repo cannot make `load_head` allocate without bound."""
+    where, fix = folder / CONFIG_FILE, "re-export the head with `specheads export`"
+    if not isinstance(config["head_type"], str):
+        raise UsageError(f"{where}: head_type must be a name (a string), got {shown(config['head_type'])}; {fix}")
+    for name, (low, high) in SIZE_FIELDS.items():
+        value = config.get(name)
+        if (value is not None or name == "hidden_size") and (type(value) is not int or not low <= value <= high):
+            raise UsageError(f"{where}: {name} must be a whole number in [{low}, {high}], got {shown(value)}; {fix}")
+    features = config.get("extra_features")
+    if features is not None and not (isinstance(features, list) and all(isinstance(f, str) for f in features)):
+        raise UsageError(f"{where}: extra_features must be a list of signal names, got {shown(features)}; {fix}")
+    for name in OBJECT_FIELDS:
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise UsageError(f"{where}: {name} must be an object, got {shown(config[name])}; {fix}")
+
+
+def check_sampling(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse a recorded sampling transform that is not one (`SamplingTransform`'s fields and ranges)."""
+    sampling = config.get("sampling")
+    if sampling is None:
+        return
+    fields = {name: sampling[name] for name in ("temperature", "top_k", "top_p") if name in sampling}
+    try:
+        if not all(is_number(value) for value in fields.values()):
+            raise UsageError(f"sampling's temperature, top_k and top_p must be numbers, got {shown(fields)}")
+        SamplingTransform(**fields)
+    except UsageError as error:
+        raise UsageError(f"{folder / CONFIG_FILE}: {error}; re-export the head with `specheads export`") from None
+
+
+def header_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the folder's model.safetensors, read from the file's header (nothing loaded)."""
     try:
         with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as weights:
-            names = set(weights.keys())
-            found = weights.get_slice("hidden_mean").get_shape()[0] if "hidden_mean" in names else None
+            return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
     except Exception as error:  # safetensors raises SafetensorError (and others) on a file that is not its format
         raise UsageError(f"{folder / WEIGHTS_FILE} is not a safetensors file ({' '.join(str(error).split())[:120]}); "
                          "re-export the head with `specheads export`") from None
-    if found is None:
+
+
+def skeleton_shapes(folder: Path, config: dict[str, Any], cls: type[AcceptanceHead]) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors of the head config.json describes, built on the meta device (no memory),
+    from the fields its constructor takes, as `from_pretrained` builds it."""
+    parameters = inspect.signature(cls).parameters
+    try:
+        with torch.device("meta"):
+            head = cls(**{name: value for name, value in config.items() if name in parameters})
+    except UsageError as error:
+        raise UsageError(f"{folder / CONFIG_FILE}: {error}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
+        raise UsageError(f"{folder / CONFIG_FILE}: the {cls.head_type} head's fields are malformed "
+                         f"({' '.join(str(error).split())[:120]}); re-export the head with `specheads export`") from None
+    return {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
+
+
+def check_weights_fit(folder: Path, config: dict[str, Any], cls: type[AcceptanceHead]) -> None:
+    """Refuse weights whose tensors (names and shapes, from the safetensors header) are not those of the head
+    config.json describes, before the head is built."""
+    found, expected = header_shapes(folder), skeleton_shapes(folder, config, cls)
+    if "hidden_mean" not in found:
         raise UsageError(f"{folder / WEIGHTS_FILE} holds no specheads head (no hidden_mean tensor)")
-    if found != config.get("hidden_size"):
-        raise UsageError(f"{folder}: config.json says hidden_size {config.get('hidden_size')} but the weights were "
-                         f"made for hidden size {found}; the files do not belong together, re-export the head")
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [f"{name} {list(found[name])} (config: {list(shape)})" for name, shape in sorted(expected.items())
+             if name in found and found[name] != shape]
+    differs = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+               for what, names in (("missing", missing), ("unexpected", unexpected), ("shaped", wrong)) if names]
+    if differs:
+        raise UsageError(f"{folder}: the weights do not fit config.json (hidden_size {config.get('hidden_size')}, "
+                         f"depth {config.get('depth')}): {'; '.join(differs)}; the files do not belong together, "
+                         "re-export the head")
 
 
 def check_format(folder: Path, config: dict[str, Any]) -> None:
@@ -282,24 +404,49 @@ def draft_differences(trained_for: dict[str, Any], expected: dict[str, Any]) -> 
             for key, value in flattened(expected).items() if recorded.get(key) != value]
 
 
+def recorded_role(folder: Path, config: dict[str, Any], cls: type[AcceptanceHead]) -> tuple[str, bool]:
+    """The head's role (`specheads.heads.roles`) and whether config.json records it: the recorded one, checked against
+    what the class can be trained for; else, for a head exported before roles were recorded, the one its purpose and
+    `training_data.split.children` imply."""
+    where, fix = folder / CONFIG_FILE, "re-export the head with `specheads export`"
+    recorded = config.get("role")
+    if recorded is None:
+        split = (config.get("training_data") or {}).get("split")
+        children = split.get("children", "first") if isinstance(split, dict) else "first"
+        try:
+            return role_of(cls.purpose, children), False
+        except UsageError as error:
+            raise UsageError(f"{where}: training_data.split: {error}; {fix}") from None
+    allowed = roles_for(cls.purpose, cls.reads)
+    if recorded not in allowed:
+        raise UsageError(f"{where} says role {shown(recorded)}, and a {cls.head_type} head can be "
+                         f"{' or '.join(allowed)} (known roles: {', '.join(ROLES)}): the config was edited or "
+                         f"belongs to another head; {fix}")
+    return recorded, True
+
+
 def load_head(path_or_repo_id: str, revision: str | None = None,
               expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
-    """A ready head (eval mode) and its decision rule from a head folder, a Hub repo id or the name of a head that
-    ships with specheads (`shipped_heads`: `smollm2-ontime`, the on-time head of the embedded pair's 64x data).
+    """A ready head (eval mode) and its decision rule from a shipped head's name (`shipped_heads`: `smollm2-ontime`,
+    the on-time head of the embedded pair's 64x data; it wins over a folder of that name, read as `./NAME`), a head
+    folder or a Hub repo id.
 
-    The head carries `trained_for` (the draft, the sampling transform and the purpose its config.json records), which
-    a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as export records it
-    (`specheads.pair.models.draft_identity(spec, model, state_layer)`: name, weights, state layer), or its name alone. A
-    head trained for another draft is refused naming the part that differs: two self-speculative drafts of different
-    targets share a name but not their weights.
+    The head carries its `role` (`specheads.heads.roles`: what it was trained on, which decides where a decoder may
+    use it) and `trained_for` (the draft, the sampling transform, the purpose and the role its config.json records),
+    which a decoder checks against its own. `expect_draft` is the draft the caller will feed the head: its identity as
+    export records it (`specheads.pair.models.draft_identity(spec, model, state_layer)`: name, weights, state layer),
+    or its name alone. A head trained for another draft is refused naming the part that differs: two
+    self-speculative drafts of different targets share a name but not their weights. Everything is checked before
+    the head is built: config.json's fields and bounds, and the weights' shapes from the safetensors header.
     """
     folder = resolve_folder(path_or_repo_id, revision)
     config = read_head_config(folder)
     check_format(folder, config)
     cls = head_class(config["head_type"])
     check_declared_timing(folder, config, cls)
+    role, role_recorded = recorded_role(folder, config, cls)
     rule = decision_rule_of(folder, config, cls.purpose)
-    check_weights_shape(folder, config)
+    check_weights_fit(folder, config, cls)
     trained_for = {**(config.get("draft") or {}), "state_layer": config.get("state_layer"),
                    "target_weights": (config.get("target") or {}).get("weights")}
     expected = {"name": expect_draft} if isinstance(expect_draft, str) else expect_draft
@@ -309,10 +456,12 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
                          "use a head trained for your draft, or train one")
     try:
         head = cls.from_pretrained(str(folder))
-    except (RuntimeError, TypeError, ValueError) as error:  # torch's load_state_dict: missing or unexpected keys
+    except (RuntimeError, TypeError, ValueError) as error:  # torch's load_state_dict, should the checks above miss one
         reason = " ".join(str(error).split())[:200]
         raise UsageError(f"{folder}: the weights do not fit config.json (depth {config.get('depth')}): {reason}; the "
                          "files do not belong together, re-export the head") from None
     head.eval()
-    head.trained_for = {"draft": trained_for, "sampling": config.get("sampling"), "purpose": cls.purpose}
+    head.set_role(role)
+    head.trained_for = {"draft": trained_for, "sampling": config.get("sampling"), "purpose": cls.purpose,
+                        "role": role, "role_recorded": role_recorded}
     return head, rule

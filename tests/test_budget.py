@@ -74,8 +74,11 @@ def test_round_costs_and_smartspec_k_on_hand_computed_cases():
     served = served_throughput([record], costs)
     assert served["tokens"] == 3 and served["per_request"][0] == [2, 9.5]
     planner = SmartSpecPlanner(costs)
-    planner.accepted, planner.rejections = 9.0, 1.0  # a = 0.9: K = 6 maximises 4 Σ 0.9^j / (6 K + 10 + 4 (K + 1))
-    assert planner.round_cap(4, 6) == max(range(7), key=lambda k: 4 * sum(0.9**j for j in range(k + 1)) / (5 * k + 14 + 4 * k))
+    # a = 0.9: 4 Σ 0.9^j / (5 K + 14 + 4 K + 4 · 0.9^K), the last term the draft's catch-up a round defers when its
+    # rows' last token goes unread (K = 0; or every candidate accepted): t_draft(8) − t_draft(4) = 4; K = 3
+    planner.accepted, planner.rejections = 9.0, 1.0
+    assert planner.round_cap(4, 6) == 3 == max(
+        range(7), key=lambda k: 4 * sum(0.9**j for j in range(k + 1)) / (5 * k + 14 + 4 * k + 4 * 0.9**k))
     planner.accepted, planner.rejections = 0.1, 9.9  # a = 0.01: drafting does not pay, plain target decoding
     assert planner.round_cap(4, 6) == 0
     # one row checked 2 (accepted 1, then a rejection; its third candidate has no outcome), the other none
@@ -208,7 +211,7 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     assert main(["eval", "--head", str(checkpoint), "--data", str(data), "--out", str(out), "--num-decode-prompts", "6",
                  "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]", "--head-thresholds", "[0.5]",
                  "--stop-shares", "[0.5]", "--bootstrap", "10", "--progress", "false",
-                 "--serving-batch-sizes", "[1, 3]", "--serving-costs", str(write_costs(tmp_path))]) == 0
+                 "--serving-batch-sizes", "[1, 3]", "--test-samples", "3", "--serving-costs", str(write_costs(tmp_path))]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["data"]["label"].startswith("accept = min(1, p/q) of the drafted candidate")
     assert 0 <= metrics["offline"]["head"]["auc"] <= 1 and {r["k"] for r in metrics["cumulative"]} == {1, 2, 3}

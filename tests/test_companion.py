@@ -45,7 +45,8 @@ def test_equal_count_bins_predict_each_cells_mean_acceptance():
 
 def test_a_companion_forward_costs_the_weights_it_runs_beyond_the_prefix_it_shares_with_the_draft():
     """On a self-speculative pair a companion that keeps the draft's first layers branches from the draft's state: it
-    pays its own later layers and its output head; another model pays all of its weights; the draft itself nothing."""
+    pays its own later layers, final norm and output head; another model pays all of its weights but its embedding
+    table; the draft itself nothing. The draft's weights read per token are its layers, final norm and output head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specheads.decoding.companion import forward_cost
@@ -56,7 +57,7 @@ def test_a_companion_forward_costs_the_weights_it_runs_beyond_the_prefix_it_shar
     torch.manual_seed(0)
     target = LlamaForCausalLM(config).eval()
     layer = sum(p.numel() for p in target.model.layers[0].parameters())
-    head = target.lm_head.weight.numel()
+    head = target.lm_head.weight.numel() + target.model.norm.weight.numel()  # what follows the layers
     draft = without_layers(target, [5, 6])  # layers 0-4, 7
     companion = without_layers(target, [6, 7])  # layers 0-5: shares 0-4 with the draft, runs layer 5 and its head
     assert forward_cost(companion, draft) == pytest.approx((layer + head) / (6 * layer + head))
@@ -64,7 +65,9 @@ def test_a_companion_forward_costs_the_weights_it_runs_beyond_the_prefix_it_shar
     assert forward_cost(early, draft) == pytest.approx((7 * layer + head) / (6 * layer + head))
     assert forward_cost(without_layers(target, [5, 6]), draft) == 0.0
     other = tiny_lm(seed=3, vocab=40)  # another model of 2 layers: no weight in common with the draft
-    other_weights = sum(p.numel() for p in other.model.layers.parameters()) + other.lm_head.weight.numel()
+    other_weights = sum(p.numel() for p in other.parameters()) - other.model.embed_tokens.weight.numel()
+    if other.lm_head.weight is other.model.embed_tokens.weight:  # a tied head is read once, as the output head
+        other_weights += other.lm_head.weight.numel()
     assert forward_cost(other, draft) == pytest.approx(other_weights / (6 * layer + head))
 
 

@@ -119,6 +119,23 @@ def test_the_rate_learnt_at_run_time_converges_to_the_optimum(acceptance, cost_r
     assert sum(length == best for length in lengths[-1000:]) > 900, (best, lengths[-20:])
 
 
+def test_a_candidate_the_head_scores_costs_c_times_one_plus_h_in_the_stop_and_in_the_rate():
+    """The head's forward over each candidate (h draft forwards) joins the draft's: the rule learns the optimum of a
+    draft c·(1 + h) as costly, drafting fewer candidates, and its rate charges each candidate c·(1 + h)."""
+    acceptance, cost_ratio, head_cost, cap = 0.8, 0.2, 1.0, 10
+    best, optimum = enumerated_optimum([acceptance] * cap, cost_ratio * (1 + head_cost), None)
+    assert best < enumerated_optimum([acceptance] * cap, cost_ratio, None)[0]
+    planner = CostPlanner(cost_ratio)
+    planner.price_head(head_cost)
+    lengths = simulate(planner, acceptance, 3000, cap, seed=3)
+    assert planner.requests[0].rate() == pytest.approx(optimum, rel=0.05)
+    assert sum(length == best for length in lengths[-1000:]) > 900, (best, lengths[-20:])
+    planner.admit(0)
+    assert not planner.stops(0, Drafted(index=1, prob=0.9, entropy=0.1, acceptance=0.99, score=0.99))
+    planner.observe({0: [Outcome(1, 0.9, True), Outcome(2, 0.9, False)]})
+    assert planner.requests[0].cost == pytest.approx(cost_ratio * (1 + head_cost) * 2 + 1)
+
+
 def test_a_round_the_cap_ends_is_counted_at_its_drafted_length():
     """The cap ends a round without asking the planner: the cost it records is that of the candidates drafted."""
     planner = CostPlanner(0.25)
@@ -227,6 +244,7 @@ def test_generate_runs_the_cost_rule_a_head_carries_and_takes_the_callers_cost_r
     calibrated_on_time_head().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["decision_rule"] = DecisionRule(COST_RULE, 0.2, tuned=False, max_draft=6, cost_ratio=0.2).as_dict()
+    config["sampling"] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # greedy, as export records it
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = load_head(str(tmp_path))
     assert loaded[1].rule == COST_RULE

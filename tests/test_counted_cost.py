@@ -1,11 +1,13 @@
-"""Modelled speedups come from counted forwards: each loop's counts against forwards counted by hooks on the models,
-Eq. 5.1 only where the SpecDec++ loop's accounting holds, and runs that end at a stop token inside a round."""
+"""Modelled speedups come from counted forwards: each loop's counts against forwards counted by hooks on the models
+(a head's forwards too, each at its weights over the draft's), Eq. 5.1 only where the SpecDec++ loop's accounting
+holds, and runs that end at a stop token inside a round."""
 
 import pytest
 import torch
 from test_eval import tiny_lm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
+from specheads.decoding.companion import head_forward_cost
 from specheads.eval.sweep import DecodePrompt, RunRecord, Setting, aggregate, as_oracle, eq_5_1_speedup, record_of
 from specheads.heads import LinearVerifier, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.model_outputs.sampling import SamplingTransform
@@ -55,7 +57,10 @@ STOP_SETTINGS = [("constant_k", 3, None), ("svip", 1.2, None), ("confidence", 0.
 
 
 @pytest.mark.parametrize("name,threshold,head_name", STOP_SETTINGS)
-def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_1(pair, name, threshold, head_name):
+def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_1_plus_the_heads(pair, name, threshold,
+                                                                                                 head_name):
+    """Without a head the counted speedup is Eq. 5.1; a head scores every candidate (on time) or all but each round's
+    last (one step late), and each score is charged at the head's weights over the draft's, which Eq. 5.1 leaves out."""
     target, draft = pair
     decoder = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     head = heads().get(head_name)
@@ -66,6 +71,9 @@ def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_
             result = decoder.decode_one(prompt, policy, 20, seed=number, head=head)
         assert (result.draft_forwards, result.target_calls) == (drafts.count, targets.count)
         assert result.draft_forwards == result.drafted  # one draft forward per drafted token
+        unscored = 0 if head_name != "lagged" else sum(k > 0 for k in result.drafted_per_round)
+        assert result.head_scored == (0 if head is None else result.drafted - unscored)
+        assert result.head_forwards == pytest.approx(0 if head is None else result.head_scored * head_forward_cost(head, draft))
         assert result.emitted == len(result.tokens) == 20
         assert result.target_calls == len(result.accepted_per_round)
         # every round emits its accepted candidates and one token of the target's, except a last round whose bonus
@@ -77,9 +85,15 @@ def test_the_specdecpp_loop_counts_its_forwards_and_its_counted_speedup_is_eq_5_
     assert whole_rounds >= 2
     row = aggregate(records, "test", C, None)[0]
     emitted = sum(r.emitted for r in records)
-    by_hand = emitted / (C * sum(r.draft_forwards for r in records) + sum(r.target_calls for r in records))
+    charged = sum(r.draft_forwards + r.head_forwards for r in records)
+    by_hand = emitted / (C * charged + sum(r.target_calls for r in records))
     assert row["modelled_speedup"] == pytest.approx(by_hand)
-    assert row["modelled_speedup"] == pytest.approx(eq_5_1_speedup(row["discard_rate"], row["verification_rate"], C))
+    eq_5_1 = eq_5_1_speedup(row["discard_rate"], row["verification_rate"], C)
+    if head is None:
+        assert row["modelled_speedup"] == pytest.approx(eq_5_1)
+    else:  # lower by the head's forwards: 1/S = 1/S_5.1 + c · head forwards / token
+        assert 1 / row["modelled_speedup"] == pytest.approx(1 / eq_5_1 + C * sum(r.head_forwards for r in records) / emitted)
+        assert row["modelled_speedup"] < eq_5_1
 
 
 def test_the_oracle_counts_one_draft_forward_per_accepted_candidate(pair):
@@ -107,12 +121,13 @@ def test_sprinter_is_counted_one_draft_forward_per_token_and_eq_5_1_would_overst
             result = decoder.decode_one(prompt, make_policy("sprinter", 0.5), 20, seed=number, head=verifier)
         assert (result.draft_forwards, result.target_calls) == (drafts.count, targets.count)
         assert result.draft_forwards == result.emitted == result.drafted == 20  # the draft proposes every token
+        assert result.head_scored == 20  # and the verifier scores each
         records.append(record(Setting("sprinter", 0.5), f"p{number}", result))
     calls = sum(r.target_calls for r in records)
     rejected = sum(r.drafted - r.accepted for r in records)
     assert 0 < rejected < calls < sum(r.emitted for r in records)  # some tokens verified and kept, some passed
     row = aggregate(records, "test", C, None)[0]
-    assert row["modelled_speedup"] == pytest.approx(1 / (C + calls / row["tokens"]))
+    assert row["modelled_speedup"] == pytest.approx(1 / (C * (1 + head_forward_cost(verifier, draft)) + calls / row["tokens"]))
     assert row["modelled_speedup"] < eq_5_1_speedup(row["discard_rate"], row["verification_rate"], C)
 
 

@@ -150,3 +150,21 @@ def test_transformers_reads_the_exported_requirements(exported, pair, tmp_path):
     (folder / "custom_generate" / "requirements.txt").write_text("specheads>=99\n")
     with pytest.raises(ImportError, match=r"specheads>=99 \(installed"):
         decode(target, draft, torch.tensor([PROMPTS[0]]), str(folder), trust_remote_code=True)
+
+
+def test_the_one_liner_refuses_a_derived_draft_skipping_other_layers_than_the_heads(exported, pair, tmp_path):
+    """The repo's generate.py checks a draft derived from the target by the layers it skips, not only their count:
+    a head trained for the target minus layer 1 refuses the target minus layer 0, before any forward."""
+    from specheads.pair.models import without_layers
+
+    target, _ = pair
+    folder = tmp_path / "derived"
+    shutil.copytree(exported, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["draft"] = {"name": "target minus layers 1", "weights": {"derived_from_target": True, "skip_layers": [1]}}
+    (folder / "config.json").write_text(json.dumps(config))
+    ids = torch.tensor([PROMPTS[0]])
+    assert decode(target, without_layers(target, [1]), ids, str(folder), trust_remote_code=True)[0] == plain_of(target, ids)
+    with pytest.raises(UsageError, match=r"it skips the target's layers \[0\], the head was trained for a draft skipping "
+                                         r"\[1\]"):
+        decode(target, without_layers(target, [0]), ids, str(folder), trust_remote_code=True)

@@ -24,6 +24,17 @@ def test_embedded_model_is_cached_and_loads_fast():
     assert pair.draft.model.layers[20].self_attn.layer_idx == 20  # renumbered, own module
     assert pair.draft.model.layers[20] is not pair.target.model.layers[20]
     assert pair.draft.model.layers[20].self_attn.q_proj.weight is pair.target.model.layers[22].self_attn.q_proj.weight
+    # the shipped head, trained for the target minus layers 20-21, refuses the target minus 10-11 (as many layers)
+    from specheads.heads import load_head
+    from specheads.integrations.transformers import check_trained_for
+    from specheads.pair.models import without_layers
+    from specheads.plumbing.errors import UsageError
+
+    head, _ = load_head("smollm2-ontime")
+    check_trained_for(head, pair.draft, pair.target)
+    with pytest.raises(UsageError, match=r"it skips the target's layers \[10, 11\], the head was trained for a draft "
+                                         r"skipping \[20, 21\]"):
+        check_trained_for(head, without_layers(pair.target, [10, 11]), pair.target)
 
 
 def test_gen_on_the_embedded_pair(tmp_path):

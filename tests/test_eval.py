@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -435,7 +436,9 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
     assert main(eval_args(checkpoint, data, out, "--sv-companion-skip-layers", "[1]")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["offline"]) == {"head", "svip_entropy", "draft_top1", "draft_prob", "vllm_online", "adaedl", "sv_companion",
+                                       "vllm_current", "vllm_margin", "head_online", "head_online_margin",
                                        "beta_oracle", "label_ceiling", "constant"}
+    assert "margin_note" not in metrics["data"]  # gen stores `top2`: the top-2 margin is scored
     for name in ("auc", "pr_auc", "brier", "ece", "binary_kl", "auc_ci", "binary_kl_ci"):
         assert name in metrics["offline"]["head"]
     assert metrics["offline"]["adaedl"]["ece"] is not None  # AdaEDL's bound claims a probability: calibration scored
@@ -450,7 +453,10 @@ def test_eval_writes_the_report_with_the_tuned_rule_and_leaves_the_checkpoint_al
         runs = [r for r in json.loads((out / "runs.json").read_text())["runs"]
                 if (r["policy"], r["threshold"], r["split"]) == (row["policy"], row["threshold"], "test")]
         emitted, forwards, calls = (sum(r[key] for r in runs) for key in ("emitted", "draft_forwards", "target_calls"))
-        assert row["modelled_speedup"] == pytest.approx(emitted / (0.2 * forwards + calls))
+        heads = sum(r["head_forwards"] for r in runs)  # each token the head scored, at the head's cost
+        assert heads == pytest.approx(decoding["head_forward_cost"] * sum(r["head_scored"] for r in runs))
+        assert (heads > 0) == (row["policy"] in ("head", "head_cost"))
+        assert row["modelled_speedup"] == pytest.approx(emitted / (0.2 * (forwards + heads) + calls))
     assert all(row["discard_rate"] == 0 for row in decoding["policies"] if row["policy"] == "oracle")
     for plot in ("roc.png", "reliability.png", "pareto.png", "acceptance_lengths.png"):
         assert (out / plot).stat().st_size > 1000 and plot in (out / "report.html").read_text()
@@ -598,7 +604,7 @@ def test_eval_reuses_head_free_runs_of_an_earlier_report_in_the_same_context(tra
     assert main(eval_args(head, data, second, "--reuse-runs", str(first))) == 0
     before = {(r["policy"], r["threshold"], r["prompt_id"]): r for r in json.loads((first / "runs.json").read_text())["runs"]}
     after = json.loads((second / "runs.json").read_text())
-    head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence")]
+    head_free = [r for r in after["runs"] if r["policy"] in ("constant_k", "svip", "confidence", "pmin")]
     assert head_free and all(r["reused"] for r in head_free)
     for run in after["runs"]:
         earlier = before[(run["policy"], run["threshold"], run["prompt_id"])]
@@ -668,6 +674,15 @@ def test_eval_confirms_an_earlier_tuning_on_fresh_prompts_only(trained, tmp_path
     longer = [a if a != "6" else "7" for a in confirm]
     longer[longer.index("--out") + 1] = str(tmp_path / "longer")
     refused(longer, "tuned with another max_new_tokens")
+    # a report from before the head's forwards were counted tuned its thresholds with the head free
+    free = tmp_path / "free"
+    shutil.copytree(tuning, free)
+    saved = json.loads((free / "runs.json").read_text())
+    assert saved["context"].pop("head_forward_cost") > 0
+    (free / "runs.json").write_text(json.dumps(saved))
+    from_free = [str(free) if a == str(tuning) else a for a in confirm]
+    from_free[from_free.index("--out") + 1] = str(tmp_path / "from-free")
+    refused(from_free, "tuned with another head forward cost")
 
 
 def test_eval_decodes_fixed_thresholds_with_every_prompt_a_test_prompt(trained, tmp_path, capsys):

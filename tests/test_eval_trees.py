@@ -135,6 +135,8 @@ def test_eval_decodes_the_trees_tunes_their_floors_on_dev_and_compares_them_with
         for row in dev_rows:
             dev_runs = [r for r in runs if (r["policy"], r["threshold"], r["split"]) == (policy, row["threshold"], "dev")]
             emitted, forwards, calls = (sum(r[key] for r in dev_runs) for key in ("emitted", "draft_forwards", "target_calls"))
+            forwards += sum(r["head_forwards"] for r in dev_runs)  # a head-valued tree pays a head forward per node
+            assert (sum(r["head_scored"] for r in dev_runs) > 0) == (policy == "tree_head_n3")
             assert row["modelled_speedup"] == pytest.approx(emitted / (0.2 * forwards + calls))
     assert trees["tuned_floors"]["tree_head_cost_n3"] == trees["tuned_floors"]["tree_confidence_cost_n3"] == 0.2
     tuned_rows = {row["policy"]: row for row in trees["policies"] if row["tuned"]}

@@ -195,10 +195,10 @@ def edit_config(folder: Path, **changes) -> None:
 @pytest.mark.parametrize("breakage, message", [
     ("missing", r"has no model\.safetensors"),
     ("pickled", r"pickled weights \(pytorch_model\.bin\)"),
-    ("shape", r"config\.json says hidden_size 64 but the weights were made for hidden size 32"),
+    ("shape", r"the weights do not fit config\.json \(hidden_size 64, depth \d\): shaped blocks\.0\.bias \[\d+\] \(config: "),
     ("unknown", r"unknown head type 'medusa'; known: specdecpp_resnet, specdecpp_ontime, expected_acceptance, sprinter_linear"),
     ("draft", r"trained for another draft: it differs in name \('target minus layers 2' here, 'my-draft' expected\)"),
-    ("depth", r"the weights do not fit config\.json \(depth 5\)"),
+    ("depth", r"the weights do not fit config\.json \(hidden_size 32, depth 5\): missing blocks\.3\.bias"),
     ("renamed pickle", r"model\.safetensors is not a safetensors file"),
 ])
 def test_load_head_refusals(exported, tmp_path, breakage, message):

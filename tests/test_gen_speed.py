@@ -17,7 +17,7 @@ import specheads.data_gen.module as module
 from specheads.cli import main
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import LABELLER, label_batch
-from specheads.data_gen.onepass import OnePass
+from specheads.data_gen.onepass import OnePass, ProbeFailed
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.run import fingerprint_of
 from specheads.dataset.store import MANIFEST, load_labelled, read_manifest
@@ -163,17 +163,21 @@ def test_gen_labels_in_one_pass_on_a_cpu_and_falls_back_where_the_probe_fails(ti
         for owner, method in patch_decoders:
             owner.forward = method
         try:
-            built = original_build(target, draft, state_layer, features)
+            used.append(original_build(target, draft, state_layer, features))
+        except ProbeFailed as failure:
+            used.append(failure)
+            raise
         finally:
             for owner, _ in patch_decoders:
                 del owner.forward
-        used.append(built)
-        return built
+        return used[-1]
 
     monkeypatch.setattr(OnePass, "build", staticmethod(scaled_build))
     capsys.readouterr()
     assert main(tiny_args(tiny_model, prompts_file, slow, "--num-prompts", "4")) == 0
-    assert used == [None] and "the one-pass labeller cannot run LlamaForCausalLM" in capsys.readouterr().err
+    assert len(used) == 1 and isinstance(used[0], ProbeFailed)
+    assert ("the one-pass labeller cannot run LlamaForCausalLM (its p, q or states differ from the model's own "
+            "forwards)") in capsys.readouterr().err
     a, b = load_labelled(fast), load_labelled(slow)
     assert a["target_ids"] == b["target_ids"] and a["is_draft"] == b["is_draft"]
     assert np.allclose(np.concatenate([np.asarray(x) for x in a["logp"]]),
@@ -187,7 +191,7 @@ def test_data_labelled_before_the_mixing_stream_is_told_apart(tiny_model, prompt
     args = tiny_args(tiny_model, prompts_file, out, "--num-prompts", "2")
     assert main(args) == 0
     manifest = read_manifest(out)
-    assert manifest["identity"]["labeller"] == LABELLER == 2
+    assert manifest["identity"]["labeller"] == LABELLER == 3
     old = {name: value for name, value in manifest["identity"].items() if name != "labeller"}
     (out / MANIFEST).write_text(json.dumps({**manifest, "identity": old, "fingerprint": fingerprint_of(old)}))
     capsys.readouterr()

@@ -3,6 +3,8 @@ honour and would otherwise drop silently: generate's own streamer, contrastive s
 prompt's ids, a head that reads the target's state, and a draft that is provably not the one the head was trained
 for; a draft whose identity cannot be determined is let through."""
 
+import json
+
 import pytest
 import torch
 from test_eval import PROMPT, tiny_lm
@@ -112,5 +114,83 @@ def test_a_draft_derived_from_the_target_is_checked_against_the_layers_it_skippe
     for model in (target,):
         model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
     assert generate(target, without_layers(target, [1]), head).shape == (1, len(PROMPT) + 2)
-    with pytest.raises(UsageError, match="it has 2 layers, the target minus 1 has 1"):
+    with pytest.raises(UsageError, match="its weights are not this target's"):
         generate(target, tiny_lm(seed=2), head)
+
+
+def deep_lm(seed: int, layers: int = 4) -> LlamaForCausalLM:
+    """tiny_lm with `layers` decoder layers, and no EOS (every run is as long as asked)."""
+    from test_eval import VOCAB
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.35,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def test_a_derived_draft_is_checked_by_the_layers_it_skips_and_the_target_its_tensors_are(tmp_path):
+    """Not by its layer count alone: a draft skipping [0, 1] is refused for a head trained for one skipping [2, 3],
+    and a draft of another model with the recorded layers skipped for this target; a copy of the target loaded apart,
+    with the recorded layers skipped, is the same weights and passes."""
+    target = saved(deep_lm(seed=1), tmp_path / "target")
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
+    spec, target_spec = ModelSpec(path=None, skip_layers=[2, 3]), ModelSpec(path=str(tmp_path / "target"))
+    head = trained_for(draft_identity(spec, without_layers(target, [2, 3]), target=(target_spec, target)),
+                       weights_identity(target_spec, target))
+    assert generate(target, without_layers(target, [2, 3]), head).shape == (1, len(PROMPT) + 2)
+    apart = LlamaForCausalLM.from_pretrained(tmp_path / "target").eval()
+    assert generate(target, without_layers(apart, [2, 3]), head).shape == (1, len(PROMPT) + 2)
+    with pytest.raises(UsageError, match=r"it skips the target's layers \[0, 1\], the head was trained for a draft "
+                                         r"skipping \[2, 3\]"):
+        generate(target, without_layers(target, [0, 1]), head)
+    with pytest.raises(UsageError, match="its weights are not this target's"):
+        generate(target, without_layers(deep_lm(seed=5), [2, 3]), head)
+
+
+def hub_record(path: str, commit: str) -> dict:
+    """A Hub draft's identity as `weights_identity` records it."""
+    return {"name": path, "weights": {"spec": {"path": path, "revision": None, "gguf_file": None, "dtype": "float32",
+                                               "skip_layers": []}, "class": "LlamaForCausalLM", "revision": commit}}
+
+
+def test_a_hub_draft_is_checked_by_its_repo_id_and_the_recorded_snapshots_architecture(pair, tmp_path, monkeypatch):
+    """Beyond class and hidden size: a draft loaded from another Hub repo id, or (where the cache holds the recorded
+    commit's config.json) of another architecture, is refused; nothing is downloaded."""
+    import huggingface_hub
+
+    target, draft = pair
+    commit = "c0ffee" * 6 + "c0ff"
+    head = trained_for(hub_record("org/draft-a", commit))
+    snapshot = tmp_path / "hub" / "models--org--draft-a" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(draft.config, "name_or_path", "org/draft-b")
+    with pytest.raises(UsageError, match="it was loaded from org/draft-b, the head was trained on org/draft-a"):
+        generate(target, draft, head)
+    monkeypatch.setattr(draft.config, "name_or_path", "org/draft-a")
+    assert generate(target, draft, head).shape == (1, len(PROMPT) + 2)  # the recorded snapshot is not cached
+    (snapshot / "config.json").write_text(json.dumps({**draft.config.to_dict(), "num_hidden_layers": 3}))
+    with pytest.raises(UsageError, match=r"its num_hidden_layers is 2, the head was trained on a model with 3 "
+                                         r"\(org/draft-a at c0ffeec0ffee\)"):
+        generate(target, draft, head)
+    (snapshot / "config.json").write_text(json.dumps(draft.config.to_dict()))
+    assert generate(target, draft, head).shape == (1, len(PROMPT) + 2)
+
+
+def test_a_cost_ratio_that_is_not_a_number_is_refused_in_one_line(pair):
+    target, draft = pair
+    with pytest.raises(UsageError, match=r"cost_ratio= is t_draft/t_target, a number in \(0, 1\); got '0.2'"):
+        generate(target, draft, head_for(SamplingTransform(0.0)), cost_ratio="0.2")
+
+
+def test_a_loaded_head_without_a_recorded_sampling_is_refused(pair):
+    """A head trained at T = 1 whose config.json lost `sampling` must not decode greedily unnoticed."""
+    target, draft = pair
+    head, rule = head_for(SamplingTransform(1.0))
+    head.trained_for = {**head.trained_for, "sampling": None}
+    with pytest.raises(UsageError, match="records no sampling"):
+        generate(target, draft, (head, rule))

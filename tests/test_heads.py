@@ -101,7 +101,8 @@ def test_save_and_load_round_trip(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {"hidden_size": H, "depth": 2, "extra_features": ["entropy", "logq"], "state_dropout": 0.0,
                       "state_layer": 5, "head_type": "specdecpp_resnet", "reads": "candidate_state",
-                      "decides": "one_step_late", "purpose": "stop", "calibration": None, "candidate_embedding_size": 0}
+                      "decides": "one_step_late", "purpose": "stop", "role": "chain_stop", "calibration": None,
+                      "candidate_embedding_size": 0}
     tensors = load_file(tmp_path / "model.safetensors")
     assert torch.equal(tensors["signal_mean"], mean) and torch.equal(tensors["signal_std"], std)
     assert (tmp_path / "README.md").exists()

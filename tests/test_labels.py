@@ -53,6 +53,7 @@ def test_labels_match_brute_force(labelled, tiny_model):
             signal = q if temperature else torch.softmax(q_logits[position], -1).tolist()
             assert row["entropy"][i] == pytest.approx(-sum(x * math.log(x) for x in signal if x > 0), abs=1e-4)
             assert row["top1"][i] == pytest.approx(max(signal), abs=1e-5)
+            assert row["top2"][i] == pytest.approx(sorted(signal)[-2], abs=1e-5)  # the top-2 margin's other half
             if temperature == 0:
                 assert candidate == int(q_logits[position].argmax())
                 assert row["accept"][i] in (0.0, 1.0)

@@ -217,6 +217,10 @@ def test_trained_calibration_travels_from_checkpoint_to_report_and_export(traine
     # the rule read from the costs was decoded beside the others at the stated c, and export chose by the calibration
     assert any(r["policy"] == "head_cost" and r["threshold"] == 0.2 and r["tuned"] for r in metrics["decoding"]["policies"])
     assert "rule read from the costs (c = 0.2, tuned nowhere)" in (out / "report.md").read_text()
+    # and beside it the same rule on the head calibrated while serving, compared with the head's own rule and head_cost
+    assert any(r["policy"] == "head_cost_online" and r["tuned"] for r in metrics["decoding"]["policies"])
+    assert {"head", "head_cost"} <= set(metrics["decoding"]["head_cost_online_gain_intervals"])
+    assert "on the head calibrated while serving (c = 0.2, tuned nowhere)" in (out / "report.md").read_text()
     refusal = cost_rule_refusal(head.head, metrics["cumulative"], 3)
     assert config["decision_rule"]["rule"] == (STOP_RULE if refusal else COST_RULE)
     assert config["rule_choice"]["why"].endswith(refusal) if refusal else "tuned nowhere" in config["rule_choice"]["why"]

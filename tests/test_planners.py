@@ -12,7 +12,7 @@ from test_budget import output_distribution
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, round_seconds
+from specheads.decoding.costs import CostCurve, RoundRecord, ServingCosts, head_seconds, round_seconds
 from specheads.decoding.online import Outcome
 from specheads.decoding.planners import (
     GoodputPlanner,
@@ -45,7 +45,9 @@ def test_the_plan_decodes_plainly_on_a_linear_curve_and_drafts_on_a_flat_one():
     """Counting the draft's forwards, no survival makes speculation pay where the target's time grows with its tokens
     (K = 0, plain decoding, at every B), while a flat target takes every candidate it may."""
     for rows in (1, 8, 32):
-        assert plan_round([1.0] * 4, rows, 4, CPU) == (0, 1.0)  # even candidates that are always accepted
+        # even candidates that are almost always accepted: plain decoding's token a row in t_target(B) = B, its draft's
+        # catch-up (one more token a row in the draft's next forward, 0.2 B) deferred
+        assert plan_round([0.99] * 4, rows, 4, CPU) == (0, pytest.approx(1 / 1.2))
         assert plan_round([0.7 ** j for j in range(1, 5)], rows, 4, GPU)[0] == 4
     for name in ("goodput", "dcut"):
         assert make_policy(name, 4).planner(CPU).round_cap(8, 4) == 0
@@ -124,9 +126,12 @@ def test_the_new_rules_are_registered_and_refuse_what_they_cannot_plan_with(tiny
 def serve(planner, constant: int | None, costs: ServingCosts, rows: int, rounds: int = 300, cap: int = 5) -> float:
     """Modelled tokens per second of `rounds` rounds of `rows` rows whose candidates' acceptance the signal knows
     (a context easy, middling or hard for the draft, jittered per position). Every policy meets the same contexts and
-    the same uniform draws; `constant` K drafts and checks K candidates a row."""
+    the same uniform draws; `constant` K drafts and checks K candidates a row. A row's first draft forward reads the
+    tokens its draft has not read (its catch-up: one more after each round of plain decoding, two after a round
+    whose candidates all stood)."""
     rng = np.random.default_rng(0)
     tokens = seconds = 0.0
+    unread = [1] * rows
     for _ in range(rounds):
         level = rng.choice([0.9, 0.5, 0.15], size=(rows, 1), p=[0.5, 0.3, 0.2])
         acceptance = np.clip(level + rng.normal(0.0, 0.05, (rows, cap)), 0.01, 0.99)
@@ -151,6 +156,8 @@ def serve(planner, constant: int | None, costs: ServingCosts, rows: int, rounds:
             record.drafted.append(len(seen[row]))
             record.verified.append(lengths[row])
             record.emitted.append(accepted + 1)
+            record.draft_widths.append([unread[row]] + [1] * (len(seen[row]) - 1) if seen[row] else [])
+            unread[row] = unread[row] + 1 if not seen[row] else 2 if accepted == len(seen[row]) else 1
         if planner is not None:
             planner.observe(outcomes)
         tokens += sum(record.emitted)
@@ -272,3 +279,31 @@ def test_vllms_estimate_read_from_the_drawn_token_distorts_the_output_and_from_t
                                         checked_at_half)
     assert drawn_feature == pytest.approx([0.52, 0.36, 0.12], abs=1e-12)
     assert total_variation(drawn_feature, P) == pytest.approx(0.08) and math.isclose(signal.fit.theta[0], 1.0)
+
+
+def test_the_plan_prices_the_heads_forwards_as_round_seconds_does_and_a_dear_head_plans_smaller_k():
+    """A round of K candidates a row, each scored by the head: the plan's seconds are the served round's, the head's K
+    forwards over the B rows at h × the draft's curve or on the head's own curve, and nothing for a free signal (no
+    head: h None, whatever curve the costs carry). A dearer head plans a smaller K: 4 → 3 at B = 1 already at the
+    shipped head's h = 0.0315, 4 → 2 at h = 1."""
+    draft, target, curve = CostCurve((1, 8), (1.0, 1.7)), CostCurve((1, 8), (5.0, 6.4)), CostCurve((1, 8), (0.3, 0.37))
+    survival, rows, k, h = [0.8 ** j for j in range(1, 6)], 4, 3, 0.05
+    record = RoundRecord(requests=list(range(rows)), drafted=[k] * rows, verified=[k] * rows, emitted=[0] * rows,
+                         head_widths=[[1] * k] * rows, head_cost=h)
+    for costs in (ServingCosts(draft, target), ServingCosts(draft, target, curve)):
+        def seconds(head_cost: float | None, costs: ServingCosts = costs) -> float:
+            return rows * (1 + sum(survival[:k])) / planned_goodput(survival, rows, k, costs, head_cost=head_cost)
+
+        assert seconds(h) - seconds(None) == pytest.approx(head_seconds(record, costs)) and head_seconds(record, costs) > 0
+        assert plan_round(survival, 1, 5, costs, None) == plan_round(survival, 1, 5, ServingCosts(draft, target))
+    flat = ServingCosts(draft, target)
+    assert [plan_round(survival, 1, 5, flat, h)[0] for h in (0.0, 0.0315, 1.0)] == [4, 3, 2]
+    planner = make_policy("goodput", 5).planner(flat)
+    planner.expected = list(survival)
+    assert planner.round_cap(1, 5) == 4
+    planner.price_head(1.0)
+    assert planner.round_cap(1, 5) == 2
+    assert not planner.worth_drafting(0.7, 1, 0.7)  # a second candidate at 0.49 pays for h = 0, not for h = 1
+    planner.price_head(0.0)
+    planner.round_cap(1, 5)
+    assert planner.worth_drafting(0.7, 1, 0.7)

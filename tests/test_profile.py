@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from specheads.artifacts.checkpoint import load_trained
 from specheads.cli import main
 from specheads.decoding.cost_table import read_cost_table
 
@@ -15,31 +16,46 @@ from specheads.decoding.cost_table import read_cost_table
 def test_profile_measures_the_tiny_pair_and_its_table_prices_eval_serving(trained, tiny_model, tmp_path):
     data, root = trained
     costs = tmp_path / "costs.json"
+    head = root / "specdecpp" / "checkpoints" / "last.ckpt"
     assert main(["profile", "--target.path", str(tiny_model), "--draft.skip-layers", "[2]", "--device", "cpu",
-                 "--contexts", "[8, 24]", "--tokens", "[4, 1, 2]", "--repeats", "1", "--out", str(costs)]) == 0
+                 "--contexts", "[8, 24]", "--tokens", "[4, 1, 2, 16]", "--repeats", "1", "--out", str(costs),
+                 "--head", str(head)]) == 0
     table = json.loads(costs.read_text())
+    # the head timed beside the draft against the tokens it scores, with the digest that ties the curve to it
+    trained_head = load_trained(str(head)).head
+    assert table["head"]["tokens"] == [1, 2, 4, 16] and 0 < table["head"]["seconds"][0] <= table["head"]["seconds"][-1]
+    assert table["models"]["head"]["weights_digest"] == trained_head.weights_digest()
+    assert 0 < table["models"]["head"]["forward_cost"] < 1
+    assert read_cost_table(str(costs)).head_digest == trained_head.weights_digest()
     assert (table["source"], table["modelled"], table["context"], table["repeats"]) == ("measured", False, 8, 1)
-    assert [(entry["context"], entry["draft"]["tokens"]) for entry in table["curves"]] == [(8, [1, 2, 4]), (24, [1, 2, 4])]
+    assert [(entry["context"], entry["draft"]["tokens"]) for entry in table["curves"]] == [(8, [1, 2, 4, 16]), (24, [1, 2, 4, 16])]
     assert (table["draft"], table["target"]) == (table["curves"][0]["draft"], table["curves"][0]["target"])
     assert table["device"].startswith("CPU") and table["dtype"] == "float32"
     assert (table["models"]["target"]["layers"], table["models"]["draft"]["layers"]) == (4, 3)  # the draft skips one
     assert all(s > 0 for entry in table["curves"] for role in ("draft", "target") for s in entry[role]["seconds"])
 
-    common = ["eval", "--head", str(root / "specdecpp" / "checkpoints" / "last.ckpt"), "--data", str(data),
+    common = ["eval", "--head", str(head), "--data", str(data),
               "--num-decode-prompts", "6", "--max-new-tokens", "6", "--max-draft", "3", "--constant-ks", "[1,3]",
               "--head-thresholds", "[0.5]", "--stop-shares", "[0.5]", "--bootstrap", "5", "--progress", "false",
-              "--serving-batch-sizes", "[1, 3]"]
+              "--serving-batch-sizes", "[1, 3]", "--test-samples", "3"]  # 3 requests fill B = 3: 12 tokens, within 16
     out = tmp_path / "report"
     assert main([*common, "--out", str(out), "--serving-costs", str(costs)]) == 0
     serving = json.loads((out / "metrics.json").read_text())["decoding"]["serving"]
     priced = serving["cost_curves"]["measured"]
-    assert (priced["draft"], priced["target"], priced["modelled"]) == (table["draft"], table["target"], False)
+    points = {role: {key: table[role][key] for key in ("tokens", "seconds")} for role in ("draft", "target")}
+    assert (priced["draft"], priced["target"], priced["modelled"]) == (points["draft"], points["target"], False)
     assert priced["source"].startswith("measured by specheads profile (CPU") and str(costs) in priced["source"]
     assert set(serving["best"]) == {"measured", "draft at 0.2 × target"}
     smartspec = {(r["batch_size"], r["costs"]): r for r in serving["rows"] if r["policy"] == "smartspec"}
     assert set(smartspec) == {(b, v) for b in (1, 3) for v in serving["best"]}
     assert all(r["tokens_per_s"] > 0 for r in serving["rows"])
     assert "Forward costs: measured: measured by specheads profile" in (out / "report.md").read_text()
+    # the head's forwards: priced on the table's head curve (it is this head) and counted at its weights' share
+    assert priced["heads"] == {trained_head.weights_digest(): table["head"]}
+    decoding = json.loads((out / "metrics.json").read_text())["decoding"]
+    assert decoding["head_forward_cost"] == pytest.approx(table["models"]["head"]["forward_cost"])
+    assert serving["head_forward_costs"]["evaluated"] == pytest.approx(decoding["head_forward_cost"])
+    assert f"a head forward {decoding['head_forward_cost']:.3g} of a draft forward" in (out / "report.md").read_text()
 
     # views side by side: the curves measured here (and with the draft at c × target) and a preset, modelled per B
     modelled = tmp_path / "modelled"
@@ -95,7 +111,14 @@ def test_a_roofline_preset_matches_the_hand_computation_and_reads_as_modelled(tm
     by_name = read_cost_table("h100-llama3.1-8b-llama3.2-1b")
     assert by_name.at_batch_size(32).target(128) == pytest.approx(TARGET_AT_32_ROWS, rel=1e-9)
     assert by_name.at_batch_size(1).target(512) == pytest.approx(TARGET_AT_512_ONE_ROW, rel=1e-9)
-    assert read.at_batch_size(32) == read.costs  # a file's curves are priced as written at every B
+    # a table the preset wrote, unchanged, is priced by the preset on each forward's live rows, as the preset named
+    assert read.at_batch_size(32).target.price(128, 32) == pytest.approx(TARGET_AT_32_ROWS, rel=1e-9)
+    assert read.costs.target.price(128, 32) == by_name.at_batch_size(8).target.price(128, 32)
+    table["target"]["seconds"][-1] *= 1.5  # changed by hand: no longer the preset's, priced as written, by its tokens
+    per_token.write_text(json.dumps(table))
+    changed = read_cost_table(str(per_token))
+    assert changed.roofline is None and changed.at_batch_size(32) == changed.costs
+    assert changed.costs.target.price(128, 32) == changed.costs.target(128)
 
 
 def test_the_70b_preset_over_four_gpus_matches_the_hand_computation():
@@ -128,6 +151,21 @@ BAD_TABLES = {
                            "curves": [{"context": 64, "draft": {"tokens": [1, 8], "seconds": [0.2, 0.3]},
                                        "target": {"tokens": [2, 2], "seconds": [1.0, 1.2]}}]}, "`curves[0].target.tokens`"),
     "not JSON": ("{draft: 1", "not readable JSON"),
+    # a curve that falls (a busy machine while measuring) once gave negative seconds and tokens/s, exit 0
+    "falling time": ({"draft": {"tokens": [1, 8], "seconds": [0.2, 0.3]},
+                      "target": {"tokens": [1, 8, 32], "seconds": [1.0, 1.2, 0.4]}},
+                     "`target.seconds` falls from 1.2 s at 8 tokens to 0.4 s at 32"),
+    "overflowing tokens": ({"draft": {"tokens": [1, 10**400], "seconds": [0.2, 0.3]},
+                            "target": {"tokens": [1, 8], "seconds": [1.0, 1.2]}}, "a number of 1329 bits"),
+    "overflowing time": ({"draft": {"tokens": [1, 8], "seconds": [0.2, 1e308]},
+                          "target": {"tokens": [1, 8], "seconds": [1.0, 1.2]}}, "gives 1e+308 at 8 tokens"),
+    "subnormal time": ({"draft": {"tokens": [1, 8], "seconds": [5e-324, 0.3]},
+                        "target": {"tokens": [1, 8], "seconds": [1.0, 1.2]}}, "gives 5e-324 at 1 tokens"),
+    "overflowing context": ({"draft": {"tokens": [1, 8], "seconds": [0.2, 0.3]},
+                             "target": {"tokens": [1, 8], "seconds": [1.0, 1.2]}, "context": 10**400},
+                            "`context` is 'a number of 1329 bits'"),
+    "raised beyond the curve": ({"draft": {"tokens": [1, 8], "seconds": [0.2, 0.3], "raised": [4]},
+                                 "target": {"tokens": [1, 8], "seconds": [1.0, 1.2]}}, "`draft.raised` is [4]"),
 }
 
 
@@ -158,6 +196,7 @@ def test_a_table_of_curves_alone_still_reads(tmp_path):
     (["--preset", "h100-llama3.1-8b-llama3.2-1b", "--target.path", "x"], "drop --target/--draft"),
     (["--batch-size", "8"], "--batch-size shapes a roofline preset's curve"),
     (["--tokens", "[4]"], "fewer than two token counts"),
+    (["--preset", "h100-llama3.1-8b-llama3.2-1b", "--head", "smollm2-ontime"], "drop --head, or drop --preset"),
 ])
 def test_profile_refuses_flags_that_cannot_work_before_loading(flags, problem, tmp_path, capsys):
     assert main(["profile", "--out", str(tmp_path / "costs.json"), *flags]) == 2

@@ -13,7 +13,7 @@ from specheads.dataset.shards import shard_path
 from specheads.dataset.store import load_labelled, read_manifest
 
 COLUMNS = ("prompt_ids", "target_ids", "draft_ids", "mixed_ids", "is_draft", "logp", "logq", "accept", "beta",
-           "entropy", "top1", "features")
+           "entropy", "top1", "top2", "features")
 
 
 def rows_by_key(out):

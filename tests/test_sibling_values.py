@@ -124,12 +124,14 @@ def test_the_sibling_calibration_of_depth_k_is_the_weighted_fit_of_the_second_ch
     assert calibration.bias[0] != pytest.approx(calibration.bias[2], abs=0.05)  # deeper, the tree's reach differs
 
 
-def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_head(sibling_data, tmp_path, monkeypatch,
-                                                                                      capsys):
+def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_head(sibling_data, tiny_model, tmp_path,
+                                                                                      monkeypatch, capsys):
     from pathlib import Path
 
     from specheads.artifacts.checkpoint import load_trained
     from specheads.cli import main
+    from specheads.decoding import make_policy
+    from specheads.pair.models import ModelSpec, load_pair
     from specheads.train import module
 
     fits, original = [], module.fit_sibling_calibration
@@ -143,11 +145,17 @@ def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_he
                  "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "1"]) == 0
     trained = load_trained(str(root / "checkpoints" / "last.ckpt"))
     assert trained.children == "second" and trained.head.calibration.positions == 2
+    assert trained.role == trained.head.role == "sibling"  # recorded in the checkpoint, and on the module
+    # from Python too: the chain rule refuses the checkpoint's head before any forward
+    pair = load_pair(ModelSpec(path=str(tiny_model)), ModelSpec(path=None, skip_layers=[2]))
+    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_ids=[])
+    with pytest.raises(UsageError, match="the head rule takes .* is a sibling head"):
+        engine.decode([[5, 6, 7]], make_policy("head", 0.5), 4, [0], trained.head)
     assert fits and all(len(args[2]) == len(args[0]) for args in fits)  # the per-depth fit, with the first children
     capsys.readouterr()
     assert main(["eval", "--head", str(root / "checkpoints" / "last.ckpt"), "--data", str(sibling_data),
                  "--out", str(tmp_path / "eval")]) != 0
-    assert "scores a tree's second children" in capsys.readouterr().err
+    assert "is a sibling head (trained on a tree's second children)" in capsys.readouterr().err
 
 
 def test_the_loss_of_second_children_weighs_each_by_how_often_a_tree_checks_it():
@@ -173,6 +181,7 @@ def sibling_head() -> OnTimeAcceptanceHead:
     head = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"], candidate_embedding_size=16).eval()
     torch.nn.init.normal_(head.out.weight, std=1.0)
     torch.nn.init.constant_(head.out.bias, -1.0)
+    head.set_role("sibling")  # as training on second children records it
     return head
 
 
@@ -214,5 +223,6 @@ def test_a_sibling_head_is_refused_where_it_cannot_score():
                     sibling_head=sibling_head())
     other = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "entropy"], candidate_embedding_size=16,
                                  state_layer=1)
+    other.set_role("sibling")
     with pytest.raises(UsageError, match="reads the draft's state at layer 1"):
         decode_tree(engine, [PROMPT], TreeRule("head", 0.1, 4), 4, [0], at_draft_head(), sibling_head=other)

@@ -22,7 +22,7 @@ from specheads.plumbing.errors import UsageError
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
 LABEL_COLUMNS = ("prompt_id", "sample_index", "target_ratio", "prompt_ids", "target_ids", "draft_ids", "mixed_ids",
-                 "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1")
+                 "is_draft", "logp", "logq", "accept", "beta", "entropy", "top1", "top2")
 CALIBRATION = ("--data.val_fraction", "0.1", "--data.calibration_fraction", "0.45")  # 3 + 4 of the 12 prompts
 HEADS = {"specdecpp_resnet": ("specdecpp.yaml", CANDIDATE_STATE), "specdecpp_ontime": ("specdecpp-ontime.yaml", CONTEXT_STATE)}
 

@@ -10,7 +10,7 @@ import pytest
 
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.eval.config import EvalConfig
-from specheads.eval.serving import paired_ratio_interval, replay, request_rounds, serving_table
+from specheads.eval.serving import LiveRun, paired_ratio_interval, replay, request_rounds, serving_table
 from specheads.eval.sweep import RunRecord, Setting, paired_gain_interval, prompt_group, sample_prompt_id
 from specheads.plumbing.errors import UsageError
 
@@ -57,7 +57,7 @@ def test_the_serving_table_serves_every_sample_and_pairs_by_prompt():
     flat = CostCurve((1, 512), (1.0, 1.0))
 
     def live(policy, threshold, size, costs):  # the oracle's rounds, decoded "live" in queue order
-        return replay([request_rounds(r) for r in records[6:]], size)
+        return LiveRun(replay([request_rounds(r) for r in records[6:]], size))
 
     rows = serving_table(records, {"constant_k": 1.0, "oracle": 1.0}, [6], {"flat": lambda size: ServingCosts(flat, flat)},
                          live=live, batch_policies={"budget": 1.0}, resamples=400, seed=0, queue=queue)

@@ -59,6 +59,21 @@ def test_the_growth_rule_prices_a_read_against_c_and_a_slot_against_the_targets_
     assert fresh.expected_score(1) == pytest.approx(0.4)
 
 
+def test_a_node_the_head_scores_costs_c_times_h_more_in_the_growth_and_in_the_rate():
+    """With the head's forward priced (h = 0.5; the sibling head's 1.0 at second children), each scored node costs c·h:
+    at ρ = 1.5, c = 0.2, a slot pays when r·μ > 1.5·0.1 (0.3 for a second child), a read when v·0.6 > 1.5·0.3; the
+    rate charges c per draft forward and per head forward."""
+    priced = TreeCosts(0.2, None, RequestState(tokens=2.0, cost=1.0), {1: [1.2, 2], 2: [0.3, 1]}, head_cost=0.5,
+                       sibling_cost=1.0)
+    assert priced.slot_gain(0.5, place=1, nodes=3) == pytest.approx(0.3 - 0.15)
+    assert priced.slot_gain(0.9, place=2, nodes=3) == pytest.approx(0.27 - 0.3)  # the sibling head's forward
+    assert priced.slot_gain(0.9, place=3, nodes=3) == pytest.approx(0.45 - 0.15)
+    assert priced.read_gain(0.8, nodes=3) == pytest.approx(0.48 - 0.45)
+    priced.observe(accepted=2, draft_forwards=3, nodes=4, head_forwards=2.5)  # 3 tokens for 0.6 + 0.5 + 1
+    assert priced.request.rate() == pytest.approx((1 + 5) / (1 + 3.1))
+    assert TreeCosts(0.2).slot_gain(0.01, place=2, nodes=7) > 0  # confidence values: no head, width free
+
+
 @pytest.mark.parametrize(("cost_ratio", "shape", "forwards"), [
     # worked by hand (docs/method.md): q = (0.7, 0.2, 0.1) everywhere, fixed children of scores 0.7 and 0.2/0.3
     (0.5, [(0, -1), (1, -1)], 1),  # reading the first child gains 0.7·0.7 − 0.5 < 0: one level, two wide
@@ -90,9 +105,13 @@ def test_cost_aware_trees_sample_the_target_distribution(tiny_pair, values, curv
 
 def test_a_greedy_cost_aware_tree_decodes_the_targets_greedy_tokens_and_c_shapes_it():
     """Greedy decoding with either value source and either curve: the target's argmax chain; a dearer draft forward
-    grows shallower trees (fewer draft forwards per target call)."""
+    grows shallower trees (fewer draft forwards per target call). The head's bias is raised: each node it scores
+    costs c·h (h = 0.23 here), which a node it scores 0.006, as it does without, never pays for."""
     engine, prompt, expected = greedy_setup()
-    for values, head in (("confidence", None), ("head", at_draft_head())):
+    confident = at_draft_head()
+    with torch.no_grad():
+        confident.out.bias.add_(2.0)
+    for values, head in (("confidence", None), ("head", confident)):
         results = {}
         for cost_ratio, curve in ((0.05, None), (0.6, None), (0.2, LINEAR)):
             rule = TreeRule(values, 0.0, budget=6, width=2, cost_ratio=cost_ratio, curve=curve)

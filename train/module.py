@@ -29,6 +29,7 @@ from specheads.dataset.targets import (
     token_targets,
 )
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
+from specheads.heads.roles import role_of
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
 from specheads.train.calibration import fit_position_calibration, fit_sibling_calibration
@@ -167,6 +168,8 @@ class AcceptanceModule(L.LightningModule):
                 self.embeddings = torch.nn.Embedding.from_pretrained(weight, freeze=True)
         if self.head is None:
             self.build(found, self.embeddings.embedding_dim if self.embeddings is not None else 0)
+        self.hparams.role = role_of(self.purpose, data.children)  # what it is trained on: where a decoder may use it
+        self.head.set_role(self.hparams.role)
         if stage == "fit":
             self.require_a_batch(data)
             self.fit_statistics(data)

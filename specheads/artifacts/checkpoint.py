@@ -8,6 +8,7 @@ written back into it: the tuned decision rule lives in eval's report, which expo
 from __future__ import annotations
 
 import pickle
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 
 from specheads.heads import AcceptanceHead, build_head
-from specheads.heads.loading import COST_RULE, DecisionRule, load_head, read_head_config, resolve_folder
+from specheads.heads.loading import COST_RULE, DecisionRule, load_head, read_head_config, resolve_folder, shipped_heads
+from specheads.heads.roles import SIBLING, check_role, role_of
 from specheads.plumbing.errors import UsageError
 
 
@@ -48,18 +50,22 @@ class TrainedHead:
         return self.head.purpose
 
     @property
+    def role(self) -> str:
+        """What the head was trained on, and so where a decoder may use it (`specheads.heads.roles`)."""
+        return self.head.role
+
+    @property
     def children(self) -> str:
         """Which children the head learned to score: `first` (drafted candidates) or `second` (a tree's second
-        children, `data.children: second`)."""
-        return str(self.split.get("children", "first"))
+        children, `data.children: second`: a `sibling` head)."""
+        return "second" if self.role == SIBLING else "first"
 
-    def refuse_second_children(self, what: str) -> None:
-        """Refuse to `what` a head of a tree's second children: it is no chain rule's head, and its labels are not
-        the drafted candidates'."""
-        if self.children == "second":
-            raise UsageError(f"{self.source} scores a tree's second children (trained with data.children: second), "
-                             f"not drafted candidates, so it cannot {what}; give it to a head-valued tree as its "
-                             "sibling head (decode_tree(..., sibling_head=), benchmarks/sibling_values.py)")
+    def check_role(self, allowed: Collection[str], where: str) -> None:
+        """Refuse the head, in one line, unless its role is one of `allowed` for `where` (e.g. `--budget-head`)."""
+        try:
+            check_role(self.head, allowed, where)
+        except UsageError as error:
+            raise UsageError(f"{self.source}: {error}") from None
 
     @property
     def used_prompts(self) -> set[str] | None:
@@ -103,12 +109,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 def head_from_hyperparameters(hparams: dict[str, Any]) -> AcceptanceHead:
     """The head a training run's hyperparameters describe (`train.module.AcceptanceModule`'s `head`, `head_args`,
-    `extra_features`, `hidden_size`, `embedding_size`), untrained."""
+    `extra_features`, `hidden_size`, `embedding_size`), untrained, with the role they record (`role`; a run from
+    before roles were recorded: the one its purpose and `data_split.children` imply)."""
     kwargs: dict[str, Any] = {"hidden_size": hparams["hidden_size"], "extra_features": list(hparams.get("extra_features") or []),
                               **(hparams.get("head_args") or {})}
     if hparams.get("embedding_size"):
         kwargs["candidate_embedding_size"] = hparams["embedding_size"]
-    return build_head(hparams.get("head", "specdecpp_resnet"), **kwargs)
+    head = build_head(hparams.get("head", "specdecpp_resnet"), **kwargs)
+    head.set_role(hparams.get("role") or role_of(head.purpose, (hparams.get("data_split") or {}).get("children", "first")))
+    return head
 
 
 def head_from_checkpoint(checkpoint: dict[str, Any], path: Path) -> AcceptanceHead:
@@ -160,8 +169,12 @@ def from_folder(path: str) -> TrainedHead:
 
 
 def load_trained(path: str) -> TrainedHead:
-    """A `.ckpt` from `specheads train`, or a head folder / Hub repo id from `specheads export`."""
-    candidate = Path(path)
+    """A `.ckpt` from `specheads train`, a training run's folder (its last checkpoint), or a head folder / Hub repo id
+    / shipped head's name from `specheads export` (a shipped head's name wins over a folder of that name, as in
+    `load_head`)."""
+    if not isinstance(path, str) or not path.strip() or path in shipped_heads():
+        return from_folder(path)  # `resolve_folder` refuses an empty name and finds a shipped head
+    candidate = Path(path).expanduser()
     if candidate.is_file():
         return from_checkpoint(candidate)
     if candidate.is_dir() and not (candidate / "config.json").exists():

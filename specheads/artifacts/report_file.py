@@ -93,6 +93,7 @@ class Report:
             "tokens": self.data["tokens"]}
         if self.decoding:
             result["t_draft_over_t_target"] = self.decoding["t_draft_over_t_target"]
+            result["head_forward_cost"] = self.decoding.get("head_forward_cost")  # None: counted free (older reports)
             result["speedup_from"] = self.decoding.get("speedup_from", "SpecDec++ Eq. 5.1 (a report from before counted "
                                                                        "speedups; it overstates SPRINTER)")
             learned = self.tuned_row("head") or self.tuned_row("sprinter")

@@ -30,6 +30,8 @@ from specheads.plumbing.files import write_json_atomic
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
+OPTIONAL_FLOATS = ("top2",)
+"""Per-position columns a batch carries where the data has them (`top2`: datasets of labeller 3 on)."""
 SECOND_CHILD_COLUMNS = {"draft_ids": "sibling_ids", "accept": "sibling_accept", "beta": "sibling_beta",
                         "logq": "sibling_logq"}
 """With `children: second`, the columns a batch takes from the second-child labels (`gen --sibling_labels true`)."""
@@ -75,7 +77,8 @@ class RowDataset(Dataset):
 
     def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all",
                  with_target_states: bool = False, children: str = "first"):
-        self.columns = SMALL_COLUMNS + (tuple(SECOND_CHILD_COLUMNS.values()) if children == "second" else ())
+        self.columns = (SMALL_COLUMNS + tuple(name for name in OPTIONAL_FLOATS if name in rows.column_names)
+                        + (tuple(SECOND_CHILD_COLUMNS.values()) if children == "second" else ()))
         self.children = children
         self.rows = rows.with_format("numpy", columns=list(self.columns))
         self.state_columns = ["features", *(["target_features"] if with_target_states else [])] if with_features else []
@@ -119,7 +122,8 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Pad per-position columns to the longest response; `valid` marks real positions (of second children, those that
     have one: `second_children`); derived signals added."""
     width = max(len(row["accept"]) for row in rows)
-    floats = PER_POSITION_FLOATS + (("first_accept", "child_weight") if "child_weight" in rows[0] else ())
+    floats = (PER_POSITION_FLOATS + tuple(name for name in OPTIONAL_FLOATS if name in rows[0])
+              + (("first_accept", "child_weight") if "child_weight" in rows[0] else ()))
     padded = {"valid": np.zeros((len(rows), width), dtype=bool), "is_draft": np.zeros((len(rows), width), dtype=bool),
               "draft_ids": np.zeros((len(rows), width), dtype=np.int64),
               **{name: np.zeros((len(rows), width), dtype=np.float32) for name in floats}}
@@ -222,7 +226,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         children: `first`, the drafted candidates (a chain's, a tree's first children); `second`, a tree's second
             children (data labelled with `specheads gen --sibling_labels true`): the candidate, its signals and labels
             are the second child's and each position weighs 1 − the first child's acceptance, how often a tree checks
-            a second child there (`second_children`). A head trained so scores a tree's later siblings.
+            a second child there (`second_children`). A head trained so scores a tree's second children.
     """
 
     def __init__(self, path: str, mode: Literal["auto", "offline", "online"] = "auto", val_fraction: float = 0.1,

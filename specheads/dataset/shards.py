@@ -145,6 +145,7 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "accept": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "beta": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "top1": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
+    "top2": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "sibling_accept": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "sibling_beta": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
     "logq": (lambda v: np.isfinite(v) & (v <= 0), "not a finite log-probability"),

@@ -34,7 +34,7 @@ from specheads.plumbing.files import atomic_path
 MANIFEST = "manifest.json"
 FORMAT = "specheads-labels"
 FORMAT_VERSION = 2  # 2: the manifest keeps each shard's record (run, rows, bytes, sha256)
-PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1")
+PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1", "top2")  # top2: from labeller 3 on
 PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
 

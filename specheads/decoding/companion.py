@@ -14,12 +14,14 @@ A reads the drawn token, so the prediction may end a round's drafting (exact) bu
 verify budget (docs/decoding-core.md "Verify budgets").
 
 A companion forward is counted as `Companion.cost` draft forwards (`forward_cost`): the weights it multiplies per token
-that the draft has not already multiplied, over the draft's. Another model of the draft's size costs 1 (one 10× the
-draft's size, 10). On a self-speculative pair a companion that runs the draft's first layers and then layers of its
-own could branch from the draft's state, as in SV's LayerSkip setting (its evaluation, "Performance on SD Variants":
-the draft exits after 4 or 20 layers, the companion takes the next 4 or 5), so only its own layers and its output
-head are counted. The round engine runs the companion whole, with its own cache (the same outputs), so measured
-times do not show that saving: the count is what a branching deployment would pay.
+that the draft has not already multiplied, over the draft's (`weights_read_per_token`: every weight but the lookup
+tables). Another model of the draft's size costs 1 (one 10× the draft's size, 10). An acceptance head's forward is
+priced the same way (`head_forward_cost`): its weights over the draft's. On a self-speculative pair a companion that
+runs the draft's first layers and then layers of its own could branch from the draft's state, as in SV's LayerSkip
+setting (its evaluation, "Performance on SD Variants": the draft exits after 4 or 20 layers, the companion takes the
+next 4 or 5), so only its own layers and its output head are counted. The round engine runs the companion whole, with
+its own cache (the same outputs), so measured times do not show that saving: the count is what a branching deployment
+would pay.
 """
 
 from __future__ import annotations
@@ -86,22 +88,38 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return len(ours) == len(theirs) and all(x is y for x, y in zip(ours, theirs))
 
 
+def weights_read_per_token(model: torch.nn.Module) -> int:
+    """The parameters one forward multiplies for each token it reads: all of `model`'s but its lookup tables (the input
+    embedding, a position embedding), a tied output head counted once, as the output head. An acceptance head's are all
+    of its parameters."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = getattr(output, "weight", None)
+    lookups = {id(module.weight) for module in model.modules()
+               if isinstance(module, torch.nn.Embedding) and module.weight is not kept}
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+
+
 def forward_cost(companion: torch.nn.Module, draft: torch.nn.Module) -> float:
-    """A companion forward in draft forwards: the parameters of the companion's decoder layers after the prefix it shares
-    with the draft (the same embeddings and the same layers in the same order, run on the same tokens, give the same
-    states) plus its output head, over the draft's decoder layers plus its output head."""
+    """A companion forward in draft forwards: the weights it reads per token (`weights_read_per_token`) less those of the
+    decoder layers it shares with the draft as a prefix (the same embeddings and the same layers in the same order, run
+    on the same tokens, give the same states), over the draft's weights read per token."""
     ours, theirs = list(companion.get_decoder().layers), list(draft.get_decoder().layers)
     shared = 0
     if same_weights(companion.get_input_embeddings(), draft.get_input_embeddings()):
         while shared < min(len(ours), len(theirs)) and same_weights(ours[shared], theirs[shared]):
             shared += 1
-
-    def weights(layers: list[torch.nn.Module], model: torch.nn.Module) -> int:
-        return sum(p.numel() for layer in layers for p in layer.parameters()) + model.get_output_embeddings().weight.numel()
-
     if shared == len(ours) == len(theirs) and same_weights(companion.get_output_embeddings(), draft.get_output_embeddings()):
         return 0.0  # the draft itself: its logits are the draft's
-    return weights(ours[shared:], companion) / weights(theirs, draft)
+    prefix = sum(p.numel() for layer in ours[:shared] for p in layer.parameters())
+    return (weights_read_per_token(companion) - prefix) / weights_read_per_token(draft)
+
+
+def head_forward_cost(head: torch.nn.Module, draft: torch.nn.Module) -> float:
+    """An acceptance head's forward over one scored token in draft forwards: its weights read per token over the
+    draft's (`weights_read_per_token`): the shipped on-time head (4.0 M parameters) costs 0.0315 of its draft, SmolLM2-135M
+    without layers 20-21 (127.4 M weights read per token). A signal the draft already computed (its confidence, entropy)
+    costs nothing."""
+    return weights_read_per_token(head) / weights_read_per_token(draft)
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """A calibrated head's stop rule read from the costs: no tuned threshold (docs/method.md "A stop rule read from the
 costs").
 
-A round that drafts k candidates and has the target check them costs T(k) = c·k + v(k) target-forward units
-(c = t_draft/t_target; v(k) the target's forward over k + 1 tokens against its forward over one, 1 on a flat curve)
-and yields R(k) = 1 + Σ_{j≤k} S_j tokens in expectation, S_j the chance that the round's first j candidates are all
+A round that drafts k candidates and has the target check them costs T(k) = c·(1 + h)·k + v(k) target-forward units
+(c = t_draft/t_target; h the head's forward over the candidate it scores in draft forwards, `head_forward_cost`, 0
+before the engine prices it; v(k) the target's forward over k + 1 tokens against its forward over one, 1 on a flat
+curve) and yields R(k) = 1 + Σ_{j≤k} S_j tokens in expectation, S_j the chance that the round's first j candidates are all
 accepted. The decoder that maximises the long-run rate ρ* = E[R]/E[T] maximises E[R − ρ*·T] in every round
 (Dinkelbach), so it drafts one more candidate while that candidate's expected token is worth its cost at ρ*:
 
-    S_k · μ_{k+1} > ρ* · (c + v(k+1) − v(k))
+    S_k · μ_{k+1} > ρ* · (c·(1 + h) + v(k+1) − v(k))
 
 where S_k is the calibrated survival product the head has after drafting candidate k (an `at_draft` head's
 Π_{j≤k} â_j) and μ_{k+1} the expected acceptance of the next candidate before it is drawn. The rule estimates both
@@ -15,7 +16,7 @@ from what the request has seen, so nothing is tuned:
 - μ: the mean calibrated â over the request's scored candidates so far (this round's included);
 - ρ*: the request's realised rate, (1 + tokens) / (1 + cost) over its rounds so far, i.e. Dinkelbach's iteration
   started from one step of target-only decoding (one token for one unit).
-When the gain S_k·μ − ρ·(c + Δv) falls with k (S_k never rises; Δv does not fall on a flat, linear or convex
+When the gain S_k·μ − ρ·(c·(1 + h) + Δv) falls with k (S_k never rises; Δv does not fall on a flat, linear or convex
 curve), the stopping problem is monotone and the one-step look-ahead is the optimal rule: no look-ahead over the
 remaining candidates does better (docs/method.md). Exact: a decision reads only the candidates drafted so far,
 each of which the target then checks, and outcomes already observed (`specheads.decoding.rules`).
@@ -35,15 +36,16 @@ from specheads.plumbing.errors import UsageError
 
 def verify_step(curve: CostCurve | None, drafted: int) -> float:
     """v(k+1) − v(k) for k = `drafted`: what checking one more candidate adds to the target's forward, in units of
-    its one-token forward (0 on a flat curve, as counted forwards have it)."""
+    its one-token forward (0 on a flat curve, as counted forwards have it); the request's own forward, one row."""
     if curve is None:
         return 0.0
-    return (curve(drafted + 2) - curve(drafted + 1)) / curve(1)
+    return (curve.price(drafted + 2, 1) - curve.price(drafted + 1, 1)) / curve.price(1, 1)
 
 
 def verify_cost(curve: CostCurve | None, drafted: int) -> float:
-    """v(k): the target's forward over k + 1 tokens against its forward over one (1 on a flat curve)."""
-    return 1.0 if curve is None else curve(drafted + 1) / curve(1)
+    """v(k): the target's forward over k + 1 tokens of the request's row against its forward over one (1 on a flat
+    curve), each priced on that one row (`CostCurve.price`)."""
+    return 1.0 if curve is None else curve.price(drafted + 1, 1) / curve.price(1, 1)
 
 
 def drafting_gain(survival: float, next_acceptance: float, rate: float, cost_ratio: float, step: float) -> float:
@@ -84,16 +86,25 @@ class CostPlanner(PassivePlanner):
     cost_ratio: float
     curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat (counted forwards)
     requests: dict[int, RequestState] = field(default_factory=dict)
+    head_cost: float = 0.0  # h: the head's forward over one candidate in draft forwards (`price_head`)
+
+    @property
+    def candidate_cost(self) -> float:
+        """c·(1 + h): one candidate's draft forward and the head's forward that scores it, in target forwards."""
+        return self.cost_ratio * (1.0 + self.head_cost)
 
     def admit(self, row: int) -> None:
         self.requests[row] = RequestState()
+
+    def price_head(self, head_cost: float) -> None:
+        self.head_cost = head_cost
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         state = self.requests.setdefault(row, RequestState())
         state.score_sum += drafted.score
         state.scored += 1
         stop = not worth_drafting(drafted.acceptance, state.mean_acceptance(drafted.score), state.rate(),
-                                  self.cost_ratio, verify_step(self.curve, drafted.index))
+                                  self.candidate_cost, verify_step(self.curve, drafted.index))
         # a round the cap ends after a candidate the rule let pass drafted one more
         state.drafted = drafted.index if stop else drafted.index + 1
         return stop
@@ -103,16 +114,17 @@ class CostPlanner(PassivePlanner):
             state = self.requests.setdefault(row, RequestState())
             drafted = max(state.drafted, len(checked))
             state.tokens += sum(o.accepted for o in checked) + 1
-            state.cost += self.cost_ratio * drafted + verify_cost(self.curve, drafted)
+            state.cost += self.candidate_cost * drafted + verify_cost(self.curve, drafted)
             state.drafted = 0
 
 
 @register
 @dataclass(frozen=True)
 class HeadCostStop(StopPolicy):
-    """A calibrated head's stop rule read from the costs (module docstring): draft one more candidate
-    while its expected token, S_k · μ, is worth its cost at the request's rate, ρ · (c + Δv). `threshold` is c =
-    t_draft/t_target, not a tuned value; with serving costs, Δv follows the target's curve (flat otherwise)."""
+    """A calibrated head's stop rule read from the costs (module docstring): draft one more candidate while its
+    expected token, S_k · μ, is worth its cost at the request's rate, ρ · (c·(1 + h) + Δv), h the head's forward
+    (`CostPlanner.price_head`). `threshold` is c = t_draft/t_target, not a tuned value; with serving costs, Δv
+    follows the target's curve (flat otherwise)."""
 
     name: ClassVar[str] = "head_cost"
     reads_head: ClassVar[bool] = True

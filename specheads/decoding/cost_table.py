@@ -9,8 +9,12 @@ A table is `{draft: {tokens, seconds}, target: {tokens, seconds}}` (the format `
 what describes it: `source` (`measured` or `roofline`), `modelled`, `context`, the device, dtype, date, models and
 repeats, and `curves`, one entry per context measured or modelled (the first is the top-level pair). A token count n
 is the tokens of one forward, each a row of the batch with its own `context` cached tokens (n rows of one new token:
-what `measure_cost_curve` times); a roofline table made for a batch size B counts min(n, B) rows instead
-(docs/decoding-core.md, "Cost curves: profiled and roofline").
+what `measure_cost_curve` times); a roofline table made for a batch size B counts min(n, B) rows instead. A served
+round is priced on the rows live in it: a preset's curves (`RooflineCurve`) compute each forward on its own rows, a
+measured or given curve prices a forward by its tokens (docs/decoding-core.md, "Cost curves: profiled and roofline").
+A measured table may also hold `head`, an acceptance head's forward time against the tokens it scores
+(`measure_head_curve`, `specheads profile --head`), with the head's weights digest under `models.head`, so that eval
+prices that head's forwards with it.
 """
 
 from __future__ import annotations
@@ -26,16 +30,29 @@ from typing import Any
 import torch
 
 from specheads import __version__
-from specheads.decoding.costs import CURVE_TOKENS, CostCurve, ServingCosts, measure_cost_curve
+from specheads.decoding.companion import head_forward_cost
+from specheads.decoding.costs import (
+    CURVE_TOKENS,
+    FALLING_FIX,
+    CostCurve,
+    ServingCosts,
+    first_fall,
+    measure_cost_curve,
+    measure_head_curve,
+)
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
 TABLE_FORMAT = "specheads cost table"
 TABLE_VERSION = 1
 MEASURED_ROWS = "n rows of one new token each, every row reading its own `context` cached tokens"
+MAX_TOKENS = 2**24
+"""The most tokens a curve's point may count: more than any forward holds."""
+SECONDS_RANGE = (1e-9, 1e6)
+"""The times a curve's point may give: from a nanosecond (no forward is faster) to eleven days."""
 TABLE_FIX = ("write the table with `specheads profile` (or `specheads profile --preset NAME`), or fix it: "
-             "{draft: {tokens: [...], seconds: [...]}, target: {...}}, increasing whole token counts >= 1 with one "
-             "finite time > 0 each")
+             "{draft: {tokens: [...], seconds: [...]}, target: {...}}, increasing whole token counts from 1 to "
+             f"{MAX_TOKENS} with one time each, from {SECONDS_RANGE[0]:g} to {SECONDS_RANGE[1]:g} s, never falling")
 
 # ---- the roofline
 
@@ -166,6 +183,35 @@ def roofline_curve(preset: RooflinePreset, role: str, context: int, tokens: tupl
                                           for n in counts))
 
 
+@dataclass(frozen=True)
+class RooflineCurve(CostCurve):
+    """A preset's curve for the `role` ("draft" or "target") model at `context`: its points (tabulated as
+    `roofline_curve` makes them) price a forward by its tokens, `price` computes `roofline_seconds` on the forward's
+    own rows, as a served round has them."""
+
+    preset: RooflinePreset | None = None
+    role: str = "target"
+    context: int = 0
+
+    def price(self, tokens: int, rows: int) -> float:
+        """`roofline_seconds` of `tokens` new tokens over `rows` rows, each reading its `context` cached tokens."""
+        if tokens <= 0 or self.preset is None:
+            return super().price(tokens, rows)
+        preset = self.preset
+        return roofline_seconds(getattr(preset, self.role), preset.accelerator, tokens, self.context, max(rows, 1),
+                                preset.dtype_bytes, preset.launch_per_layer)
+
+
+def roofline_costs(preset: RooflinePreset, context: int, batch_size: int | None = None,
+                   tabulated: ServingCosts | None = None) -> ServingCosts:
+    """The preset's two curves at `context`, pricing each forward on its own rows; their points `tabulated` (a table
+    the preset wrote) or modelled for `batch_size` (`roofline_curve`)."""
+    def curve(role: str) -> RooflineCurve:
+        points = getattr(tabulated, role) if tabulated else roofline_curve(preset, role, context, batch_size=batch_size)
+        return RooflineCurve(points.tokens, points.seconds, preset=preset, role=role, context=context)
+    return ServingCosts(curve("draft"), curve("target"))
+
+
 def roofline_table(name: str, contexts: list[int] | None = None, tokens: tuple[int, ...] = PRESET_TOKENS,
                    batch_size: int | None = None) -> dict[str, Any]:
     """The cost table of preset `name` at each of `contexts` (default: the preset's), marked as modelled."""
@@ -210,9 +256,12 @@ def model_facts(name: str, model: torch.nn.Module) -> dict[str, Any]:
 
 
 def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.nn.Module], contexts: list[int],
-                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3) -> dict[str, Any]:
+                   tokens: tuple[int, ...] = CURVE_TOKENS, repeats: int = 3,
+                   head: tuple[str, Any] | None = None) -> dict[str, Any]:
     """Each model's forward time on its device against the tokens in the forward (`measure_cost_curve`: the median of
-    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model)."""
+    `repeats`, after one untimed warm-up pass), at each of `contexts`; `draft` and `target` are (name, model). With
+    `head` (name, acceptance head), the head's forward time against the tokens it scores too (`measure_head_curve`, on
+    the draft's device: it reads no cache, so one curve serves every context)."""
     models = {"draft": draft, "target": target}
     for _, model in models.values():  # first forwards allocate and pick kernels: not timed
         measure_cost_curve(model, contexts[0], (tokens[0], tokens[-1]), repeats=1)
@@ -220,8 +269,19 @@ def measured_table(draft: tuple[str, torch.nn.Module], target: tuple[str, torch.
                                            for role, (_, model) in models.items()}} for context in contexts]
     device = next(target[1].parameters()).device
     facts = {role: model_facts(name, model) for role, (name, model) in models.items()}
-    return {**table_header("measured", curves, MEASURED_ROWS, None), "device": device_description(device),
-            "dtype": facts["target"]["dtype"], "models": facts, "repeats": repeats, "statistic": "median of the repeats"}
+    timed_head = {}
+    if head is not None:
+        name, module = head
+        module.to(next(draft[1].parameters()).device).eval()
+        timed_head = {"head": measure_head_curve(module, tokens, repeats).as_dict()}
+        facts["head"] = {"name": name, "head_type": module.head_type, "parameters": module.num_parameters(),
+                         "weights_digest": module.weights_digest(), "forward_cost": head_forward_cost(module, draft[1])}
+    raised = [{"context": entry["context"], "model": role, "tokens": entry[role]["raised"]}
+              for entry in curves for role in models if entry[role].get("raised")]
+    return {**table_header("measured", curves, MEASURED_ROWS, None), **timed_head, "device": device_description(device),
+            "dtype": facts["target"]["dtype"], "models": facts, "repeats": repeats,
+            "statistic": "median of the repeats, raised to the running maximum where it fell (`raised`)",
+            "raised": raised}
 
 
 def table_header(source: str, curves: list[dict[str, Any]], rows: str, batch_size: int | None) -> dict[str, Any]:
@@ -243,7 +303,8 @@ def write_cost_table(path: Path, table: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class CostTable:
-    """A cost table as read: the top-level curves, and what the file says of them."""
+    """A cost table as read: the top-level curves, and what the file says of them; `roofline`, the preset whose formula
+    prices them (a preset named in eval, or a table it wrote, unchanged), None for a measured or given table."""
 
     path: str
     costs: ServingCosts
@@ -251,6 +312,15 @@ class CostTable:
     modelled: bool
     context: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    roofline: RooflinePreset | None = None
+
+    @property
+    def head_digest(self) -> str | None:
+        """The weights digest of the head whose curve the table holds (None: no head curve)."""
+        if self.costs.head is None:
+            return None
+        head = (self.fields.get("models") or {}).get("head")
+        return head.get("weights_digest") if isinstance(head, dict) else None
 
     def describe(self) -> str:
         """Where the curves come from, in words, marked as modelled where they are."""
@@ -272,15 +342,14 @@ class CostTable:
         return {"measured": "measured"}.get(self.source, "given")
 
     def at_batch_size(self, size: int) -> ServingCosts:
-        """The curves that price a round of `size` requests: a preset named by its name is modelled for that batch
-        (a forward of n tokens reads min(n, size) rows' caches, `roofline_table(batch_size=)`); a file's curves are the
-        same at every batch size, as written."""
-        preset = PRESETS.get(self.path)
-        if preset is None or self.source != "roofline":
+        """The curves that price a round of `size` requests: a preset's (`roofline`) are tabulated for that batch (a
+        forward of n tokens reads min(n, size) rows' caches, `roofline_table(batch_size=)`) and price every forward on
+        the rows live in it (`RooflineCurve.price`); a measured or given table's are the same at every batch size, as
+        written, and price a forward by its tokens."""
+        if self.roofline is None:
             return self.costs
-        context = self.context or preset.default_context
-        return ServingCosts(roofline_curve(preset, "draft", context, batch_size=size),
-                            roofline_curve(preset, "target", context, batch_size=size))
+        return roofline_costs(self.roofline, self.roofline.default_context if self.context is None else self.context,
+                              size)
 
 
 def whole(value: Any) -> bool:
@@ -288,8 +357,14 @@ def whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def short(value: Any) -> Any:
+    """`value` as a message shows it: a whole number beyond 10^12 by its size alone."""
+    return f"a number of {value.bit_length()} bits" if whole(value) and abs(value) > 10**12 else value
+
+
 def check_curve(values: Any, name: str, where: str) -> None:
-    """Refuse a curve that is not increasing whole token counts with one finite time > 0 each."""
+    """Refuse a curve that is not increasing whole token counts (1 to `MAX_TOKENS`) with one time each (in
+    `SECONDS_RANGE`), never falling, or whose `raised` names counts it does not have."""
     if not isinstance(values, dict):
         raise UsageError(f"{where}: `{name}` is not a curve {{tokens: [...], seconds: [...]}}; {TABLE_FIX}")
     for key in ("tokens", "seconds"):
@@ -299,11 +374,23 @@ def check_curve(values: Any, name: str, where: str) -> None:
     if len(tokens) < 2 or len(tokens) != len(seconds):
         raise UsageError(f"{where}: `{name}` needs two or more token counts with one time each, got {len(tokens)} "
                          f"token counts and {len(seconds)} times; {TABLE_FIX}")
-    if any(not whole(n) or n < 1 for n in tokens) or any(b <= a for a, b in zip(tokens, tokens[1:])):
-        raise UsageError(f"{where}: `{name}.tokens` {tokens} are not increasing whole numbers >= 1; {TABLE_FIX}")
+    if any(not whole(n) or not 1 <= n <= MAX_TOKENS for n in tokens) or any(b <= a for a, b in zip(tokens, tokens[1:])):
+        shown = [short(n) for n in tokens]
+        raise UsageError(f"{where}: `{name}.tokens` {shown} are not increasing whole numbers from 1 to {MAX_TOKENS}; "
+                         f"{TABLE_FIX}")
+    low, high = SECONDS_RANGE
     for n, s in zip(tokens, seconds):
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-            raise UsageError(f"{where}: `{name}.seconds` gives {s!r} at {n} tokens, not a finite time > 0; {TABLE_FIX}")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not low <= s <= high:
+            raise UsageError(f"{where}: `{name}.seconds` gives {s!r} at {n} tokens, not a time from {low:g} to "
+                             f"{high:g} s; {TABLE_FIX}")
+    raised = values.get("raised", [])
+    if not isinstance(raised, list) or any(not whole(n) for n in raised) or not set(raised) <= set(tokens):
+        raise UsageError(f"{where}: `{name}.raised` is {raised!r}, not a list of the curve's token counts; {TABLE_FIX}")
+    fall = first_fall(seconds)
+    if fall is not None:
+        raise UsageError(f"{where}: `{name}.seconds` falls from {seconds[fall - 1]!r} s at {tokens[fall - 1]} tokens to "
+                         f"{seconds[fall]!r} s at {tokens[fall]}, but a forward over more tokens takes no less time; "
+                         f"{FALLING_FIX}")
 
 
 def check_table(table: Any, where: str) -> None:
@@ -315,6 +402,8 @@ def check_table(table: Any, where: str) -> None:
         if role not in table:
             raise UsageError(f"{where}: has no `{role}` curve; {TABLE_FIX}")
         check_curve(table[role], role, where)
+    if table.get("head") is not None:
+        check_curve(table["head"], "head", where)
     if "modelled" in table and not isinstance(table["modelled"], bool):
         raise UsageError(f"{where}: `modelled` is {table['modelled']!r}, not true or false; {TABLE_FIX}")
     curves = table.get("curves", [])
@@ -322,8 +411,9 @@ def check_table(table: Any, where: str) -> None:
         raise UsageError(f"{where}: `curves` is not a list of {{context, draft, target}}; {TABLE_FIX}")
     for name, context in [("context", table.get("context")),
                           *((f"curves[{number}].context", entry.get("context")) for number, entry in enumerate(curves))]:
-        if context is not None and (not whole(context) or context < 0):
-            raise UsageError(f"{where}: `{name}` is {context!r}, not a whole number of cached tokens; {TABLE_FIX}")
+        if context is not None and (not whole(context) or not 0 <= context <= MAX_TOKENS):
+            raise UsageError(f"{where}: `{name}` is {short(context)!r}, not a whole number of cached tokens from 0 to "
+                             f"{MAX_TOKENS}; {TABLE_FIX}")
     for number, entry in enumerate(curves):
         for role in ("draft", "target"):
             check_curve(entry.get(role), f"curves[{number}].{role}", where)
@@ -345,7 +435,28 @@ def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
         except (OSError, UnicodeDecodeError, ValueError) as error:
             raise UsageError(f"{where}: not readable JSON ({str(error).splitlines()[0]}); {TABLE_FIX}") from None
         check_table(table, where)
-    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]))
+    head = CostCurve.from_dict(table["head"]) if table.get("head") is not None else None
+    costs = ServingCosts(CostCurve.from_dict(table["draft"]), CostCurve.from_dict(table["target"]), head)
     source_kind = table.get("source") if table.get("source") in ("measured", "roofline") else "given"
+    preset = written_by_preset(table, costs) if source_kind == "roofline" else None
+    if preset is not None:
+        costs = roofline_costs(preset, table["context"], tabulated=costs)
     return CostTable(source, costs, source_kind, bool(table.get("modelled", source_kind == "roofline")),
-                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "curves")})
+                     table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "head", "curves")},
+                     preset)
+
+
+def written_by_preset(table: dict[str, Any], costs: ServingCosts) -> RooflinePreset | None:
+    """The preset that wrote `table`, when the table names it and its curves are the preset's, point for point, at
+    its context and batch size; None otherwise (a table changed by hand is priced as written, by its tokens)."""
+    preset = PRESETS.get(table.get("preset")) if isinstance(table.get("preset"), str) else None
+    context, size = table.get("context"), table.get("batch_size")
+    if preset is None or not whole(context) or not (size is None or (whole(size) and 1 <= size <= MAX_TOKENS)):
+        return None
+    for role in ("draft", "target"):
+        written = getattr(costs, role)
+        modelled = roofline_curve(preset, role, context, written.tokens, size)
+        if modelled.tokens != written.tokens or not all(
+                math.isclose(a, b, rel_tol=1e-9) for a, b in zip(modelled.seconds, written.seconds)):
+            return None
+    return preset

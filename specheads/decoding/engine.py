@@ -32,7 +32,8 @@ depend on the batch; each row's distribution stays the target's.
 The round primitives here are public for the tree engine (`specheads.decoding.tree`), which imports this module and
 is never imported by it: `candidate_signals` and `acceptance_batch` (a candidate's signals and a head's scores),
 `RoundEngine.candidate_embedding` (the candidate's input embedding a head reads), `RoundEngine.round_output` (what a
-round adds to the output, ended at a stop token or max_new_tokens) and `count_round` (a round into a request's counts).
+round adds to the output, ended at a stop token or max_new_tokens), `count_round` (a round into a request's counts)
+and `count_head` (the tokens a head scored in it, and what their forwards cost).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.companion import Companion
+from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts
 from specheads.decoding.eagle3 import Eagle3Model, refuse_for_eagle3, round_caches
 from specheads.decoding.online import Outcome
@@ -57,18 +58,26 @@ from specheads.decoding.rules import Drafted, StopPolicy
 from specheads.decoding.sampler import draw, verify
 from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.model_outputs.signals import output_width, signal_log_probs, signal_statistics
+from specheads.model_outputs.signals import (
+    output_width,
+    second_probability,
+    signal_log_probs,
+    signal_statistics,
+    top_two_margin,
+)
 from specheads.plumbing.errors import UsageError
 
 
 def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token: int,
                       transform: SamplingTransform) -> dict[str, float]:
-    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q), and
-    `prob`, the candidate's probability under the signal transform, for the confidence rule."""
+    """The draft's signals for a candidate, as data_gen stored them (logq, entropy, top1, and the derived q),
+    `prob`, the candidate's probability under the signal transform, for the confidence rule, and `margin`, the top-2
+    logit margin (`top_two_margin`)."""
     logq_signal = signal_log_probs(draft_logits, logq_all, transform)
     entropy, top1 = signal_statistics(logq_signal)
+    margin = top_two_margin(float(top1), float(second_probability(logq_signal)))
     return with_derived_signals({"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
-                                 "prob": math.exp(float(logq_signal[token]))})
+                                 "prob": math.exp(float(logq_signal[token])), "margin": margin})
 
 
 @torch.no_grad()
@@ -102,6 +111,16 @@ def check_decodable_head(head: AcceptanceHead | None) -> None:
                          f"(target_state_size={head.target_state_size}), which decoding does not feed it; score it "
                          "offline (specheads eval --num-decode-prompts 0), or decode with a head trained without target "
                          "states")
+
+
+def count_head(result: DecodeResult, widths: list[int], forwards: float, called: bool) -> None:
+    """Add one round's head scores to a request's counts: `widths`, the tokens its head scored at each draft forward,
+    together `forwards` draft forwards' worth (each at its head's `head_forward_cost`); kept per round for a round
+    that `called` the target, as `count_round` keeps its per-round counts."""
+    result.head_scored += sum(widths)
+    result.head_forwards += forwards
+    if called:
+        result.head_widths_per_round.append(list(widths))
 
 
 def count_round(result: DecodeResult, drafted: int, accepted: int, called: bool, hindsight: bool = False) -> None:
@@ -142,10 +161,16 @@ class RowRound:
     acceptance: float = 1.0
     previous: dict[str, float] | None = None  # the signals of the previous candidate (a one-step-late head's input)
     drafted: int = 0  # candidates drafted (a planner may send fewer to the target)
+    scored: list[int] = field(default_factory=list)  # per draft forward, the candidates the head scored (0 or 1)
+    unread: int = 1  # the tokens its draft has not read, which its first draft forward reads (`ServedBatch.unread`)
 
     def keep(self, length: int) -> None:
         """Send only the first `length` candidates to the target (a planner's verify length); the rest are dropped."""
         del self.candidates[length:], self.logq_rows[length:], self.seen[length:]
+
+    def draft_widths(self, forwards: int) -> list[int]:
+        """The tokens each of `forwards` draft forwards read: its catch-up (`unread`) first, then one a candidate."""
+        return [self.unread] + [1] * (forwards - 1) if forwards else []
 
 
 class ServedBatch:
@@ -194,6 +219,12 @@ class ServedBatch:
     def room(self, row: int) -> int:
         """Tokens the row's request may still add."""
         return self.max_new_tokens - len(self.generated[row])
+
+    def unread(self, row: int) -> int:
+        """The tokens the row's draft has not read, which its next forward reads (its catch-up): the target's last
+        token, the last candidate too after a round that accepted them all, one more for each round since the draft
+        last ran (plain decoding, K = 0). The prompt counts as its last token alone: the prefill is not priced."""
+        return min(len(self.tokens[row]) - self.draft.length(row), len(self.generated[row]) + 1)
 
     def result(self, row: int) -> DecodeResult:
         return self.results[self.request[row]]
@@ -329,13 +360,16 @@ class RoundEngine:
                 planner.admit(row)
             batch.on_admit = planner.admit
         head = head if rule.reads_head else None
+        head_cost = head_forward_cost(head, self.draft) if head is not None else 0.0
+        if planner is not None and head is not None:  # the planner prices the head's forwards as the counts do
+            planner.price_head(head_cost)
         while batch.live:
             live = batch.live
             caps = {row: rule.cap(batch.room(row)) if draft.can_draft(row) else 0 for row in live}
             if planner is not None:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
-            rounds = {row: RowRound(cap=caps[row]) for row in live}
+            rounds = {row: RowRound(cap=caps[row], unread=batch.unread(row)) for row in live}
             self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
             lengths = planner.verify_lengths({row: rounds[row].seen for row in live}) if planner else None
             for row, length in (lengths or {}).items():
@@ -345,7 +379,7 @@ class RoundEngine:
             logits = target.feed({row: batch.tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
                                   for row in called},
                                  {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
-            record = RoundRecord()
+            record = RoundRecord(head_cost=head_cost)
             verified, outcomes = {}, {}
             for row in live:
                 this = rounds[row]
@@ -365,10 +399,17 @@ class RoundEngine:
                                  for i, d in enumerate(this.seen[checks[row]: observed], start=checks[row])] if row in logits else []
                 result = batch.result(row)
                 count_round(result, this.drafted, accepted, row in logits, rule.hindsight)
+                if head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
+                    count_head(result, this.scored, sum(this.scored) * head_cost, row in logits)
+                    record.head_widths.append(list(this.scored))
+                widths = this.draft_widths(accepted if rule.hindsight else this.drafted)
+                if row in logits:
+                    result.draft_widths_per_round.append(widths)
                 record.requests.append(batch.request[row])
                 record.drafted.append(accepted if rule.hindsight else this.drafted)
                 record.verified.append(accepted if rule.hindsight else verified[row])
                 record.emitted.append(len(emitted))
+                record.draft_widths.append(widths)
                 for cache in batch.caches:
                     cache.crop_row(row, len(batch.tokens[row]) + accepted)
                 batch.remember_prompt(row)
@@ -435,13 +476,16 @@ class RoundEngine:
             for row, candidate in drawn.items():
                 this = rounds[row]
                 this.drafted += 1
+                if companion is None and head is not None:
+                    this.scored.append(int(row in scores))
                 score = scores.get(row, 1.0)
                 this.acceptance *= score
                 this.candidates.append(candidate.token)
                 this.logq_rows.append(candidate.logq_all)
                 seen = Drafted(index=len(this.candidates), prob=candidate.signals["prob"],
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
-                               ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"])
+                               ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"],
+                               margin=candidate.signals["margin"])
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]

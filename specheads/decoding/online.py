@@ -91,6 +91,11 @@ class PassivePlanner:
     def admit(self, row: int) -> None:
         """A new request takes `row`."""
 
+    def price_head(self, head_cost: float) -> None:
+        """The head the rule reads costs `head_cost` (h) draft forwards a scored token (`head_forward_cost`); told once
+        a decode, before its first round, and only where a head scores. Planners that plan on costs add its forwards
+        to a candidate's price; the rest, and every planner of a free signal, pay nothing."""
+
     def round_cap(self, rows: int, cap: int) -> int:
         return cap
 

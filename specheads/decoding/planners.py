@@ -18,11 +18,13 @@ S_j = Π_{i≤j} α̂_i of an expected-acceptance head, which reads nothing of �
 known before ŷ_j is drawn; S is non-increasing along a row, so the greedy takes a prefix of each row, and whether
 it reaches ŷ_j depends only on gains at least S_j: the row's earlier positions and other rows'.
 The goodput `BudgetPlanner` maximises is SV's, (expected accepted + one per row) / t_target(tokens verified): the
-round's draft time is left out of it, since it depends on how far each row drafted, which depends on the row's later
-candidates. `GoodputPlanner` counts the draft's time without reading it: through the goodput it plans before the
-round (K = 0, plain decoding, among its choices), which prices its drafting and checking, and through the draft's
-curve at the round's B; a row's drafting reads only that row's candidates. Its signal (`Signal`) is an
-expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before the draw.
+round's draft time (the head's forwards with it) is left out of it, since it depends on how far each row drafted,
+which depends on the row's later candidates. `GoodputPlanner` counts the draft's time without reading it: through the
+goodput it plans before the round (K = 0, plain decoding, among its choices), which prices its drafting and checking,
+and through the draft's curve at the round's B; a row's drafting reads only that row's candidates. Its signal
+(`Signal`) is an expected-acceptance head, D-Cut's top-1 probability or vLLM's refitted estimate, all known before
+the draw; the head's forward over each candidate is priced with the draft's (`PassivePlanner.price_head`, as
+`round_seconds` prices it), the free signals' cost nothing.
 Fed a score that has read ŷ_j (an `at_draft` head, q(ŷ_j)), the same planners are lossy (tests/test_budget.py and
 tests/test_planners.py show by how much).
 
@@ -51,15 +53,17 @@ def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurv
 
     Start with no candidate checked (every row still gets the target's token: B tokens for t(B)); repeatedly add
     the position with the largest S (ties: lower row, earlier position) while the goodput
-    (B + Σ chosen S) / t(B + chosen) does not fall; stop at the first that would lower it. Also returns the S of that
-    first refused position (0 when none was refused): the marginal value a candidate needed this round."""
+    (B + Σ chosen S) / t(B + chosen) does not fall; stop at the first that would lower it. t prices the forward on
+    the round's B rows (`CostCurve.price`). Also returns the S of that first refused position (0 when none was
+    refused): the marginal value a candidate needed this round."""
     lengths = {row: 0 for row in survival}
-    tokens = value = float(len(survival))
-    best = value / target(int(tokens)) if survival else 0.0
+    rows = len(survival)
+    tokens = value = float(rows)
+    best = value / target.price(rows, rows) if survival else 0.0
     for negative, row, index in ranked_positions(survival):
         if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
             continue
-        goodput = (value - negative) / target(int(tokens) + 1)
+        goodput = (value - negative) / target.price(int(tokens) + 1, rows)
         if goodput < best:
             return lengths, -negative
         tokens, value, best = tokens + 1, value - negative, goodput
@@ -98,10 +102,13 @@ class BudgetPlanner(PassivePlanner):
 @dataclass
 class SmartSpecPlanner(PassivePlanner):
     """SmartSpec's goodput K (Liu et al. 2024): one K for the whole batch each round, the one that maximises the
-    modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1))), with a the token acceptance
-    rate estimated from the past rounds (an exponential average of accepted and rejected counts: a = accepted /
-    (accepted + rejections), the geometric model's estimate). K = 0 is plain target decoding; its rounds check
-    nothing, so the estimate drifts back to the prior and drafting is tried again."""
+    modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1)) + a^K · catch-up(B)), with a
+    the token acceptance rate estimated from the past rounds (an exponential average of accepted and rejected counts:
+    a = accepted / (accepted + rejections), the geometric model's estimate), every forward priced on the round's B
+    rows, and catch-up(B) what the round defers to the draft's next forward when its rows' last token goes unread
+    (`ServingCosts.catch_up`: always at K = 0, where the draft does not run; at K ≥ 1 when every candidate is
+    accepted). K = 0 is plain target decoding; its rounds check nothing, so the estimate drifts back to the prior and
+    drafting is tried again."""
 
     costs: ServingCosts
     smoothing: float = 0.1
@@ -119,7 +126,8 @@ class SmartSpecPlanner(PassivePlanner):
 
         def goodput(k: int) -> float:
             expected = rows * sum(rate**j for j in range(k + 1))
-            return expected / (k * self.costs.draft(rows) + self.costs.target(rows * (k + 1)))
+            return expected / (k * self.costs.draft.price(rows, rows) + self.costs.target.price(rows * (k + 1), rows)
+                               + rate**k * self.costs.catch_up(rows))
 
         largest = cap if self.max_k is None else min(cap, self.max_k)
         return max(range(largest + 1), key=lambda k: (goodput(k), -k))
@@ -155,6 +163,13 @@ class Signal:
     def acceptance(self, drafted: Drafted) -> float:
         """a_j of a drafted candidate."""
         raise NotImplementedError
+
+    def acceptance_at(self, row: int, drafted: Drafted) -> float:
+        """a_j of a candidate `row` drafted (a signal that keeps each request's history reads the row's)."""
+        return self.acceptance(drafted)
+
+    def admit(self, row: int) -> None:
+        """A new request takes `row`."""
 
     def observe(self, rounds: Mapping[int, list[Drafted]], outcomes: Mapping[int, list[Outcome]]) -> None:
         """A round's drafted candidates per row, and the outcomes of those the target checked."""
@@ -229,26 +244,49 @@ def survival_products(acceptances: list[float]) -> list[float]:
     return products
 
 
-def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCosts, verified: int | None = None) -> float:
+def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCosts, verified: int | None = None,
+                    head_cost: float | None = None) -> float:
     """The modelled goodput of a round in which each of `rows` rows drafts k candidates and the target checks
     `verified` of them (all, rows · k, by default), the likeliest first, S̄_j being position j's expected survival:
-    rows + Σ of the checked positions' S̄ tokens in k · t_draft(rows) + t_target(rows + verified) seconds. k = 0 is
-    plain decoding: rows tokens in t_target(rows)."""
+    rows + Σ of the checked positions' S̄ tokens in k · (t_draft(rows) + t_head(rows)) + t_target(rows + verified) +
+    the deferred catch-up seconds, every forward on the round's rows; t_head is the forward of the head that scores
+    each candidate, as `round_seconds` prices it (`ServingCosts.scoring` at h = `head_cost`; none for a free
+    signal). k = 0 is plain decoding: rows tokens in t_target(rows), the draft's catch-up (one more token a row in
+    its next forward, `ServingCosts.catch_up`) deferred; at k ≥ 1 a row defers it when all its k candidates are
+    checked and accepted (S̄_k), the last of them unread by the draft."""
     verified = rows * k if verified is None else verified
     full, part = divmod(verified, rows)  # every row's first `full` positions, then `part` rows' next one
     expected = rows * sum(survival[:full]) + (part * survival[full] if part else 0.0)
-    return (rows + expected) / (k * costs.draft(rows) + costs.target(rows + verified))
+    return (rows + expected) / (k * (costs.draft.price(rows, rows) + costs.scoring(rows, head_cost))
+                                + costs.target.price(rows + verified, rows)
+                                + deferred_share(survival, rows, k, verified) * costs.catch_up(rows))
 
 
-def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts) -> tuple[int, float]:
-    """The K in 0..`largest` whose round has the largest `planned_goodput` when the target checks the best number of
-    its candidates (all of them among the choices; ties: the smaller K, then the fewer checked), and that goodput.
+def deferred_share(survival: list[float], rows: int, k: int, verified: int) -> float:
+    """The expected share of the `rows` rows whose last token the draft has not read after a round of k candidates a
+    row, `verified` of them checked (the likeliest first): every row at k = 0 (the draft did not run); at k ≥ 1 the
+    rows whose k candidates were all checked, each with chance S̄_k that all stand (the last of them unread)."""
+    if k == 0:
+        return 1.0
+    return min(max(verified - rows * (k - 1), 0), rows) / rows * survival[k - 1]
+
+
+def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts,
+               head_cost: float | None = None) -> tuple[int, float]:
+    """The K in 0..`largest` whose round has the largest `planned_goodput` (the head's forwards at `head_cost`) when
+    the target checks the best number of its candidates (all of them among the choices; ties: the smaller K, then the
+    fewer checked), and that goodput.
     Its K = 0, K = largest and every constant K in between are among the rounds it compares."""
     gains = np.concatenate([[0.0], np.cumsum(np.repeat(np.asarray(survival[:largest], float), rows))])
-    target = np.asarray([costs.target(rows + verified) for verified in range(rows * largest + 1)])
-    best, rate = 0, rows / float(target[0])
+    target = np.asarray([costs.target.price(rows + verified, rows) for verified in range(rows * largest + 1)])
+    catch_up, step = costs.catch_up(rows), costs.draft.price(rows, rows) + costs.scoring(rows, head_cost)
+    best, rate = 0, rows / (float(target[0]) + catch_up)
     for k in range(1, largest + 1):
-        goodput = (rows + gains[: rows * k + 1]) / (k * costs.draft(rows) + target[: rows * k + 1])
+        verified = np.arange(rows * k + 1)
+        complete = np.clip(verified - rows * (k - 1), 0, rows)  # rows whose k candidates are all checked
+        seconds = (k * step + target[: rows * k + 1]
+                   + complete / rows * survival[k - 1] * catch_up)  # `deferred_share` for every verified count
+        goodput = (rows + gains[: rows * k + 1]) / seconds
         if goodput.max() > rate:
             best, rate = k, float(goodput.max())
     return best, rate
@@ -257,14 +295,14 @@ def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCos
 def threshold_verify_lengths(survival: Mapping[int, list[float]], rate: float, target: CostCurve) -> dict[int, int]:
     """Each row's verify length at the goodput `rate` ρ: take positions in order of S (ties: lower row, earlier
     position) while the next one's expected token pays for what it adds to the target's forward at that rate,
-    S ≥ ρ · (t(n + 1) − t(n)) with n the tokens already in it (one per row to start); stop at the first that does
-    not. S never rising along a row, each row's checked candidates are a prefix."""
+    S ≥ ρ · (t(n + 1) − t(n)) with n the tokens already in it (one per row to start) and t priced on the round's rows;
+    stop at the first that does not. S never rising along a row, each row's checked candidates are a prefix."""
     lengths = {row: 0 for row in survival}
-    tokens = len(survival)
+    rows = tokens = len(survival)
     for negative, row, index in ranked_positions(survival):
         if index != lengths[row] + 1:  # never for a non-increasing S (the sort puts a row's positions in order)
             continue
-        if -negative < rate * (target(tokens + 1) - target(tokens)):
+        if -negative < rate * (target.price(tokens + 1, rows) - target.price(tokens, rows)):
             break
         tokens, lengths[row] = tokens + 1, index
     return lengths
@@ -278,12 +316,17 @@ class GoodputPlanner(PassivePlanner):
 
     1. `round_cap`, from the past only: S̄_j, the signal's recent mean survival at position j over the rows (a row
        that stopped drafting before j goes on at its last candidate's acceptance), and the K in 0..`max_k` whose
-       round has the largest `planned_goodput` (`plan_round`: the draft's forwards counted; K = 0 is plain
-       decoding). That goodput ρ is the rate every later choice of the round is priced at.
+       round has the largest `planned_goodput` (`plan_round`: the draft's forwards counted, the head's that scores
+       each candidate and the draft's deferred catch-up too; K = 0 is plain decoding). That goodput ρ is the rate
+       every later choice of the round is priced at.
     2. `stops`: a row that has drafted k candidates, with survival S_k and last acceptance a_k, drafts one more while
-       that candidate's expected token, S_k · a_k, pays at ρ for what the row adds to a draft forward of B rows and
-       one more token in the target's forward:
-       S_k · a_k > ρ · (t_draft(B) − t_draft(B − 1) + t_target(B(k + 1) + 1) − t_target(B(k + 1))).
+       that candidate's expected token, S_k · a_k, pays at ρ for what the row adds to a draft forward of B rows (and
+       to the head's forward of that step, t_head, where a head scores) and one more token in the target's forward,
+       less the catch-up it spares (u = catch-up(B) / B a row, deferred with chance S_k when the row stops,
+       S_k · a_k when it drafts on):
+       S_k · a_k > ρ · (t_draft(B) − t_draft(B − 1) + t_head(B) − t_head(B − 1) − u · S_k (1 − a_k)
+                        + t_target(B(k + 1) + 1) − t_target(B(k + 1))),
+       every forward priced on the round's B rows (`CostCurve.price`).
        It reads the row's own candidates and the past only, never another row's: that keeps every row's drafting,
        and so the positions the verify step ranks, independent of the other rows' draws.
     3. `verify_lengths`: `threshold_verify_lengths` at ρ, on the survival products of the drafted candidates.
@@ -301,21 +344,30 @@ class GoodputPlanner(PassivePlanner):
     rows: int = 0  # this round's rows
     survival: dict[int, float] = field(default_factory=dict)  # each drafting row's S so far
     rounds: dict[int, list[Drafted]] = field(default_factory=dict)  # this round's drafted candidates per row
+    warmup_rounds: int = 0  # rounds planned while the signal was still fitting (drafted to the cap, all checked)
+    head_cost: float | None = None  # h of the head that scores each candidate (`price_head`); None: a free signal
+
+    def price_head(self, head_cost: float) -> None:
+        self.head_cost = head_cost
+
+    def admit(self, row: int) -> None:
+        self.signal.admit(row)
 
     def round_cap(self, rows: int, cap: int) -> int:
         largest = cap if self.max_k is None else min(cap, self.max_k)
         self.expected += [SIGNAL_PRIOR ** (j + 1) for j in range(len(self.expected), largest)]
         self.rows = rows
         if self.signal.ready:
-            self.k, self.rate = plan_round(self.expected, rows, largest, self.costs)
+            self.k, self.rate = plan_round(self.expected, rows, largest, self.costs, self.head_cost)
         else:  # a signal still fitting: draft to the cap and check everything
-            self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs)
+            self.k, self.rate = largest, planned_goodput(self.expected, rows, largest, self.costs, head_cost=self.head_cost)
+            self.warmup_rounds += 1
         return self.k
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         if not self.signal.ready:
             return False
-        acceptance = clean(self.signal.acceptance(drafted))
+        acceptance = clean(self.signal.acceptance_at(row, drafted))
         survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
         self.survival[row] = survival
         return not self.worth_drafting(survival, drafted.index, acceptance)
@@ -325,10 +377,15 @@ class GoodputPlanner(PassivePlanner):
         should draft one more (class docstring)."""
         if drafted >= self.k:
             return False
-        tokens = self.rows * (drafted + 1)
-        draft_step = self.costs.draft(self.rows) - self.costs.draft(self.rows - 1)
-        return worth_drafting(survival, acceptance, self.rate, draft_step,
-                              self.costs.target(tokens + 1) - self.costs.target(tokens))
+        rows, draft, target = self.rows, self.costs.draft, self.costs.target
+        tokens = rows * (drafted + 1)
+        draft_step = (draft.price(rows, rows) - draft.price(rows - 1, rows - 1)
+                      + self.costs.scoring(rows, self.head_cost) - self.costs.scoring(rows - 1, self.head_cost))
+        # drafting on, the draft reads this candidate now, so its catch-up after a round that accepts it all is
+        # deferred only when the next one stands too
+        spared = self.costs.catch_up(rows) / rows * survival * (1.0 - acceptance)
+        return worth_drafting(survival, acceptance, self.rate, draft_step - spared,
+                              target.price(tokens + 1, rows) - target.price(tokens, rows))
 
     def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
         self.rounds = {row: list(seen) for row, seen in rounds.items()}
@@ -338,7 +395,8 @@ class GoodputPlanner(PassivePlanner):
 
     def round_survival(self) -> dict[int, list[float]]:
         """The survival products of this round's drafted candidates, per row."""
-        return {row: survival_products([self.signal.acceptance(d) for d in seen]) for row, seen in self.rounds.items()}
+        return {row: survival_products([self.signal.acceptance_at(row, d) for d in seen])
+                for row, seen in self.rounds.items()}
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
         drafted = [survival for survival in self.round_survival().values() if survival]

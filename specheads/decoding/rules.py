@@ -15,11 +15,12 @@ Rules that keep state hand the engine a planner (`StopPolicy.planner`): the rule
 (`specheads.decoding.online`), the stop rule read from the costs (`specheads.decoding.cost_rule`) and the batch-level
 rules (`budget`, `smartspec`, and the goodput planner read by a head, `goodput`, or by a free signal, `dcut` and
 `vllm_adaptive`: `specheads.decoding.planners`), whose planner sees the whole round: how far every row may draft, and
-how many of each row's candidates the target checks.
+how many of each row's candidates the target checks; and the rules on estimates refitted while serving (vLLM's merged
+estimator, a per-request history, llama.cpp's p_min, a head calibrated online: `specheads.decoding.calibration`).
 
 This module is the bottom of the decoding rules: what a rule sees (`Drafted`), the base of every rule, the rules that
 need no state, and the registry `RULES`. Each of the modules above defines its rules beside the planners they run and
-registers them (`register`), so imports go one way: rules ← online ← cost_rule ← planners. A new rule is one class,
+registers them (`register`), so imports go one way: rules ← online ← cost_rule ← planners ← calibration. A new rule is one class,
 registered in `RULES`; the round engine (`specheads.decoding.engine`) runs any of them.
 """
 
@@ -29,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from specheads.heads.roles import CHAIN_HEADS, VERIFIER, check_role
 from specheads.plumbing.errors import UsageError
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class Drafted:
     score: float = 1.0  # the head's score of this candidate (an `at_draft` head; 1.0 otherwise)
     ends_output: bool = False  # the candidate is a stop token
     top1: float = 1.0  # max q at the step that drafted it (untempered under greedy decoding): known before the draw
+    margin: float = 0.0  # the top-2 logit margin of that q (`top_two_margin`): known before the draw
 
 
 RULES: dict[str, type[StopPolicy]] = {}
@@ -107,11 +110,15 @@ class StopPolicy:
         return cls(threshold=threshold, max_draft=max_draft)
 
     reads_companion: ClassVar[bool] = False  # SV's companion predictor scores the candidates
+    head_roles: ClassVar[tuple[str, ...]] = CHAIN_HEADS  # what the head it reads was trained for (`specheads.heads.roles`)
 
     def check_head(self, head: Any) -> None:
-        """Refuse a head this rule cannot use."""
-        if self.reads_head and head is None:
+        """Refuse a head this rule cannot use: none where it reads one, or one trained for another role."""
+        if not self.reads_head:
+            return
+        if head is None:
             raise UsageError(f"the {self.name} rule needs an acceptance head")
+        check_role(head, self.head_roles, f"the {self.name} rule")
 
 
 def require_whole(threshold: float, what: str) -> None:
@@ -209,6 +216,7 @@ class SprinterRule(StopPolicy):
     max_draft: int | None = None
     name: ClassVar[str] = "sprinter"
     reads_head: ClassVar[bool] = True
+    head_roles: ClassVar[tuple[str, ...]] = (VERIFIER,)
     bonus: ClassVar[bool] = False
 
     @classmethod
@@ -227,8 +235,10 @@ class SprinterRule(StopPolicy):
 
 
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "head_cost", "oracle", "vllm_online", "adaedl", "transformers",
-                 "transformers_heuristic", "sglang_adaptive", "sv_companion")
-ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic", "sglang_adaptive")
+                 "transformers_heuristic", "sglang_adaptive", "sv_companion", "vllm_current", "vllm_margin", "vllm_history",
+                 "pmin", "head_cost_online")
+ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic", "sglang_adaptive", "vllm_current",
+                   "vllm_margin", "vllm_history", "head_cost_online")
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
              "confidence": "draft confidence at its best threshold",
              "vllm_online": "vLLM's online acceptance estimator at its best threshold",
@@ -237,9 +247,13 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "transformers_heuristic": "transformers' older heuristic schedule (K from 5, +2 / −1)",
              "sglang_adaptive": "SGLang's adaptive draft length (an EMA of accepted lengths picks K among 1, 3, 7; from 3)",
              "sv_companion": "SV's companion predictor at its best threshold (its forwards counted at their cost in draft "
-                             "forwards)"}
+                             "forwards)",
+             "vllm_current": "vLLM's online acceptance estimator as merged (logit(max q), no warm-up) at its best threshold",
+             "vllm_history": "each request's own acceptance by position (a per-request history) at its best threshold",
+             "pmin": "llama.cpp's p_min (the candidate with max q below it ends the round unchecked) at its best p_min"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
-BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive")
+BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
+                  "vllm_history_adaptive", "goodput_online")
 
 
 def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:

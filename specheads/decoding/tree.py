@@ -26,25 +26,28 @@ that reads a drawn token decides only its descendants and later siblings, never 
 the budget's trap (ranking drawn tokens by a score that read them) is not open here.
 
 **Sibling-aware values** (`decode_tree(..., sibling_head=)`): a head trained on a tree's second children
-(`data.children: second`, docs/method.md "Sibling-aware values") scores every later sibling, the chain head the first
-children. The later sibling is checked against the residual p₂ = norm(max(0, p − q)), where the chain label
-overstates it; its score sets the reach past it and its value. It reads the sibling's own token, as the chain head
-reads a first child's: a score decides only descendants and later siblings, so exactness is as above.
+(`data.children: second`, docs/method.md "Sibling-aware values") scores the second children, the chain head the first
+children and, as without a sibling head, the third and later ones (no data labels those). The second child is checked
+against the residual p₂ = norm(max(0, p − q)), where the chain label overstates it; its score sets the reach past it
+and its value. It reads the sibling's own token, as the chain head reads a first child's: a score decides only
+descendants and later siblings, so exactness is as above.
 
 With `width` 1 the tree is the chain: the slot rule is SpecDec++'s stop rule (draft on while Π â ≥ floor = 1 − h),
 and a head-valued tree of width 1 decodes token for token what `HeadStop(h)` decodes.
 
 **Growth that weighs its costs** (`cost_ratio` c = t_draft/t_target given; docs/method.md "Trees whose growth weighs
 their costs"). Each step takes the action of highest gain in E[R − ρ·T] (`specheads.decoding.cost_rule`), if it pays:
-- fill a slot of reach r, the j-th child of its node: gain r·μ_j − ρ·Δv, where Δv is what one more token adds to the
-  target's forward on the cost curve in use (0 on the flat curve: width is free up to the budget);
-- read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + Δv), the forward paid for by
-  the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
-  own slot (v·μ_1 > ρ·Δv).
+- fill a slot of reach r, the j-th child of its node: gain r·μ_j − ρ·(c·h + Δv), where Δv is what one more token adds
+  to the target's forward on the cost curve in use (0 on the flat curve) and c·h the head's forward that scores the
+  child (h = `head_forward_cost` of the head scoring that place; 0 for confidence values, which the draft already
+  computed: their width is free up to the budget on the flat curve);
+- read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + c·h + Δv), the forward paid for
+  by the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
+  own slot (v·μ_1 > ρ·(c·h + Δv)).
 μ_j is the mean score of the request's children drawn so far at place j among their siblings (all places when none
-is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far; both are
-known before the slot's draw, so exactness is as above. The floor still applies (0 lets the costs alone decide).
-With width 1 this is the chain's rule read from the costs (`head_cost`), token for token.
+is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far (its head's
+forwards in the cost); both are known before the slot's draw, so exactness is as above. The floor still applies (0
+lets the costs alone decide). With width 1 this is the chain's rule read from the costs (`head_cost`), token for token.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from typing import ClassVar
 import torch
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.companion import head_forward_cost
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.eagle3 import tree_caches
@@ -67,11 +71,13 @@ from specheads.decoding.engine import (
     acceptance_batch,
     candidate_signals,
     check_decodable_head,
+    count_head,
     count_round,
 )
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
+from specheads.heads.roles import CHAIN_HEADS, SIBLING, check_role
 from specheads.model_outputs.signals import signal_log_probs
 from specheads.plumbing.errors import UsageError
 
@@ -138,12 +144,15 @@ class TreeRule:
     def check_head(self, head: AcceptanceHead | None, sibling_head: AcceptanceHead | None = None) -> None:
         """Refuse a head the tree cannot score children with, and a sibling head it cannot use beside it."""
         if sibling_head is not None and not self.reads_head:
-            raise UsageError("a sibling head scores a head-valued tree's later siblings; give the tree values: head "
+            raise UsageError("a sibling head scores a head-valued tree's second children; give the tree values: head "
                              "(and the chain head), or drop sibling_head")
         if not self.reads_head:
             return
         if head is None:
             raise UsageError("a tree with head values needs an acceptance head")
+        check_role(head, CHAIN_HEADS, "a head-valued tree's head=")
+        if sibling_head is not None:
+            check_role(sibling_head, (SIBLING,), "decode_tree's sibling_head=")
         for name, scorer in (("head", head), ("sibling head", sibling_head)):
             refusal = None if scorer is None else child_values_refusal(scorer)
             if refusal:
@@ -200,7 +209,10 @@ class DraftTree:
     nodes: list[Node] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)
     opened: dict[int, Opened] = field(default_factory=dict)  # what the draft read: the root (-1) and expanded nodes
-    widths: list[int] = field(default_factory=list)  # the nodes each draft forward read (the tail's forward: 1)
+    widths: list[int] = field(default_factory=list)  # the tokens each draft forward read (the tail's forward: the
+    # tail's tokens, its catch-up, the prompt counting as its last token alone; then the nodes each read)
+    scored: list[int] = field(default_factory=list)  # the nodes a head scored after each draft forward (head values)
+    head_forwards: float = 0.0  # those scores in draft forwards, each at its head's cost (`head_forward_cost`)
 
     def children(self, index: int) -> list[int]:
         return self.roots if index < 0 else self.nodes[index].children
@@ -223,6 +235,13 @@ class TreeCosts:
     curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat
     request: RequestState = field(default_factory=RequestState)
     scores: dict[int, list[float]] = field(default_factory=dict)  # place among siblings (1-based) -> [sum, count]
+    head_cost: float = 0.0  # h: the head's forward over one node in draft forwards (0: no head scores)
+    sibling_cost: float | None = None  # the sibling head's h, where one scores the second children
+
+    def scoring_cost(self, place: int) -> float:
+        """c·h: what scoring a node at `place` among its siblings adds, in target forwards (its scorer's h: the
+        sibling head's for a second child where one scores it, else the head's)."""
+        return self.cost_ratio * (self.sibling_cost if place == 2 and self.sibling_cost is not None else self.head_cost)
 
     def expected_score(self, place: int) -> float:
         """μ_j: the mean score of the request's children at `place` so far; of all its children when none is at
@@ -241,20 +260,22 @@ class TreeCosts:
 
     def slot_gain(self, reach: float, place: int, nodes: int) -> float:
         """What filling a slot of `reach` (the `place`-th child of its node), the tree holding `nodes` nodes, adds to
-        E[R − ρ·T]: r·μ_place − ρ·Δv."""
-        return drafting_gain(reach, self.expected_score(place), self.request.rate(), 0.0, verify_step(self.curve, nodes))
+        E[R − ρ·T]: r·μ_place − ρ·(c·h + Δv), c·h the child's scoring (`scoring_cost`)."""
+        return drafting_gain(reach, self.expected_score(place), self.request.rate(), self.scoring_cost(place),
+                             verify_step(self.curve, nodes))
 
     def read_gain(self, value: float, nodes: int) -> float:
         """What reading a node of `value` in a draft forward of its own adds, counting the first child it opens:
-        v·μ_1 − ρ·(c + Δv)."""
-        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio,
+        v·μ_1 − ρ·(c + c·h + Δv), c·h the first child's scoring."""
+        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio + self.scoring_cost(1),
                              verify_step(self.curve, nodes))
 
-    def observe(self, accepted: int, draft_forwards: int, nodes: int) -> None:
-        """Add a verified round to ρ: `accepted` nodes and the target's token, for `draft_forwards` draft forwards and
-        a target forward over the tail and `nodes` nodes."""
+    def observe(self, accepted: int, draft_forwards: int, nodes: int, head_forwards: float = 0.0) -> None:
+        """Add a verified round to ρ: `accepted` nodes and the target's token, for `draft_forwards` draft forwards,
+        `head_forwards` draft forwards' worth of head scores (`DraftTree.head_forwards`) and a target forward over the
+        tail and `nodes` nodes."""
         self.request.tokens += accepted + 1
-        self.request.cost += self.cost_ratio * draft_forwards + verify_cost(self.curve, nodes)
+        self.request.cost += self.cost_ratio * (draft_forwards + head_forwards) + verify_cost(self.curve, nodes)
 
 
 class TreeDrafter:
@@ -264,18 +285,22 @@ class TreeDrafter:
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator,
                  sibling_head: AcceptanceHead | None = None):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
-        self.sibling_head = sibling_head  # scores the later siblings when given (module docstring)
+        self.sibling_head = sibling_head  # scores the second children when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
-        self.costs = TreeCosts(rule.cost_ratio, rule.curve) if rule.cost_ratio is not None else None
+        self.head_costs = {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
+        self.costs = None if rule.cost_ratio is None else TreeCosts(
+            rule.cost_ratio, rule.curve, head_cost=self.head_costs.get(id(head), 0.0),
+            sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)])
 
-    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int) -> DraftTree:
+    def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
-        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot)."""
+        paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot); `priced`, the
+        tail's tokens its first forward is priced on (the prefill left out)."""
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree(widths=[1])
+        tree = DraftTree(widths=[priced], scored=[0])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -338,6 +363,7 @@ class TreeDrafter:
         logits, states, slots = draft.feed_tree([tree.nodes[i].token for i in chosen],
                                                 [base + tree.nodes[i].depth - 1 for i in chosen], sees)
         tree.widths.append(len(chosen))
+        tree.scored.append(0)
         for row, (index, slot) in enumerate(zip(chosen, slots)):
             tree.nodes[index].draft_slot = slot
             opened[index] = self._open(logits[row], states[row], tree.nodes[index].value, sees[row])
@@ -359,6 +385,9 @@ class TreeDrafter:
             logq = signal_log_probs(at.logits, logq, self.transform)  # so its signals read the untempered draft
         signals = candidate_signals(at.logits, logq, token, self.transform)
         score = self._score(at, signals, token, depth, len(siblings) + 1)
+        if self.head is not None:  # one head forward over this child, counted after the draft's latest forward
+            tree.scored[-1] += 1
+            tree.head_forwards += self.head_costs[id(self._scorer(len(siblings) + 1))]
         score = min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
         if self.costs is not None:
             self.costs.scored(len(siblings) + 1, score)
@@ -367,12 +396,12 @@ class TreeDrafter:
         at.reach *= 1.0 - score
 
     def _score(self, at: Opened, signals: dict[str, float], token: int, depth: int, place: int) -> float:
-        """The child's score: the head's â (the sibling head's for a later sibling, `place` > 1, when there is one),
-        or its draft confidence; for a fixed child, its confidence over the mass the earlier siblings left (the
-        chance it is the target's token once they were not), so that a node's value is Π q along its path,
-        EAGLE-2's value."""
+        """The child's score: the head's â (the sibling head's for a second child, `place` 2, when there is one: it
+        was trained on second children only), or its draft confidence; for a fixed child, its confidence over the mass
+        the earlier siblings left (the chance it is the target's token once they were not), so that a node's value is
+        Π q along its path, EAGLE-2's value."""
         if self.head is not None:
-            head = self.sibling_head if place > 1 and self.sibling_head is not None else self.head
+            head = self._scorer(place)
             return acceptance_batch(head, [at.state], [signals], [self.engine.candidate_embedding(head, token)],
                                     [depth])[0]
         if not self.fixed:
@@ -380,6 +409,11 @@ class TreeDrafter:
         score = signals["prob"] / max(1.0 - at.taken, 1e-9)
         at.taken += signals["prob"]
         return score
+
+    def _scorer(self, place: int) -> AcceptanceHead:
+        """The head that scores a child at `place` among its siblings: the sibling head for a second child when there
+        is one (it was trained on second children only), else the head."""
+        return self.sibling_head if place == 2 and self.sibling_head is not None else self.head
 
 
 def verify_trees(engine: RoundEngine, target: BatchCache, rounds: dict[int, tuple[list[int], DraftTree, torch.Generator]],
@@ -457,10 +491,12 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
     one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
     tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
     `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
-    once). `checked`, when given, receives (its place among its siblings, 1-based; its score; accepted) for every node
-    the target checked. `stop_check(request, generated)` ends a request after the first token at which it holds, as
-    a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer). `sibling_head`, a
-    head trained on second children, scores a head-valued tree's later siblings (module docstring)."""
+    once; `head_scored`: every node a head valued, one head forward each). `checked`, when given, receives (its place
+    among its siblings, 1-based; its score; accepted) for every node the target checked. `stop_check(request,
+    generated)` ends a request after the first token at which it holds, as a stop token does; `on_emit(request,
+    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children (role
+    `sibling`), scores a head-valued tree's second children (module docstring); `head` must be a chain stop or
+    expected-acceptance head (`specheads.heads.roles`)."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
@@ -503,8 +539,9 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         for row, request in active.items():
             before = request.draft.forwards[0]
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
+            tail = request.tokens[request.draft.length(0):]
             depth_cap = min(rule.budget, room - 1) if request.draft.can_draft(0) else 0  # an EAGLE-3 drafter's first round
-            trees[row] = request.drafter.grow(request.draft, request.tokens[request.draft.length(0):], depth_cap)
+            trees[row] = request.drafter.grow(request.draft, tail, depth_cap, min(len(tail), len(request.generated) + 1))
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
@@ -529,8 +566,10 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             request.draft.trim()
             count_round(request.result, len(tree.nodes), standing, called=True)
             request.result.draft_widths_per_round.append(list(tree.widths))
+            if head is not None:
+                count_head(request.result, tree.scored, tree.head_forwards, called=True)
             if request.drafter.costs is not None:
-                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes))
+                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes), tree.head_forwards)
             request.tokens += emitted
             request.generated += emitted
             if on_emit is not None and emitted:

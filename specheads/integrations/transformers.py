@@ -45,15 +45,18 @@ Refused with one line each: a logits processor other than temperature, top-k and
 length, suppressed tokens ... change p with the text and are not what the head was trained on), beam search and the
 other decoding modes (contrastive search's `penalty_alpha`, DoLa's `dola_layers`, prompt lookup ...), inputs other
 than the prompt's ids (pixel values, encoder outputs, inputs_embeds), return_dict_in_generate and the output_*
-switches, a prefilled cache, a SPRINTER verifier (approximate by design), a head whose hidden size or state layer
-does not fit the draft or that reads the target's state, and a draft or target that is provably not the one the
-head was trained for (`check_trained_for`).
+switches, a prefilled cache, a head of a role other than a chain stop or expected-acceptance head (a SPRINTER
+verifier: approximate by design; a sibling head, trained on a tree's second children), a loaded head whose
+config.json records no sampling, a head whose hidden size or state layer does not fit the draft or that reads the
+target's state, and a draft or target that is provably not the one the head was trained for (`check_trained_for`: a
+derived draft's skipped layers and the target its tensors are, a Hub draft's repo id and recorded architecture).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,10 +73,11 @@ from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import AcceptanceHead, load_head
-from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule
+from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule, is_number, repo_id_problem
+from specheads.heads.roles import CHAIN_HEADS, check_role
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.embedded import EMBEDDED_NAME
-from specheads.pair.models import ModelSpec, resolve_source, weights_identity, whole_file_weights_sha256
+from specheads.pair.models import ModelSpec, derived_layers, resolve_source, weights_identity, whole_file_weights_sha256
 from specheads.plumbing.errors import UsageError
 
 UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
@@ -83,6 +87,9 @@ TRANSFORM_FIELDS = ("temperature", "top_k", "top_p")
 PROMPT_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
                            "cache_position"})
 """The model kwargs generate prepares from a text prompt; the round engine rebuilds each from the prompt's ids."""
+ARCHITECTURE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "vocab_size")
+"""The config fields a model is compared by with the config.json of the Hub snapshot a head's data was made from."""
 
 
 def sampling_of(processors: LogitsProcessorList, do_sample: bool) -> SamplingTransform:
@@ -127,10 +134,17 @@ def resolve_head(head: Any) -> tuple[AcceptanceHead, DecisionRule]:
     if not (isinstance(head, tuple) and len(head) == 2 and isinstance(head[0], AcceptanceHead)):
         raise UsageError(f"head= must be what load_head returns, a head folder or Hub id; got {type(head).__name__}")
     module, rule = head
+    check_role(module, CHAIN_HEADS, "speculative_generate's head=")
     if rule.rule not in STOP_RULES:
         raise UsageError(f"this head's rule is {rule.rule} (a SPRINTER verifier: approximate decoding); "
                          "speculative_generate runs exact speculative decoding with a stop head")
     return module, rule
+
+
+def check_cost_ratio(cost_ratio: Any) -> None:
+    """Refuse a `cost_ratio=` that is not a number in (0, 1) (None: the head's or the tree's own)."""
+    if cost_ratio is not None and not (is_number(cost_ratio) and 0.0 < cost_ratio < 1.0):
+        raise UsageError(f"cost_ratio= is t_draft/t_target, a number in (0, 1); got {cost_ratio!r}")
 
 
 def rule_policy(rule: DecisionRule, cost_ratio: float | None) -> Any:
@@ -185,7 +199,12 @@ def check_pair(head: AcceptanceHead, draft: Any, transform: SamplingTransform) -
     if head.state_layer is not None and layers is not None and head.state_layer > layers:
         raise UsageError(f"the head reads the draft's layer {head.state_layer}, this draft has {layers} layers: it "
                          "was trained for another draft; use a head trained for this one")
-    recorded = (getattr(head, "trained_for", None) or {}).get("sampling")
+    loaded = getattr(head, "trained_for", None)
+    recorded = (loaded or {}).get("sampling")
+    if loaded is not None and not recorded:
+        raise UsageError("the head's config.json records no sampling (the temperature, top_k and top_p its labels were "
+                         "made under), so nothing says this call decodes as it was trained; re-export it with "
+                         "`specheads export`, which records it")
     trained = None if recorded is None else SamplingTransform(**{k: recorded[k] for k in TRANSFORM_FIELDS if k in recorded})
     if trained is not None and trained != transform:
         raise UsageError(f"the head was trained for sampling {trained.as_dict()}, this generate call "
@@ -202,12 +221,45 @@ def loaded_from(model: Any) -> Path | None:
     return folder.resolve() if folder is not None and folder.is_dir() else None
 
 
+def is_hub_id(name: Any) -> bool:
+    """Whether `name` reads as a Hub repo id (owner/name, valid by the Hub's rules) and names no local path."""
+    return (isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+            and repo_id_problem(name) is None and not Path(name).expanduser().exists())
+
+
+def recorded_config(spec: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json of the Hub snapshot a head's data was made from (its repo id and commit, as recorded), when
+    the local Hugging Face cache holds it; None otherwise (nothing is downloaded)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    path, commit = spec.get("path"), recorded.get("revision")
+    if not is_hub_id(path) or not isinstance(commit, str) or spec.get("gguf_file"):
+        return None
+    cached = try_to_load_from_cache(path, "config.json", revision=commit)
+    try:
+        config = json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def architecture_mismatch(recorded: dict[str, Any], model: Any) -> str | None:
+    """The first `ARCHITECTURE_FIELDS` value in which `model`'s config differs from the `recorded` config.json."""
+    config = getattr(model, "config", None)
+    for name in ARCHITECTURE_FIELDS:
+        here = getattr(config, name, None)
+        if name in recorded and here is not None and here != recorded[name]:
+            return f"its {name} is {here!r}, the head was trained on a model with {recorded[name]!r}"
+    return None
+
+
 def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
     """What provably differs between `model` and the weights a head's config.json records for it
-    (`specheads.pair.models.weights_identity`), or None. Provable: another model class, or the very folder the head's
-    data was made from whose files no longer hash as recorded. Not provable, so let through: a model from the Hub (the
-    revision it was loaded at is not on the model), from another folder (the same weights can be laid out in other
-    files), or built in memory."""
+    (`specheads.pair.models.weights_identity`), or None. Provable: another model class; another Hub repo id than the
+    recorded one (both Hub ids, the model's its config's `name_or_path`); an architecture (`ARCHITECTURE_FIELDS`)
+    other than that of the recorded Hub commit's config.json, where the local cache holds it; or the very folder the
+    head's data was made from whose files no longer hash as recorded. Not provable, so let through: a model from
+    another folder (the same weights can be laid out in other files), or built in memory."""
     if not recorded:
         return None
     here = type(getattr(model, "_orig_mod", model)).__name__  # a torch.compile'd model is its module
@@ -215,6 +267,13 @@ def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
         return f"it is a {here}, the head was trained on a {recorded['class']}"
     spec = recorded.get("spec") or {}
     path, folder = spec.get("path"), loaded_from(model)
+    name = getattr(getattr(model, "config", None), "name_or_path", None)
+    if is_hub_id(path) and is_hub_id(name) and name != path:
+        return f"it was loaded from {name}, the head was trained on {path}"
+    snapshot = recorded_config(spec, recorded)
+    differs = architecture_mismatch(snapshot, model) if snapshot else None
+    if differs:
+        return f"{differs} ({path} at {recorded['revision'][:12]})"
     if not recorded.get("weights_sha256") or folder is None or not isinstance(path, str) or path == EMBEDDED_NAME:
         return None
     if not Path(path).expanduser().exists():
@@ -229,19 +288,41 @@ def weights_mismatch(recorded: dict[str, Any] | None, model: Any) -> str | None:
     return None
 
 
+def derived_mismatch(weights: dict[str, Any], draft: Any, target: Any) -> str | None:
+    """What provably differs between `draft` and the draft derived from the target a head records (`weights`: its
+    `skip_layers`): its tensors are not the target's own, or it skips other layers. Where the layers cannot be told
+    apart (`derived_layers`), the layer counts alone."""
+    recorded = sorted(weights.get("skip_layers") or [])
+    layers = [getattr(model.config, "num_hidden_layers", None) for model in (draft, target)]
+    kept = derived_layers(draft, target)
+    if kept is None:
+        return (f"its weights are not this target's (a draft derived from the target is the target's own tensors "
+                f"with layers {recorded} skipped)")
+    if kept is False:
+        if None not in layers and layers[0] != layers[1] - len(recorded):
+            return f"it has {layers[0]} layers, the target minus {len(recorded)} has {layers[1] - len(recorded)}"
+        return None
+    skipped = [index for index in range(len(target.get_decoder().layers)) if index not in kept]
+    if skipped != recorded:
+        return f"it skips the target's layers {skipped}, the head was trained for a draft skipping {recorded}"
+    return None
+
+
 def check_trained_for(head: AcceptanceHead, draft: Any, target: Any) -> None:
     """Refuse a draft (or, for a draft derived from the target, a target) that is provably not the one the head was
-    trained for (`trained_for`, as `load_head` reads it from config.json); where its identity cannot be determined
-    from the model, nothing is refused (`load_head(..., expect_draft=)` checks a draft identity you give)."""
+    trained for (`trained_for`, as `load_head` reads it from config.json): a derived draft must be the target's own
+    tensors with the recorded layers skipped, and the target (or a draft of its own) what `weights_mismatch` can
+    tell; where its identity cannot be determined from the model, nothing is refused (`load_head(...,
+    expect_draft=)` checks a draft identity you give)."""
     recorded = (getattr(head, "trained_for", None) or {}).get("draft") or {}
     weights = recorded.get("weights") or {}
     name = recorded.get("name") or "its draft"
     if weights.get("derived_from_target"):
-        skipped = len(weights.get("skip_layers") or [])
-        layers = [getattr(model.config, "num_hidden_layers", None) for model in (draft, target)]
-        differs = (f"it has {layers[0]} layers, the target minus {skipped} has {layers[1] - skipped}"
-                   if None not in layers and layers[0] != layers[1] - skipped
-                   else weights_mismatch(recorded.get("target_weights"), target))
+        differs = derived_mismatch(weights, draft, target)
+        target_differs = None if differs else weights_mismatch(recorded.get("target_weights"), target)
+        if target_differs:
+            raise UsageError(f"this target is not the one the head's draft was derived from ({name}): {target_differs}; "
+                             "pass that target (and the draft derived from it), or train a head for this one")
     else:
         differs = weights_mismatch(weights, draft)
     if differs:
@@ -342,6 +423,7 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     early); `stats`, when given, receives each row's `DecodeResult` (forwards, target calls, tokens). `cost_ratio`:
     your t_draft/t_target, for a head whose rule is read from the costs (`rule_policy`) or for a tree's growth.
     `tree`: tree drafts under that `TreeRule` (or dict of its fields) in place of the head's chain rule."""
+    check_cost_ratio(cost_ratio)
     rule_of_tree = tree_rule(tree, cost_ratio)
     module, policy = None, None
     if head is not None or rule_of_tree is None or rule_of_tree.reads_head:

@@ -3,6 +3,7 @@ definition for labelling and decoding."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,3 +123,24 @@ def signal_statistics(logq_signal: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """(entropy, top-1 probability) per row of `signal_log_probs`' output."""
     q_signal = logq_signal.exp()
     return torch.special.entr(q_signal).sum(-1), q_signal.amax(-1)
+
+
+def second_probability(logq_signal: torch.Tensor) -> torch.Tensor:
+    """The second-largest probability per row of `signal_log_probs`' output (0 where the row has one token): with the
+    top-1, it gives the top-2 margin (`top_two_margin`)."""
+    if logq_signal.shape[-1] < 2:
+        return torch.zeros(logq_signal.shape[:-1], device=logq_signal.device)
+    return logq_signal.topk(2, dim=-1).values[..., 1].exp()
+
+
+MAX_MARGIN = 40.0
+"""The top-2 margin's clamp (vLLM's `_MAX_MARGIN`: a row with a single finite entry would emit an unbounded margin)."""
+
+
+def top_two_margin(top1: float, top2: float) -> float:
+    """The draft's top-2 logit margin, log max q − log of the second-largest q (the difference of the two largest
+    logits after the sampling transform), in [0, 40]: how decisively the draft prefers its best token, a property of
+    q known before the draw."""
+    if top2 <= 0.0:
+        return MAX_MARGIN
+    return min(max(math.log(max(top1, top2)) - math.log(top2), 0.0), MAX_MARGIN)

@@ -192,6 +192,65 @@ def without_layers(model: torch.nn.Module, skip: list[int]) -> torch.nn.Module:
     return draft
 
 
+TENSOR_PROBE = 256
+"""How many leading elements of two tensors that are not the same storage `same_tensor` compares."""
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether `a` and `b` hold the same weights: the same tensor or storage, or equal shape, dtype and leading
+    `TENSOR_PROBE` elements (a copy of the same weights loaded apart); None where that cannot be told (weights
+    offloaded to the meta device)."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_meta or b.is_meta:
+        return None
+    if a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return torch.equal(a.detach().reshape(-1)[:TENSOR_PROBE].cpu(), b.detach().reshape(-1)[:TENSOR_PROBE].cpu())
+
+
+def same_weights(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> bool | None:
+    """`same_tensor` over two lists of tensors, pairwise: False at the first that differs, None if any is undecided."""
+    if len(ours) != len(theirs):
+        return False
+    verdicts = [same_tensor(a, b) for a, b in zip(ours, theirs)]
+    return False if False in verdicts else (None if None in verdicts else True)
+
+
+def derived_layers(draft: torch.nn.Module, target: torch.nn.Module) -> list[int] | None | bool:
+    """Which of the target's decoder layers the draft's are, in order, when the draft is the target with layers
+    skipped (`without_layers`: its tensors are the target's own, so this reads no weights); None when a draft layer,
+    its embeddings, final norm or output layer are not the target's; False where it cannot be told (no `layers`
+    list, or weights offloaded to the meta device)."""
+    ours, theirs = (getattr(model.get_decoder(), "layers", None) for model in (draft, target))
+    if not isinstance(ours, torch.nn.ModuleList) or not isinstance(theirs, torch.nn.ModuleList):
+        return False
+    in_layers = {id(p) for layer in ours for p in layer.parameters()}
+    named = dict(target.named_parameters())
+    outside = [(name, p) for name, p in draft.named_parameters() if id(p) not in in_layers]
+    if any(name not in named for name, _ in outside):
+        return None
+    verdict = same_weights([p for _, p in outside], [named[name] for name, _ in outside])
+    if not verdict:
+        return None if verdict is False else False
+    kept, start = [], 0
+    for layer in ours:
+        weights = list(layer.parameters())
+        for index in range(start, len(theirs)):
+            verdict = same_weights(weights, list(theirs[index].parameters()))
+            if verdict is None:
+                return False
+            if verdict:
+                kept.append(index)
+                start = index + 1
+                break
+        else:
+            return None
+    return kept
+
+
 def vocab_rows(model: torch.nn.Module) -> int:
     """The size of p and q: the output projection's rows less the padding its forward drops (`output_width`)."""
     width = output_width(model)

@@ -6,31 +6,82 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from specheads.plumbing.errors import UsageError
 
+KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+         (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
 
-def check_output_folder(folder: Path, flag: str = "--out") -> None:
-    """Refuse, before anything runs, an output folder that cannot be written: a file where the folder or one of its
-    parents should be, or a folder (or the nearest existing parent it would be made in) that this process may not
-    write to (permissions, a read-only file system)."""
+
+def path_kind(path: Path) -> str | None:
+    """What is at `path`, a final symbolic link not followed: None when nothing is, `file` for a regular file, else
+    `folder`, `symbolic link`, `FIFO (named pipe)`, `socket`, `character device` or `block device`."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):
+        return "file"
+    return next((kind for test, kind in KINDS if test(mode)), "special file")
+
+
+def check_output_file(path: Path, flag: str = "--out") -> None:
+    """Refuse, before anything runs, an output file that exists and is not a regular file (a folder, a symbolic link,
+    a FIFO, a device: the rename that publishes the file would replace it), or whose folder cannot be written."""
+    path = Path(path)
+    kind = path_kind(path)
+    if kind == "folder":
+        raise UsageError(f"{flag} {path} is a folder; give the path of the file to write, e.g. {path / 'out.json'}")
+    if kind not in (None, "file"):
+        raise UsageError(f"{flag} {path} is a {kind}, not a regular file, and writing would replace it; give the path "
+                         "of a regular file (or of one that does not exist yet)")
+    check_output_folder(path.parent, f"{flag}'s folder")
+
+
+def check_output_files(folder: Path, names: Iterable[str], flag: str = "--out") -> None:
+    """Refuse an output folder where a file the command writes (`names`, relative to it) exists as something other
+    than a regular file, which publishing the file would replace."""
+    for name in names:
+        kind = path_kind(Path(folder) / name)
+        if kind not in (None, "file"):
+            raise UsageError(f"{flag} {folder} holds {name} as a {kind}, not a regular file, and writing the report would "
+                             f"replace it; move it away, or choose another {flag}")
+
+
+def check_output_folder(folder: Path, flag: str = "--out", replaced: bool = False) -> None:
+    """Refuse, before anything runs, an output folder that cannot be written: something other than a folder where
+    the folder or one of its parents should be (or, where the command `replaced` the folder whole, a symbolic link,
+    which the new folder would replace), or a folder (or the nearest existing parent it would be made in) that this
+    process may not write to (permissions, a read-only file system, a virtual file system such as /proc): a
+    temporary file is made there to know."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{flag} {folder} is a file, not a folder; give a folder path (it is made when missing)")
+    kind = path_kind(folder)
+    if kind == "symbolic link" and (replaced or not folder.is_dir()):
+        raise UsageError(f"{flag} {folder} is a symbolic link, which the new folder would replace; give the folder it "
+                         f"points to ({os.path.realpath(folder)}) or another path")
+    if kind not in (None, "folder", "symbolic link"):
+        what = "a file" if kind == "file" else f"a {kind}"
+        raise UsageError(f"{flag} {folder} is {what}, not a folder; give a folder path (it is made when missing)")
     existing = folder.absolute()
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
         raise UsageError(f"{flag} {folder} cannot be made: {existing} is a file, not a folder; give a path under a "
                          "folder")
+    where = "" if existing == folder.absolute() else f" (its parent {existing}, where it would be made)"
     if not os.access(existing, os.W_OK | os.X_OK):
-        where = "" if existing == folder.absolute() else f" (its parent {existing}, where it would be made)"
         raise UsageError(f"{flag} {folder} is not writable{where}: permission denied or a read-only file system; "
                          "choose a folder you can write to, or fix its permissions")
+    try:  # an unnamed file where the system allows (O_TMPFILE): no other process sees it in the folder
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise UsageError(f"{flag} {folder} is not writable{where}: making a file there failed ({error.strerror or error}); "
+                         "choose a folder you can write to") from None
 
 
 def current_umask() -> int:
@@ -56,7 +107,12 @@ def usual_permissions(folder: Path) -> None:
 
 @contextmanager
 def atomic_path(final: Path) -> Iterator[str]:
-    """A temporary path beside `final`, moved onto it when the block ends without error (else removed)."""
+    """A temporary path beside `final`, moved onto it when the block ends without error (else removed); refused when
+    `final` exists and is not a regular file (a folder, a link, a FIFO, a device), which the move would replace."""
+    kind = path_kind(final)
+    if kind not in (None, "file"):
+        raise UsageError(f"{final} is a {kind}, not a regular file, and writing would replace it; move it away, or "
+                         "choose another output path")
     final.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(handle)
