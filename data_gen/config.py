@@ -13,6 +13,13 @@ from specheads.pair.models import ModelSpec, derived_draft
 from specheads.pair.placement import check_spec_placement
 from specheads.plumbing.errors import UsageError
 
+GEN_BOUNDS = {"samples_per_prompt": (10_000, "each sample is a row of its own, planned in memory before labelling"),
+              "batch_size": (65_536, "rows labelled together in one forward pass"),
+              "rows_per_shard": (1_000_000, "rows one Arrow shard holds in memory before it is written"),
+              "label_chunk_tokens": (1_000_000, "positions whose vocabulary-sized p and q are computed at once"),
+              "threads": (1_024, "torch threads each rank labels with")}
+"""Upper bounds on gen's counts that allocate in proportion, with what each counts."""
+
 
 @dataclass
 class SamplingConfig:
@@ -158,7 +165,10 @@ class GenConfig:
 
     def validate(self) -> None:
         """Refuse combinations that cannot work, before anything is loaded or written (each field's own range is in
-        its type, checked when the config is parsed)."""
+        its type, checked when the config is parsed), and counts beyond their bounds (`GEN_BOUNDS`)."""
+        for name, (bound, what) in GEN_BOUNDS.items():
+            if getattr(self, name) > bound:
+                raise UsageError(f"--{name} {getattr(self, name)} is above {bound:,}: {what}; give at most {bound:,}")
         if self.rows_per_shard % self.batch_size:
             raise UsageError(f"rows_per_shard ({self.rows_per_shard}) must be a multiple of batch_size ({self.batch_size})")
         if self.sampling.temperature == 0 and self.samples_per_prompt > 1 and self.responses is None:

@@ -247,3 +247,22 @@ def test_a_stage_package_docstring_says_what_it_does(package):
 
     text = importlib.import_module(package).__doc__
     assert "see its issue" not in text and f"`specheads {package.split('.')[1]}" in text
+
+
+# ---- gen: counts that allocate in proportion, refused before anything loads or is written
+
+
+@pytest.mark.parametrize("flag, value", [("--samples-per-prompt", "1000000000000"), ("--batch-size", "100000000"),
+                                         ("--threads", "100000")])
+def test_gen_counts_beyond_their_bounds_are_refused_before_any_model_loads(tmp_path, capsys, monkeypatch, flag, value):
+    import specheads.data_gen.run
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(specheads.data_gen.run, "load_pair", loaded, raising=False)
+    out = tmp_path / "gen"
+    extra = ["--rows-per-shard", value] if flag == "--batch-size" else []  # a shard holds whole batches
+    refused(capsys, "gen", ["gen", "--config", "smollm2-demo", flag, value, *extra, "--out", str(out)],
+            f"--{flag[2:].replace('-', '_')} {value} is above", "give at most")
+    assert not out.exists()
