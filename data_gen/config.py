@@ -11,7 +11,7 @@ from specheads.dataset.storage import FeaturesAt, FeaturesDtype
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.models import ModelSpec, derived_draft
 from specheads.pair.placement import check_spec_placement
-from specheads.plumbing.errors import UsageError
+from specheads.plumbing.errors import UsageError, refuse_above
 
 GEN_BOUNDS = {"samples_per_prompt": (10_000, "each sample is a row of its own, planned in memory before labelling"),
               "batch_size": (65_536, "rows labelled together in one forward pass"),
@@ -167,8 +167,7 @@ class GenConfig:
         """Refuse combinations that cannot work, before anything is loaded or written (each field's own range is in
         its type, checked when the config is parsed), and counts beyond their bounds (`GEN_BOUNDS`)."""
         for name, (bound, what) in GEN_BOUNDS.items():
-            if getattr(self, name) > bound:
-                raise UsageError(f"--{name} {getattr(self, name)} is above {bound:,}: {what}; give at most {bound:,}")
+            refuse_above(f"--{name}", getattr(self, name), bound, what)
         if self.rows_per_shard % self.batch_size:
             raise UsageError(f"rows_per_shard ({self.rows_per_shard}) must be a multiple of batch_size ({self.batch_size})")
         if self.sampling.temperature == 0 and self.samples_per_prompt > 1 and self.responses is None:

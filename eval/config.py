@@ -10,11 +10,14 @@ from typing import Literal
 from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInterval, PositiveInt
 
 from specheads.artifacts.report_file import REPORT_FILE
-from specheads.plumbing.errors import UsageError
+from specheads.plumbing.errors import UsageError, refuse_above
 
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
                   "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
+COST_RULES = ("head_cost", "head_cost_online")
+"""The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
+and on the head calibrated while serving (`specheads.decoding.calibration`)."""
 FIXED_TREES = ("tree_head", "tree_confidence")
 """The trees --fixed-thresholds may give a floor (one for every N of --tree-budgets)."""
 WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
@@ -198,10 +201,7 @@ class EvalConfig:
     def check_bounds(self) -> None:
         """Refuse a count beyond its bound in BOUNDS, naming what it counts."""
         for name, (bound, what) in BOUNDS.items():
-            value = getattr(self, name)
-            largest = max(value, default=0) if isinstance(value, list) else value or 0
-            if largest > bound:
-                raise UsageError(f"{flag(name)} {largest} is above {bound:,}: {what}; give at most {bound:,}")
+            refuse_above(flag(name), getattr(self, name), bound, what)
 
     @property
     def most_test_requests(self) -> int:

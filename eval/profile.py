@@ -19,7 +19,7 @@ from specheads.decoding.cost_table import PRESET_NAMES, PRESET_TOKENS, PRESETS, 
 from specheads.decoding.costs import CURVE_TOKENS
 from specheads.pair.models import ModelSpec
 from specheads.plumbing.dataclass_cli import parse_dataclass
-from specheads.plumbing.errors import UsageError
+from specheads.plumbing.errors import UsageError, refuse_above
 from specheads.plumbing.files import check_output_file
 
 MAX_TOKENS = 65_536
@@ -107,8 +107,7 @@ class ProfileConfig:
                   ("--batch-size", [self.batch_size or 0], MAX_TOKENS, "requests in one batch"),
                   ("--repeats", [self.repeats], MAX_REPEATS, "timed forwards per token count")]
         for option, values, bound, what in limits:
-            if max(values, default=0) > bound:
-                raise UsageError(f"{option} {max(values)} is above {bound:,}: {what}; give at most {bound:,}")
+            refuse_above(option, values, bound, what)
 
 
 def parse_config(argv: list[str]) -> ProfileConfig:

@@ -19,12 +19,12 @@ from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
-from specheads.decoding.costs import ServingCosts, measure_cost_curve, measure_head_curve
+from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES
 from specheads.eval.companion import sv_companion_scores
-from specheads.eval.config import MEASURED, EvalConfig
+from specheads.eval.config import COST_RULES, MEASURED, EvalConfig
 from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
 from specheads.eval.offline import (
     TokenTable,
@@ -56,7 +56,6 @@ from specheads.eval.serving import (
     serving_views,
 )
 from specheads.eval.sweep import (
-    COUNTED,
     SAMPLE_SUFFIX,
     DecodePrompt,
     RunKey,
@@ -96,9 +95,6 @@ MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
 BASELINE_POLICIES = tuple(BASELINES)
-COST_RULES = ("head_cost", "head_cost_online")
-"""The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
-and on the head calibrated while serving (`specheads.decoding.calibration`)."""
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                        "vllm_history_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""
@@ -340,6 +336,7 @@ class DecodePlan:
     reused: dict[RunKey, RunRecord]
     trees: list[Setting]
     trees_left_out: dict[str, str]
+    head_cost: float  # a head forward over one token in draft forwards (`head_forward_cost`): what its scores are counted at
 
 
 def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
@@ -367,7 +364,8 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)
-    context["head_forward_cost"] = round(head_forward_cost(trained.head, pair.draft), 6)  # the head's forwards cost it
+    head_cost = head_forward_cost(trained.head, pair.draft)
+    context["head_forward_cost"] = round(head_cost, 6)  # the head's forwards are counted at it
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     tuning = checked.tuning
     if config.tuned_from:
@@ -379,7 +377,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
         else "--fixed-thresholds") if config.tree_budgets else ([], {})
     if trees:
         check_tree_pair(RoundEngine(pair.target, pair.draft, transform, []), trained.head)
-    return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out)
+    return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out, head_cost)
 
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
@@ -390,7 +388,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     `config.tuned_from` or `config.fixed_thresholds` give), and report on test."""
     prompts, context, tuning, trees = plan.prompts, plan.context, plan.tuning, plan.trees
     learned = own_rule(trained)
-    head_cost = head_forward_cost(trained.head, pair.draft)  # the head's forwards are counted at it
+    head_cost = plan.head_cost
     place(pair.target, device)
     place(pair.draft, device)
     trained.head.to(device)

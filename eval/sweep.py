@@ -330,11 +330,6 @@ def ratio_interval(records: list[RunRecord], times: np.ndarray, resamples: int, 
     return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
-COUNTED = "tokens emitted / (c · (draft forwards + head forwards) + target calls)"
-"""How a report's modelled speedups were computed (its decoding section's `speedup_from`); reports without it used
-SpecDec++ Eq. 5.1, which overstates SPRINTER; reports whose `speedup_from` has no head forwards counted the head free."""
-
-
 def modelled_speedup(emitted: Any, draft_forwards: Any, target_calls: Any, cost_ratio: float) -> Any:
     """Speedup over target-only decoding from what a run counted: tokens emitted ÷ (c · draft forwards + target
     calls), in target-forward units with c = t_draft/t_target = `cost_ratio` (floats or arrays); `draft_forwards` are

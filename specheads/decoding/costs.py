@@ -35,6 +35,10 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.plumbing.errors import UsageError
 
+COUNTED = "tokens emitted / (c · (draft forwards + head forwards) + target calls)"
+"""How a modelled speedup is counted (a report's decoding section's `speedup_from`, and the model card's words); reports
+without it used SpecDec++ Eq. 5.1, which overstates SPRINTER; reports whose `speedup_from` has no head forwards counted
+the head free."""
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 FALLING_FIX = "re-run `specheads profile` on a quiet machine (it keeps the running maximum of what it measures)"
 
@@ -158,7 +162,7 @@ def measure_head_curve(head: Any, tokens: tuple[int, ...] = CURVE_TOKENS, repeat
             synchronize(device)
             timings.append(time.perf_counter() - start)
         seconds.append(float(np.median(timings)))
-    return CostCurve(tuple(tokens), tuple(np.maximum.accumulate(seconds).tolist()))
+    return monotone_curve(tuple(tokens), seconds)
 
 
 def synchronize(device: torch.device) -> None:

@@ -278,17 +278,22 @@ class TreeCosts:
         self.request.cost += self.cost_ratio * (draft_forwards + head_forwards) + verify_cost(self.curve, nodes)
 
 
+def scoring_costs(engine: RoundEngine, head: AcceptanceHead | None, sibling_head: AcceptanceHead | None) -> dict[int, float]:
+    """Each scoring head's forward over one node in draft forwards (`head_forward_cost`), keyed by the head's id."""
+    return {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
+
+
 class TreeDrafter:
     """Grows one round's tree from the draft's cache (module docstring, step 1); one drafter serves one request, whose
     history cost-aware growth reads (`costs`, None without a `cost_ratio`)."""
 
     def __init__(self, engine: RoundEngine, rule: TreeRule, head: AcceptanceHead | None, generator: torch.Generator,
-                 sibling_head: AcceptanceHead | None = None):
+                 sibling_head: AcceptanceHead | None = None, head_costs: dict[int, float] | None = None):
         self.engine, self.rule, self.head, self.generator = engine, rule, head, generator
         self.sibling_head = sibling_head  # scores the second children when given (module docstring)
         self.transform = engine.transform
         self.fixed = engine.transform.greedy or rule.children == "top"  # children chosen, not drawn
-        self.head_costs = {id(h): head_forward_cost(h, engine.draft) for h in (head, sibling_head) if h is not None}
+        self.head_costs = scoring_costs(engine, head, sibling_head) if head_costs is None else head_costs
         self.costs = None if rule.cost_ratio is None else TreeCosts(
             rule.cost_ratio, rule.curve, head_cost=self.head_costs.get(id(head), 0.0),
             sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)])
@@ -524,6 +529,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                              "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
     results: list[DecodeResult | None] = [DecodeResult(tokens=[]) if max_new_tokens <= 0 else None for _ in prompts]
     waiting = [index for index in range(len(prompts)) if results[index] is None][::-1]
+    head_costs = scoring_costs(engine, head, sibling_head)  # the same for every request: computed once
     rows: list[TreeRequest | None] = [None] * len(target.slots)
     while waiting or any(rows):
         for row, held in enumerate(rows):
@@ -532,7 +538,7 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                 generator = torch.Generator().manual_seed(seeds[index])
                 target.crop_row(row, 0)
                 rows[row] = TreeRequest(index, list(prompts[index]), generator, draft_cache(row, head.state_layer if head else None),
-                                        TreeDrafter(engine, rule, head, generator, sibling_head))
+                                        TreeDrafter(engine, rule, head, generator, sibling_head, head_costs))
         active = {row: request for row, request in enumerate(rows) if request is not None}
         round_start = time.perf_counter()
         trees, forwards = {}, {}
