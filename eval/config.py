@@ -212,7 +212,8 @@ class EvalConfig:
 
     def validate_serving(self) -> None:
         """The serving table's options: batch sizes given once each, none larger than the test requests can fill, and
-        every cost view readable (a bad table is refused before any model loads); its other options only with it."""
+        every cost view named once; its other options only with it. The tables are read once, after these checks and
+        before the head or any model loads (`eval.run.serving_tables`)."""
         sizes = self.serving_batch_sizes
         if sizes is None:
             given = [option for option, value in (("--serving-costs", self.serving_costs),
@@ -239,11 +240,6 @@ class EvalConfig:
                              "of them), or drop it for the curves measured here")
         if len(set(sources)) < len(sources):
             raise UsageError(f"--serving-costs names a view twice ({', '.join(sources)}); give each table or preset once")
-        for source in sources:
-            if source != MEASURED:
-                from specheads.decoding.cost_table import read_cost_table  # torch: not imported to parse flags
-
-                read_cost_table(source, "--serving-costs")
 
     @property
     def serving_cost_sources(self) -> list[str]:

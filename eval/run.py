@@ -18,7 +18,7 @@ from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest
 from specheads.dataset.store import read_manifest
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
-from specheads.decoding.cost_table import PRESET_NAMES, read_cost_table
+from specheads.decoding.cost_table import PRESET_NAMES, CostTable, read_cost_table
 from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.prompt_cache import PromptCache
@@ -84,7 +84,6 @@ from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_r
 from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
-from specheads.pair.embedded import file_sha256
 from specheads.pair.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_files, check_output_folder, write_json_atomic
@@ -258,19 +257,33 @@ def tune_on_dev(dev: list[dict[str, Any]], table: TokenTable, purpose: str,
 
 @dataclass
 class Checked:
-    """What the checks before any model loads settled: the thresholds --fixed-thresholds gives, and the
-    expected-acceptance head the verify budget plans with (or why it is left out)."""
+    """What the checks before any model loads settled: the evaluated head's identity (its weights digested once),
+    the --serving-costs tables as read (each file read and hashed once), the thresholds --fixed-thresholds gives, and
+    the expected-acceptance head the verify budget plans with (or why it is left out) with its digest."""
 
+    head: EvaluatedHead
+    tables: dict[str, CostTable] = field(default_factory=dict)  # by --serving-costs name (`serving_tables`)
     tuning: EarlierTuning | None = None
     budget_head: Any = None
+    budget_digest: str | None = None
     budget_left_out: dict[str, str] = field(default_factory=dict)
     table_notes: dict[str, list[str]] = field(default_factory=dict)  # per --serving-costs file (`cost_table_notes`)
 
 
-def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any]) -> Checked:
+def serving_tables(config: EvalConfig) -> dict[str, CostTable]:
+    """Each --serving-costs table or preset the serving table prices with, read once by its name (a bad one refused
+    in one line before the head or any model loads)."""
+    if not config.serving_batch_sizes:
+        return {}
+    return {name: read_cost_table(name, "--serving-costs") for name in config.serving_cost_sources if name != MEASURED}
+
+
+def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict[str, Any],
+                        tables: dict[str, CostTable]) -> Checked:
     """Every check of `config` against the head that needs no model: run before the report folder is held, any
-    model loads or any forward, so that a bad input is refused at once and leaves nothing behind."""
-    checked = Checked()
+    model loads or any forward, so that a bad input is refused at once and leaves nothing behind. `tables`: the
+    --serving-costs tables as `serving_tables` read them."""
+    checked = Checked(head_identity(trained), tables)
     if config.num_decode_prompts:
         check_decodable_head(trained.head)
     if config.fixed_thresholds:
@@ -278,7 +291,11 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
         check_given_rules(config, trained, checked.tuning, "--fixed-thresholds")
     if config.serving_batch_sizes:
         checked.budget_head, checked.budget_left_out = expected_head(config, trained)
-        checked.table_notes = cost_table_notes(config, manifest)
+        if checked.budget_head is trained.head:
+            checked.budget_digest = checked.head.weights_digest
+        elif checked.budget_head is not None:
+            checked.budget_digest = checked.budget_head.weights_digest()
+        checked.table_notes = cost_table_notes(config, manifest, tables)
         for note in (note for notes in checked.table_notes.values() for note in notes):
             print(f"note: {note}", flush=True)
     return checked
@@ -299,9 +316,9 @@ def check_given_rules(config: EvalConfig, trained: TrainedHead, tuning: EarlierT
                       tuning.tree_floors, given_by)
 
 
-def cost_table_notes(config: EvalConfig, manifest: dict[str, Any]) -> dict[str, list[str]]:
-    """Per --serving-costs file, what a reader should know of it: that it shadows a roofline preset of the same
-    name, or that it was measured for other models than the evaluated pair."""
+def cost_table_notes(config: EvalConfig, manifest: dict[str, Any], tables: dict[str, CostTable]) -> dict[str, list[str]]:
+    """Per --serving-costs file (`tables`, by name), what a reader should know of it: that it shadows a roofline preset
+    of the same name, or that it was measured for other models than the evaluated pair."""
     source = manifest["config"]
     pair = {"target": ModelSpec(**source["target"]).describe(), "draft": ModelSpec(**source["draft"]).describe()}
     notes: dict[str, list[str]] = {}
@@ -312,7 +329,7 @@ def cost_table_notes(config: EvalConfig, manifest: dict[str, Any]) -> dict[str, 
         if name in PRESET_NAMES and Path(name).exists():
             said.append(f"--serving-costs {name} reads the file {Path(name).absolute()}, which shadows the "
                          "roofline preset of that name; rename or move the file to price with the preset")
-        table = read_cost_table(name, "--serving-costs")
+        table = tables[name]
         models = table.fields.get("models") if table.source == "measured" else None
         measured = {role: models[role].get("name") for role in pair
                     if isinstance(models, dict) and isinstance(models.get(role), dict)}
@@ -369,7 +386,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     reused = load_reusable(config.reuse_runs, context) if config.reuse_runs else {}
     tuning = checked.tuning
     if config.tuned_from:
-        tuning = load_tuning(config.tuned_from, head_identity(trained), context, config.cost_ratio)
+        tuning = load_tuning(config.tuned_from, checked.head, context, config.cost_ratio)
         check_given_rules(config, trained, tuning, f"{config.tuned_from} (--tuned-from)")
     trees, trees_left_out = tree_settings(
         config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
@@ -399,7 +416,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
         settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
     settings += trees
-    journal = open_journal(Path(config.out), context, asdict(head_identity(trained)))
+    journal = open_journal(Path(config.out), context, asdict(checked.head))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
     prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
     engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
@@ -473,22 +490,23 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
     budget_head = None if checked.budget_head is None else checked.budget_head.to(device).eval()
     left_out = dict(checked.budget_left_out)
     heads = {"evaluated": trained.head, **({"budget": budget_head} if budget_head is not None else {})}
+    digests = {"evaluated": checked.head.weights_digest, "budget": checked.budget_digest}  # each computed once an eval
     sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
     for name in config.serving_cost_sources:
         if name == MEASURED:
             measured = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
             sources.append((MEASURED, lambda size, measured=measured: measured, True))
-            measured_heads[MEASURED] = {head.weights_digest(): measure_head_curve(head) for head in heads.values()}
+            measured_heads[MEASURED] = {digests[role]: measure_head_curve(head) for role, head in heads.items()}
             curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
                                 "source": f"measured on {device_name(device)}", "modelled": False}
         else:
-            table = read_cost_table(name, "--serving-costs")
+            table = checked.tables[name]
             view = table.view if table.view not in curves else f"{table.view} ({name})"
             sources.append((view, table.at_batch_size, table.source != "roofline"))
             measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
             curves[view] = {**curves_used(table.costs, most_served_tokens(config)), "source": table.describe(),
                             "modelled": table.modelled, "per_batch_size": table.source == "roofline" and name in PRESET_NAMES,
-                            **table_file(name), **({"notes": checked.table_notes[name]}
+                            **table_file(table), **({"notes": checked.table_notes[name]}
                                                    if checked.table_notes.get(name) else {})}
     for view, timed in measured_heads.items():
         if timed:
@@ -511,7 +529,7 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
                            budget_head if policy in PLANNED_BY_HEAD else None)
 
     views = serving_views(sources, config.cost_ratio)
-    digest_of = {policy: heads["budget" if policy in PLANNED_BY_HEAD else "evaluated"].weights_digest()
+    digest_of = {policy: digests["budget" if policy in PLANNED_BY_HEAD else "evaluated"]
                  for policy in (*tuned, *batch_policies) if policy not in PLANNED_BY_HEAD or "budget" in heads}
     head_curves = {(policy, view): timed[digest] for view, timed in measured_heads.items()
                    for policy, digest in digest_of.items() if digest in timed}
@@ -525,7 +543,7 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             "head_forward_costs": {role: head_forward_cost(head, pair.draft) for role, head in heads.items()},
             "budget": {"floor": config.budget_floor, "max_draft": config.max_draft,
                        "head": None if budget_head is None else (config.budget_head or trained.source),
-                       "weights_digest": None if budget_head is None else budget_head.weights_digest()},
+                       "weights_digest": None if budget_head is None else checked.budget_digest},
             "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
 
 
@@ -537,10 +555,12 @@ def most_served_tokens(config: EvalConfig) -> int:
     return max(config.serving_batch_sizes or [1]) * (per_row + 1)
 
 
-def table_file(name: str) -> dict[str, Any]:
-    """What identifies a --serving-costs file in the report (its path and sha256); nothing for a preset's name."""
-    path = Path(name)
-    return {"path": str(path.absolute()), "sha256": file_sha256(path)} if path.is_file() else {"preset": name}
+def table_file(table: CostTable) -> dict[str, Any]:
+    """What identifies a --serving-costs file in the report (its path and the sha256 of the bytes read); the name
+    alone for a preset's."""
+    if table.sha256 is None:
+        return {"preset": table.path}
+    return {"path": str(Path(table.path).absolute()), "sha256": table.sha256}
 
 
 def curves_used(costs: ServingCosts, most_tokens: int) -> dict[str, Any]:
@@ -600,6 +620,7 @@ def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
     checkpoint); returns the report. One eval at a time writes a folder (`specheads.plumbing.lock`)."""
     config.validate()
+    tables = serving_tables(config)
     check_output_folder(Path(config.out))
     check_output_files(Path(config.out), [REPORT_FILE, "report.md", "report.html", "runs.json", JOURNAL_FILE,
                                           *PLOTS.values()])
@@ -611,7 +632,7 @@ def evaluate(config: EvalConfig) -> Report:
     trained = load_trained(config.head)
     trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads eval --head")
     check_data(trained, manifest, config.data, config.allow_other_data)
-    checked = check_before_models(config, trained, manifest)
+    checked = check_before_models(config, trained, manifest, tables)
     with folder_lock(Path(config.out), "eval"):
         try:
             return evaluate_locked(config, device, manifest, trained, checked)
@@ -669,7 +690,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,
                                          seed=config.seed)
                   if trained.purpose in STOP_PURPOSES else None)
-    report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"], cumulative=cumulative,
+    report = Report(head=checked.head, data=data_section, offline=offline["signals"], cumulative=cumulative,
                     offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
                     sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)

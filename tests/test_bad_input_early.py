@@ -2,7 +2,9 @@
 before any model loads or any forward runs (issue 60), in one line naming the problem and the fix, exit 2, nothing
 written; output paths that exist and are not regular files (or folders) are never replaced."""
 
+import builtins
 import hashlib
+import io
 import json
 import os
 import stat
@@ -137,18 +139,48 @@ def test_batch_sizes_the_found_test_requests_cannot_fill_are_refused_before_any_
     assert not out.exists()
 
 
+def opened_files(monkeypatch) -> list[Path]:
+    """The files opened from now on (`open`, `io.open` and so every `Path` read), in order."""
+    opened: list[Path] = []
+    real = io.open
+
+    def counted(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)):
+            opened.append(Path(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counted)
+    monkeypatch.setattr(builtins, "open", counted)
+    return opened
+
+
+def digested_heads(monkeypatch) -> list[int]:
+    """The heads whose weights are digested from now on (`weights_digest`), by id, once per digest."""
+    from specheads.heads.base import AcceptanceHead
+
+    digested: list[int] = []
+    real = AcceptanceHead.weights_digest
+    monkeypatch.setattr(AcceptanceHead, "weights_digest", lambda head: digested.append(id(head)) or real(head))
+    return digested
+
+
 def test_the_report_keeps_the_table_file_and_the_curve_points_it_priced_with_not_the_whole_table(trained, tmp_path,
-                                                                                                 capsys):
+                                                                                                 capsys, monkeypatch):
     points = range(1, 20_001)
     table = tmp_path / "costs.json"
     table.write_text(json.dumps({"draft": {"tokens": list(points), "seconds": [1e-3 + 1e-6 * n for n in points]},
                                  "target": {"tokens": list(points), "seconds": [5e-3 + 1e-6 * n for n in points]}}))
     data, root = trained
     out = tmp_path / "report"
+    opened, digested = opened_files(monkeypatch), digested_heads(monkeypatch)
     assert main(eval_args(checkpoint_of(root), data, out, "--num-decode-prompts", "2", "--max-new-tokens", "4",
                           "--max-draft", "3", "--fixed-thresholds", '{"head": 0.5, "constant_k": 2}',
                           "--serving-batch-sizes", "[1]", "--serving-batch-policies", "[]",
                           "--serving-costs", str(table))) == 0
+    monkeypatch.undo()
+    # the table is read once (checked, noted, priced with and hashed from those bytes), the head digested once
+    assert opened.count(table) == 1, opened.count(table)
+    assert len(digested) == 1, digested
     curves = json.loads((out / "metrics.json").read_text())["decoding"]["serving"]["cost_curves"]["given"]
     assert (curves["path"], curves["sha256"]) == (str(table), hashlib.sha256(table.read_bytes()).hexdigest())
     # one request of at most 4 tokens a forward (K_max 3 and a bonus, or 4 new tokens and one): points 1 .. 5

@@ -19,6 +19,7 @@ prices that head's forwards with it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -304,7 +305,8 @@ def write_cost_table(path: Path, table: dict[str, Any]) -> None:
 @dataclass(frozen=True)
 class CostTable:
     """A cost table as read: the top-level curves, and what the file says of them; `roofline`, the preset whose formula
-    prices them (a preset named in eval, or a table it wrote, unchanged), None for a measured or given table."""
+    prices them (a preset named in eval, or a table it wrote, unchanged), None for a measured or given table;
+    `sha256`, the hash of the file's bytes as read (None for a preset's name)."""
 
     path: str
     costs: ServingCosts
@@ -313,6 +315,7 @@ class CostTable:
     context: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     roofline: RooflinePreset | None = None
+    sha256: str | None = None
 
     @property
     def head_digest(self) -> str | None:
@@ -422,7 +425,7 @@ def check_table(table: Any, where: str) -> None:
 def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
     """The table in file `source`, or the roofline preset of that name at its default context (when no such file
     exists); a bad one is refused in one line naming `flag`, the file and the fix."""
-    path = Path(source)
+    path, sha256 = Path(source), None
     if not path.exists() and source in PRESETS:
         table = roofline_table(source)
     else:
@@ -431,7 +434,8 @@ def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
             raise UsageError(f"{where} is not a file; give a cost table (`specheads profile --out FILE` writes one) or "
                              f"a roofline preset: {', '.join(PRESET_NAMES)}")
         try:
-            table = json.loads(path.read_text(encoding="utf-8"))
+            data = path.read_bytes()  # read once: parsed and hashed
+            table, sha256 = json.loads(data.decode("utf-8")), hashlib.sha256(data).hexdigest()
         except (OSError, UnicodeDecodeError, ValueError) as error:
             raise UsageError(f"{where}: not readable JSON ({str(error).splitlines()[0]}); {TABLE_FIX}") from None
         check_table(table, where)
@@ -443,7 +447,7 @@ def read_cost_table(source: str, flag: str = "--serving-costs") -> CostTable:
         costs = roofline_costs(preset, table["context"], tabulated=costs)
     return CostTable(source, costs, source_kind, bool(table.get("modelled", source_kind == "roofline")),
                      table.get("context"), {k: v for k, v in table.items() if k not in ("draft", "target", "head", "curves")},
-                     preset)
+                     preset, sha256)
 
 
 def written_by_preset(table: dict[str, Any], costs: ServingCosts) -> RooflinePreset | None:
