@@ -126,8 +126,9 @@ class SmartSpecPlanner(PassivePlanner):
 
         def goodput(k: int) -> float:
             expected = rows * sum(rate**j for j in range(k + 1))
+            deferred = deferred_share([rate**j for j in range(1, k + 1)], rows, k, rows * k)  # a^K: every one checked
             return expected / (k * self.costs.draft.price(rows, rows) + self.costs.target.price(rows * (k + 1), rows)
-                               + rate**k * self.costs.catch_up(rows))
+                               + deferred * self.costs.catch_up(rows))
 
         largest = cap if self.max_k is None else min(cap, self.max_k)
         return max(range(largest + 1), key=lambda k: (goodput(k), -k))
@@ -257,18 +258,19 @@ def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCost
     verified = rows * k if verified is None else verified
     full, part = divmod(verified, rows)  # every row's first `full` positions, then `part` rows' next one
     expected = rows * sum(survival[:full]) + (part * survival[full] if part else 0.0)
-    return (rows + expected) / (k * (costs.draft.price(rows, rows) + costs.scoring(rows, head_cost))
-                                + costs.target.price(rows + verified, rows)
-                                + deferred_share(survival, rows, k, verified) * costs.catch_up(rows))
+    return float((rows + expected) / (k * (costs.draft.price(rows, rows) + costs.scoring(rows, head_cost))
+                                      + costs.target.price(rows + verified, rows)
+                                      + deferred_share(survival, rows, k, verified) * costs.catch_up(rows)))
 
 
-def deferred_share(survival: list[float], rows: int, k: int, verified: int) -> float:
+def deferred_share(survival: list[float], rows: int, k: int, verified: int | np.ndarray) -> float | np.ndarray:
     """The expected share of the `rows` rows whose last token the draft has not read after a round of k candidates a
-    row, `verified` of them checked (the likeliest first): every row at k = 0 (the draft did not run); at k ≥ 1 the
-    rows whose k candidates were all checked, each with chance S̄_k that all stand (the last of them unread)."""
+    row, `verified` of them checked (the likeliest first; an array of counts gives the share of each): every row at
+    k = 0 (the draft did not run); at k ≥ 1 the rows whose k candidates were all checked, each with chance S̄_k that
+    all stand (the last of them unread). The one catch-up term of `planned_goodput`, `plan_round` and SmartSpec."""
     if k == 0:
         return 1.0
-    return min(max(verified - rows * (k - 1), 0), rows) / rows * survival[k - 1]
+    return np.clip(verified - rows * (k - 1), 0, rows) / rows * survival[k - 1]
 
 
 def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCosts,
@@ -282,10 +284,7 @@ def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCos
     catch_up, step = costs.catch_up(rows), costs.draft.price(rows, rows) + costs.scoring(rows, head_cost)
     best, rate = 0, rows / (float(target[0]) + catch_up)
     for k in range(1, largest + 1):
-        verified = np.arange(rows * k + 1)
-        complete = np.clip(verified - rows * (k - 1), 0, rows)  # rows whose k candidates are all checked
-        seconds = (k * step + target[: rows * k + 1]
-                   + complete / rows * survival[k - 1] * catch_up)  # `deferred_share` for every verified count
+        seconds = k * step + target[: rows * k + 1] + deferred_share(survival, rows, k, np.arange(rows * k + 1)) * catch_up
         goodput = (rows + gains[: rows * k + 1]) / seconds
         if goodput.max() > rate:
             best, rate = k, float(goodput.max())
