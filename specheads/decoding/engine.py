@@ -150,6 +150,14 @@ class Drawn:
     state: torch.Tensor
 
 
+def unread_tokens(tokens: list[int], read: int, generated: list[int]) -> int:
+    """The tokens of a request's context (`tokens`, the first `read` of them held by its draft) that its draft's next
+    forward reads, its catch-up, as that forward is priced: the target's last token, the last candidate too after a
+    round that accepted them all, one more for each round since the draft last ran (plain decoding, K = 0). The prompt
+    counts as its last token alone (`generated`: the tokens after it): the prefill is not priced."""
+    return min(len(tokens) - read, len(generated) + 1)
+
+
 @dataclass
 class RowRound:
     """One row's round in progress."""
@@ -221,10 +229,8 @@ class ServedBatch:
         return self.max_new_tokens - len(self.generated[row])
 
     def unread(self, row: int) -> int:
-        """The tokens the row's draft has not read, which its next forward reads (its catch-up): the target's last
-        token, the last candidate too after a round that accepted them all, one more for each round since the draft
-        last ran (plain decoding, K = 0). The prompt counts as its last token alone: the prefill is not priced."""
-        return min(len(self.tokens[row]) - self.draft.length(row), len(self.generated[row]) + 1)
+        """The tokens the row's draft has not read, which its next forward reads (`unread_tokens`)."""
+        return unread_tokens(self.tokens[row], self.draft.length(row), self.generated[row])
 
     def result(self, row: int) -> DecodeResult:
         return self.results[self.request[row]]

@@ -73,6 +73,7 @@ from specheads.decoding.engine import (
     check_decodable_head,
     count_head,
     count_round,
+    unread_tokens,
 )
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
@@ -301,7 +302,7 @@ class TreeDrafter:
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
         paths of at most `depth_cap` nodes (none at 0: the target's token alone fills the last slot); `priced`, the
-        tail's tokens its first forward is priced on (the prefill left out)."""
+        tail's tokens its first forward is priced on (`engine.unread_tokens`: the prefill left out)."""
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
@@ -547,7 +548,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
             tail = request.tokens[request.draft.length(0):]
             depth_cap = min(rule.budget, room - 1) if request.draft.can_draft(0) else 0  # an EAGLE-3 drafter's first round
-            trees[row] = request.drafter.grow(request.draft, tail, depth_cap, min(len(tail), len(request.generated) + 1))
+            trees[row] = request.drafter.grow(request.draft, tail, depth_cap,
+                                              unread_tokens(request.tokens, request.draft.length(0), request.generated))
             forwards[row] = request.draft.forwards[0] - before
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
