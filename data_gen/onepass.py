@@ -37,10 +37,10 @@ import torch
 from specheads.data_gen.labels import SIBLING_COLUMNS, labels_from_log_probs, mix_tokens, mixing_draws
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
-from specheads.decoding.companion import same_weights
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.model_outputs.signals import output_logits
 from specheads.model_outputs.states import decoder_layers, decoder_states
+from specheads.pair.models import derived_layers
 
 PROBE_TOLERANCE = 1e-3
 """Largest difference between the pass and the plain forwards on the probe, relative to the largest value: float
@@ -83,20 +83,10 @@ class Layout:
 
 def derived_layout(target: Any, draft: Any, state_layer: int | None, features: bool = True) -> Layout | None:
     """The layout of a draft whose layers, embeddings, final norm and LM head are the target's own parameters (what
-    `models.without_layers` makes), None for any other draft; with `features`, its stream of the states at
-    `state_layer`."""
-    target_layers, draft_layers = list(decoder_layers(target)), list(decoder_layers(draft))
-    kept: list[int] = []
-    for layer in draft_layers:
-        start = kept[-1] + 1 if kept else 0
-        match = next((k for k in range(start, len(target_layers)) if same_weights(target_layers[k], layer)), None)
-        if match is None:
-            return None
-        kept.append(match)
-    shares = [(target.get_input_embeddings(), draft.get_input_embeddings()),
-              (getattr(target.get_decoder(), "norm", None), getattr(draft.get_decoder(), "norm", None)),
-              (target.get_output_embeddings(), draft.get_output_embeddings())]
-    if len(kept) == len(target_layers) or any(a is None or b is None or not same_weights(a, b) for a, b in shares):
+    `models.without_layers` makes: `models.derived_layers`, the very objects) and that skips a layer, None for any
+    other draft; with `features`, its stream of the states at `state_layer`."""
+    kept = derived_layers(draft, target, identical=True)
+    if not isinstance(kept, list) or len(kept) == len(target.get_decoder().layers):
         return None
     shared = next(j for j, k in enumerate(kept + [-1]) if j != k)
     depth = (state_layer or len(kept)) if features else 0

@@ -3,6 +3,7 @@ distribution, gen's choice of path, and the fingerprint of the new mixing stream
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -17,12 +18,12 @@ import specheads.data_gen.module as module
 from specheads.cli import main
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import LABELLER, label_batch
-from specheads.data_gen.onepass import OnePass, ProbeFailed
+from specheads.data_gen.onepass import OnePass, ProbeFailed, derived_layout
 from specheads.data_gen.plan import WorkItem
 from specheads.data_gen.run import fingerprint_of
 from specheads.dataset.store import MANIFEST, load_labelled, read_manifest
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.models import ModelSpec, load_pair, stop_token_ids, without_layers
+from specheads.pair.models import ModelSpec, derived_layers, load_pair, stop_token_ids, without_layers
 
 CPU = torch.device("cpu")
 TRANSFORMS = {"plain": SamplingTransform(1.0, 0, 1.0), "warped": SamplingTransform(0.8, 20, 0.9),
@@ -64,6 +65,15 @@ def columns_agree(fast: dict[str, list], reference: dict[str, list]) -> None:
                 assert np.allclose(ours, theirs, rtol=1e-3 if name == "features" else 1e-9, atol=1e-9 * scale), name
             else:
                 assert np.array_equal(ours, theirs), name
+
+
+def test_the_pass_lays_out_only_a_draft_of_the_targets_own_modules_that_skips_a_layer(pair64):
+    target, draft = pair64.target, pair64.draft
+    layout = derived_layout(target, draft, None)
+    assert layout is not None and (layout.kept, layout.shared) == ((0, 1, 3), 2)
+    copied = copy.deepcopy(draft)  # the same weights in other tensors: the pass would run the target's, not these
+    assert derived_layers(copied, target) == [0, 1, 3] and derived_layout(target, copied, None) is None
+    assert derived_layout(target, without_layers(target, []), None) is None  # no layer skipped: no draft to pass
 
 
 @pytest.mark.parametrize("transform_name,state_layer", [("plain", None), ("warped", 1), ("greedy", 3), ("plain", 2)])

@@ -211,19 +211,21 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool | None:
     return torch.equal(a.detach().reshape(-1)[:TENSOR_PROBE].cpu(), b.detach().reshape(-1)[:TENSOR_PROBE].cpu())
 
 
-def same_weights(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> bool | None:
-    """`same_tensor` over two lists of tensors, pairwise: False at the first that differs, None if any is undecided."""
+def same_weights(ours: list[torch.Tensor], theirs: list[torch.Tensor], identical: bool = False) -> bool | None:
+    """`same_tensor` over two lists of tensors, pairwise (with `identical`, the very same objects): False at the first
+    that differs, None if any is undecided."""
     if len(ours) != len(theirs):
         return False
-    verdicts = [same_tensor(a, b) for a, b in zip(ours, theirs)]
+    verdicts = [a is b if identical else same_tensor(a, b) for a, b in zip(ours, theirs)]
     return False if False in verdicts else (None if None in verdicts else True)
 
 
-def derived_layers(draft: torch.nn.Module, target: torch.nn.Module) -> list[int] | None | bool:
+def derived_layers(draft: torch.nn.Module, target: torch.nn.Module, identical: bool = False) -> list[int] | None | bool:
     """Which of the target's decoder layers the draft's are, in order, when the draft is the target with layers
     skipped (`without_layers`: its tensors are the target's own, so this reads no weights); None when a draft layer,
     its embeddings, final norm or output layer are not the target's; False where it cannot be told (no `layers`
-    list, or weights offloaded to the meta device)."""
+    list, or weights offloaded to the meta device). With `identical`, only the target's very parameter objects count
+    as its own (what a pass that runs the target's modules for the draft needs: `data_gen.onepass`)."""
     ours, theirs = (getattr(model.get_decoder(), "layers", None) for model in (draft, target))
     if not isinstance(ours, torch.nn.ModuleList) or not isinstance(theirs, torch.nn.ModuleList):
         return False
@@ -232,14 +234,14 @@ def derived_layers(draft: torch.nn.Module, target: torch.nn.Module) -> list[int]
     outside = [(name, p) for name, p in draft.named_parameters() if id(p) not in in_layers]
     if any(name not in named for name, _ in outside):
         return None
-    verdict = same_weights([p for _, p in outside], [named[name] for name, _ in outside])
+    verdict = same_weights([p for _, p in outside], [named[name] for name, _ in outside], identical)
     if not verdict:
         return None if verdict is False else False
     kept, start = [], 0
     for layer in ours:
         weights = list(layer.parameters())
         for index in range(start, len(theirs)):
-            verdict = same_weights(weights, list(theirs[index].parameters()))
+            verdict = same_weights(weights, list(theirs[index].parameters()), identical)
             if verdict is None:
                 return False
             if verdict:
