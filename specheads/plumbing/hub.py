@@ -7,6 +7,8 @@ import functools
 import os
 import socket
 import urllib.request
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 PROBE_TIMEOUT_S = 3.0
@@ -50,6 +52,28 @@ def _no_connection(host: str, port: int) -> str | None:
     except OSError as error:
         return f"no connection to {host}: {error.strerror or error}"
     return None
+
+
+def repo_id_shaped(name: str) -> bool:
+    """Whether `name` has the shape of a Hub repo id, owner/name, and not of a path (no leading `.`, `/` or `~`)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """What the Hub's own repo-id rules find wrong with `repo_id` (None: a valid id)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        return str(error).split(": '")[0].rstrip(".")
+    return None
+
+
+def is_hub_id(name: Any) -> bool:
+    """Whether `name` reads as a Hub repo id (owner/name, valid by the Hub's rules) and names no local path."""
+    return (isinstance(name, str) and repo_id_shaped(name) and repo_id_problem(name) is None
+            and not Path(name).expanduser().exists())
 
 
 def reach_fix() -> str:
