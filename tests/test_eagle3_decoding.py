@@ -177,6 +177,33 @@ def test_the_round_engine_decodes_as_the_b1_eagle3_loop_and_greedy_as_the_target
     assert accepted < drafted and (pair == "wide_eagle" or accepted > drafted / 3)
 
 
+def test_a_catch_up_of_many_rows_fuses_their_target_streams_in_one_fc(wide_eagle, monkeypatch):
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.decoding.eagle3 import Eagle3BatchCache, Eagle3Model
+
+    target, drafter = wide_eagle
+    fused: list[int] = []  # the rows (positions) of each `fc` forward
+    hook = drafter.fc.register_forward_hook(lambda module, args, output: fused.append(args[0].shape[0]))
+    runs = []  # per drafter forward, the `fc` forwards it ran
+    original = Eagle3BatchCache.feed
+
+    def feed(self, tokens, logits_rows=None):
+        before = len(fused)
+        result = original(self, tokens, logits_rows)
+        runs.append(len(fused) - before)
+        return result
+
+    monkeypatch.setattr(Eagle3BatchCache, "feed", feed)
+    try:
+        engine = RoundEngine(target, Eagle3Model(drafter, target), SamplingTransform(1.0), stop_ids=[])
+        engine.decode([[5, 9, 30, 41], [8, 3], [12, 60, 7, 99, 14, 2]], make_policy("constant_k", 3, max_draft=3), 12,
+                      [0, 1, 2], batch_size=3)
+    finally:
+        hook.remove()
+    assert max(runs) == 1  # one `fc` a forward, never one a row
+    assert fused[0] == 3 + 1 + 5 + 3  # the first catch-up: each row's prompt and first token but position 0
+
+
 def test_what_the_engine_cannot_do_yet_with_an_eagle3_draft_is_refused_in_one_line(tiny_eagle):
     from specheads.decoding import RoundEngine, make_policy
     from specheads.decoding.eagle3 import Eagle3Model

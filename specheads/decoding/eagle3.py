@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.sampler import draw, verify
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.eagle3 import draft_to_target, streams_captured
+from specheads.pair.eagle3 import draft_to_target, drafter_forward, fused_streams, streams_captured
 from specheads.plumbing.errors import UsageError
 
 
@@ -83,21 +83,15 @@ class Eagle3Draft:
         when `fused`, else the drafter's own states); (the logits over the draft vocabulary [m, V_d], the states to
         feed back [m, h])."""
         drafter = self.drafter
-        start, count = self.first_position + self.length, len(tokens)
+        start, count, held = self.first_position + self.length, len(tokens), self.length
         ids = torch.tensor([tokens], device=features.device)
-        hidden = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
-        hidden = torch.cat([drafter.embed_tokens(ids), hidden.to(drafter.fc.weight.dtype)], dim=-1)
+        rows = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
         positions = torch.arange(start, start + count, device=features.device).unsqueeze(0)
-        held = self.length
-        mask = torch.full((count, held + count), -math.inf, dtype=hidden.dtype, device=hidden.device)
+        mask = torch.full((count, held + count), -math.inf, dtype=drafter.embed_tokens.weight.dtype,
+                          device=features.device)
         mask = torch.triu(mask, diagonal=held + 1)[None, None]  # each token sees what is held and itself
-        embeddings = drafter.rotary_emb(hidden, positions)
-        for layer in drafter.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                           position_embeddings=embeddings)
-        normed = drafter.norm(hidden)
+        normed, own = drafter_forward(drafter, ids, rows, mask, positions, self.cache)
         self.forwards += 1
-        own = normed if drafter.config.norm_output else hidden
         return drafter.lm_head(normed)[0].float(), own[0]
 
     def crop(self, length: int) -> None:
@@ -130,7 +124,7 @@ class Eagle3Target:
         with streams_captured(self.target, self.layer_ids) as captured:
             output = self.target(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
                                  past_key_values=self.cache, use_cache=True)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)[0]
+        fused = fused_streams(captured, self.layer_ids)[0]
         self.features = fused if self.features is None else torch.cat([self.features, fused])
         self.calls += 1
         return output.logits[0].float()
@@ -222,26 +216,20 @@ class Eagle3Decoder(torch.nn.Module):
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
-        count = input_ids.shape[1]
-        embedded = drafter.embed_tokens(input_ids)
+        count, dtype = input_ids.shape[1], drafter.embed_tokens.weight.dtype
         # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
-        features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
-        hidden = torch.cat([embedded, features], dim=-1)
+        features = self.features if self.features is not None else torch.zeros(
+            *input_ids.shape, drafter.embed_tokens.embedding_dim, dtype=dtype, device=input_ids.device)
         if attention_mask.dim() == 4:  # a tree's mask (`BatchCache.feed_trees`), additive already
-            mask = attention_mask.to(hidden.dtype)
+            mask = attention_mask.to(dtype)
         else:  # the slots each row holds, and causal among the new tokens
             used = attention_mask.shape[1] - count
             keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
             queries = used + torch.arange(count, device=input_ids.device)
             allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
             allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
-            mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~allowed, -math.inf)
-        embeddings = drafter.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                           position_embeddings=embeddings)
-        normed = drafter.norm(hidden)
-        self.own = normed if drafter.config.norm_output else hidden
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device).masked_fill_(~allowed, -math.inf)
+        normed, self.own = drafter_forward(drafter, input_ids, features, mask, position_ids, cache)
         return BaseModelOutputWithPast(last_hidden_state=normed, past_key_values=cache)
 
 
@@ -282,7 +270,7 @@ class StreamBatchCache(BatchCache):
         before = {row: self.length(row) for row in tokens}
         with streams_captured(self.model, self.layer_ids) as captured:
             result = super().feed(tokens, logits_rows)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
+        fused = fused_streams(captured, self.layer_ids)
         for row, fed in tokens.items():
             kept = self.streams[row][: before[row]] if self.streams[row] is not None else fused[row, :0]
             self.streams[row] = torch.cat([kept, fused[row, : len(fed)]])
@@ -298,7 +286,7 @@ class StreamBatchCache(BatchCache):
         """`BatchCache.feed_trees`, keeping each fed token's streams by its slot until `hold` makes it the row's."""
         with streams_captured(self.model, self.layer_ids) as captured:
             result = super().feed_trees(trees, logits_from)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
+        fused = fused_streams(captured, self.layer_ids)
         self.by_slot = {(row, slot): fused[row, index] for row in trees for index, slot in enumerate(result[row][2])}
         return result
 
@@ -345,7 +333,7 @@ class Eagle3BatchCache(BatchCache):
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         decoder = self.model.get_decoder()
         self.own_by_slot.clear()  # a catch-up or a chain's step: no tree node is an ancestor any more
-        fed, features = {}, {}
+        fed, features, caught_up = {}, {}, {}
         for row, row_tokens in tokens.items():
             if not self.started[row]:
                 self.started[row], row_tokens = True, row_tokens[1:]
@@ -353,13 +341,16 @@ class Eagle3BatchCache(BatchCache):
             streams, held = self.target.streams[self.of_target(row)], self.target.length(self.of_target(row))
             read = min(max(held - (start - 1), 0), len(row_tokens))  # positions with the target's streams
             if read == len(row_tokens):  # a catch-up: every position before these is the target's
-                features[row] = decoder.drafter.fc(streams[start - 1: start - 1 + read].to(self.device))
+                caught_up[row] = streams[start - 1: start - 1 + read]
                 self.from_target[row] += read if len(self.slots[row]) == self.from_target[row] else 0
             elif len(row_tokens) == 1 and self.own[row] is not None:  # a drafted token after the last position
                 features[row] = self.own[row][None]
             else:
                 raise RuntimeError("an EAGLE-3 draft reads its own state only for one token after its last position")
             fed[row] = row_tokens
+        if caught_up:  # every catching-up row's streams fused in one `fc`
+            fused = decoder.drafter.fc(torch.cat(list(caught_up.values())).to(self.device))
+            features.update(zip(caught_up, fused.split([len(streams) for streams in caught_up.values()])))
         width = max(len(row_tokens) for row_tokens in fed.values())
         size = next(iter(features.values())).shape[-1]
         padded = torch.zeros(len(self.slots), width, size, device=self.device)

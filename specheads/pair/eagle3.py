@@ -168,6 +168,11 @@ def streams_captured(target: torch.nn.Module, layer_ids: list[int]) -> Iterator[
             hook.remove()
 
 
+def fused_streams(captured: dict[int, torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
+    """The streams `streams_captured` kept for `layer_ids`, concatenated in that order [..., 3h]: what `fc` fuses."""
+    return torch.cat([captured[index] for index in layer_ids], dim=-1)
+
+
 def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the streams entering `layer_ids`, concatenated [B, L, 3h]; the last layer's output before the final norm
@@ -175,4 +180,20 @@ def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_
     with streams_captured(target, layer_ids) as captured, torch.no_grad():
         target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     last = len(target.get_decoder().layers)
-    return torch.cat([captured[index] for index in layer_ids], dim=-1), captured[last]
+    return fused_streams(captured, layer_ids), captured[last]
+
+
+def drafter_forward(drafter: torch.nn.Module, input_ids: torch.Tensor, features: torch.Tensor,
+                    mask: torch.Tensor | None, positions: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's decoder over `input_ids` [B, m], each token beside its feature row [B, m, h] (the target's streams
+    after `fc`, or the drafter's own states), at `positions` [B, m] under the additive attention `mask` (None: the
+    layers' own), its keys and values added to `cache`: (the normed states its LM head reads, the states a drafted
+    token is read back with: the normed ones where the drafter was trained so, `norm_output`)."""
+    embedded = drafter.embed_tokens(input_ids)
+    hidden = torch.cat([embedded, features.to(embedded.dtype)], dim=-1)
+    embeddings = drafter.rotary_emb(hidden, positions)
+    for layer in drafter.layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                       position_embeddings=embeddings)
+    normed = drafter.norm(hidden)
+    return normed, normed if drafter.config.norm_output else hidden
