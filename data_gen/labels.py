@@ -16,7 +16,7 @@ from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.decoding.sampler import residual
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.model_outputs.signals import output_logits, second_probability, signal_log_probs, signal_statistics
+from specheads.model_outputs.signals import output_logits, signal_log_probs, signal_statistics
 from specheads.model_outputs.states import decoder_states, mixed_states
 
 
@@ -82,13 +82,13 @@ def labels_from_log_probs(
     logq = logq_all.gather(-1, candidates.unsqueeze(-1)).squeeze(-1)
     beta = torch.minimum(logp_all, logq_all).exp_().sum(-1)
     logq_signal = signal_log_probs(draft_logits, logq_all, transform)
-    entropy, top1 = signal_statistics(logq_signal)
+    entropy, top1, top2 = signal_statistics(logq_signal)
     siblings = ([t.cpu() for t in sibling_labels(logp_all, logq_all, candidates, sibling_draws)]
                 if sibling_draws is not None else [None] * len(SIBLING_COLUMNS))
     return PositionLabels(
         draft_ids=candidates.cpu(), logp=logp.cpu(), logq=logq.cpu(),
         accept=(logp - logq).clamp(max=0.0).exp().cpu(), beta=beta.clamp(max=1.0).cpu(),
-        entropy=entropy.cpu(), top1=top1.cpu(), top2=second_probability(logq_signal).cpu(),
+        entropy=entropy.cpu(), top1=top1.cpu(), top2=top2.cpu(),
         **dict(zip(SIBLING_COLUMNS, siblings)),
     )
 

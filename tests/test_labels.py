@@ -7,9 +7,13 @@ import pytest
 import torch
 from conftest import tiny_args
 from test_sampling import brute_force_probs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specheads.cli import main
+from specheads.data_gen.labels import label_positions
 from specheads.dataset.store import load_labelled, read_manifest
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.signals import signal_log_probs, signal_statistics
 from specheads.pair.models import ModelSpec, load_model
 
 TRANSFORMS = {"plain": (1.0, 0, 1.0), "warped": (0.8, 20, 0.9), "greedy": (0.0, 0, 1.0)}
@@ -114,3 +118,38 @@ def test_mixing_schedule_gives_each_prefix_kind(tiny_model, prompts_file, tmp_pa
             assert all(flags)
         elif ratio == 1.0:
             assert not any(flags)
+
+
+class VocabularyPasses(TorchDispatchMode):
+    """The selections over a row of the vocabulary (top-k, max, sort) run while open, by op name."""
+
+    SELECTIONS = {"topk", "amax", "max", "argmax", "sort", "kthvalue"}
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.ops = width, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SELECTIONS and args and args[0].shape[-1] == self.width:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_the_top_two_signals_come_from_one_pass_over_the_vocabulary_unchanged(tiny_model, transform):
+    """top1 and top2 (the top-2 margin's halves) from one `topk(2)`, not an `amax` and then a `topk(2)`; the labels keep
+    their values to the bit: top1 is q's maximum, top2 the exp of the second-largest log q."""
+    draft = load_model(ModelSpec(path=str(tiny_model), skip_layers=[2]))
+    with torch.no_grad():
+        draft_logits, target_logits = (model(torch.tensor([[5, 9, 30, 41, 7, 12, 60, 3, 99, 14]])).logits[0]
+                                       for model in (draft, load_model(ModelSpec(path=str(tiny_model)))))
+    sampling = SamplingTransform(*TRANSFORMS[transform])
+    uniforms = torch.rand(len(draft_logits), generator=torch.Generator().manual_seed(0))
+    labels = label_positions(target_logits, draft_logits, sampling, uniforms)
+    signal = signal_log_probs(draft_logits, sampling.log_probs(draft_logits), sampling)
+    with VocabularyPasses(draft_logits.shape[-1]) as passes:  # what labelling and decoding read the signals with
+        signal_statistics(signal)
+    assert passes.ops == ["topk"]
+    assert torch.equal(labels.top1, signal.exp().amax(-1))
+    assert torch.equal(labels.top2, signal.topk(2, dim=-1).values[..., 1].exp())

@@ -60,7 +60,6 @@ from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import (
     output_width,
-    second_probability,
     signal_log_probs,
     signal_statistics,
     top_two_margin,
@@ -74,8 +73,8 @@ def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token:
     `prob`, the candidate's probability under the signal transform, for the confidence rule, and `margin`, the top-2
     logit margin (`top_two_margin`)."""
     logq_signal = signal_log_probs(draft_logits, logq_all, transform)
-    entropy, top1 = signal_statistics(logq_signal)
-    margin = top_two_margin(float(top1), float(second_probability(logq_signal)))
+    entropy, top1, top2 = signal_statistics(logq_signal)
+    margin = top_two_margin(float(top1), float(top2))
     return with_derived_signals({"logq": float(logq_all[token]), "entropy": float(entropy), "top1": float(top1),
                                  "prob": math.exp(float(logq_signal[token])), "margin": margin})
 

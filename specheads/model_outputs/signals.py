@@ -119,18 +119,17 @@ def signal_log_probs(draft_logits: torch.Tensor, logq_all: torch.Tensor, transfo
     return draft_logits.float().log_softmax(-1) if transform.greedy else logq_all
 
 
-def signal_statistics(logq_signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy, top-1 probability) per row of `signal_log_probs`' output."""
+def signal_statistics(logq_signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entropy, top-1 probability, second-largest probability: 0 where the row has one token) per row of
+    `signal_log_probs`' output, the two largest from one `topk` over the vocabulary; the top two give the top-2 margin
+    (`top_two_margin`)."""
     q_signal = logq_signal.exp()
-    return torch.special.entr(q_signal).sum(-1), q_signal.amax(-1)
-
-
-def second_probability(logq_signal: torch.Tensor) -> torch.Tensor:
-    """The second-largest probability per row of `signal_log_probs`' output (0 where the row has one token): with the
-    top-1, it gives the top-2 margin (`top_two_margin`)."""
+    entropy = torch.special.entr(q_signal).sum(-1)
     if logq_signal.shape[-1] < 2:
-        return torch.zeros(logq_signal.shape[:-1], device=logq_signal.device)
-    return logq_signal.topk(2, dim=-1).values[..., 1].exp()
+        return entropy, q_signal[..., 0], torch.zeros(logq_signal.shape[:-1], device=logq_signal.device)
+    best = logq_signal.topk(2, dim=-1)
+    # the top-1 taken from q itself, where the largest log q lies: the very value q's maximum is
+    return entropy, q_signal.gather(-1, best.indices[..., :1]).squeeze(-1), best.values[..., 1].exp()
 
 
 MAX_MARGIN = 40.0
