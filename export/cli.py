@@ -1,4 +1,5 @@
-"""`specheads export --ckpt CKPT --out DIR [--report DIR] [--push-to-hub REPO_ID] [--private] [--revision BRANCH]`."""
+"""`specheads export --ckpt CKPT --out DIR [--report DIR] [--into-dspark CHECKPOINT] [--push-to-hub REPO_ID] [--private]
+[--revision BRANCH]`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from specheads.plumbing.dataclass_cli import parse_dataclass
 def parse_config(argv: list[str]) -> ExportConfig:
     """Flags into an `ExportConfig`."""
     return parse_dataclass(ExportConfig, argv, "specheads export",
-                           "Write a head folder (safetensors + config.json + model card) and optionally push it to the Hub.")
+                           "Write a head folder (safetensors + config.json + model card), or with --into-dspark a copy of a "
+                           "DSpark drafter with the head as its confidence head, and optionally push it to the Hub.")
 
 
 def main(argv: list[str]) -> int:
@@ -18,9 +20,13 @@ def main(argv: list[str]) -> int:
 
     config = parse_config(argv)
     written = export(config)
-    rule = written["decision_rule"]
-    print(f"exported {written['head_type']} to {config.out} (decision rule {rule['rule']} at {rule['threshold']:g}, "
-          f"{'tuned' if rule['tuned'] else 'untuned'})")
+    if config.into_dspark:
+        print(f"wrote the {written['head']['head_type']} head into a copy of {config.into_dspark} at {config.out} "
+              f"(calibration: {written['calibration_folded']})")
+    else:
+        rule = written["decision_rule"]
+        print(f"exported {written['head_type']} to {config.out} (decision rule {rule['rule']} at {rule['threshold']:g}, "
+              f"{'tuned' if rule['tuned'] else 'untuned'})")
     if "pushed_to" in written:
         print(f"pushed: {written['pushed_to']}")
     return 0

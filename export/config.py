@@ -20,6 +20,9 @@ class ExportConfig:
         overwrite: replace an existing, non-empty `out`.
         weights_dtype: the dtype model.safetensors stores the weight matrices in (float16 halves the file; vectors
             and the input statistics stay float32); loading upcasts them into the head's float32.
+        into_dspark: a DSpark drafter's folder (speculators' format): write a copy of it to `out` whose
+            confidence_head.proj is this head (a dspark_confidence head), its calibration folded where engines apply
+            it, every other tensor unchanged (docs/usage.md "Writing a head into a DSpark drafter").
     """
 
     ckpt: str
@@ -30,3 +33,4 @@ class ExportConfig:
     revision: str | None = None
     overwrite: bool = False
     weights_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    into_dspark: str | None = None

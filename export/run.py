@@ -18,6 +18,7 @@ from specheads.artifacts.checkpoint import TrainedHead, load_trained
 from specheads.artifacts.report_file import Report, read_report
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
+from specheads.export.dspark import check_destination, export_into_dspark, read_checkpoint
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import (
     COST_RULE,
@@ -190,8 +191,24 @@ def already_exported(out: Path, trained: TrainedHead, config_json: dict[str, Any
         return False
 
 
+def export_dspark(config: ExportConfig) -> dict[str, Any]:
+    """`--into-dspark`: the head written into a copy of a DSpark checkpoint (`export.dspark`), every input checked
+    before anything is written; returns the provenance written beside the weights."""
+    out, checkpoint = check_destination(config), read_checkpoint(config.into_dspark)
+    trained = load_trained(config.ckpt)
+    report = report_of_this_head(Path(config.report), trained)[0] if config.report else None
+    metrics = report.headline() if report else dict(trained.evaluation or {})
+    written = export_into_dspark(config, out, checkpoint, trained, metrics)
+    if config.push_to_hub:
+        written["pushed_to"] = push(out, config.push_to_hub, config.private, config.revision,
+                                    f"specheads confidence head from {Path(config.ckpt).name}")
+    return written
+
+
 def export(config: ExportConfig) -> dict[str, Any]:
-    """Export the checkpoint's head; returns config.json's content."""
+    """Export the checkpoint's head; returns config.json's content (with `--into-dspark`: `export_dspark`'s)."""
+    if config.into_dspark:
+        return export_dspark(config)
     check_output_folder(Path(config.out), replaced=True)  # the new folder is renamed into its place
     trained = load_trained(config.ckpt)
     trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads export (a head folder carries a chain or SPRINTER rule)")

@@ -49,11 +49,11 @@ TIMING_FIELDS = ("reads", "decides", "purpose")
 MAX_DEPTH = 64
 """The most residual blocks a head config may ask for (heads use 0 to 4)."""
 MAX_WIDTH = 1 << 16
-"""The widest input a head config may ask for: hidden, candidate-embedding and target-state sizes (wider than any
-model's hidden size today)."""
+"""The widest input a head config may ask for: hidden, candidate-embedding, target-state sizes and Markov ranks (wider
+than any model's hidden size today)."""
 MAX_LAYER = 1 << 10
 SIZE_FIELDS = {"hidden_size": (1, MAX_WIDTH), "depth": (0, MAX_DEPTH), "candidate_embedding_size": (0, MAX_WIDTH),
-               "target_state_size": (0, MAX_WIDTH), "state_layer": (1, MAX_LAYER)}
+               "target_state_size": (0, MAX_WIDTH), "state_layer": (1, MAX_LAYER), "markov_rank": (0, MAX_WIDTH)}
 """config.json's sizes, each a whole number within its bounds (hidden_size required, the others where present), checked
 before anything is built: a config from an untrusted repo cannot make `load_head` allocate without bound."""
 OBJECT_FIELDS = ("draft", "target", "sampling", "training_data", "metrics", "training")

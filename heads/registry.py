@@ -6,12 +6,14 @@ import inspect
 from typing import Any
 
 from specheads.heads.base import AcceptanceHead
+from specheads.heads.dspark import DSparkConfidenceHead
 from specheads.heads.linear import LinearVerifier
 from specheads.heads.resnet import ExpectedAcceptanceHead, OnTimeAcceptanceHead, ResNetAcceptanceHead
 from specheads.plumbing.errors import UsageError
 
 HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, OnTimeAcceptanceHead,
-                                                                          ExpectedAcceptanceHead, LinearVerifier)}
+                                                                          ExpectedAcceptanceHead, LinearVerifier,
+                                                                          DSparkConfidenceHead)}
 
 
 def head_class(name: str) -> type[AcceptanceHead]:

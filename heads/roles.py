@@ -5,8 +5,9 @@ its scores describe. Four roles:
 
 - `chain_stop`: a stop head of drafted candidates (SpecDec++'s `specdecpp_resnet`, the on-time `specdecpp_ontime`):
   the head of a chain stop rule (`head`, `head_cost`) or of a head-valued tree's first children.
-- `expected_acceptance`: the ex-ante head (`expected_acceptance`, α before the draw): a verify budget's head
-  (`budget`, `goodput`), and also a chain stop rule's or a tree's head.
+- `expected_acceptance`: the ex-ante heads (`expected_acceptance`, and `dspark_confidence`, the form engines run inside
+  a DSpark drafter; α before the draw): a verify budget's head (`budget`, `goodput`), and also a chain stop rule's or
+  a tree's head.
 - `sibling`: a head trained on a tree's second children (`data.children: second`): only
   `decode_tree(..., sibling_head=)`.
 - `verifier`: SPRINTER's verifier (`sprinter_linear`): only the `sprinter` rule.

@@ -149,10 +149,11 @@ def test_signals_are_standardised():
 
 @pytest.mark.parametrize("head_type", sorted(HEADS))
 def test_state_dropout_drops_state_dimensions_only_while_training(head_type, tmp_path):
-    signal_names = ["entropy", "top1"] if head_type == "expected_acceptance" else ["logq", "q"]  # it reads no ŷ
+    # an expected-acceptance head reads no ŷ; a dspark_confidence head reads no signals, as engines feed it none
+    signal_names = {"expected_acceptance": ["entropy", "top1"], "dspark_confidence": []}.get(head_type, ["logq", "q"])
     head = build_head(head_type, hidden_size=H, extra_features=signal_names, state_dropout=0.5)
     head.set_hidden_statistics(torch.full((H,), 3.0), torch.full((H,), 2.0))
-    hidden, signals = torch.randn(2000, H), torch.randn(2000, 2)
+    hidden, signals = torch.randn(2000, H), torch.randn(2000, len(signal_names))
     standardised = (hidden - 3.0) / 2.0
     head.train()
     torch.manual_seed(0)
@@ -202,14 +203,15 @@ def test_fp16_hidden_alone_is_cast():
 
 
 def test_registry_builds_every_head_type():
-    assert set(HEADS) == {"specdecpp_resnet", "specdecpp_ontime", "expected_acceptance", "sprinter_linear"}
+    assert set(HEADS) == {"specdecpp_resnet", "specdecpp_ontime", "expected_acceptance", "sprinter_linear",
+                          "dspark_confidence"}
     for name, cls in HEADS.items():
         head = build_head(name, hidden_size=H)
         assert type(head) is cls and head.head_type == name and head.reads in ("candidate_state", "context_state")
 
 
 def test_refusals_name_the_problem():
-    known = "specdecpp_resnet, specdecpp_ontime, expected_acceptance, sprinter_linear"
+    known = "specdecpp_resnet, specdecpp_ontime, expected_acceptance, sprinter_linear, dspark_confidence"
     with pytest.raises(UsageError, match=f"unknown head type 'mlp'; known: {known}"):
         build_head("mlp", hidden_size=H)
     with pytest.raises(UsageError, match="unexpected keyword argument 'depth'"):
