@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.pair.eagle3 import build_drafter, default_layer_ids, fill_from_target, load_drafter, vocab_maps
+from specheads.pair.drafters import fill_from_target, vocab_maps
+from specheads.pair.eagle3 import build_drafter, default_layer_ids, load_drafter
 from specheads.pair.models import ModelSpec, load_model
 from specheads.plumbing.dataclass_cli import parse_script
 

@@ -13,8 +13,10 @@ from specheads.model_outputs.sampling import SamplingTransform
 
 pytest.importorskip("speculators.models.eagle3")
 
-from specheads.decoding.eagle3 import Eagle3Draft, Eagle3Target, eagle3_decode  # noqa: E402
-from specheads.pair.eagle3 import build_drafter, fill_from_target, target_features  # noqa: E402
+from specheads.decoding.eagle3 import Eagle3Draft, eagle3_decode  # noqa: E402
+from specheads.decoding.features import FeatureTarget  # noqa: E402
+from specheads.pair.drafters import fill_from_target, target_features  # noqa: E402
+from specheads.pair.eagle3 import build_drafter  # noqa: E402
 
 
 def random_drafter(target, layer_ids, d2t, t2d, seed=0, std=0.5):
@@ -85,7 +87,7 @@ def test_the_cached_drafter_computes_what_speculators_training_forward_computes(
     hook.remove()
     for verified in (3, 6):  # positions 0..verified−1 stand; the drafted tokens are the sequence's next ones
         draft = Eagle3Draft(drafter, vocabulary)
-        verifier = Eagle3Target(target, [1, 2, 3])
+        verifier = FeatureTarget(target, [1, 2, 3])
         verifier.feed(tokens[:verified])
         logits, own = draft.feed(tokens[1:verified], verifier.features[: verified - 1], fused=True)
         index = verified - 2  # speculators' row of position verified − 1
@@ -229,7 +231,7 @@ def test_greedy_eagle3_trees_give_the_targets_greedy_tokens(pair, prompts, reque
 
 def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model, tmp_path):
     from specheads.cli import main
-    from specheads.pair.eagle3 import save_drafter
+    from specheads.pair.drafters import save_drafter
 
     target, drafter = wide_eagle
     save_drafter(drafter, tmp_path / "drafter")

@@ -28,7 +28,8 @@ import torch
 from jsonargparse.typing import NonNegativeFloat, OpenUnitInterval, PositiveInt
 
 from specheads.dataset.prompts import load_prompts
-from specheads.pair.eagle3 import NOT_SAVED, build_drafter, check_layer_ids, default_layer_ids, fill_from_target, save_drafter, vocab_maps
+from specheads.pair.drafters import NOT_SAVED, fill_from_target, save_drafter, vocab_maps
+from specheads.pair.eagle3 import build_drafter, check_layer_ids, default_layer_ids
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, resolve_source, weights_identity
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError

@@ -1,5 +1,5 @@
 """The EAGLE-3 drafter's training data: the target's own responses to prompts, with the target features the drafter
-reads (`specheads.pair.eagle3.target_features`), in chunks written atomically and reused.
+reads (`specheads.pair.drafters.target_features`), in chunks written atomically and reused.
 
 A chunk is one safetensors file of `chunk_prompts` prompts × `samples_per_prompt` responses, flat over tokens:
 `input_ids` [T], `loss_mask` [T] (1 on response tokens), `aux` [T, 3h] (the three fused layers), `last` [T, h] (the
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from specheads.dataset.prompts import Prompt, encode_prompt
-from specheads.pair.eagle3 import target_features
+from specheads.pair.drafters import target_features
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import atomic_path, write_json_atomic
 

@@ -29,35 +29,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.features import DrafterResult, FeatureDraft, FeatureTarget, FullVocabularyHead, StreamBatchCache
 from specheads.decoding.sampler import draw, verify
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.eagle3 import draft_to_target, streams_captured
-from specheads.plumbing.errors import UsageError
-
-
-@dataclass
-class Eagle3Result:
-    """One request's output and counts: tokens emitted, rounds, forwards of each model, and per drafted position k
-    (0-based) how many rounds reached it and how many accepted its candidate."""
-
-    tokens: list[int] = field(default_factory=list)
-    rounds: int = 0
-    target_calls: int = 0
-    draft_forwards: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def acceptance_per_position(self) -> list[float]:
-        """The share of rounds that reached drafted position k and accepted its candidate."""
-        return [a / r if r else math.nan for a, r in zip(self.accepted, self.reached)]
+from specheads.pair.drafters import draft_rows
 
 
 class Eagle3Draft:
@@ -66,7 +47,7 @@ class Eagle3Draft:
 
     def __init__(self, drafter: Any, target_vocabulary: int) -> None:
         self.drafter = drafter
-        self.rows = draft_to_target(drafter.d2t)
+        self.rows = draft_rows(drafter)
         self.vocabulary = target_vocabulary
         self.cache = DynamicCache()
         self.first_position = 1  # the drafter's entry for position t needs a feature of t − 1: none for t = 0
@@ -112,44 +93,13 @@ class Eagle3Draft:
         return transform.log_probs(full)
 
 
-class Eagle3Target:
-    """The target with a KV cache that keeps, for every position it has read, the three streams the drafter fuses."""
-
-    def __init__(self, target: Any, layer_ids: list[int]) -> None:
-        self.target, self.layer_ids = target, layer_ids
-        self.cache = DynamicCache(config=target.config)
-        self.features: torch.Tensor | None = None  # [positions read, 3h]
-        self.calls = 0
-
-    @torch.no_grad()
-    def feed(self, tokens: list[int]) -> torch.Tensor:
-        """Read `tokens` after the positions held; their float32 logits [m, V]. Their features join `features`."""
-        device = next(self.target.parameters()).device
-        start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        with streams_captured(self.target, self.layer_ids) as captured:
-            output = self.target(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
-                                 past_key_values=self.cache, use_cache=True)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)[0]
-        self.features = fused if self.features is None else torch.cat([self.features, fused])
-        self.calls += 1
-        return output.logits[0].float()
-
-    def crop(self, length: int) -> None:
-        """Keep positions 0..length − 1 (cache and features)."""
-        held = self.cache.get_seq_length()
-        if held > length:
-            self.cache.crop(length - held)
-            self.features = self.features[:length]
-
-
 def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: SamplingTransform, max_draft: int,
-                  max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()) -> Eagle3Result:
+                  max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()) -> DrafterResult:
     """Decode one request with `drafter` drafting `max_draft` candidates a round (see the module docstring)."""
     began = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    result = Eagle3Result(reached=[0] * max_draft, accepted=[0] * max_draft)
-    verifier = Eagle3Target(target, drafter.config.eagle_aux_hidden_state_layer_ids)
+    result = DrafterResult(reached=[0] * max_draft, accepted=[0] * max_draft)
+    verifier = FeatureTarget(target, drafter.config.eagle_aux_hidden_state_layer_ids)
     draft = Eagle3Draft(drafter, target.config.vocab_size)
     tokens = list(prompt)
     first = draw(transform.log_probs(verifier.feed(tokens)[-1]), generator)
@@ -170,9 +120,7 @@ def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: Sampl
                 logits, own = draft.feed(candidates[-1:], own[-1:], fused=False)
         p_logits = verifier.feed([tokens[-1], *candidates])
         stood, new = verify(p_logits, candidates, log_qs, 0, True, transform, generator)
-        for k in range(drafting):
-            result.reached[k] += k <= stood
-            result.accepted[k] += k < stood
+        result.count_round(drafting, stood)
         emitted = [*candidates[:stood], new]
         verifier.crop(standing + stood)
         draft.crop(standing - draft.first_position)
@@ -187,22 +135,6 @@ def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: Sampl
 
 
 # ---- the same draft behind the round engine's caches (`specheads.decoding.engine.RoundEngine`, B rows)
-
-
-class FullVocabularyHead(torch.nn.Module):
-    """The drafter's LM head with its logits placed at their d2t rows of the target's vocabulary, −inf elsewhere (q
-    is then zero off the draft vocabulary). `weight` has the target's rows and no columns: what `output_width` reads."""
-
-    def __init__(self, lm_head: torch.nn.Linear, rows: torch.Tensor, vocabulary: int) -> None:
-        super().__init__()
-        self.lm_head, self.vocabulary = lm_head, vocabulary
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("weight", lm_head.weight.new_zeros(vocabulary, 0), persistent=False)
-
-    def forward(self, states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(states)
-        full = logits.new_full((*logits.shape[:-1], self.vocabulary), -math.inf)
-        return full.index_copy_(-1, self.rows, logits)
 
 
 class Eagle3Decoder(torch.nn.Module):
@@ -245,9 +177,11 @@ class Eagle3Decoder(torch.nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=normed, past_key_values=cache)
 
 
-class Eagle3Model(torch.nn.Module):
+class Eagle3Model(FeatureDraft):
     """An EAGLE-3 drafter with the face of a causal LM over the target's vocabulary, as the round engine's draft:
     `RoundEngine(target, Eagle3Model(drafter, target), ...)` decodes with it exactly (`Eagle3BatchCache`)."""
+
+    kind = "an EAGLE-3"
 
     def __init__(self, drafter: Any, target: Any) -> None:
         super().__init__()
@@ -256,58 +190,12 @@ class Eagle3Model(torch.nn.Module):
         self.config = drafter.config.transformer_layer_config
         self.config.pad_token_id = target.config.pad_token_id
         self.decoder = Eagle3Decoder(drafter)
-        self.head = FullVocabularyHead(drafter.lm_head, draft_to_target(drafter.d2t), target.config.vocab_size)
+        self.embeddings = drafter.embed_tokens
+        self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
 
-    def get_decoder(self) -> Eagle3Decoder:
-        return self.decoder
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.drafter.embed_tokens
-
-    def get_output_embeddings(self) -> FullVocabularyHead:
-        return self.head
-
-
-class StreamBatchCache(BatchCache):
-    """The target's `BatchCache` that also keeps, per row and position, the three streams an EAGLE-3 drafter fuses."""
-
-    def __init__(self, model: Any, rows: int, layer_ids: list[int]) -> None:
-        super().__init__(model, rows)
-        self.layer_ids = layer_ids
-        self.streams: list[torch.Tensor | None] = [None] * rows
-        self.by_slot: dict[tuple[int, int], torch.Tensor] = {}  # the last tree feed's streams, by (row, slot)
-
-    def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
-             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        before = {row: self.length(row) for row in tokens}
-        with streams_captured(self.model, self.layer_ids) as captured:
-            result = super().feed(tokens, logits_rows)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
-        for row, fed in tokens.items():
-            kept = self.streams[row][: before[row]] if self.streams[row] is not None else fused[row, :0]
-            self.streams[row] = torch.cat([kept, fused[row, : len(fed)]])
-        return result
-
-    def crop_row(self, row: int, length: int) -> None:
-        super().crop_row(row, length)
-        if self.streams[row] is not None:
-            self.streams[row] = self.streams[row][:length]
-
-    def feed_trees(self, trees: dict[int, tuple[list[int], list[int], list[list[int]]]],
-                   logits_from: dict[int, int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
-        """`BatchCache.feed_trees`, keeping each fed token's streams by its slot until `hold` makes it the row's."""
-        with streams_captured(self.model, self.layer_ids) as captured:
-            result = super().feed_trees(trees, logits_from)
-        fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)
-        self.by_slot = {(row, slot): fused[row, index] for row in trees for index, slot in enumerate(result[row][2])}
-        return result
-
-    def hold(self, row: int, slots: list[int]) -> None:
-        super().hold(row, slots)
-        held = [self.by_slot[(row, slot)] for slot in slots]
-        if held:
-            kept = self.streams[row] if self.streams[row] is not None else held[0].new_zeros(0, held[0].shape[-1])
-            self.streams[row] = torch.cat([kept, torch.stack(held)])
+    def draft_cache(self, target: StreamBatchCache, rows: int, state_layer: int | None = None,
+                    target_row: int | None = None) -> BatchCache:
+        return Eagle3BatchCache(self, rows, target, state_layer, target_row)
 
 
 class Eagle3BatchCache(BatchCache):
@@ -406,30 +294,3 @@ class Eagle3BatchCache(BatchCache):
             return
         super().crop_row(row, min(length - 1, self.from_target[row]))
         self.from_target[row] = min(self.from_target[row], len(self.slots[row]))
-
-
-def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[BatchCache, Any]:
-    """(the shared target cache of a tree decode, a maker of each request's own draft cache: (target row, state layer)
-    -> cache), plain or an EAGLE-3 drafter's."""
-    if isinstance(engine_draft, Eagle3Model):
-        target = StreamBatchCache(engine_target, rows, engine_draft.layer_ids)
-        return target, lambda row, state_layer: Eagle3BatchCache(engine_draft, 1, target, state_layer, target_row=row)
-    return BatchCache(engine_target, rows), lambda row, state_layer: BatchCache(engine_draft, 1, state_layer)
-
-
-def round_caches(target: Any, draft: Any, rows: int, state_layer: int | None) -> tuple[BatchCache, BatchCache]:
-    """(the draft's cache, the target's) for a round engine: plain `BatchCache`s, or an EAGLE-3 drafter's pair."""
-    if isinstance(draft, Eagle3Model):
-        target_cache = StreamBatchCache(target, rows, draft.layer_ids)
-        return Eagle3BatchCache(draft, rows, target_cache, state_layer), target_cache
-    return BatchCache(draft, rows, state_layer), BatchCache(target, rows)
-
-
-def refuse_for_eagle3(rule: Any, prompt_cache: Any, companion: Any) -> None:
-    """What the round engine cannot do yet with an EAGLE-3 draft, refused in one line before any forward."""
-    if not rule.bonus:
-        raise UsageError(f"the {rule.name} rule earns no bonus token, which an EAGLE-3 draft's first round needs; use a "
-                         "stop rule (constant_k, confidence, svip, head)")
-    if prompt_cache is not None or companion is not None:
-        raise UsageError("an EAGLE-3 draft runs without a prompt cache or SV's companion for now; build the engine "
-                         "without them")

@@ -50,7 +50,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts
-from specheads.decoding.eagle3 import Eagle3Model, refuse_for_eagle3, round_caches
+from specheads.decoding.features import refuse_for_draft, round_caches
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
@@ -341,8 +341,7 @@ class RoundEngine:
         adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one). `stop_check(request,
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
-        if isinstance(self.draft, Eagle3Model):
-            refuse_for_eagle3(rule, self.prompt_cache, self.companion)
+        refuse_for_draft(self.draft, rule, self.prompt_cache, self.companion)
         rule.check_head(head)
         check_decodable_head(head if rule.reads_head else None)
         if rule.reads_companion and self.companion is None:

@@ -64,7 +64,6 @@ from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import head_forward_cost
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
-from specheads.decoding.eagle3 import tree_caches
 from specheads.decoding.engine import (
     RoundEngine,
     StopCheck,
@@ -74,6 +73,7 @@ from specheads.decoding.engine import (
     count_head,
     count_round,
 )
+from specheads.decoding.features import tree_caches
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
