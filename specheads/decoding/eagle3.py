@@ -28,15 +28,23 @@ with the target's streams. The prompt cache and SV's companion do not run with t
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.features import DrafterResult, FeatureDraft, FeatureTarget, FullVocabularyHead, StreamBatchCache
-from specheads.decoding.sampler import draw, verify
+from specheads.decoding.features import (
+    DrafterResult,
+    FeatureDraft,
+    FeatureTarget,
+    FullVocabularyHead,
+    StreamBatchCache,
+    additive_mask,
+    chain_decode,
+    place_logits,
+)
+from specheads.decoding.sampler import draw
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows
 
@@ -88,50 +96,34 @@ class Eagle3Draft:
 
     def log_q(self, logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
         """q over the target's vocabulary after `transform`: the draft logits at their d2t rows, −inf elsewhere."""
-        full = torch.full((self.vocabulary,), -math.inf, dtype=torch.float32, device=logits.device)
-        full[self.rows.to(logits.device)] = logits
-        return transform.log_probs(full)
+        return transform.log_probs(place_logits(logits, self.rows, self.vocabulary))
+
+    def propose(self, verifier: FeatureTarget, tokens: list[int], drafting: int, transform: SamplingTransform,
+                generator: torch.Generator) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """`drafting` candidates after `tokens`, whose last the target has not read (`chain_decode`'s proposer): a
+        catch-up with the target's features, then each candidate drawn from q and read back with the drafter's own
+        state, one forward each but the last; those own-state entries are dropped after (module docstring)."""
+        standing = len(tokens)
+        candidates: list[int] = []
+        log_qs: list[torch.Tensor] = []
+        catch_up = tokens[self.first_position + self.length:]
+        logits, own = self.feed(catch_up, verifier.features[self.length:standing - 1], fused=True)
+        for k in range(drafting):
+            log_q = self.log_q(logits[-1], transform)
+            candidates.append(draw(log_q, generator))
+            log_qs.append(log_q)
+            if k + 1 < drafting:
+                logits, own = self.feed(candidates[-1:], own[-1:], fused=False)
+        self.crop(standing - self.first_position)
+        return candidates, log_qs, []
 
 
 def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: SamplingTransform, max_draft: int,
                   max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()) -> DrafterResult:
     """Decode one request with `drafter` drafting `max_draft` candidates a round (see the module docstring)."""
-    began = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    result = DrafterResult(reached=[0] * max_draft, accepted=[0] * max_draft)
-    verifier = FeatureTarget(target, drafter.config.eagle_aux_hidden_state_layer_ids)
     draft = Eagle3Draft(drafter, target.config.vocab_size)
-    tokens = list(prompt)
-    first = draw(transform.log_probs(verifier.feed(tokens)[-1]), generator)
-    tokens.append(first)
-    result.tokens.append(first)
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
-        standing = len(tokens)
-        drafting = min(max_draft, max_new_tokens - len(result.tokens) - 1)  # the bonus token fills the last slot
-        candidates, log_qs = [], []
-        if drafting > 0:
-            catch_up = tokens[draft.first_position + draft.length:]
-            logits, own = draft.feed(catch_up, verifier.features[draft.length:standing - 1], fused=True)
-        for k in range(drafting):
-            log_q = draft.log_q(logits[-1], transform)
-            candidates.append(draw(log_q, generator))
-            log_qs.append(log_q)
-            if k + 1 < drafting:
-                logits, own = draft.feed(candidates[-1:], own[-1:], fused=False)
-        p_logits = verifier.feed([tokens[-1], *candidates])
-        stood, new = verify(p_logits, candidates, log_qs, 0, True, transform, generator)
-        result.count_round(drafting, stood)
-        emitted = [*candidates[:stood], new]
-        verifier.crop(standing + stood)
-        draft.crop(standing - draft.first_position)
-        tokens += emitted
-        for token in emitted:
-            if len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
-                result.tokens.append(token)
-        result.rounds += 1
-    result.target_calls, result.draft_forwards = verifier.calls, draft.forwards
-    result.seconds = time.perf_counter() - began
-    return result
+    return chain_decode(target, drafter.config.eagle_aux_hidden_state_layer_ids, draft, prompt, transform, max_draft,
+                        max_new_tokens, seed, stop_ids)
 
 
 # ---- the same draft behind the round engine's caches (`specheads.decoding.engine.RoundEngine`, B rows)
@@ -159,15 +151,7 @@ class Eagle3Decoder(torch.nn.Module):
         # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
         features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
         hidden = torch.cat([embedded, features], dim=-1)
-        if attention_mask.dim() == 4:  # a tree's mask (`BatchCache.feed_trees`), additive already
-            mask = attention_mask.to(hidden.dtype)
-        else:  # the slots each row holds, and causal among the new tokens
-            used = attention_mask.shape[1] - count
-            keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
-            queries = used + torch.arange(count, device=input_ids.device)
-            allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
-            allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
-            mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~allowed, -math.inf)
+        mask = additive_mask(attention_mask, count, hidden.dtype)
         embeddings = drafter.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,

@@ -11,13 +11,16 @@ a drafter's algorithm.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.sampler import draw, verify
+from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import streams_captured
 from specheads.plumbing.errors import UsageError
 
@@ -84,6 +87,77 @@ class FeatureTarget:
             self.features = self.features[:length]
 
 
+class Proposer(Protocol):
+    """A drafter's side of `chain_decode`: its candidates for a round, and its forwards so far."""
+
+    forwards: int
+
+    def propose(self, verifier: FeatureTarget, tokens: list[int], drafting: int, transform: SamplingTransform,
+                generator: torch.Generator) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """(`drafting` candidates after `tokens`, each drawn with `generator` from the log q it is returned with; the
+        drafter's own prediction of each one's acceptance, or none). The target has read all of `tokens` but the last
+        (`verifier.features`)."""
+        ...
+
+
+def chain_decode(target: Any, layer_ids: list[int], draft: Proposer, prompt: list[int], transform: SamplingTransform,
+                 max_draft: int, max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()
+                 ) -> DrafterResult:
+    """One request decoded by a feature drafter alone, B = 1 (the reference the round engine is tested against): the
+    target reads the prompt and draws the first token; then each round `draft` proposes up to `max_draft` candidates
+    (fewer where the request has less room: the token after them fills the last slot), the target checks them in one
+    forward (`specheads.decoding.sampler.verify`), and the standing candidates and the token after them are emitted,
+    ended at a stop token and at `max_new_tokens`."""
+    began = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    result = DrafterResult(reached=[0] * max_draft, accepted=[0] * max_draft)
+    verifier = FeatureTarget(target, layer_ids)
+    tokens = list(prompt)
+    first = draw(transform.log_probs(verifier.feed(tokens)[-1]), generator)
+    tokens.append(first)
+    result.tokens.append(first)
+    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
+        standing = len(tokens)
+        drafting = min(max_draft, max_new_tokens - len(result.tokens) - 1)
+        candidates, log_qs, scores = draft.propose(verifier, tokens, drafting, transform, generator) if drafting > 0 else (
+            [], [], [])
+        stood, new = verify(verifier.feed([tokens[-1], *candidates]), candidates, log_qs, 0, True, transform, generator)
+        result.count_round(drafting, stood)
+        if scores:
+            result.confidence.append(scores)
+        emitted = [*candidates[:stood], new]
+        verifier.crop(standing + stood)
+        tokens += emitted
+        for token in emitted:
+            if len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
+                result.tokens.append(token)
+        result.rounds += 1
+    result.target_calls, result.draft_forwards = verifier.calls, draft.forwards
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def place_logits(logits: torch.Tensor, rows: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [..., V_d] at their `rows` of the target's [..., V], −inf elsewhere (q is then
+    zero off the draft vocabulary)."""
+    full = logits.new_full((*logits.shape[:-1], vocabulary), -math.inf)
+    return full.index_copy_(-1, rows.to(logits.device), logits)
+
+
+def additive_mask(attention_mask: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4D mask of a `BatchCache` forward of `count` new tokens: a tree's (`BatchCache.feed_trees`), as it
+    is, or from the 2D slot mask [B, slots], the slots each row holds and causal among the new tokens (a padded query
+    sees itself: no empty row)."""
+    if attention_mask.dim() == 4:
+        return attention_mask.to(dtype)
+    used = attention_mask.shape[1] - count
+    keys = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    queries = used + torch.arange(count, device=attention_mask.device)
+    allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
+    allowed |= (keys[None, :] == queries[:, None])[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill_(~allowed, -math.inf)
+
+
 class FullVocabularyHead(torch.nn.Module):
     """A drafter's LM head with its logits placed at their rows of the target's vocabulary (`rows`), −inf elsewhere (q
     is then zero off the draft vocabulary). `weight` has the target's rows and no columns: what `output_width` reads."""
@@ -95,12 +169,7 @@ class FullVocabularyHead(torch.nn.Module):
         self.register_buffer("weight", lm_head.weight.new_zeros(vocabulary, 0), persistent=False)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        return self.place(self.lm_head(states))
-
-    def place(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary [..., V_d] at their rows of the target's [..., V], −inf elsewhere."""
-        full = logits.new_full((*logits.shape[:-1], self.vocabulary), -math.inf)
-        return full.index_copy_(-1, self.rows, logits)
+        return place_logits(self.lm_head(states), self.rows, self.vocabulary)
 
 
 class StreamBatchCache(BatchCache):

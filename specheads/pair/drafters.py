@@ -40,6 +40,12 @@ def speculators_models(algorithm: str) -> Any:
         raise UsageError(f"{algorithm} drafters need speculators ({error.name or error} is missing); {INSTALL_HINT}") from None
 
 
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The target layers a drafter reads by default (vLLM's and speculators' choice for EAGLE-3 and DSpark): 2, the
+    middle one, and the third from the end."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def vocab_maps(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for a draft vocabulary of the `size` most frequent target tokens by `counts` (one count per target
     token; ties go to the lower id), as speculators builds them: d2t holds offsets, t2d a mask over the target's."""
@@ -99,12 +105,12 @@ def save_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype = to
     drafter.save_pretrained(folder, state_dict=state, safe_serialization=True)
 
 
-def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, model_class: str, config_class: str,
-                 prepare: Any = None) -> torch.nn.Module:
-    """The `algorithm` drafter saved in `folder` (speculators' format), built by speculators' `model_class` from its
-    `config_class` (after `prepare(config)`, where given), completed with `target`'s weights, in eval mode, frozen, in
-    the target's dtype and on its device. Nothing but config.json and safetensors is read; the verifier it names is not
-    fetched. A folder of another algorithm is refused in one line."""
+def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, config_class: str,
+                 build: Any) -> torch.nn.Module:
+    """The `algorithm` drafter saved in `folder` (speculators' format), read with speculators' `config_class` and made
+    by `build(config)`, completed with `target`'s weights, in eval mode, frozen, in the target's dtype and on its
+    device. Nothing but config.json and safetensors is read; the verifier it names is not fetched. A folder of another
+    algorithm is refused in one line."""
     import json
 
     from safetensors.torch import load_file
@@ -118,10 +124,7 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, mo
     if kind != algorithm:
         raise UsageError(f"{folder}/config.json names a {kind or 'missing'} speculators_model_type, not {algorithm}; "
                          f"give the folder of an {algorithm} drafter")
-    config = getattr(module, config_class).from_pretrained(str(folder))
-    if prepare is not None:
-        prepare(config)
-    drafter = getattr(module, model_class)(config)
+    drafter = build(getattr(module, config_class).from_pretrained(str(folder)))
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     allowed = {*NOT_SAVED, *getattr(drafter, "_keys_to_ignore_on_load_missing", [])}

@@ -16,20 +16,14 @@ from typing import Any
 
 import torch
 
+from specheads.pair.drafters import default_layer_ids, speculators_models
 from specheads.pair.drafters import load_drafter as load_speculators_drafter
-from specheads.pair.drafters import speculators_models
 from specheads.plumbing.errors import UsageError
 
 
 def speculators_eagle3() -> Any:
     """speculators' eagle3 module (`Eagle3DraftModel`, `Eagle3SpeculatorConfig`), or a UsageError with the install line."""
     return speculators_models("eagle3")
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """The target layers EAGLE-3 fuses by default (vLLM's and speculators' choice): 2, the middle one, and the third
-    from the end."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def check_layer_ids(layer_ids: list[int], count: int, flag: str = "layer_ids") -> list[int]:
@@ -68,7 +62,8 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, attention: str = "
     """The EAGLE-3 drafter saved in `folder` (speculators' format), completed with `target`'s weights, in eval mode,
     frozen, in the target's dtype and on its device (`specheads.pair.drafters.load_drafter`)."""
 
-    def prepare(config: Any) -> None:
+    def build(config: Any) -> torch.nn.Module:
         config.transformer_layer_config._attn_implementation = attention
+        return speculators_eagle3().Eagle3DraftModel(config)
 
-    return load_speculators_drafter(folder, target, "eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig", prepare)
+    return load_speculators_drafter(folder, target, "eagle3", "Eagle3SpeculatorConfig", build)
