@@ -122,8 +122,8 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, co
                          "`specheads train drafter` or speculators wrote")
     kind = json.loads((folder / "config.json").read_text()).get("speculators_model_type")
     if kind != algorithm:
-        raise UsageError(f"{folder}/config.json names a {kind or 'missing'} speculators_model_type, not {algorithm}; "
-                         f"give the folder of an {algorithm} drafter")
+        raise UsageError(f"{folder}/config.json names speculators_model_type {kind!r}, not {algorithm!r}; give the folder "
+                         f"of a {algorithm} drafter")
     drafter = build(getattr(module, config_class).from_pretrained(str(folder)))
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
