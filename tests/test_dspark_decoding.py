@@ -243,3 +243,57 @@ def test_what_the_engine_cannot_do_yet_with_a_dspark_draft_is_refused_in_one_lin
     engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
     with pytest.raises(UsageError, match="earns no bonus token, which a DSpark draft's first round needs"):
         engine.decode([PROMPT], make_policy("sprinter", 0.5), 4, [0])
+
+
+def test_dspark_drafts_through_transformers_generate(tiny_dspark, wide_dspark):
+    """`target.generate(custom_generate=speculative_generate, draft=DSparkModel(...))`: without a head it drafts its
+    whole block each round; sampled it follows the target's distribution, greedy it is the target's own greedy output,
+    as a chain and as a tree."""
+    from specheads.integrations.transformers import speculative_generate
+
+    target, drafter = tiny_dspark
+    torch.manual_seed(0)
+    runs = 800
+    ids = torch.tensor([PROMPT] * runs)
+    stats = []
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=speculative_generate,
+                          draft=DSparkModel(drafter, target), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                          max_new_tokens=LENGTH, eos_token_id=None, pad_token_id=0, stats=stats)
+    samples = [tuple(row) for row in out[:, len(PROMPT):].tolist()]
+    assert chi_square_p(samples, sequence_probabilities(target, SamplingTransform(1.0), LENGTH)) > 1e-3
+    assert max(r.drafted_per_round[1] for r in stats) == 2  # the block's candidates, as room allows
+    target, drafter = wide_dspark
+    ids = torch.tensor([[5, 9, 30, 41]])
+    common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False, "eos_token_id": None,
+              "pad_token_id": 0}
+    greedy = target.generate(ids, **common)
+    for tree in (None, {"values": "confidence", "floor": 0.05, "budget": 4, "width": 2}):
+        speculative = target.generate(ids, custom_generate=speculative_generate, draft=DSparkModel(drafter, target),
+                                      tree=tree, **common)
+        assert torch.equal(speculative, greedy), tree
+
+
+def test_profile_measures_a_dspark_drafter_as_the_draft(wide_dspark, tiny_model, tmp_path):
+    from specheads.cli import main
+
+    target, drafter = wide_dspark
+    save_drafter(drafter, tmp_path / "drafter")
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--target.path", str(tiny_model), "--dspark", str(tmp_path / "drafter"), "--out", str(out),
+                 "--tokens", "[1, 4]", "--repeats", "1", "--device", "cpu"]) == 0
+    table = json.loads(out.read_text())
+    facts = table["models"]["draft"]
+    assert facts["name"] == f"DSpark {tmp_path / 'drafter'}" and facts["layers"] == 1
+    assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
+    assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])
+
+
+def test_profile_refuses_two_drafters_or_a_dspark_folder_that_is_not_one_before_loading_anything(tmp_path, capsys):
+    from specheads.cli import main
+
+    (tmp_path / "empty").mkdir()
+    for flags in (["--dspark", str(tmp_path / "empty")], ["--dspark", str(tmp_path), "--eagle3", str(tmp_path)]):
+        assert main(["profile", *flags, "--out", str(tmp_path / "costs.json")]) == 2
+        error = capsys.readouterr().err.strip()
+        assert ("give the folder of a drafter" in error or "give one of them" in error) and error.count("\n") == 0
+    assert not (tmp_path / "costs.json").exists()

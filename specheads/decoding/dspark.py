@@ -48,6 +48,7 @@ from specheads.decoding.features import (
     chain_decode,
     place_logits,
 )
+from specheads.decoding.rules import StopPolicy, make_policy
 from specheads.decoding.sampler import draw
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows
@@ -197,6 +198,10 @@ class DSparkModel(FeatureDraft):
         self.embeddings = drafter.embed_tokens
         self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
         self.candidates = block_candidates(drafter.config)
+
+    def own_rule(self) -> StopPolicy:
+        """Its whole block each round (constant K at the block's candidates), as vLLM serves a DSpark drafter."""
+        return make_policy("constant_k", self.candidates, max_draft=self.candidates)
 
     def draft_cache(self, target: StreamBatchCache, rows: int, state_layer: int | None = None,
                     target_row: int | None = None) -> BatchCache:

@@ -241,6 +241,10 @@ class FeatureDraft(torch.nn.Module):
         target's row `target_row`)."""
         raise NotImplementedError
 
+    def own_rule(self) -> Any:
+        """The chain rule this draft decodes by when no head is given (`speculative_generate`); None: it needs one."""
+        return None
+
     def refuse(self, rule: Any, prompt_cache: Any, companion: Any) -> None:
         """What the round engine cannot do yet with this draft, refused in one line before any forward."""
         if not rule.bonus:
