@@ -78,12 +78,9 @@ def build_drafter(target_config: Any, layer_ids: list[int], draft_vocab_size: in
     embedding, LM head and vocabulary maps are empty until `specheads.pair.drafters.fill_from_target`."""
     dspark = speculators_dspark()
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.utils import GEMMA_STYLE_FINAL_NORM_MODEL_TYPES
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    if getattr(target_config, "model_type", None) in GEMMA_STYLE_FINAL_NORM_MODEL_TYPES:
-        raise UsageError(f"a {target_config.model_type} target's final norm applies x·(1 + w), which this recipe's "
-                         "training targets do not reproduce yet; train its DSpark drafter with speculators' own trainer")
+    check_target(target_config)
     check_layer_ids(layer_ids, target_config.num_hidden_layers)
     check_settings(block_size, mask_token_id, target_config.vocab_size, markov_head_type, sample_from_anchor)
     candidates = block_size if sample_from_anchor else block_size - 1
@@ -97,6 +94,16 @@ def build_drafter(target_config: Any, layer_ids: list[int], draft_vocab_size: in
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=verifier, architectures=list(target_config.architectures or []))))
     return new_drafter(config)
+
+
+def check_target(target_config: Any) -> None:
+    """Refuse a target whose final norm applies x·(1 + w) (Gemma-style): `new_drafter` makes the plain norm, which only
+    training reads."""
+    from speculators.models.utils import GEMMA_STYLE_FINAL_NORM_MODEL_TYPES
+
+    if getattr(target_config, "model_type", None) in GEMMA_STYLE_FINAL_NORM_MODEL_TYPES:
+        raise UsageError(f"a {target_config.model_type} target's final norm applies x·(1 + w), which this recipe's "
+                         "training targets do not reproduce yet; train its DSpark drafter with speculators' own trainer")
 
 
 def new_drafter(config: Any) -> torch.nn.Module:
