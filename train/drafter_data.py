@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-from specheads.data_gen.responses import cut_at_stop
 from specheads.dataset.prompts import Prompt, encode_prompt
 from specheads.pair.drafters import target_features
-from specheads.pair.models import stop_token_ids
+from specheads.pair.models import cut_at_stop, stop_token_ids
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import atomic_path, write_json_atomic
 
