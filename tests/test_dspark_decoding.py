@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from test_eagle3_decoding import check_profile, randomised
 from test_eval import PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.model_outputs.sampling import SamplingTransform
@@ -30,12 +31,7 @@ def random_dspark(target, layer_ids, d2t, t2d, seed=0, std=0.5, **settings):
     options = {"mask_token_id": 2, "num_layers": 1, "block_size": 3, "markov_rank": 4, **settings}
     drafter = build_drafter(target.config, layer_ids, len(d2t), "tiny", **options)
     fill_from_target(drafter, target, torch.tensor(d2t), torch.tensor(t2d))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in drafter.named_parameters():
-            if parameter.requires_grad:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std + (1.0 if "norm" in name else 0.0))
-    return drafter.eval().requires_grad_(False)
+    return randomised(drafter, seed, std)
 
 
 @pytest.fixture(scope="module")
@@ -274,18 +270,7 @@ def test_dspark_drafts_through_transformers_generate(tiny_dspark, wide_dspark):
 
 
 def test_profile_measures_a_dspark_drafter_as_the_draft(wide_dspark, tiny_model, tmp_path):
-    from specheads.cli import main
-
-    target, drafter = wide_dspark
-    save_drafter(drafter, tmp_path / "drafter")
-    out = tmp_path / "costs.json"
-    assert main(["profile", "--target.path", str(tiny_model), "--dspark", str(tmp_path / "drafter"), "--out", str(out),
-                 "--tokens", "[1, 4]", "--repeats", "1", "--device", "cpu"]) == 0
-    table = json.loads(out.read_text())
-    facts = table["models"]["draft"]
-    assert facts["name"] == f"DSpark {tmp_path / 'drafter'}" and facts["layers"] == 1
-    assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
-    assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])
+    check_profile("--dspark", "DSpark", wide_dspark[1], tiny_model, tmp_path)
 
 
 def test_profile_refuses_two_drafters_or_a_dspark_folder_that_is_not_one_before_loading_anything(tmp_path, capsys):

@@ -42,7 +42,6 @@ from specheads.decoding.features import (
     DrafterResult,
     FeatureDraft,
     FeatureTarget,
-    FullVocabularyHead,
     StreamBatchCache,
     additive_mask,
     chain_decode,
@@ -189,14 +188,7 @@ class DSparkModel(FeatureDraft):
     kind = "a DSpark"
 
     def __init__(self, drafter: Any, target: Any) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.layer_ids = list(drafter.config.aux_hidden_state_layer_ids)
-        self.config = drafter.config.transformer_layer_config
-        self.config.pad_token_id = target.config.pad_token_id
-        self.decoder = DSparkDecoder(drafter)
-        self.embeddings = drafter.embed_tokens
-        self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
+        super().__init__(drafter, target, drafter.config.aux_hidden_state_layer_ids, DSparkDecoder(drafter))
         self.candidates = block_candidates(drafter.config)
 
     def own_rule(self) -> StopPolicy:

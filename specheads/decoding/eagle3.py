@@ -38,7 +38,6 @@ from specheads.decoding.features import (
     DrafterResult,
     FeatureDraft,
     FeatureTarget,
-    FullVocabularyHead,
     StreamBatchCache,
     additive_mask,
     chain_decode,
@@ -168,14 +167,7 @@ class Eagle3Model(FeatureDraft):
     kind = "an EAGLE-3"
 
     def __init__(self, drafter: Any, target: Any) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
-        self.config = drafter.config.transformer_layer_config
-        self.config.pad_token_id = target.config.pad_token_id
-        self.decoder = Eagle3Decoder(drafter)
-        self.embeddings = drafter.embed_tokens
-        self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
+        super().__init__(drafter, target, drafter.config.eagle_aux_hidden_state_layer_ids, Eagle3Decoder(drafter))
 
     def draft_cache(self, target: StreamBatchCache, rows: int, state_layer: int | None = None,
                     target_row: int | None = None) -> BatchCache:

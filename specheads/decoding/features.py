@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.sampler import draw, verify
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.drafters import streams_captured
+from specheads.pair.drafters import draft_rows, streams_captured
 from specheads.plumbing.errors import UsageError
 
 
@@ -215,16 +215,21 @@ class StreamBatchCache(BatchCache):
 
 
 class FeatureDraft(torch.nn.Module):
-    """A drafter that reads the target's streams, with the face of a causal LM over the target's vocabulary, as the
-    round engine's draft. Subclasses set `kind` (how messages name it), `layer_ids`, `config`, `decoder`, `head` and
-    `embeddings`, and make the drafter's cache of B rows beside the target's (`draft_cache`)."""
+    """A drafter that reads the target's streams at `layer_ids`, with the face of a causal LM over the target's
+    vocabulary, as the round engine's draft: its layers run as `decoder`, its head over the target's rows. Subclasses
+    set `kind` (how messages name it) and make the drafter's cache of B rows beside the target's (`draft_cache`)."""
 
     kind: str = ""
 
-    layer_ids: list[int]
-    decoder: torch.nn.Module
-    head: FullVocabularyHead
-    embeddings: torch.nn.Module
+    def __init__(self, drafter: Any, target: Any, layer_ids: list[int], decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.layer_ids = list(layer_ids)
+        self.config = drafter.config.transformer_layer_config
+        self.config.pad_token_id = target.config.pad_token_id
+        self.decoder = decoder
+        self.embeddings = drafter.embed_tokens
+        self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
 
     def get_decoder(self) -> torch.nn.Module:
         return self.decoder
