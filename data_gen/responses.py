@@ -14,7 +14,7 @@ from transformers import CompileConfig, GenerationConfig, LogitsProcessor, Logit
 from specheads.data_gen.plan import WorkItem
 from specheads.dataset.prompts import encodable, read_jsonl
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
-from specheads.pair.models import stop_token_ids
+from specheads.pair.models import cut_at_stop, stop_token_ids
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.private_apis import compile_on_every_device
 
@@ -40,14 +40,6 @@ class RowSeededSampler(LogitsProcessor):
         self.step += 1
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter_(-1, tokens.unsqueeze(-1), 0.0)
-
-
-def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
-    """Tokens up to and including the first stop token."""
-    for position, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[: position + 1]
-    return tokens
 
 
 CACHE_BUCKET = 64

@@ -31,10 +31,9 @@ from typing import Any
 
 from specheads.data_gen.config import GenConfig
 from specheads.data_gen.plan import Shard, WorkItem, row_seed
-from specheads.data_gen.responses import cut_at_stop
 from specheads.dataset.shards import shard_problem
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.models import ModelSpec, resolve_source, stop_token_ids
+from specheads.pair.models import ModelSpec, cut_at_stop, resolve_source, stop_token_ids
 from specheads.plumbing.errors import UsageError
 
 INSTALL = "pip install 'specheads[vllm]'"

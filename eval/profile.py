@@ -54,6 +54,10 @@ class ProfileConfig:
     """an EAGLE-3 drafter folder (speculators' format, e.g. `specheads train drafter`'s DIR/drafter) measured as the
     draft instead of `--draft`: its forward reads the target's fused streams, projects them, runs its decoder layer
     and its head over the draft vocabulary (needs the eagle3 extra)."""
+    dspark: str | None = None
+    """a DSpark drafter folder (speculators' format) measured as the draft instead of `--draft`: its forward reads
+    the tokens timed as block slots over the target's streams (needs the eagle3 extra); a round runs it once, on its
+    block's `block_size` tokens."""
     preset: Literal[PRESET_NAMES] | None = None
     """write a roofline preset's modelled table instead of measuring (no model is loaded): an H100 SXM with a
     Llama-3.1-8B target and Llama-3.2-1B draft, or 4 H100s with Llama-3.1-70B (tensor parallel) and Llama-3.1-8B
@@ -86,9 +90,12 @@ class ProfileConfig:
         if self.preset and (self.target != default_target() or self.draft != default_draft()):
             raise UsageError(f"--preset {self.preset} models its own pair ({PRESETS[self.preset].description}); drop "
                              "--target/--draft, or drop --preset to measure those models")
-        if self.eagle3 and (self.preset or not Path(self.eagle3, "config.json").is_file()):
-            raise UsageError(f"--eagle3 {self.eagle3}: give the folder of a drafter (its config.json and "
-                             "model.safetensors) and no --preset")
+        if self.eagle3 and self.dspark:
+            raise UsageError("--eagle3 and --dspark each name the draft; give one of them")
+        for flag, folder in (("--eagle3", self.eagle3), ("--dspark", self.dspark)):
+            if folder and (self.preset or not Path(folder, "config.json").is_file()):
+                raise UsageError(f"{flag} {folder}: give the folder of a drafter (its config.json and "
+                                 "model.safetensors) and no --preset")
         if self.head and self.preset:
             raise UsageError(f"--head is timed beside a measured draft; --preset {self.preset} models its own pair, "
                              "whose heads eval prices by their weights: drop --head, or drop --preset to measure")
@@ -148,13 +155,11 @@ def measure_pair(config: ProfileConfig, tokens: tuple[int, ...], head: tuple[str
     from specheads.pair.models import context_length, load_pair
 
     device = decoding_device(config.device)
-    if config.eagle3:  # the drafter reads the target's streams: no draft model of its own is loaded
-        from specheads.decoding.eagle3 import Eagle3Model
-        from specheads.pair.eagle3 import load_drafter
+    if config.eagle3 or config.dspark:  # the drafter reads the target's streams: no draft model of its own is loaded
         from specheads.pair.models import load_model
 
         target, target_name = load_model(config.target), config.target.describe()
-        draft, draft_name = Eagle3Model(load_drafter(config.eagle3, target), target), f"EAGLE-3 {config.eagle3}"
+        draft, draft_name = feature_draft(config, target)
     else:
         pair = load_pair(config.target, config.draft)
         target, target_name, draft, draft_name = pair.target, pair.target_name, pair.draft, pair.draft_name
@@ -166,6 +171,19 @@ def measure_pair(config: ProfileConfig, tokens: tuple[int, ...], head: tuple[str
     for model in (target, draft):
         place(model, device)
     return measured_table((draft_name, draft), (target_name, target), contexts, tokens, config.repeats, head)
+
+
+def feature_draft(config: ProfileConfig, target: Any) -> tuple[Any, str]:
+    """(the drafter of `--eagle3` or `--dspark` as the round engine's draft, its name in the table)."""
+    if config.eagle3:
+        from specheads.decoding.eagle3 import Eagle3Model
+        from specheads.pair.eagle3 import load_drafter
+
+        return Eagle3Model(load_drafter(config.eagle3, target), target), f"EAGLE-3 {config.eagle3}"
+    from specheads.decoding.dspark import DSparkModel
+    from specheads.pair.dspark import load_drafter as load_dspark
+
+    return DSparkModel(load_dspark(config.dspark, target), target), f"DSpark {config.dspark}"
 
 
 def main(argv: list[str]) -> int:

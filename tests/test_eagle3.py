@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specheads.cli import main
-from specheads.pair.eagle3 import target_features
+from specheads.pair.drafters import target_features
 from specheads.plumbing.config_files import resolve_config
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.train.drafter import DrafterConfig, collate, pack
@@ -91,7 +91,8 @@ def recipe(tiny_model, prompts_file, tmp_path_factory):
 def test_the_recipe_trains_and_writes_a_speculators_folder_and_a_fingerprint(recipe, tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from specheads.pair.eagle3 import draft_to_target, load_drafter
+    from specheads.pair.drafters import draft_to_target
+    from specheads.pair.eagle3 import load_drafter
 
     fingerprint = json.loads((recipe / "fingerprint.json").read_text())
     assert fingerprint["steps"] == 10 and len(fingerprint["data_digest"]) == 16 and fingerprint["train_seconds"] > 0

@@ -13,20 +13,44 @@ from specheads.model_outputs.sampling import SamplingTransform
 
 pytest.importorskip("speculators.models.eagle3")
 
-from specheads.decoding.eagle3 import Eagle3Draft, Eagle3Target, eagle3_decode  # noqa: E402
-from specheads.pair.eagle3 import build_drafter, fill_from_target, target_features  # noqa: E402
+from specheads.decoding.eagle3 import Eagle3Draft, eagle3_decode  # noqa: E402
+from specheads.decoding.features import FeatureTarget  # noqa: E402
+from specheads.pair.drafters import fill_from_target, target_features  # noqa: E402
+from specheads.pair.eagle3 import build_drafter  # noqa: E402
+
+
+def randomised(drafter, seed=0, std=0.5, also=()):
+    """`drafter` with random weights in place of its trained ones (and of the weights named in `also`), in eval mode,
+    frozen."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if parameter.requires_grad or name in also:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std + (1.0 if "norm" in name else 0.0))
+    return drafter.eval().requires_grad_(False)
 
 
 def random_drafter(target, layer_ids, d2t, t2d, seed=0, std=0.5):
     """A drafter of speculators' classes with random trained weights (its head too), filled from `target`."""
     drafter = build_drafter(target.config, layer_ids, len(d2t), "tiny")
     fill_from_target(drafter, target, torch.tensor(d2t), torch.tensor(t2d))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in drafter.named_parameters():
-            if parameter.requires_grad or name == "lm_head.weight":
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std + (1.0 if "norm" in name else 0.0))
-    return drafter.eval().requires_grad_(False)
+    return randomised(drafter, seed, std, also=("lm_head.weight",))
+
+
+def check_profile(flag, name, drafter, tiny_model, tmp_path):
+    """`specheads profile --target.path TINY FLAG DIR` times the drafter saved in DIR as the draft, named `name`."""
+    from specheads.cli import main
+    from specheads.pair.drafters import save_drafter
+
+    save_drafter(drafter, tmp_path / "drafter")
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--target.path", str(tiny_model), flag, str(tmp_path / "drafter"), "--out", str(out),
+                 "--tokens", "[1, 2]", "--repeats", "1", "--device", "cpu"]) == 0
+    table = json.loads(out.read_text())
+    facts = table["models"]["draft"]
+    assert facts["name"] == f"{name} {tmp_path / 'drafter'}" and facts["layers"] == 1
+    assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
+    assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +109,7 @@ def test_the_cached_drafter_computes_what_speculators_training_forward_computes(
     hook.remove()
     for verified in (3, 6):  # positions 0..verified−1 stand; the drafted tokens are the sequence's next ones
         draft = Eagle3Draft(drafter, vocabulary)
-        verifier = Eagle3Target(target, [1, 2, 3])
+        verifier = FeatureTarget(target, [1, 2, 3])
         verifier.feed(tokens[:verified])
         logits, own = draft.feed(tokens[1:verified], verifier.features[: verified - 1], fused=True)
         index = verified - 2  # speculators' row of position verified − 1
@@ -255,19 +279,7 @@ def test_greedy_eagle3_trees_give_the_targets_greedy_tokens(pair, prompts, reque
 
 
 def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model, tmp_path):
-    from specheads.cli import main
-    from specheads.pair.eagle3 import save_drafter
-
-    target, drafter = wide_eagle
-    save_drafter(drafter, tmp_path / "drafter")
-    out = tmp_path / "costs.json"
-    assert main(["profile", "--target.path", str(tiny_model), "--eagle3", str(tmp_path / "drafter"), "--out", str(out),
-                 "--tokens", "[1, 2]", "--repeats", "1", "--device", "cpu"]) == 0
-    table = json.loads(out.read_text())
-    facts = table["models"]["draft"]
-    assert facts["name"] == f"EAGLE-3 {tmp_path / 'drafter'}" and facts["layers"] == 1
-    assert facts["parameters"] == sum(p.numel() for p in drafter.parameters())  # the drafter was timed, not the target
-    assert len(table["draft"]["seconds"]) == 2 and all(s > 0 for s in table["draft"]["seconds"])
+    check_profile("--eagle3", "EAGLE-3", wide_eagle[1], tiny_model, tmp_path)
 
 
 def test_a_greedy_tree_of_width_one_drafts_with_the_logits_of_the_b1_chain(tiny_eagle, monkeypatch):

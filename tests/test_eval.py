@@ -325,10 +325,10 @@ def tiny_pair():
 
 
 @torch.no_grad()
-def sequence_probabilities(model, transform: SamplingTransform) -> dict[tuple[int, ...], float]:
-    """The exact distribution of LENGTH tokens after PROMPT, by enumeration."""
+def sequence_probabilities(model, transform: SamplingTransform, length: int = LENGTH) -> dict[tuple[int, ...], float]:
+    """The exact distribution of `length` tokens after PROMPT, by enumeration."""
     result = {}
-    for tail in itertools.product(range(VOCAB), repeat=LENGTH):
+    for tail in itertools.product(range(VOCAB), repeat=length):
         logits = model(torch.tensor([PROMPT + list(tail)])).logits[0]
         log_probs = transform.log_probs(logits)
         result[tail] = float(np.prod([log_probs[len(PROMPT) - 1 + i, t].exp().item() for i, t in enumerate(tail)]))

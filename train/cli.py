@@ -155,7 +155,7 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads train`. A run stopped by SIGTERM (a scheduler's preemption) exits 143, never 0; a
-    refused run leaves nothing it made in the run folder. `specheads train drafter` trains an EAGLE-3 drafter instead
+    refused run leaves nothing it made in the run folder. `specheads train drafter` trains an EAGLE-3 or DSpark drafter instead
     (`specheads.train.drafter`)."""
     if argv[:1] == ["drafter"]:
         from specheads.train.drafter import main as drafter_main

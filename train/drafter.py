@@ -1,14 +1,19 @@
-"""`specheads train drafter`: train an EAGLE-3 drafter for a target, with speculators' model classes inside a
-Lightning loop, on the target's own responses to the built-in prompts.
+"""`specheads train drafter`: train a drafter for a target, EAGLE-3 or DSpark, with speculators' model classes inside
+a Lightning loop, on the target's own responses to the built-in prompts.
 
     specheads train drafter --config eagle3-smollm2 [--num-prompts N] [--max-steps S] [--out DIR]
+    specheads train drafter --config dspark-smollm2 [--num-prompts N] [--max-steps S] [--out DIR]
 
 One command, three resumable steps in `--out`: `data/` (responses and target features, chunk by chunk,
-`specheads.train.drafter_data`), `data/vocab.safetensors` (the draft vocabulary: the most frequent response tokens of
-the training prompts, with speculators' d2t/t2d maps) and `train/` (Lightning checkpoints; `last.ckpt` is resumed).
-The finished drafter is `drafter/` in speculators' format (what vLLM serves and `specheads.pair.eagle3.load_drafter`
-reads), and `fingerprint.json` records the settings, the data's digest, the time each step took and the held-out
-accuracy per drafted position. Lightning picks the accelerator: the same code runs on a CPU or a GPU.
+`specheads.train.drafter_data`; the same for both algorithms), `data/vocab.safetensors` (the draft vocabulary: the most
+frequent response tokens of the training prompts, with speculators' d2t/t2d maps) and `train/` (Lightning checkpoints;
+`last.ckpt` is resumed). An EAGLE-3 drafter trains with speculators' forward and KL loss over `ttt_steps` drafted
+positions; a DSpark drafter with speculators' forward over random anchors, its blocks' KL loss (positions weighted by
+exp(−k/γ)) and, jointly, its confidence head's BCE on the analytical acceptance Σ min(p, q) of each slot, as speculators
+and DeepSpec train it. The finished drafter is `drafter/` in speculators' format (what vLLM serves and
+`specheads.pair.eagle3.load_drafter` / `specheads.pair.dspark.load_drafter` read), and `fingerprint.json` records the
+settings, the data's digest, the time each step took and the held-out metrics. Lightning picks the accelerator: the
+same code runs on a CPU or a GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +30,18 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from jsonargparse.typing import NonNegativeFloat, OpenUnitInterval, PositiveInt
+from jsonargparse.typing import NonNegativeFloat, NonNegativeInt, OpenUnitInterval, PositiveFloat, PositiveInt
 
 from specheads.dataset.prompts import load_prompts
-from specheads.pair.eagle3 import NOT_SAVED, build_drafter, check_layer_ids, default_layer_ids, fill_from_target, save_drafter, vocab_maps
+from specheads.pair import dspark, eagle3
+from specheads.pair.drafters import (
+    default_layer_ids,
+    fill_from_target,
+    not_saved,
+    save_drafter,
+    speculators_models,
+    vocab_maps,
+)
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, resolve_source, weights_identity
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
@@ -38,9 +51,11 @@ from specheads.train.drafter_data import DTYPES, check_manifest, chunk_seconds, 
 
 @dataclass
 class DrafterConfig:
-    """An EAGLE-3 drafter recipe.
+    """A drafter recipe, EAGLE-3 or DSpark.
 
     Args:
+        algorithm: the drafter: `eagle3` (one token a forward, fusing three target layers) or `dspark` (a block a
+            forward, with a Markov head and a confidence head).
         target: the target model the drafter serves.
         verifier_name: the target's name in the drafter's config.json (the Hub id vLLM loads the target by).
         out: the run folder (data/, train/, drafter/, fingerprint.json, recipe.log).
@@ -49,15 +64,26 @@ class DrafterConfig:
         samples_per_prompt: responses sampled per prompt.
         max_new_tokens: the longest response.
         temperature: the target's sampling temperature for the responses (0: greedy).
-        seed: seeds the sampling, the split's shuffle and the initialisation.
-        val_fraction: share of prompts held out (chosen by a hash of the prompt id) for the held-out accuracy.
+        seed: seeds the sampling, the split's shuffle, the anchors and the initialisation.
+        val_fraction: share of prompts held out (chosen by a hash of the prompt id) for the held-out metrics.
         chunk_prompts: prompts per data chunk (one `generate` batch).
         features_dtype: the stored target features' dtype (bfloat16: the residual stream of SmolLM2 reaches 2.5e4, near float16's limit).
-        layer_ids: the three target layers fused (default: 2, the middle one and the third from the end).
+        layer_ids: the target layers read (default: 2, the middle one and the third from the end; EAGLE-3 fuses
+            exactly three).
         draft_vocab_size: the draft vocabulary: this many most frequent response tokens.
         num_layers: the drafter's decoder layers.
-        ttt_steps: drafted positions trained per step (EAGLE-3's training-time test).
-        ttt_step_loss_decay: weight of position k's loss is this to the power k.
+        ttt_steps: EAGLE-3: drafted positions trained per step (its training-time test).
+        ttt_step_loss_decay: EAGLE-3: weight of position k's loss is this to the power k.
+        block_size: DSpark: the block one forward drafts (its candidates: all of it with `sample_from_anchor`).
+        mask_token_id: DSpark: the token filling the block after its anchor (default: the tokenizer's mask token, else
+            its pad, EOS or unknown token, as speculators resolves it).
+        sample_from_anchor: DSpark: the anchor's slot drafts too (DSpark's and DeepSpec's convention).
+        markov_rank: DSpark: the rank of the Markov head's logit bias (0: none).
+        markov_head_type: DSpark: `vanilla` (a bias from the previous token), `gated` or `rnn`.
+        confidence_head: DSpark: train the confidence head jointly (on [state ; Markov embedding] with a Markov head).
+        confidence_head_alpha: DSpark: weight of the confidence head's BCE in the loss.
+        max_anchors: DSpark: anchors (blocks) per step's packed batch.
+        loss_decay_gamma: DSpark: block position k's loss is weighted by exp(−k/γ) (speculators' fixed decay).
         lr: AdamW's peak learning rate (linear warm-up, cosine decay to a tenth).
         warmup_steps: the warm-up's optimiser steps.
         max_steps: optimiser steps in all.
@@ -68,6 +94,7 @@ class DrafterConfig:
         precision: Lightning's precision (`32-true`; `bf16-mixed` on a GPU).
     """
 
+    algorithm: Literal["eagle3", "dspark"] = "eagle3"
     target: ModelSpec = field(default_factory=lambda: ModelSpec(path="embedded:smollm2"))
     verifier_name: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     out: str = "runs/eagle3"
@@ -85,6 +112,15 @@ class DrafterConfig:
     num_layers: PositiveInt = 1
     ttt_steps: PositiveInt = 3
     ttt_step_loss_decay: float = 1.0
+    block_size: PositiveInt = 8
+    mask_token_id: NonNegativeInt | None = None
+    sample_from_anchor: bool = True
+    markov_rank: NonNegativeInt = 256
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    confidence_head: bool = True
+    confidence_head_alpha: NonNegativeFloat = 1.0
+    max_anchors: PositiveInt = 64
+    loss_decay_gamma: PositiveFloat = 4.0
     lr: float = 3e-4
     warmup_steps: int = 50
     max_steps: PositiveInt = 2000
@@ -94,12 +130,27 @@ class DrafterConfig:
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
     precision: str = "32-true"
 
+    def check_algorithm(self) -> None:
+        """Refuse a setting of the other algorithm (it would be silently ignored)."""
+        others = DSPARK_ONLY if self.algorithm == "eagle3" else EAGLE3_ONLY
+        defaults = DrafterConfig()
+        given = [name for name in others if getattr(self, name) != getattr(defaults, name)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise UsageError(f"{flags} {'is a setting' if len(given) == 1 else 'are settings'} of the other drafter, "
+                             f"not of --algorithm {self.algorithm}; drop {'it' if len(given) == 1 else 'them'}")
+
     def data_settings(self, prompts_digest: str, target_weights: dict, layer_ids: list[int]) -> dict[str, Any]:
-        """What the data folder depends on (its manifest)."""
+        """What the data folder depends on (its manifest): the same for both algorithms."""
         return {"target": target_weights, "prompts": self.prompts, "prompts_digest": prompts_digest,
                 "samples_per_prompt": self.samples_per_prompt, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "seed": self.seed, "chunk_prompts": self.chunk_prompts,
                 "features_dtype": self.features_dtype, "layer_ids": layer_ids}
+
+
+EAGLE3_ONLY = ("ttt_steps", "ttt_step_loss_decay")
+DSPARK_ONLY = ("block_size", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type", "confidence_head",
+               "confidence_head_alpha", "max_anchors", "loss_decay_gamma")
 
 
 def held_out(prompt_id: str, fraction: float) -> bool:
@@ -125,72 +176,74 @@ def pack(sequences: list[Any], tokens: int, seed: int | None) -> list[list[int]]
     return [batch for batch in batches if batch]
 
 
-def collate(sequences: list[Any], tokens: int) -> dict[str, torch.Tensor]:
-    """One packed batch in speculators' layout ([1, total] with document ids), each sequence shifted as speculators'
-    `shift_batch` does: the token at t+1 with the target's features at t, the target's state at t+1."""
+def collate(sequences: list[Any], tokens: int, shift: bool = True) -> dict[str, torch.Tensor]:
+    """One packed batch in speculators' layout ([1, total] with document ids). Shifted as speculators' `shift_batch`
+    does for EAGLE-3 (the token at t+1 with the target's features at t, the target's state at t+1, positions from 1),
+    or aligned as the DFlash family reads it (`shift` False: token, features and state of t together, positions from
+    0)."""
     parts: dict[str, list[torch.Tensor]] = {key: [] for key in ("input_ids", "hidden_states", "verifier_last_hidden_states",
                                                                  "loss_mask", "position_ids", "document_ids")}
+    step = 1 if shift else 0
     for document, sequence in enumerate(sequences):
         size = min(len(sequence.input_ids), tokens)
-        parts["input_ids"].append(sequence.input_ids[1:size])
-        parts["hidden_states"].append(sequence.aux[: size - 1].float())
-        parts["verifier_last_hidden_states"].append(sequence.last[1:size].float())
-        parts["loss_mask"].append(sequence.loss_mask[1:size])
-        parts["position_ids"].append(torch.arange(1, size))
-        parts["document_ids"].append(torch.full((size - 1,), document))
+        parts["input_ids"].append(sequence.input_ids[step:size])
+        parts["hidden_states"].append(sequence.aux[: size - step].float())
+        parts["verifier_last_hidden_states"].append(sequence.last[step:size].float())
+        parts["loss_mask"].append(sequence.loss_mask[step:size])
+        parts["position_ids"].append(torch.arange(step, size))
+        parts["document_ids"].append(torch.full((size - step,), document))
     return {key: torch.cat(values).unsqueeze(0) for key, values in parts.items()}
 
 
 class PackedData(torch.utils.data.Dataset):
-    """Packed batches of sequences (packed once; a shuffling loader changes their order every epoch)."""
+    """Packed batches of sequences (packed once; a shuffling loader changes their order every epoch), shifted for
+    EAGLE-3 or aligned for DSpark (`collate`)."""
 
-    def __init__(self, sequences: list[Any], tokens: int, seed: int | None) -> None:
-        self.sequences, self.tokens = sequences, tokens
+    def __init__(self, sequences: list[Any], tokens: int, seed: int | None, shift: bool = True) -> None:
+        self.sequences, self.tokens, self.shift = sequences, tokens, shift
         self.batches = pack(sequences, tokens, seed)
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return collate([self.sequences[i] for i in self.batches[index]], self.tokens)
+        return collate([self.sequences[i] for i in self.batches[index]], self.tokens, self.shift)
 
 
-class DrafterModule(L.LightningModule):
-    """speculators' `Eagle3DraftModel` trained with its own forward and loss (KL to the target over the draft
-    vocabulary, `ttt_steps` drafted positions); checkpoints leave out the target's frozen weights."""
+class SpeculatorsModule(L.LightningModule):
+    """What training a speculators drafter in our loop shares: AdamW with a warm-up and cosine decay over the trained
+    weights, the training time, held-out metrics summed over the validation batches (speculators' `*_sum`/`*_total`
+    pairs) and checkpoints without the target's frozen weights. Subclasses build `drafter` and define `run` (its
+    forward and loss), what the progress line shows (`train_line`, `val_line`) and the held-out metrics (`held_out`)."""
 
-    def __init__(self, target_config: dict[str, Any], layer_ids: list[int], draft_vocab_size: int, verifier: str,
-                 num_layers: int = 1, ttt_steps: int = 3, ttt_step_loss_decay: float = 1.0, lr: float = 3e-4,
-                 warmup_steps: int = 50, max_steps: int = 2000) -> None:
+    drafter: torch.nn.Module
+
+    def __init__(self) -> None:
         super().__init__()
-        from speculators.losses import resolve_loss_config
-        from transformers import AutoConfig
-
-        self.save_hyperparameters()
-        config = AutoConfig.for_model(**target_config)
-        self.drafter = build_drafter(config, layer_ids, draft_vocab_size, verifier, num_layers, ttt_steps)
-        self.loss_config = resolve_loss_config("kl_div", "eager")  # the fused loss needs Triton
         self.strict_loading = False  # the target's weights are filled from the target, not from a checkpoint
         self.train_seconds = 0.0
         self.step_began: float | None = None
         self.sums: dict[str, float] = {}
 
     def run(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """speculators' forward (the plain function: on CUDA speculators wraps it in torch.compile)."""
-        forward = inspect.unwrap(type(self.drafter).forward)
-        _, loss, metrics = forward(self.drafter, **batch, ttt_steps=self.hparams.ttt_steps,
-                                   ttt_step_loss_decay=self.hparams.ttt_step_loss_decay, loss_config=self.loss_config)
-        return loss, metrics
+        """(the loss, speculators' metrics) of one batch, by speculators' forward (the plain function: on CUDA
+        speculators wraps it in torch.compile)."""
+        raise NotImplementedError
+
+    def forward_of_drafter(self) -> Any:
+        return inspect.unwrap(type(self.drafter).forward)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, metrics = self.run(batch)
         self.log("train/loss", loss.detach(), prog_bar=True)
-        for k in range(self.hparams.ttt_steps):
-            total = metrics[f"full_acc_{k}_total"]
-            if total > 0:
-                self.log(f"train/acc_{k}", metrics[f"full_acc_{k}_sum"] / total)
+        for name, value in self.train_metrics(metrics).items():
+            self.log(f"train/{name}", value)
         self.log("train/tokens", batch["loss_mask"].sum().float(), reduce_fx="sum")
         return loss
+
+    def train_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch's metrics the training log keeps, by name."""
+        return {}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.step_began = time.perf_counter()
@@ -204,15 +257,28 @@ class DrafterModule(L.LightningModule):
         for name, value in metrics.items():
             self.sums[name] = self.sums.get(name, 0.0) + float(value)
 
+    def ratio(self, name: str) -> float | None:
+        """A held-out metric: its sum over its total, over the validation batches (None where nothing counted)."""
+        total = self.sums.get(f"{name}_total", 0.0)
+        return self.sums[f"{name}_sum"] / total if total else None
+
     def on_validation_epoch_end(self) -> None:
-        for k in range(self.hparams.ttt_steps):
-            for kind in ("full_acc", "cond_acc"):
-                total = self.sums.get(f"{kind}_{k}_total", 0.0)
-                if total:
-                    self.log(f"val/{kind}_{k}", self.sums[f"{kind}_{k}_sum"] / total)
-        if self.sums:
-            self.log("val/loss", self.sums["loss_sum"] / max(self.sums["loss_total"], 1.0))
+        for name, value in self.held_out().items():
+            if value is not None:
+                self.log(f"val/{name}", value)
         self.sums = {}
+
+    def held_out(self) -> dict[str, float | None]:
+        """The held-out metrics, by name (from `sums`); the loss at least."""
+        return {"loss": self.ratio("loss")}
+
+    def train_line(self, metrics: dict[str, Any]) -> str:
+        """What the progress line shows of the training metrics besides the loss."""
+        return ""
+
+    def val_line(self, metrics: dict[str, Any]) -> str:
+        """What the progress line shows of the held-out metrics besides the loss."""
+        return ""
 
     def configure_optimizers(self) -> dict[str, Any]:
         trained = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -229,7 +295,7 @@ class DrafterModule(L.LightningModule):
         return {"optimizer": optimiser, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        for name in NOT_SAVED:
+        for name in not_saved(self.drafter):
             checkpoint["state_dict"].pop(f"drafter.{name}", None)
         checkpoint["train_seconds"] = self.train_seconds
 
@@ -237,8 +303,115 @@ class DrafterModule(L.LightningModule):
         self.train_seconds = float(checkpoint.get("train_seconds", 0.0))
 
 
+def joined(values: list[Any]) -> str:
+    """Floats as the progress line prints them."""
+    return " ".join(f"{float(value):.3f}" for value in values)
+
+
+class DrafterModule(SpeculatorsModule):
+    """speculators' `Eagle3DraftModel` trained with its own forward and loss (KL to the target over the draft
+    vocabulary, `ttt_steps` drafted positions)."""
+
+    def __init__(self, target_config: dict[str, Any], layer_ids: list[int], draft_vocab_size: int, verifier: str,
+                 num_layers: int = 1, ttt_steps: int = 3, ttt_step_loss_decay: float = 1.0, lr: float = 3e-4,
+                 warmup_steps: int = 50, max_steps: int = 2000) -> None:
+        super().__init__()
+        from speculators.losses import resolve_loss_config
+        from transformers import AutoConfig
+
+        self.save_hyperparameters()
+        config = AutoConfig.for_model(**target_config)
+        self.drafter = eagle3.build_drafter(config, layer_ids, draft_vocab_size, verifier, num_layers, ttt_steps)
+        self.loss_config = resolve_loss_config("kl_div", "eager")  # the fused loss needs Triton
+
+    def run(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        _, loss, metrics = self.forward_of_drafter()(self.drafter, **batch, ttt_steps=self.hparams.ttt_steps,
+                                                     ttt_step_loss_decay=self.hparams.ttt_step_loss_decay,
+                                                     loss_config=self.loss_config)
+        return loss, metrics
+
+    def train_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"acc_{k}": metrics[f"full_acc_{k}_sum"] / metrics[f"full_acc_{k}_total"]
+                for k in range(self.hparams.ttt_steps) if metrics[f"full_acc_{k}_total"] > 0}
+
+    def held_out(self) -> dict[str, float | None]:
+        return {"loss": self.ratio("loss"),
+                **{f"{kind}_{k}": self.ratio(f"{kind}_{k}") for k in range(self.hparams.ttt_steps)
+                   for kind in ("full_acc", "cond_acc")}}
+
+    def train_line(self, metrics: dict[str, Any]) -> str:
+        steps = range(self.hparams.ttt_steps)
+        return f"acc/position {joined([metrics[f'train/acc_{k}'] for k in steps if f'train/acc_{k}' in metrics])}"
+
+    def val_line(self, metrics: dict[str, Any]) -> str:
+        steps = range(self.hparams.ttt_steps)
+        held = joined([metrics[f"val/cond_acc_{k}"] for k in steps if f"val/cond_acc_{k}" in metrics])
+        return f"accuracy given the earlier positions right {held}" if held else ""
+
+
+class DSparkModule(SpeculatorsModule):
+    """speculators' `DSparkDraftModel` trained with its own forward and loss: random anchors in each packed batch, the
+    blocks' KL to the target over the draft vocabulary (position k weighted by exp(−k/γ)), plus the confidence head's
+    BCE on each slot's analytical acceptance Σ min(p, q) (speculators' and DeepSpec's joint training)."""
+
+    def __init__(self, target_config: dict[str, Any], layer_ids: list[int], draft_vocab_size: int, verifier: str,
+                 mask_token_id: int, num_layers: int = 1, block_size: int = 8, sample_from_anchor: bool = True,
+                 markov_rank: int = 256, markov_head_type: str = "vanilla", confidence_head: bool = True,
+                 confidence_head_alpha: float = 1.0, max_anchors: int = 64, loss_decay_gamma: float = 4.0,
+                 lr: float = 3e-4, warmup_steps: int = 50, max_steps: int = 2000) -> None:
+        super().__init__()
+        from speculators.losses import resolve_loss_config
+        from transformers import AutoConfig
+
+        self.save_hyperparameters()
+        config = AutoConfig.for_model(**target_config)
+        self.drafter = dspark.build_drafter(config, layer_ids, draft_vocab_size, verifier, mask_token_id, num_layers,
+                                            block_size, markov_rank, markov_head_type, sample_from_anchor, confidence_head)
+        self.loss_config = resolve_loss_config("kl_div", "eager")  # the fused losses need Triton
+        self.tv_loss = resolve_loss_config("tv", "eager")["tv"][0]
+
+    def run(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hp = self.hparams
+        _, loss, metrics = self.forward_of_drafter()(
+            self.drafter, **batch, loss_config=self.loss_config, tv_loss_fn=self.tv_loss, gamma=hp.loss_decay_gamma,
+            max_anchors=hp.max_anchors, confidence_head_alpha=hp.confidence_head_alpha,
+            per_position_loss_weight="fixed-exp-decay")
+        return loss, metrics
+
+    def positions(self) -> range:
+        """The block's drafting slots."""
+        return range(0 if self.hparams.sample_from_anchor else 1, self.hparams.block_size)
+
+    def train_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        kept = {name: metrics[f"{name}_sum"] / metrics[f"{name}_total"]
+                for name in ("accept_len", "confidence_loss", "confidence_abs_error") if f"{name}_sum" in metrics}
+        return {name: value for name, value in kept.items() if torch.isfinite(value)}
+
+    def held_out(self) -> dict[str, float | None]:
+        names = ("loss", "accept_len", "eal", "accept_rate", "confidence_loss", "confidence_abs_error",
+                 "confidence_pred_mean", "confidence_cumprod_bias")
+        return {**{name: self.ratio(name) for name in names},
+                **{f"acc_{k}": self.ratio(f"position_{k}_acc") for k in self.positions()}}
+
+    def train_line(self, metrics: dict[str, Any]) -> str:
+        parts = [f"{label} {float(metrics[f'train/{name}']):.3f}" for name, label in
+                 (("accept_len", "block acceptance τ"), ("confidence_loss", "confidence BCE"))
+                 if f"train/{name}" in metrics]
+        return ", ".join(parts)
+
+    def val_line(self, metrics: dict[str, Any]) -> str:
+        if "val/accept_len" not in metrics:
+            return ""
+        accuracy = joined([metrics[f"val/acc_{k}"] for k in self.positions() if f"val/acc_{k}" in metrics])
+        confidence = (f", confidence |error| {float(metrics['val/confidence_abs_error']):.3f}"
+                      if "val/confidence_abs_error" in metrics else "")
+        return (f"block acceptance τ {float(metrics['val/accept_len']):.3f} (greedy {float(metrics['val/eal']):.3f}), "
+                f"greedy accuracy per slot {accuracy}{confidence}")
+
+
 class ProgressLine(L.Callback):
-    """A line per `every` optimiser steps on the recipe's log: loss, accuracy per drafted position, pace."""
+    """A line per `every` optimiser steps on the recipe's log: loss, the module's training metrics, pace; a line per
+    held-out evaluation."""
 
     def __init__(self, say: Any, every: int = 10) -> None:
         self.say, self.every = say, every
@@ -248,18 +421,14 @@ class ProgressLine(L.Callback):
         step = trainer.global_step
         if step % self.every == 0 or step == trainer.max_steps:
             metrics = trainer.callback_metrics
-            accuracy = " ".join(f"{float(metrics[f'train/acc_{k}']):.3f}" for k in range(module.hparams.ttt_steps)
-                                if f"train/acc_{k}" in metrics)
             self.say(f"train: step {step}/{trainer.max_steps} loss {float(metrics.get('train/loss', float('nan'))):.4f} "
-                     f"acc/position {accuracy} ({module.train_seconds:.0f} s training)")
+                     f"{module.train_line(metrics)} ({module.train_seconds:.0f} s training)")
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         metrics = trainer.callback_metrics
-        held = " ".join(f"{float(metrics[f'val/cond_acc_{k}']):.3f}" for k in range(module.hparams.ttt_steps)
-                        if f"val/cond_acc_{k}" in metrics)
-        if held:
-            self.say(f"val: step {trainer.global_step} loss {float(metrics['val/loss']):.4f} "
-                     f"accuracy given the earlier positions right {held}")
+        line = module.val_line(metrics)
+        if line:
+            self.say(f"val: step {trainer.global_step} loss {float(metrics['val/loss']):.4f} {line}")
 
 
 def logger_to(path: Path) -> Any:
@@ -305,28 +474,69 @@ def vocabulary(folder: Path, train: list[Any], size: int, vocab_size: int) -> tu
     return d2t, t2d
 
 
+def mask_token(config: DrafterConfig, tokenizer: Any) -> int | None:
+    """A DSpark drafter's mask token: `--mask-token-id`, else the tokenizer's mask token, else its pad, EOS or unknown
+    token (speculators' resolution); None for EAGLE-3, or a tokenizer without any."""
+    if config.algorithm != "dspark":
+        return None
+    if config.mask_token_id is not None:
+        return config.mask_token_id
+    return next((token for token in (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                     tokenizer.unk_token_id) if token is not None), None)
+
+
+def check_recipe(config: DrafterConfig, target_config: Any, mask_token_id: int | None) -> list[int]:
+    """Refuse, before anything is written, what the recipe cannot train for this target; its layer ids."""
+    count = target_config.num_hidden_layers
+    layer_ids = config.layer_ids or default_layer_ids(count)
+    if config.draft_vocab_size > target_config.vocab_size:
+        raise UsageError(f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
+                         f"({target_config.vocab_size}); give at most that")
+    if config.algorithm == "eagle3":
+        return eagle3.check_layer_ids(layer_ids, count, "--layer-ids")
+    dspark.check_target(target_config)
+    dspark.check_settings(config.block_size, mask_token_id, target_config.vocab_size, config.markov_head_type,
+                          config.sample_from_anchor)
+    return dspark.check_layer_ids(layer_ids, count, "--layer-ids")
+
+
+def make_module(config: DrafterConfig, target_config: Any, layer_ids: list[int], mask_token_id: int | None
+                ) -> SpeculatorsModule:
+    """The Lightning module of `config.algorithm`, freshly initialised. Its hyperparameters are plain ints and floats
+    (not jsonargparse's PositiveInt): the checkpoint's hyperparameters load with weights_only."""
+    common = (json.loads(target_config.to_json_string()), [int(i) for i in layer_ids], int(config.draft_vocab_size),
+              config.verifier_name)
+    schedule = {"lr": float(config.lr), "warmup_steps": int(config.warmup_steps), "max_steps": int(config.max_steps)}
+    if config.algorithm == "eagle3":
+        return DrafterModule(*common, int(config.num_layers), int(config.ttt_steps), float(config.ttt_step_loss_decay),
+                             **schedule)
+    return DSparkModule(*common, int(mask_token_id), num_layers=int(config.num_layers), block_size=int(config.block_size),
+                        sample_from_anchor=bool(config.sample_from_anchor), markov_rank=int(config.markov_rank),
+                        markov_head_type=config.markov_head_type, confidence_head=bool(config.confidence_head),
+                        confidence_head_alpha=float(config.confidence_head_alpha), max_anchors=int(config.max_anchors),
+                        loss_decay_gamma=float(config.loss_decay_gamma), **schedule)
+
+
 def run(config: DrafterConfig) -> dict[str, Any]:
     """The whole recipe (see the module docstring); returns the fingerprint."""
     from transformers import AutoConfig
 
-    from specheads.pair.eagle3 import speculators_eagle3
-
     out = Path(config.out)
     check_output_folder(out)
-    speculators_eagle3()  # refuse a missing extra before any model loads
+    config.check_algorithm()
+    speculators_models(config.algorithm)  # refuse a missing extra before any model loads
     device = device_for(config.accelerator)
     prompts = load_prompts(config.prompts, limit=config.num_prompts)
     target_config = AutoConfig.from_pretrained(resolve_source(config.target).location)
-    count = target_config.num_hidden_layers
-    layer_ids = check_layer_ids(config.layer_ids or default_layer_ids(count), count, "--layer-ids")
-    if config.draft_vocab_size > target_config.vocab_size:
-        raise UsageError(f"--draft-vocab-size {config.draft_vocab_size} exceeds the target's vocabulary "
-                         f"({target_config.vocab_size}); give at most that")
-    say = logger_to(out / "recipe.log")  # the first thing written, once the input is known good
-    say(f"recipe: {len(prompts)} prompts × {config.samples_per_prompt} responses at T={config.temperature}, layers "
-        f"{layer_ids}, draft vocabulary {config.draft_vocab_size}, {config.max_steps} steps, on {device}")
-
     tokenizer = load_tokenizer(config.target)
+    mask_token_id = mask_token(config, tokenizer)
+    layer_ids = check_recipe(config, target_config, mask_token_id)
+    say = logger_to(out / "recipe.log")  # the first thing written, once the input is known good
+    block = f", blocks of {config.block_size} (mask token {mask_token_id})" if config.algorithm == "dspark" else ""
+    say(f"recipe: {config.algorithm} drafter, {len(prompts)} prompts × {config.samples_per_prompt} responses at "
+        f"T={config.temperature}, layers {layer_ids}, draft vocabulary {config.draft_vocab_size}{block}, "
+        f"{config.max_steps} steps, on {device}")
+
     target = load_model(config.target).to(device)
     data = out / "data"
     prompts_digest = hashlib.sha256(json.dumps([[p.id, p.messages] for p in prompts]).encode()).hexdigest()[:16]
@@ -344,10 +554,7 @@ def run(config: DrafterConfig) -> dict[str, Any]:
         f"{sum(int(s.loss_mask.sum()) for s in train)} training response tokens")
 
     L.seed_everything(config.seed, verbose=False)
-    # plain ints and floats (not jsonargparse's PositiveInt): the checkpoint's hyperparameters load with weights_only
-    module = DrafterModule(json.loads(target_config.to_json_string()), [int(i) for i in layer_ids],
-                           int(config.draft_vocab_size), config.verifier_name, int(config.num_layers), int(config.ttt_steps),
-                           float(config.ttt_step_loss_decay), float(config.lr), int(config.warmup_steps), int(config.max_steps))
+    module = make_module(config, target_config, layer_ids, mask_token_id)
     fill_from_target(module.drafter, target.to("cpu"), d2t, t2d)
     del target
     last = out / "train" / "checkpoints" / "last.ckpt"
@@ -360,9 +567,11 @@ def run(config: DrafterConfig) -> dict[str, Any]:
                    L.pytorch.callbacks.ModelCheckpoint(dirpath=str(last.parent), filename="last", monitor=None, save_top_k=1,
                                                        every_n_train_steps=config.checkpoint_every,
                                                        enable_version_counter=False)])
-    train_data = torch.utils.data.DataLoader(PackedData(train, config.tokens_per_batch, config.seed), batch_size=None,
-                                             shuffle=True, generator=torch.Generator().manual_seed(config.seed))
-    val_data = torch.utils.data.DataLoader(PackedData(val, config.tokens_per_batch, None), batch_size=None)
+    shift = config.algorithm == "eagle3"  # EAGLE-3 reads the sequences shifted, the DFlash family aligned
+    train_data = torch.utils.data.DataLoader(PackedData(train, config.tokens_per_batch, config.seed, shift),
+                                             batch_size=None, shuffle=True,
+                                             generator=torch.Generator().manual_seed(config.seed))
+    val_data = torch.utils.data.DataLoader(PackedData(val, config.tokens_per_batch, None, shift), batch_size=None)
     if last.is_file():
         say(f"train: resuming from {last}")
     trainer.fit(module, train_data, val_data, ckpt_path=str(last) if last.is_file() else None)
@@ -373,10 +582,11 @@ def run(config: DrafterConfig) -> dict[str, Any]:
     for stray in (out / "drafter").glob("*.py"):  # transformers copies the config class's source: never needed
         stray.unlink()
     fingerprint = {
-        "command": "specheads train drafter", "config": asdict(config),
+        "command": "specheads train drafter", "algorithm": config.algorithm, "config": asdict(config),
         "config_digest": hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode()).hexdigest()[:16],
         "data_digest": data_digest(paths), "data_seconds": round(chunk_seconds(paths), 1),
         "train_seconds": round(module.train_seconds, 1), "steps": trainer.global_step, "layer_ids": layer_ids,
+        "mask_token_id": mask_token_id,
         "train_sequences": len(train), "held_out_sequences": len(val), "held_out": held,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -389,6 +599,7 @@ def run(config: DrafterConfig) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     """Entry point for `specheads train drafter`."""
     config = parse_dataclass(DrafterConfig, argv, "specheads train drafter",
-                             "Train an EAGLE-3 drafter (speculators' classes) for a target on its own responses.")
+                             "Train an EAGLE-3 or DSpark drafter (speculators' classes) for a target on its own "
+                             "responses.")
     run(config)
     return 0

@@ -1,5 +1,5 @@
 """The EAGLE-3 drafter's training data: the target's own responses to prompts, with the target features the drafter
-reads (`specheads.pair.eagle3.target_features`), in chunks written atomically and reused.
+reads (`specheads.pair.drafters.target_features`), in chunks written atomically and reused.
 
 A chunk is one safetensors file of `chunk_prompts` prompts × `samples_per_prompt` responses, flat over tokens:
 `input_ids` [T], `loss_mask` [T] (1 on response tokens), `aux` [T, 3h] (the three fused layers), `last` [T, h] (the
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from specheads.dataset.prompts import Prompt, encode_prompt
-from specheads.pair.eagle3 import target_features
+from specheads.pair.drafters import target_features
+from specheads.pair.models import cut_at_stop, stop_token_ids
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import atomic_path, write_json_atomic
 
@@ -76,14 +77,8 @@ def sample_responses(target: Any, tokenizer: Any, prompts: list[list[int]], samp
     with torch.no_grad():
         output = target.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
                                  pad_token_id=pad, **sampling)
-    stops = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
-                else [target.generation_config.eos_token_id or tokenizer.eos_token_id])
-    responses = []
-    for row, index in enumerate(rows):
-        tokens = output[row, width:].tolist()
-        end = next((position + 1 for position, token in enumerate(tokens) if token in stops), len(tokens))
-        responses.append((index, tokens[:end]))
-    return responses
+    stops = stop_token_ids(target, tokenizer)
+    return [(index, cut_at_stop(output[row, width:].tolist(), stops)) for row, index in enumerate(rows)]
 
 
 def chunk_tensors(target: Any, tokenizer: Any, prompts: list[list[int]], responses: list[tuple[int, list[int]]],

@@ -55,6 +55,20 @@ class BatchCache:
         """Whether the row may draft this round (a draft that reads the target's states waits for its first call)."""
         return True
 
+    def draft_limit(self) -> int | None:
+        """The most candidates one round may draft (a block drafter's block); None: no limit of the draft's own."""
+        return None
+
+    def drafter_score(self, row: int) -> float | None:
+        """The draft's own prediction that the candidate it last proposed for `row` is accepted, made before that
+        candidate was drawn (a DSpark drafter's confidence head); None for a draft that makes none."""
+        return None
+
+    def round_widths(self, unread: int, drafted: int) -> list[int]:
+        """The tokens each draft forward of a round that drafted `drafted` candidates read: its catch-up (`unread`,
+        the tokens it had not read) first, then one a candidate (the last candidate's forward is never run)."""
+        return [unread] + [1] * (drafted - 1) if drafted else []
+
     @torch.no_grad()
     def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -28,36 +28,24 @@ with the target's streams. The prompt cache and SV's companion do not run with t
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.sampler import draw, verify
+from specheads.decoding.features import (
+    DrafterResult,
+    FeatureDraft,
+    FeatureTarget,
+    StreamBatchCache,
+    additive_mask,
+    chain_decode,
+    place_logits,
+)
+from specheads.decoding.sampler import draw
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.eagle3 import draft_to_target, drafter_forward, fused_streams, streams_captured
-from specheads.plumbing.errors import UsageError
-
-
-@dataclass
-class Eagle3Result:
-    """One request's output and counts: tokens emitted, rounds, forwards of each model, and per drafted position k
-    (0-based) how many rounds reached it and how many accepted its candidate."""
-
-    tokens: list[int] = field(default_factory=list)
-    rounds: int = 0
-    target_calls: int = 0
-    draft_forwards: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def acceptance_per_position(self) -> list[float]:
-        """The share of rounds that reached drafted position k and accepted its candidate."""
-        return [a / r if r else math.nan for a, r in zip(self.accepted, self.reached)]
+from specheads.pair.drafters import draft_rows
 
 
 class Eagle3Draft:
@@ -66,7 +54,7 @@ class Eagle3Draft:
 
     def __init__(self, drafter: Any, target_vocabulary: int) -> None:
         self.drafter = drafter
-        self.rows = draft_to_target(drafter.d2t)
+        self.rows = draft_rows(drafter)
         self.vocabulary = target_vocabulary
         self.cache = DynamicCache()
         self.first_position = 1  # the drafter's entry for position t needs a feature of t − 1: none for t = 0
@@ -83,15 +71,21 @@ class Eagle3Draft:
         when `fused`, else the drafter's own states); (the logits over the draft vocabulary [m, V_d], the states to
         feed back [m, h])."""
         drafter = self.drafter
-        start, count, held = self.first_position + self.length, len(tokens), self.length
+        start, count = self.first_position + self.length, len(tokens)
         ids = torch.tensor([tokens], device=features.device)
-        rows = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
+        hidden = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
+        hidden = torch.cat([drafter.embed_tokens(ids), hidden.to(drafter.fc.weight.dtype)], dim=-1)
         positions = torch.arange(start, start + count, device=features.device).unsqueeze(0)
-        mask = torch.full((count, held + count), -math.inf, dtype=drafter.embed_tokens.weight.dtype,
-                          device=features.device)
+        held = self.length
+        mask = torch.full((count, held + count), -math.inf, dtype=hidden.dtype, device=hidden.device)
         mask = torch.triu(mask, diagonal=held + 1)[None, None]  # each token sees what is held and itself
-        normed, own = drafter_forward(drafter, ids, rows, mask, positions, self.cache)
+        embeddings = drafter.rotary_emb(hidden, positions)
+        for layer in drafter.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                           position_embeddings=embeddings)
+        normed = drafter.norm(hidden)
         self.forwards += 1
+        own = normed if drafter.config.norm_output else hidden
         return drafter.lm_head(normed)[0].float(), own[0]
 
     def crop(self, length: int) -> None:
@@ -101,102 +95,37 @@ class Eagle3Draft:
 
     def log_q(self, logits: torch.Tensor, transform: SamplingTransform) -> torch.Tensor:
         """q over the target's vocabulary after `transform`: the draft logits at their d2t rows, −inf elsewhere."""
-        full = torch.full((self.vocabulary,), -math.inf, dtype=torch.float32, device=logits.device)
-        full[self.rows.to(logits.device)] = logits
-        return transform.log_probs(full)
+        return transform.log_probs(place_logits(logits, self.rows, self.vocabulary))
 
-
-class Eagle3Target:
-    """The target with a KV cache that keeps, for every position it has read, the three streams the drafter fuses."""
-
-    def __init__(self, target: Any, layer_ids: list[int]) -> None:
-        self.target, self.layer_ids = target, layer_ids
-        self.cache = DynamicCache(config=target.config)
-        self.features: torch.Tensor | None = None  # [positions read, 3h]
-        self.calls = 0
-
-    @torch.no_grad()
-    def feed(self, tokens: list[int]) -> torch.Tensor:
-        """Read `tokens` after the positions held; their float32 logits [m, V]. Their features join `features`."""
-        device = next(self.target.parameters()).device
-        start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        with streams_captured(self.target, self.layer_ids) as captured:
-            output = self.target(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
-                                 past_key_values=self.cache, use_cache=True)
-        fused = fused_streams(captured, self.layer_ids)[0]
-        self.features = fused if self.features is None else torch.cat([self.features, fused])
-        self.calls += 1
-        return output.logits[0].float()
-
-    def crop(self, length: int) -> None:
-        """Keep positions 0..length − 1 (cache and features)."""
-        held = self.cache.get_seq_length()
-        if held > length:
-            self.cache.crop(length - held)
-            self.features = self.features[:length]
-
-
-def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: SamplingTransform, max_draft: int,
-                  max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()) -> Eagle3Result:
-    """Decode one request with `drafter` drafting `max_draft` candidates a round (see the module docstring)."""
-    began = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    result = Eagle3Result(reached=[0] * max_draft, accepted=[0] * max_draft)
-    verifier = Eagle3Target(target, drafter.config.eagle_aux_hidden_state_layer_ids)
-    draft = Eagle3Draft(drafter, target.config.vocab_size)
-    tokens = list(prompt)
-    first = draw(transform.log_probs(verifier.feed(tokens)[-1]), generator)
-    tokens.append(first)
-    result.tokens.append(first)
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
+    def propose(self, verifier: FeatureTarget, tokens: list[int], drafting: int, transform: SamplingTransform,
+                generator: torch.Generator) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """`drafting` candidates after `tokens`, whose last the target has not read (`chain_decode`'s proposer): a
+        catch-up with the target's features, then each candidate drawn from q and read back with the drafter's own
+        state, one forward each but the last; those own-state entries are dropped after (module docstring)."""
         standing = len(tokens)
-        drafting = min(max_draft, max_new_tokens - len(result.tokens) - 1)  # the bonus token fills the last slot
-        candidates, log_qs = [], []
-        if drafting > 0:
-            catch_up = tokens[draft.first_position + draft.length:]
-            logits, own = draft.feed(catch_up, verifier.features[draft.length:standing - 1], fused=True)
+        candidates: list[int] = []
+        log_qs: list[torch.Tensor] = []
+        catch_up = tokens[self.first_position + self.length:]
+        logits, own = self.feed(catch_up, verifier.features[self.length:standing - 1], fused=True)
         for k in range(drafting):
-            log_q = draft.log_q(logits[-1], transform)
+            log_q = self.log_q(logits[-1], transform)
             candidates.append(draw(log_q, generator))
             log_qs.append(log_q)
             if k + 1 < drafting:
-                logits, own = draft.feed(candidates[-1:], own[-1:], fused=False)
-        p_logits = verifier.feed([tokens[-1], *candidates])
-        stood, new = verify(p_logits, candidates, log_qs, 0, True, transform, generator)
-        for k in range(drafting):
-            result.reached[k] += k <= stood
-            result.accepted[k] += k < stood
-        emitted = [*candidates[:stood], new]
-        verifier.crop(standing + stood)
-        draft.crop(standing - draft.first_position)
-        tokens += emitted
-        for token in emitted:
-            if len(result.tokens) < max_new_tokens and result.tokens[-1] not in stop_ids:
-                result.tokens.append(token)
-        result.rounds += 1
-    result.target_calls, result.draft_forwards = verifier.calls, draft.forwards
-    result.seconds = time.perf_counter() - began
-    return result
+                logits, own = self.feed(candidates[-1:], own[-1:], fused=False)
+        self.crop(standing - self.first_position)
+        return candidates, log_qs, []
+
+
+def eagle3_decode(target: Any, drafter: Any, prompt: list[int], transform: SamplingTransform, max_draft: int,
+                  max_new_tokens: int, seed: int, stop_ids: list[int] | tuple[int, ...] = ()) -> DrafterResult:
+    """Decode one request with `drafter` drafting `max_draft` candidates a round (see the module docstring)."""
+    draft = Eagle3Draft(drafter, target.config.vocab_size)
+    return chain_decode(target, drafter.config.eagle_aux_hidden_state_layer_ids, draft, prompt, transform, max_draft,
+                        max_new_tokens, seed, stop_ids)
 
 
 # ---- the same draft behind the round engine's caches (`specheads.decoding.engine.RoundEngine`, B rows)
-
-
-class FullVocabularyHead(torch.nn.Module):
-    """The drafter's LM head with its logits placed at their d2t rows of the target's vocabulary, −inf elsewhere (q
-    is then zero off the draft vocabulary). `weight` has the target's rows and no columns: what `output_width` reads."""
-
-    def __init__(self, lm_head: torch.nn.Linear, rows: torch.Tensor, vocabulary: int) -> None:
-        super().__init__()
-        self.lm_head, self.vocabulary = lm_head, vocabulary
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("weight", lm_head.weight.new_zeros(vocabulary, 0), persistent=False)
-
-    def forward(self, states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(states)
-        full = logits.new_full((*logits.shape[:-1], self.vocabulary), -math.inf)
-        return full.index_copy_(-1, self.rows, logits)
 
 
 class Eagle3Decoder(torch.nn.Module):
@@ -216,86 +145,33 @@ class Eagle3Decoder(torch.nn.Module):
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
-        count, dtype = input_ids.shape[1], drafter.embed_tokens.weight.dtype
+        count = input_ids.shape[1]
+        embedded = drafter.embed_tokens(input_ids)
         # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
-        features = self.features if self.features is not None else torch.zeros(
-            *input_ids.shape, drafter.embed_tokens.embedding_dim, dtype=dtype, device=input_ids.device)
-        if attention_mask.dim() == 4:  # a tree's mask (`BatchCache.feed_trees`), additive already
-            mask = attention_mask.to(dtype)
-        else:  # the slots each row holds, and causal among the new tokens
-            used = attention_mask.shape[1] - count
-            keys = torch.arange(attention_mask.shape[1], device=input_ids.device)
-            queries = used + torch.arange(count, device=input_ids.device)
-            allowed = attention_mask.bool()[:, None, None, :] & (keys[None, :] <= queries[:, None])[None, None]
-            allowed |= (keys[None, :] == queries[:, None])[None, None]  # a padded query sees itself: no empty row
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device).masked_fill_(~allowed, -math.inf)
-        normed, self.own = drafter_forward(drafter, input_ids, features, mask, position_ids, cache)
+        features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
+        hidden = torch.cat([embedded, features], dim=-1)
+        mask = additive_mask(attention_mask, count, hidden.dtype)
+        embeddings = drafter.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                           position_embeddings=embeddings)
+        normed = drafter.norm(hidden)
+        self.own = normed if drafter.config.norm_output else hidden
         return BaseModelOutputWithPast(last_hidden_state=normed, past_key_values=cache)
 
 
-class Eagle3Model(torch.nn.Module):
+class Eagle3Model(FeatureDraft):
     """An EAGLE-3 drafter with the face of a causal LM over the target's vocabulary, as the round engine's draft:
     `RoundEngine(target, Eagle3Model(drafter, target), ...)` decodes with it exactly (`Eagle3BatchCache`)."""
 
+    kind = "an EAGLE-3"
+
     def __init__(self, drafter: Any, target: Any) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.layer_ids = list(drafter.config.eagle_aux_hidden_state_layer_ids)
-        self.config = drafter.config.transformer_layer_config
-        self.config.pad_token_id = target.config.pad_token_id
-        self.decoder = Eagle3Decoder(drafter)
-        self.head = FullVocabularyHead(drafter.lm_head, draft_to_target(drafter.d2t), target.config.vocab_size)
+        super().__init__(drafter, target, drafter.config.eagle_aux_hidden_state_layer_ids, Eagle3Decoder(drafter))
 
-    def get_decoder(self) -> Eagle3Decoder:
-        return self.decoder
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.drafter.embed_tokens
-
-    def get_output_embeddings(self) -> FullVocabularyHead:
-        return self.head
-
-
-class StreamBatchCache(BatchCache):
-    """The target's `BatchCache` that also keeps, per row and position, the three streams an EAGLE-3 drafter fuses."""
-
-    def __init__(self, model: Any, rows: int, layer_ids: list[int]) -> None:
-        super().__init__(model, rows)
-        self.layer_ids = layer_ids
-        self.streams: list[torch.Tensor | None] = [None] * rows
-        self.by_slot: dict[tuple[int, int], torch.Tensor] = {}  # the last tree feed's streams, by (row, slot)
-
-    def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
-             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        before = {row: self.length(row) for row in tokens}
-        with streams_captured(self.model, self.layer_ids) as captured:
-            result = super().feed(tokens, logits_rows)
-        fused = fused_streams(captured, self.layer_ids)
-        for row, fed in tokens.items():
-            kept = self.streams[row][: before[row]] if self.streams[row] is not None else fused[row, :0]
-            self.streams[row] = torch.cat([kept, fused[row, : len(fed)]])
-        return result
-
-    def crop_row(self, row: int, length: int) -> None:
-        super().crop_row(row, length)
-        if self.streams[row] is not None:
-            self.streams[row] = self.streams[row][:length]
-
-    def feed_trees(self, trees: dict[int, tuple[list[int], list[int], list[list[int]]]],
-                   logits_from: dict[int, int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
-        """`BatchCache.feed_trees`, keeping each fed token's streams by its slot until `hold` makes it the row's."""
-        with streams_captured(self.model, self.layer_ids) as captured:
-            result = super().feed_trees(trees, logits_from)
-        fused = fused_streams(captured, self.layer_ids)
-        self.by_slot = {(row, slot): fused[row, index] for row in trees for index, slot in enumerate(result[row][2])}
-        return result
-
-    def hold(self, row: int, slots: list[int]) -> None:
-        super().hold(row, slots)
-        held = [self.by_slot[(row, slot)] for slot in slots]
-        if held:
-            kept = self.streams[row] if self.streams[row] is not None else held[0].new_zeros(0, held[0].shape[-1])
-            self.streams[row] = torch.cat([kept, torch.stack(held)])
+    def draft_cache(self, target: StreamBatchCache, rows: int, state_layer: int | None = None,
+                    target_row: int | None = None) -> BatchCache:
+        return Eagle3BatchCache(self, rows, target, state_layer, target_row)
 
 
 class Eagle3BatchCache(BatchCache):
@@ -333,7 +209,7 @@ class Eagle3BatchCache(BatchCache):
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         decoder = self.model.get_decoder()
         self.own_by_slot.clear()  # a catch-up or a chain's step: no tree node is an ancestor any more
-        fed, features, caught_up = {}, {}, {}
+        fed, features = {}, {}
         for row, row_tokens in tokens.items():
             if not self.started[row]:
                 self.started[row], row_tokens = True, row_tokens[1:]
@@ -341,16 +217,13 @@ class Eagle3BatchCache(BatchCache):
             streams, held = self.target.streams[self.of_target(row)], self.target.length(self.of_target(row))
             read = min(max(held - (start - 1), 0), len(row_tokens))  # positions with the target's streams
             if read == len(row_tokens):  # a catch-up: every position before these is the target's
-                caught_up[row] = streams[start - 1: start - 1 + read]
+                features[row] = decoder.drafter.fc(streams[start - 1: start - 1 + read].to(self.device))
                 self.from_target[row] += read if len(self.slots[row]) == self.from_target[row] else 0
             elif len(row_tokens) == 1 and self.own[row] is not None:  # a drafted token after the last position
                 features[row] = self.own[row][None]
             else:
                 raise RuntimeError("an EAGLE-3 draft reads its own state only for one token after its last position")
             fed[row] = row_tokens
-        if caught_up:  # every catching-up row's streams fused in one `fc`
-            fused = decoder.drafter.fc(torch.cat(list(caught_up.values())).to(self.device))
-            features.update(zip(caught_up, fused.split([len(streams) for streams in caught_up.values()])))
         width = max(len(row_tokens) for row_tokens in fed.values())
         size = next(iter(features.values())).shape[-1]
         padded = torch.zeros(len(self.slots), width, size, device=self.device)
@@ -397,30 +270,3 @@ class Eagle3BatchCache(BatchCache):
             return
         super().crop_row(row, min(length - 1, self.from_target[row]))
         self.from_target[row] = min(self.from_target[row], len(self.slots[row]))
-
-
-def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[BatchCache, Any]:
-    """(the shared target cache of a tree decode, a maker of each request's own draft cache: (target row, state layer)
-    -> cache), plain or an EAGLE-3 drafter's."""
-    if isinstance(engine_draft, Eagle3Model):
-        target = StreamBatchCache(engine_target, rows, engine_draft.layer_ids)
-        return target, lambda row, state_layer: Eagle3BatchCache(engine_draft, 1, target, state_layer, target_row=row)
-    return BatchCache(engine_target, rows), lambda row, state_layer: BatchCache(engine_draft, 1, state_layer)
-
-
-def round_caches(target: Any, draft: Any, rows: int, state_layer: int | None) -> tuple[BatchCache, BatchCache]:
-    """(the draft's cache, the target's) for a round engine: plain `BatchCache`s, or an EAGLE-3 drafter's pair."""
-    if isinstance(draft, Eagle3Model):
-        target_cache = StreamBatchCache(target, rows, draft.layer_ids)
-        return Eagle3BatchCache(draft, rows, target_cache, state_layer), target_cache
-    return BatchCache(draft, rows, state_layer), BatchCache(target, rows)
-
-
-def refuse_for_eagle3(rule: Any, prompt_cache: Any, companion: Any) -> None:
-    """What the round engine cannot do yet with an EAGLE-3 draft, refused in one line before any forward."""
-    if not rule.bonus:
-        raise UsageError(f"the {rule.name} rule earns no bonus token, which an EAGLE-3 draft's first round needs; use a "
-                         "stop rule (constant_k, confidence, svip, head)")
-    if prompt_cache is not None or companion is not None:
-        raise UsageError("an EAGLE-3 draft runs without a prompt cache or SV's companion for now; build the engine "
-                         "without them")

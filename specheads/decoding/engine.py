@@ -50,7 +50,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts
-from specheads.decoding.eagle3 import Eagle3Model, refuse_for_eagle3, round_caches
+from specheads.decoding.features import refuse_for_draft, round_caches
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
@@ -174,10 +174,6 @@ class RowRound:
     def keep(self, length: int) -> None:
         """Send only the first `length` candidates to the target (a planner's verify length); the rest are dropped."""
         del self.candidates[length:], self.logq_rows[length:], self.seen[length:]
-
-    def draft_widths(self, forwards: int) -> list[int]:
-        """The tokens each of `forwards` draft forwards read: its catch-up (`unread`) first, then one a candidate."""
-        return [self.unread] + [1] * (forwards - 1) if forwards else []
 
 
 class ServedBatch:
@@ -346,8 +342,7 @@ class RoundEngine:
         adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one). `stop_check(request,
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
-        if isinstance(self.draft, Eagle3Model):
-            refuse_for_eagle3(rule, self.prompt_cache, self.companion)
+        refuse_for_draft(self.draft, rule, self.prompt_cache, self.companion)
         rule.check_head(head)
         check_decodable_head(head if rule.reads_head else None)
         if rule.reads_companion and self.companion is None:
@@ -371,6 +366,8 @@ class RoundEngine:
         while batch.live:
             live = batch.live
             caps = {row: rule.cap(batch.room(row)) if draft.can_draft(row) else 0 for row in live}
+            if draft.draft_limit() is not None:  # a block drafter drafts at most its block
+                caps = {row: min(cap, draft.draft_limit()) for row, cap in caps.items()}
             if planner is not None:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
@@ -407,7 +404,7 @@ class RoundEngine:
                 if head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
                     count_head(result, this.scored, sum(this.scored) * head_cost, row in logits)
                     record.head_widths.append(list(this.scored))
-                widths = this.draft_widths(accepted if rule.hindsight else this.drafted)
+                widths = draft.round_widths(this.unread, accepted if rule.hindsight else this.drafted)
                 if row in logits:
                     result.draft_widths_per_round.append(widths)
                 record.requests.append(batch.request[row])
@@ -490,7 +487,7 @@ class RoundEngine:
                 seen = Drafted(index=len(this.candidates), prob=candidate.signals["prob"],
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
                                ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"],
-                               margin=candidate.signals["margin"])
+                               margin=candidate.signals["margin"], drafter_score=draft.drafter_score(row))
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]

@@ -50,6 +50,8 @@ class Drafted:
     ends_output: bool = False  # the candidate is a stop token
     top1: float = 1.0  # max q at the step that drafted it (untempered under greedy decoding): known before the draw
     margin: float = 0.0  # the top-2 logit margin of that q (`top_two_margin`): known before the draw
+    drafter_score: float | None = None  # the draft's own prediction of the candidate's acceptance (a DSpark drafter's
+    # confidence head, `BatchCache.drafter_score`): known before the draw; None for a draft that makes none
 
 
 RULES: dict[str, type[StopPolicy]] = {}

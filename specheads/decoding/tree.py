@@ -64,7 +64,6 @@ from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import head_forward_cost
 from specheads.decoding.cost_rule import RequestState, drafting_gain, verify_cost, verify_step
 from specheads.decoding.costs import CostCurve
-from specheads.decoding.eagle3 import tree_caches
 from specheads.decoding.engine import (
     RoundEngine,
     StopCheck,
@@ -75,6 +74,7 @@ from specheads.decoding.engine import (
     count_round,
     unread_tokens,
 )
+from specheads.decoding.features import tree_caches
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
@@ -306,7 +306,7 @@ class TreeDrafter:
         if depth_cap < 1:
             return DraftTree()
         logits, states = draft.feed({0: tail})[0]
-        tree = DraftTree(widths=[priced], scored=[0])
+        tree = DraftTree(widths=draft.round_widths(priced, 1), scored=[0])
         opened = tree.opened
         opened[-1] = self._open(logits[-1], states[-1], 1.0, [])
         while len(tree.nodes) < self.rule.budget:
@@ -363,13 +363,14 @@ class TreeDrafter:
 
     def _read(self, draft: BatchCache, tree: DraftTree, opened: dict[int, Opened], chosen: list[int]) -> None:
         """The draft reads the `chosen` nodes in one forward, each attending to its ancestors."""
-        base = draft.length(0)
+        base, forwards = draft.length(0), draft.forwards[0]
         sees = [opened[tree.nodes[i].parent].sees + ([] if tree.nodes[i].parent < 0 else
                                                      [tree.nodes[tree.nodes[i].parent].draft_slot]) for i in chosen]
         logits, states, slots = draft.feed_tree([tree.nodes[i].token for i in chosen],
                                                 [base + tree.nodes[i].depth - 1 for i in chosen], sees)
-        tree.widths.append(len(chosen))
-        tree.scored.append(0)
+        if draft.forwards[0] > forwards:  # a block drafter reads its block's nodes without a forward
+            tree.widths.append(len(chosen))
+            tree.scored.append(0)
         for row, (index, slot) in enumerate(zip(chosen, slots)):
             tree.nodes[index].draft_slot = slot
             opened[index] = self._open(logits[row], states[row], tree.nodes[index].value, sees[row])
@@ -547,7 +548,8 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             before = request.draft.forwards[0]
             room = max_new_tokens - len(request.generated)  # the last slot: the target's token
             tail = request.tokens[request.draft.length(0):]
-            depth_cap = min(rule.budget, room - 1) if request.draft.can_draft(0) else 0  # an EAGLE-3 drafter's first round
+            depth_cap = min(rule.budget, room - 1, request.draft.draft_limit() or rule.budget) if request.draft.can_draft(0) else 0
+            # (a feature drafter's first round drafts nothing; a block drafter's paths end at its block)
             trees[row] = request.drafter.grow(request.draft, tail, depth_cap,
                                               unread_tokens(request.tokens, request.draft.length(0), request.generated))
             forwards[row] = request.draft.forwards[0] - before

@@ -27,7 +27,8 @@ Trees: `tree=TreeRule(...)` (`specheads.decoding.tree`), or a dict of its fields
 "floor": 0.0, "budget": 8, "cost_ratio": 0.2}`, a `curve` as `{tokens: [...], seconds: [...]}`), drafts a token
 tree each round in place of the chain and verifies it in one target forward, exactly (each prompt decoded alone);
 `cost_ratio=` gives a tree without one cost-aware growth. A tree valued by draft confidence (`values: confidence`,
-EAGLE-2's) needs no head.
+EAGLE-2's) needs no head. Neither does a chain drafted by a DSpark drafter (`draft=DSparkModel(drafter, target)`,
+`specheads.decoding.dspark`) without `head=`: it drafts its whole block each round, as vLLM serves it.
 
 What transformers 5.x does not hand a `custom_generate` callable, and how to pass it instead:
 - `assistant_model` is dropped: pass the draft as `draft=`.
@@ -70,6 +71,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.engine import check_decodable_head
+from specheads.decoding.features import FeatureDraft
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import AcceptanceHead, load_head
@@ -180,6 +182,12 @@ def tree_rule(tree: Any, cost_ratio: float | None) -> TreeRule | None:
     if cost_ratio is not None and tree.cost_ratio is not None and cost_ratio != tree.cost_ratio:
         raise UsageError(f"cost_ratio={cost_ratio} and the tree's cost_ratio={tree.cost_ratio} differ; give it once")
     return tree if cost_ratio is None else dataclasses.replace(tree, cost_ratio=cost_ratio)
+
+
+def own_rule(draft: Any) -> Any:
+    """The chain rule a draft decodes by when no head is given: a block drafter's whole block a round
+    (`FeatureDraft.own_rule`, a DSpark drafter's); None for every other draft, which needs a head."""
+    return draft.own_rule() if isinstance(draft, FeatureDraft) else None
 
 
 def check_draft(draft: Any) -> None:
@@ -420,8 +428,8 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     `tree`: tree drafts under that `TreeRule` (or dict of its fields) in place of the head's chain rule."""
     check_cost_ratio(cost_ratio)
     rule_of_tree = tree_rule(tree, cost_ratio)
-    module, policy = None, None
-    if head is not None or rule_of_tree is None or rule_of_tree.reads_head:
+    module, policy = None, own_rule(draft) if head is None and rule_of_tree is None else None
+    if policy is None and (head is not None or rule_of_tree is None or rule_of_tree.reads_head):
         module, rule = resolve_head(head)
         policy = rule_policy(rule, cost_ratio) if rule_of_tree is None else None
     check_options(generation_config, model_kwargs, synced_gpus, streamer if streamer is not None else generate_streamer())

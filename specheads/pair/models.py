@@ -392,3 +392,11 @@ def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     ids = configured if isinstance(configured, list) else [configured]
     ids = [i for i in ids if i is not None] or [tokenizer.eos_token_id]
     return ids
+
+
+def cut_at_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """Tokens up to and including the first stop token."""
+    for position, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: position + 1]
+    return tokens
