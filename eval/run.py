@@ -649,7 +649,8 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
                                                        data.splits["val"], table.row, table.position)
         companion = Companion(companion_model, bins, companion_cost) if decodes_companion else None
-    offline = offline_metrics(table, config.bootstrap, config.seed)
+    scores = table.scores(config.seed)
+    offline = offline_metrics(table, config.bootstrap, config.seed, scores=scores)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train (or calibrate) on",
@@ -667,10 +668,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
             decoding.section["sv_companion_cost"] = companion.cost  # its forwards in draft forwards, as counted
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,
-                                         seed=config.seed)
+                                         seed=config.seed, scores=scores)
                   if trained.purpose in STOP_PURPOSES else None)
     report = Report(head=head_identity(trained), data=data_section, offline=offline["signals"], cumulative=cumulative,
-                    offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
+                    offline_comparison=offline_comparison(offline), calibration=calibration_table(table),
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
                     sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)
     report.verdict = verdict(report)
@@ -685,6 +686,13 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if decoding:
         decoding.journal.remove()
     return report
+
+
+def offline_comparison(offline: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json's `offline_comparison`: the head against the best training-free signal, and under `top2_margin`
+    against the top-2 margin fitted online where the data stores `top2`."""
+    margin = offline.get("head_vs_top2_margin")
+    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {})}
 
 
 def write_plots(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,
