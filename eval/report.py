@@ -436,6 +436,7 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
         lines += ["", f"Best policy (the oracle aside): {best}.", *warmup_lines(serving["rows"], view),
+                  *refit_lines(serving["rows"], view),
                   *rival_lines(serving["rows"], view), *signal_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
 
@@ -509,6 +510,23 @@ def warmup_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
         if stayed:
             line += (f" At B = {', '.join(stayed)} it never left its warm-up: a comparison with it there is one with "
                      "constant K_max and judges nothing of its rule (decode more rounds: more test prompts or "
+                     "--test-samples).")
+        lines.append(line)
+    return lines
+
+
+def refit_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """For each live planner whose estimate refits while serving (every 100 rounds), how often it refitted at each B;
+    where it never did, its estimate was its starting one throughout, and the row judges nothing of its calibration."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["costs"] == view and "refits" in r):
+        runs = [r for r in rows if (r["policy"], r["costs"]) == (policy, view) and "refits" in r]
+        line = (f"{policy}'s refits from verify outcomes: "
+                + ", ".join(f"B = {r['batch_size']}: {r['refits']}" for r in runs) + ".")
+        never = [str(r["batch_size"]) for r in runs if not r["refits"]]
+        if never:
+            line += (f" At B = {', '.join(never)} it never refitted, so it planned on its starting estimate throughout "
+                     "and judges nothing of its online calibration (decode more rounds: longer --max-new-tokens or more "
                      "--test-samples).")
         lines.append(line)
     return lines

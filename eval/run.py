@@ -98,8 +98,6 @@ BASELINE_POLICIES = tuple(BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                        "vllm_history_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""
-HEAD_BATCH_POLICIES = {"goodput", "goodput_online"}
-"""The goodput planner fed the expected-acceptance head: as it was trained, or calibrated while serving."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 
@@ -494,15 +492,15 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         if timed:
             curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
-    batch_policies = {policy: float(config.max_draft) for policy in FREE_BATCH_POLICIES
-                      if policy in config.serving_batch_policies}
-    if budget_head is not None and "budget" in config.serving_batch_policies:
-        batch_policies["budget"] = config.budget_floor
-    for policy in HEAD_BATCH_POLICIES & set(config.serving_batch_policies):  # dcut's planner, fed the head's products
-        if budget_head is not None:
+    batch_policies: dict[str, float] = {}  # in the order --serving-batch-policies names them
+    for policy in dict.fromkeys(config.serving_batch_policies):
+        if policy in FREE_BATCH_POLICIES:
             batch_policies[policy] = float(config.max_draft)
-        elif "budget" in left_out:
-            left_out[policy] = left_out["budget"]
+        elif budget_head is None:  # the budget and dcut's planner fed the head's products need an expected head
+            if "budget" in left_out:
+                left_out[policy] = left_out["budget"]
+        else:
+            batch_policies[policy] = config.budget_floor if policy == "budget" else float(config.max_draft)
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
     def live(policy: str, threshold: float, size: int, view: ServingCosts) -> LiveRun:
