@@ -154,11 +154,23 @@ def test_rows(config: Config) -> list[dict[str, Any]]:
 
 def load_records(folder: Path) -> dict[tuple[str, float], list[dict[str, Any]]]:
     """Every decoded setting's records in `folder`."""
+    return {setting: payload["records"] for setting, payload in load_settings(folder).items()}
+
+
+def load_settings(folder: Path) -> dict[tuple[str, float], dict[str, Any]]:
+    """Every decoded setting's file in `folder`: its records and, for a rule whose estimate refits while serving, how
+    often it refitted."""
     found = {}
     for path in sorted(folder.glob("*.json")):
         payload = json.loads(path.read_text())
-        found[(payload["policy"], float(payload["threshold"]))] = payload["records"]
+        found[(payload["policy"], float(payload["threshold"]))] = payload
     return found
+
+
+def unrefitted(folder: Path) -> list[str]:
+    """The settings in `folder` whose estimate, refitted every 100 rounds while serving, never refitted: they ran on
+    their starting estimate throughout (head_cost_online on the head's own calibration, as head_cost)."""
+    return [setting_name(*setting) for setting, payload in load_settings(folder).items() if payload.get("refits") == 0]
 
 
 def totals(records: list[dict[str, Any]]) -> np.ndarray:
@@ -241,14 +253,17 @@ def decode(config: Config, step: str) -> None:
     engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
     for policy, threshold in todo:
         rule = make_policy(policy, threshold, max_draft=config.max_draft)
+        planner = rule.planner(None)
         results = engine.decode(prompts, rule, config.max_new_tokens, seeds, head if rule.reads_head else None,
-                                batch_size=config.batch_size)
+                                batch_size=config.batch_size, planner=planner)
+        fit = getattr(getattr(planner, "signal", None), "fit", None)  # an estimate refitted while serving
         records = [{"prompt": row["id"], "family": row["category"], "emitted": r.emitted, "accepted": r.accepted,
                     "drafted": r.drafted, "draft_forwards": r.draft_forwards, "head_forwards": r.head_forwards,
                     "target_calls": r.target_calls}
                    for row, r in zip(rows, results)]
         write_json_atomic(out / f"{setting_name(policy, threshold)}.json",
-                          {"policy": policy, "threshold": threshold, "records": records})
+                          {"policy": policy, "threshold": threshold, "records": records,
+                           **({"refits": fit.refits} if fit is not None else {})})
         print(step, setting_name(policy, threshold), round(float(speedup(totals(records), 0.2)), 3), flush=True)
 
 
@@ -283,6 +298,10 @@ def report(config: Config) -> None:
                 results["rows"].append(row)
                 print(f"| {family} | " + " | ".join(row.pop("cells")) + " |")
             results["pooled"].append(pooled_row(config, test, tuned[key], rule, c, rules, rng))
+    results["unrefitted"] = unrefitted(out / ("confirm" if config.report_on == "confirm" else "tune"))
+    if results["unrefitted"]:
+        print(f"\nNever refitted (fewer than 100 rounds a setting; decode more rounds: longer --max-new-tokens, a "
+              f"smaller --batch-size): {', '.join(results['unrefitted'])}.")
     write_json_atomic(out / f"results-{config.report_on}.json", results)
 
 

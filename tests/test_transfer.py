@@ -4,23 +4,16 @@ family. Records are written by hand here; nothing is decoded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def transfer():
-    spec = importlib.util.spec_from_file_location("transfer_benchmark", ROOT / "benchmarks" / "transfer.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("transfer")
 
 
 def write_prompts(path: Path, per_family: int) -> list[dict]:
@@ -30,19 +23,20 @@ def write_prompts(path: Path, per_family: int) -> list[dict]:
     return rows
 
 
-def write_setting(folder: Path, policy: str, threshold: float, rows: list[dict], calls) -> None:
+def write_setting(folder: Path, policy: str, threshold: float, rows: list[dict], calls, **extra) -> None:
     """A setting's records: 8 tokens a prompt for 4 draft forwards and `calls(row)` target calls."""
     folder.mkdir(parents=True, exist_ok=True)
     records = [{"prompt": row["id"], "family": row["category"], "emitted": 8, "accepted": 4, "drafted": 4,
                 "draft_forwards": 4, "head_forwards": 0.0, "target_calls": calls(row)} for row in rows]
     (folder / f"{policy}-{threshold:g}.json").write_text(json.dumps({"policy": policy, "threshold": threshold,
-                                                                     "records": records}))
+                                                                     "records": records, **extra}))
 
 
 def test_the_new_free_rules_are_tuned_per_family_and_the_online_head_rule_is_judged_against_them(transfer, tmp_path):
     """vLLM's merged estimator, its margin revision and llama.cpp's p_min join the tuned grid; head_cost_online is
     decoded at each c beside head_cost and gets its own table: on a family where it needs fewer target calls than every
-    free rule tuned on the other family, its gain over the strongest of them is positive."""
+    free rule tuned on the other family, its gain over the strongest of them is positive; a setting whose estimate
+    never refitted is named."""
     dev, test = write_prompts(tmp_path / "dev.jsonl", 2), write_prompts(tmp_path / "test.jsonl", 3)
     config = transfer.Config(out=str(tmp_path / "out"), dev_file=str(tmp_path / "dev.jsonl"),
                              test_file=str(tmp_path / "test.jsonl"), cost_ratios=[0.2], constant_ks=[2],
@@ -61,8 +55,9 @@ def test_the_new_free_rules_are_tuned_per_family_and_the_online_head_rule_is_jud
     assert {("head_cost", 0.2), ("head_cost_online", 0.2), ("pmin", 0.5), ("pmin", 0.8)} <= set(chosen)
     calls = {"head_cost_online": lambda row: 2, "head_cost": lambda row: 5}
     for policy, threshold in chosen:
+        refits = {"refits": 0 if policy == "head_cost_online" else 2} if policy.startswith(("vllm_c", "head_cost_")) else {}
         write_setting(Path(config.out) / "confirm", policy, threshold, test,
-                      calls.get(policy, lambda row: 3 + (row["id"][-1] == "0")))
+                      calls.get(policy, lambda row: 3 + (row["id"][-1] == "0")), **refits)
     transfer.report(config)
     results = json.loads((Path(config.out) / "results-confirm.json").read_text())
     rows = {(row["rule"], row["family"]): row for row in results["rows"]}
@@ -73,3 +68,4 @@ def test_the_new_free_rules_are_tuned_per_family_and_the_online_head_rule_is_jud
     assert margin["strongest_other_source"] == "code" and margin["gain_over_strongest_other"][1] > 0
     assert rows["head_cost", "chat"]["rules"]["pmin"]["gain_over_strongest_other"][0] < 0
     assert {row["rule"] for row in results["pooled"]} == set(transfer.TUNED_NOWHERE)
+    assert results["unrefitted"] == ["head_cost_online-0.2"]  # it ran on the head's own calibration throughout
