@@ -53,7 +53,9 @@ the stop rule read from the costs (`head_cost_online`: S_k and μ from the calib
 exact). `audit_every` N > 0 drafts every N-th round to the cap and checks it whole (full width), so that positions
 the rule would trim are still observed.
 
-Each rule is defined here and registers itself in `specheads.decoding.rules.RULES`; every candidate's feature is
+Each estimate registers itself in `specheads.decoding.planners.SIGNALS` (`vllm_current`, `vllm_margin`, `history`,
+`head_online`) and each rule, defined here, in `specheads.decoding.rules.RULES`, naming the signal it reads; every
+candidate's feature is
 recorded when the engine hands the planner the round's drafts (`verify_lengths`, which checks all of them for a stop
 rule), so the candidate that ends a round at the cap is observed too.
 """
