@@ -1,6 +1,6 @@
-"""Decisions that transfer (issue 53): the on-time head's stop rule read from the costs (`head_cost`, tuned nowhere)
-against the free rules with thresholds tuned on one prompt family and tested on the others, per family, at
-c = 0.05, 0.2 and 0.5.
+"""Decisions that transfer (issues 53, 62): the on-time head's stop rule read from the costs, on the head as trained
+(`head_cost`) and on the head calibrated while serving (`head_cost_online`), both tuned nowhere, against the free
+rules with thresholds tuned on one prompt family and tested on the others, per family, at c = 0.05, 0.2 and 0.5.
 
 Steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's settings
 between processes (two on the 2-core machine, one torch thread each):
@@ -8,9 +8,9 @@ between processes (two on the 2-core machine, one torch thread each):
     # every free rule's grid (and the head's tuned rule) on the dev prompts, `--dev-per-family` of each family
     python benchmarks/transfer.py --step tune --head H --out runs/transfer
     # on the confirmation prompts: each threshold some family's tuning chose at some c, transformers' default, and
-    # head_cost at each c
+    # head_cost and head_cost_online at each c
     python benchmarks/transfer.py --step confirm --head H --out runs/transfer
-    # the tables: per c and held-out family, head_cost against each free rule tuned on every other family
+    # the tables: per c and held-out family, each rule tuned nowhere against each free rule tuned on every other family
     python benchmarks/transfer.py --step report --out runs/transfer
 
 A family is a prompt's `category` (chat, explanation, code, math, summarisation). Thresholds are tuned per family
@@ -39,10 +39,17 @@ from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
 POOLED = "all"
 """The tuning source of the in-distribution table: every family's dev prompts together."""
-FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive", "vllm_online")
+FREE_RULES = ("constant_k", "confidence", "adaedl", "sglang_adaptive", "vllm_online", "vllm_current", "vllm_margin", "pmin")
 """The free rules tuned per family (the strongest of issue 34's table, with AdaEDL, SGLang's EMA of accepted lengths
-and vLLM's online acceptance estimator as the run-time adapted ones); a rule whose tune records are missing is left
-out of the tables."""
+and vLLM's online acceptance estimators as the run-time adapted ones: its older form, its merged form on logit(max q)
+and its margin revision; and llama.cpp's p_min); a rule whose tune records are missing is left out of the tables."""
+GRIDS = {"constant_k": "constant_ks", "confidence": "confidence", "adaedl": "adaedl", "sglang_adaptive": "sglang_adaptive",
+         "vllm_online": "vllm_online", "vllm_current": "vllm_current", "vllm_margin": "vllm_margin", "pmin": "pmin",
+         "head": "head_thresholds"}
+"""The `Config` field that holds each tuned rule's grid."""
+TUNED_NOWHERE = ("head_cost", "head_cost_online")
+"""The rules read from the costs, decoded at each c (their value) and judged against the free rules: on the head as
+trained, and on the head calibrated online from verify outcomes (`specheads.decoding.calibration`)."""
 
 
 @dataclass
@@ -69,7 +76,11 @@ class Config:
         confidence: draft confidence's grid (stop when q(ŷ) < h).
         adaedl: AdaEDL's grid of starting λ.
         sglang_adaptive: SGLang's adaptive rule's grid of starting K (it then moves among 1, 3, 7 at run time).
-        vllm_online: vLLM's online estimator's grid of h (end the round once 1 − Π of its acceptance estimates > h).
+        vllm_online: vLLM's older online estimator's grid of h (end the round once 1 − Π of its acceptance estimates
+            > h).
+        vllm_current: vLLM's merged estimator's grid of h (on logit(max q), no warm-up).
+        vllm_margin: vLLM's estimator on the top-2 margin's grid of h (full blocks until its third refit).
+        pmin: llama.cpp's p_min grid (the round ends, unchecked, at the first candidate with max q below it).
         head: the head's tuned stop rule's grid (1 − Π â > h), for reference.
         transformers_default: decode transformers' untuned default (confidence 0.4, ROC-retuned) on the test prompts.
         report_on: the prompts the report step's tables rest on: the confirmation prompts, or the dev prompts (each
@@ -97,6 +108,9 @@ class Config:
     adaedl: list[float] = field(default_factory=lambda: [0.2, 0.36, 0.5, 0.6, 0.7])
     sglang_adaptive: list[int] = field(default_factory=lambda: [1, 3, 7])
     vllm_online: list[float] = field(default_factory=lambda: [0.15, 0.3, 0.45, 0.6, 0.75])
+    vllm_current: list[float] = field(default_factory=lambda: [0.15, 0.3, 0.45, 0.6, 0.75])
+    vllm_margin: list[float] = field(default_factory=lambda: [0.15, 0.3, 0.45, 0.6, 0.75])
+    pmin: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.65, 0.8, 0.9])
     head_thresholds: list[float] = field(default_factory=lambda: [0.45, 0.6, 0.75])
     transformers_default: bool = True
     report_on: Literal["confirm", "dev"] = "confirm"
@@ -104,11 +118,9 @@ class Config:
 
 
 def grid(config: Config) -> list[tuple[str, float]]:
-    """The tuned rules' settings: policy and threshold (K for constant K)."""
-    return ([("constant_k", float(k)) for k in config.constant_ks] + [("confidence", t) for t in config.confidence]
-            + [("adaedl", t) for t in config.adaedl] + [("sglang_adaptive", float(k)) for k in config.sglang_adaptive]
-            + [("vllm_online", t) for t in config.vllm_online]
-            + [("head", t) for t in config.head_thresholds] + [("head_cost", c) for c in config.cost_ratios])
+    """The tuned rules' settings (policy and threshold, K for constant K), and the rules tuned nowhere at each c."""
+    return ([(policy, float(t)) for policy, name in GRIDS.items() for t in getattr(config, name)]
+            + [(rule, c) for rule in TUNED_NOWHERE for c in config.cost_ratios])
 
 
 def setting_name(policy: str, threshold: float) -> str:
@@ -142,11 +154,23 @@ def test_rows(config: Config) -> list[dict[str, Any]]:
 
 def load_records(folder: Path) -> dict[tuple[str, float], list[dict[str, Any]]]:
     """Every decoded setting's records in `folder`."""
+    return {setting: payload["records"] for setting, payload in load_settings(folder).items()}
+
+
+def load_settings(folder: Path) -> dict[tuple[str, float], dict[str, Any]]:
+    """Every decoded setting's file in `folder`: its records and, for a rule whose estimate refits while serving, how
+    often it refitted."""
     found = {}
     for path in sorted(folder.glob("*.json")):
         payload = json.loads(path.read_text())
-        found[(payload["policy"], float(payload["threshold"]))] = payload["records"]
+        found[(payload["policy"], float(payload["threshold"]))] = payload
     return found
+
+
+def unrefitted(folder: Path) -> list[str]:
+    """The settings in `folder` whose estimate, refitted every 100 rounds while serving, never refitted: they ran on
+    their starting estimate throughout (head_cost_online on the head's own calibration, as head_cost)."""
+    return [setting_name(*setting) for setting, payload in load_settings(folder).items() if payload.get("refits") == 0]
 
 
 def totals(records: list[dict[str, Any]]) -> np.ndarray:
@@ -196,7 +220,7 @@ def settings(config: Config, step: str) -> list[tuple[str, float]]:
         return grid(config)
     chosen = {(policy, threshold) for by_policy in tuned_thresholds(config).values()
               for policy, by_family in by_policy.items() for threshold in by_family.values()}
-    extra = [("head_cost", c) for c in config.cost_ratios]
+    extra = [(rule, c) for rule in TUNED_NOWHERE for c in config.cost_ratios]
     if config.transformers_default:
         extra.append(("transformers", 0.4))
     return extra + sorted(chosen)
@@ -229,14 +253,17 @@ def decode(config: Config, step: str) -> None:
     engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
     for policy, threshold in todo:
         rule = make_policy(policy, threshold, max_draft=config.max_draft)
+        planner = rule.planner(None)
         results = engine.decode(prompts, rule, config.max_new_tokens, seeds, head if rule.reads_head else None,
-                                batch_size=config.batch_size)
+                                batch_size=config.batch_size, planner=planner)
+        fit = getattr(getattr(planner, "signal", None), "fit", None)  # an estimate refitted while serving
         records = [{"prompt": row["id"], "family": row["category"], "emitted": r.emitted, "accepted": r.accepted,
                     "drafted": r.drafted, "draft_forwards": r.draft_forwards, "head_forwards": r.head_forwards,
                     "target_calls": r.target_calls}
                    for row, r in zip(rows, results)]
         write_json_atomic(out / f"{setting_name(policy, threshold)}.json",
-                          {"policy": policy, "threshold": threshold, "records": records})
+                          {"policy": policy, "threshold": threshold, "records": records,
+                           **({"refits": fit.refits} if fit is not None else {})})
         print(step, setting_name(policy, threshold), round(float(speedup(totals(records), 0.2)), 3), flush=True)
 
 
@@ -247,74 +274,89 @@ def gain(mine: np.ndarray, theirs: np.ndarray, cost_ratio: float, draws: np.ndar
 
 
 def report(config: Config) -> None:
-    """results.json and the tables (module docstring)."""
+    """results.json and the tables (module docstring): for each rule tuned nowhere whose runs exist, per c and
+    held-out family, its gain over each free rule at the threshold another family chose."""
     out = Path(config.out)
     tuned = tuned_thresholds(config)
     test = load_records(out / ("confirm" if config.report_on == "confirm" else "tune"))
     families = sorted({r["category"] for r in (test_rows if config.report_on == "confirm" else dev_rows)(config)})
-    results: dict[str, Any] = {"tuned": tuned, "rows": []}
+    judged = [rule for rule in TUNED_NOWHERE if all((rule, c) in test for c in config.cost_ratios)]
+    results: dict[str, Any] = {"tuned": tuned, "rows": [], "pooled": []}
     rng = np.random.default_rng(0)
-    for c in config.cost_ratios:
-        key = f"{c:g}"
-        # a rule added to FREE_RULES after an out folder's steps ran is left out until tune and confirm decode it
-        rules = [p for p in (*FREE_RULES, "head") if p in tuned[key] and all((p, t) in test for t in tuned[key][p].values())]
-        print(f"\n### c = {key}\n")
-        print("| held-out family | head_cost (tuned nowhere) | " + " | ".join(
-            f"{p}: tuned in-family / best tuned on another / head_cost's gain over that [95 %]"
-            for p in rules) + " | transformers' default |")
-        print("|---|---|" + "---|" * (len(rules) + 1))
-        for family in families:
-            mine = totals(family_of(test[("head_cost", c)], family))
-            draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
-            row: dict[str, Any] = {"c": c, "family": family, "head_cost": float(speedup(mine, c)), "rules": {}}
-            cells = [f"{row['head_cost']:.3f}×"]
-            for policy in rules:
-                chosen = tuned[key][policy]
-                by_source = {source: totals(family_of(test[(policy, threshold)], family))
-                             for source, threshold in chosen.items() if source != POOLED}
-                others = {source: float(speedup(table, c)) for source, table in by_source.items() if source != family}
-                strongest = max(others, key=others.__getitem__)
-                versus = gain(mine, by_source[strongest], c, draws)
-                in_family = float(speedup(by_source[family], c))
-                row["rules"][policy] = {"in_family": in_family, "in_family_threshold": chosen[family],
-                                        "strongest_other_source": strongest, "strongest_other": others[strongest],
-                                        "strongest_other_threshold": chosen[strongest], "others": others,
-                                        "head_cost_gain_over_strongest_other": versus,
-                                        "head_cost_gain_over_in_family": gain(mine, by_source[family], c, draws)}
-                cells.append(f"{in_family:.3f} / {others[strongest]:.3f} ({strongest}, {chosen[strongest]:g}) / "
-                             f"{100 * versus[0]:+.1f} % [{100 * versus[1]:+.1f}, {100 * versus[2]:+.1f}]")
-            if ("transformers", 0.4) in test:
-                theirs = totals(family_of(test[("transformers", 0.4)], family))
-                row["transformers"] = float(speedup(theirs, c))
-                row["head_cost_gain_over_transformers"] = gain(mine, theirs, c, draws)
-                cells.append(f"{row['transformers']:.3f}×")
-            else:
-                cells.append("–")
-            results["rows"].append(row)
-            print(f"| {family} | " + " | ".join(cells) + " |")
-        results["pooled"] = results.get("pooled", []) + [pooled_row(config, test, tuned[key], c, rules, rng)]
+    for rule in judged:
+        for c in config.cost_ratios:
+            key = f"{c:g}"
+            # a rule added to FREE_RULES after an out folder's steps ran is left out until tune and confirm decode it
+            rules = [p for p in (*FREE_RULES, "head") if p in tuned[key] and all((p, t) in test for t in tuned[key][p].values())]
+            print(f"\n### {rule}, c = {key}\n")
+            print(f"| held-out family | {rule} (tuned nowhere) | " + " | ".join(
+                f"{p}: tuned in-family / best tuned on another / {rule}'s gain over that [95 %]"
+                for p in rules) + " | transformers' default |")
+            print("|---|---|" + "---|" * (len(rules) + 1))
+            for family in families:
+                row = family_row(config, test, tuned[key], rule, c, family, rules, rng)
+                results["rows"].append(row)
+                print(f"| {family} | " + " | ".join(row.pop("cells")) + " |")
+            results["pooled"].append(pooled_row(config, test, tuned[key], rule, c, rules, rng))
+    results["unrefitted"] = unrefitted(out / ("confirm" if config.report_on == "confirm" else "tune"))
+    if results["unrefitted"]:
+        print(f"\nNever refitted (fewer than 100 rounds a setting; decode more rounds: longer --max-new-tokens, a "
+              f"smaller --batch-size): {', '.join(results['unrefitted'])}.")
     write_json_atomic(out / f"results-{config.report_on}.json", results)
 
 
+def family_row(config: Config, test: dict[tuple[str, float], list[dict[str, Any]]], tuned: dict[str, dict[str, float]],
+               rule: str, c: float, family: str, rules: list[str], rng: np.random.Generator) -> dict[str, Any]:
+    """One held-out family's row at c: `rule`'s modelled speedup, and per free rule its speedup tuned in-family, the
+    best tuned on another family and `rule`'s paired gains over both (`cells`: the printed table's)."""
+    mine = totals(family_of(test[(rule, c)], family))
+    draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
+    row: dict[str, Any] = {"rule": rule, "c": c, "family": family, "speedup": float(speedup(mine, c)), "rules": {}}
+    cells = [f"{row['speedup']:.3f}×"]
+    for policy in rules:
+        chosen = tuned[policy]
+        by_source = {source: totals(family_of(test[(policy, threshold)], family))
+                     for source, threshold in chosen.items() if source != POOLED}
+        others = {source: float(speedup(table, c)) for source, table in by_source.items() if source != family}
+        strongest = max(others, key=others.__getitem__)
+        versus = gain(mine, by_source[strongest], c, draws)
+        in_family = float(speedup(by_source[family], c))
+        row["rules"][policy] = {"in_family": in_family, "in_family_threshold": chosen[family],
+                                "strongest_other_source": strongest, "strongest_other": others[strongest],
+                                "strongest_other_threshold": chosen[strongest], "others": others,
+                                "gain_over_strongest_other": versus,
+                                "gain_over_in_family": gain(mine, by_source[family], c, draws)}
+        cells.append(f"{in_family:.3f} / {others[strongest]:.3f} ({strongest}, {chosen[strongest]:g}) / "
+                     f"{100 * versus[0]:+.1f} % [{100 * versus[1]:+.1f}, {100 * versus[2]:+.1f}]")
+    if ("transformers", 0.4) in test:
+        theirs = totals(family_of(test[("transformers", 0.4)], family))
+        row["transformers"] = float(speedup(theirs, c))
+        row["gain_over_transformers"] = gain(mine, theirs, c, draws)
+        cells.append(f"{row['transformers']:.3f}×")
+    else:
+        cells.append("–")
+    return {**row, "cells": cells}
+
+
 def pooled_row(config: Config, test: dict[tuple[str, float], list[dict[str, Any]]], tuned: dict[str, dict[str, float]],
-               c: float, rules: list[str], rng: np.random.Generator) -> dict[str, Any]:
-    """The in-distribution comparison at c over every test prompt: head_cost (tuned nowhere) and each rule at the
-    threshold all families' dev prompts chose together, with head_cost's paired gain over each (printed as a table)."""
-    by_prompt = sorted(test[("head_cost", c)], key=lambda r: (r["family"], r["prompt"]))
+               rule: str, c: float, rules: list[str], rng: np.random.Generator) -> dict[str, Any]:
+    """The in-distribution comparison at c over every test prompt: `rule` (tuned nowhere) and each free rule at the
+    threshold all families' dev prompts chose together, with `rule`'s paired gain over each (printed as a table)."""
+    by_prompt = sorted(test[(rule, c)], key=lambda r: (r["family"], r["prompt"]))
     mine = totals(by_prompt)
     draws = rng.integers(0, len(mine), (config.resamples, len(mine)))
-    row: dict[str, Any] = {"c": c, "head_cost": float(speedup(mine, c)), "rules": {}}
+    row: dict[str, Any] = {"rule": rule, "c": c, "speedup": float(speedup(mine, c)), "rules": {}}
     print(f"\nAll {len(mine)} test prompts, each rule at the threshold all families' dev prompts chose together:\n")
-    print("| rule | threshold | modelled speedup | head_cost's gain over it [95 % paired] |")
+    print(f"| rule | threshold | modelled speedup | {rule}'s gain over it [95 % paired] |")
     print("|---|---|---|---|")
-    print(f"| head_cost (tuned nowhere) | c = {c:g} | {row['head_cost']:.3f}× | – |")
+    print(f"| {rule} (tuned nowhere) | c = {c:g} | {row['speedup']:.3f}× | – |")
     for policy in rules:
         threshold = tuned[policy].get(POOLED)
         if (policy, threshold) not in test:
             continue
         theirs = totals(sorted(test[(policy, threshold)], key=lambda r: (r["family"], r["prompt"])))
         versus = gain(mine, theirs, c, draws)
-        row["rules"][policy] = {"threshold": threshold, "speedup": float(speedup(theirs, c)), "head_cost_gain": versus}
+        row["rules"][policy] = {"threshold": threshold, "speedup": float(speedup(theirs, c)), "gain": versus}
         print(f"| {policy} | {threshold:g} | {row['rules'][policy]['speedup']:.3f}× | "
               f"{100 * versus[0]:+.1f} % [{100 * versus[1]:+.1f}, {100 * versus[2]:+.1f}] |")
     return row

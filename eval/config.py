@@ -12,8 +12,8 @@ from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, OpenUnitInte
 from specheads.artifacts.report_file import REPORT_FILE
 from specheads.plumbing.errors import UsageError, refuse_above
 
-FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
-                  "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
+FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history",
+                  "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 COST_RULES = ("head_cost", "head_cost_online")
 """The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
@@ -23,10 +23,14 @@ FIXED_TREES = ("tree_head", "tree_confidence")
 WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a number in [0, 1]"
 FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
                 "svip": NON_NEGATIVE,
-                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_history", "pmin",
+                **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history", "pmin",
                                                "transformers", "sv_companion", "head", "sprinter", *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
 sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
+SERVING_BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
+                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online")
+"""The batch rules --serving-batch-policies may name (`specheads.decoding.rules.BATCH_POLICIES`, named here so that
+parsing the flags imports no torch)."""
 MEASURED = "measured"
 """--serving-costs' name for the cost curves measured on the decoding device."""
 BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once more; 2 fill B = 256 from 160 prompts"),
@@ -39,7 +43,8 @@ BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once mo
 """Upper bounds on the counts that allocate (or decode) in proportion, with what each counts."""
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
-               "vllm_current": "head_thresholds", "vllm_history": "head_thresholds", "pmin": "stop_shares",
+               "vllm_current": "head_thresholds", "vllm_margin": "head_thresholds", "vllm_history": "head_thresholds",
+               "pmin": "stop_shares",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
@@ -160,8 +165,7 @@ class EvalConfig:
     reuse_runs: str | None = None
     tuned_from: str | None = None
     fixed_thresholds: dict[str, float] | None = None
-    serving_batch_policies: list[Literal["budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
-                                         "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online"]] = field(
+    serving_batch_policies: list[Literal[SERVING_BATCH_POLICIES]] = field(
         default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
     prompt_cache_mb: NonNegativeInt = 2048
     tree_budgets: list[PositiveInt] | None = None
@@ -258,9 +262,10 @@ class EvalConfig:
             if not self.fixed_thresholds:
                 raise UsageError("--fixed-thresholds is empty, so nothing would be decoded at a given threshold; give "
                                  "{policy: threshold} (e.g. {head: 0.6, constant_k: 3}), or drop it to tune on dev prompts")
-            if "head_cost" in self.fixed_thresholds:
-                raise UsageError("--fixed-thresholds gives head_cost, but the head's cost rule has no threshold: it "
-                                 "decodes at c = --cost-ratio, tuned nowhere; drop it (and set --cost-ratio)")
+            for rule in COST_RULES:
+                if rule in self.fixed_thresholds:
+                    raise UsageError(f"--fixed-thresholds gives {rule}, but the head's cost rule has no threshold: it "
+                                     "decodes at c = --cost-ratio, tuned nowhere; drop it (and set --cost-ratio)")
             unknown = sorted(set(self.fixed_thresholds) - set(FIXED_POLICIES) - set(FIXED_TREES))
             if unknown:
                 raise UsageError(f"--fixed-thresholds names unknown policies {', '.join(unknown)}; use "

@@ -113,9 +113,11 @@ class TokenTable:
                 "before gen stored the draft's second-largest q (`top2`, labeller 3); label it again to score them")
 
 
-OFFLINE_STEP_TOKENS = 64
-"""Held-out tokens per step of an online fit scored offline: a round of B = 64 rows, the serving table's smallest B in
-issue 62 (a refit every 100 steps, 6 400 tokens)."""
+ONLINE_REFIT_TOKENS = 100
+"""Held-out tokens between two refits of an online fit scored offline: one token a step and a refit every 100 steps,
+as the `vllm_online` row's estimator runs along the same tokens."""
+ONLINE_SIGNALS = ("head_online", "head_online_margin", "vllm_current", "vllm_margin")
+"""The scores of online fits: each also gets the cumulative calibration the head gets (`cumulative_calibration`)."""
 
 
 def logits(probability: np.ndarray) -> np.ndarray:
@@ -131,17 +133,18 @@ def top_two_margins(top1: np.ndarray, top2: np.ndarray) -> np.ndarray:
 
 def online_scores(features: np.ndarray, start: tuple[float, ...], label: np.ndarray, seed: int) -> np.ndarray:
     """An online logistic fit (`specheads.decoding.calibration.OnlineLogistic`: vLLM's merged estimator's fit, slopes
-    and intercept from `start`) run causally along the held-out tokens in their order: each token is scored by the fit
-    made from the tokens before it, then its outcome, a seeded Bernoulli draw of its soft label, is folded in; a step
-    is `OFFLINE_STEP_TOKENS` tokens (the fit changes only at a step's end, so a step's tokens are scored together).
-    Offline tokens have no position in a round, so the fit has one intercept."""
-    fit = OnlineLogistic(1, start[:-1], start[-1])
+    and intercept from `start`) run causally along the held-out tokens in their order, as `vllm_online_scores` runs
+    vLLM's older estimator: each token is scored by the fit made from the tokens before it, then its outcome, a seeded
+    Bernoulli draw of its soft label, is folded in; a step is one token and the fit refits from the last
+    `ONLINE_REFIT_TOKENS` tokens (it changes only then, so a window's tokens are scored together). Offline tokens have
+    no position in a round, so the fit has one intercept."""
+    fit = OnlineLogistic(1, start[:-1], start[-1], refit_every=1)
     outcomes = np.random.default_rng(seed).uniform(size=len(label)) < label
     scores = np.empty(len(label))
-    for begin in range(0, len(label), OFFLINE_STEP_TOKENS):
-        step = slice(begin, begin + OFFLINE_STEP_TOKENS)
-        scores[step] = fit.predictions(features[step], np.zeros(len(features[step]), dtype=int))
-        fit.fold(features[step], [1] * len(features[step]), outcomes[step])
+    for begin in range(0, len(label), ONLINE_REFIT_TOKENS):
+        window = slice(begin, begin + ONLINE_REFIT_TOKENS)
+        scores[window] = fit.predictions(features[window], np.zeros(len(features[window]), dtype=int))
+        fit.fold(features[window], [1] * len(features[window]), outcomes[window])
         fit.step()
     return scores
 
@@ -254,14 +257,16 @@ def interval(values: list[float]) -> list[float] | None:
     return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if len(finite) else None
 
 
-def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins: int = 10) -> dict[str, Any]:
-    """`{signal: metrics with auc_ci and binary_kl_ci}` plus the head's paired margin over the best baseline."""
-    scores = table.scores(seed)
+def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins: int = 10,
+                    scores: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """`{signal: metrics with auc_ci and binary_kl_ci}` plus the head's paired AUC margin over the best baseline and,
+    where the data has `top2`, over the top-2 margin fitted online (`vllm_margin`); `scores`: `table.scores(seed)`
+    when already computed."""
+    scores = table.scores(seed) if scores is None else scores
     names = [name for name in SIGNAL_ORDER if name in scores]
     result = {name: signal_metrics(name, table.label, scores[name], bins, seed) for name in names}
     best = max((name for name in BASELINES if name in scores), key=lambda name: result[name]["auc"])
     samples = {name: {"auc": [], "binary_kl": []} for name in names}
-    margins = []
     for index in bootstrap_indices(table.group, resamples, seed):
         label = table.label[index]
         for name in names:
@@ -269,12 +274,19 @@ def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins
             samples[name]["auc"].append(soft_auc(label, score))
             if name in PROBABILITY_SIGNALS or name in BOUND_SIGNALS:
                 samples[name]["binary_kl"].append(binary_kl(label, as_probability(name, score)))
-        margins.append(samples["head"]["auc"][-1] - samples[best]["auc"][-1])
     for name in names:
         result[name]["auc_ci"] = interval(samples[name]["auc"])
         result[name]["binary_kl_ci"] = interval(samples[name]["binary_kl"])
-    return {"signals": result, "head_vs_best_baseline": {
-        "baseline": best, "auc_margin": result["head"]["auc"] - result[best]["auc"], "auc_margin_ci": interval(margins)}}
+
+    def head_over(other: str) -> dict[str, Any]:
+        differences = [a - b for a, b in zip(samples["head"]["auc"], samples[other]["auc"])]
+        return {"baseline": other, "auc_margin": result["head"]["auc"] - result[other]["auc"],
+                "auc_margin_ci": interval(differences)}
+
+    comparisons = {"head_vs_best_baseline": head_over(best)}
+    if "vllm_margin" in scores:
+        comparisons["head_vs_top2_margin"] = head_over("vllm_margin")
+    return {"signals": result, **comparisons}
 
 
 def calibration_table(table: TokenTable, bins: int = 10) -> dict[str, list[float]]:
@@ -309,18 +321,24 @@ def sprinter_operating_points(table: TokenTable, threshold: float, taus: tuple[f
 
 
 def cumulative_calibration(table: TokenTable, calibration: PositionCalibration | None, max_positions: int,
-                           bins: int = 10, resamples: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+                           bins: int = 10, resamples: int = 200, seed: int = 0,
+                           scores: dict[str, np.ndarray] | None = None) -> list[dict[str, Any]]:
     """Per round position k = 1..max_positions: AUROC, ECE and Brier of the cumulative product Π_{j≤k} â_j against the
     chance that all k candidates are accepted (Π min(1, p/q)), over every run of k consecutive drafted candidates of
     the held-out tokens, before and (when the head carries one) after its per-position calibration, with the
     reliability bins of each and the ECE's 95 % interval over resampled prompts (`ece_ci`: its sampling noise, what
-    an ECE goal is judged against)."""
+    an ECE goal is judged against). Given `scores` (`TokenTable.scores`), the same for each online fit's
+    (`ONLINE_SIGNALS`; stage: its name), whose calibration is the fit made causally along the tokens."""
     windows = round_windows(table.row, table.position, max_positions)
+    stages: list[tuple[str, list[tuple[np.ndarray, np.ndarray]]]] = [
+        ("raw", cumulative_products(table.logit, table.accept, windows, None))]
+    if calibration is not None:
+        stages.append(("calibrated", cumulative_products(table.logit, table.accept, windows, calibration)))
+    stages += [(name, [(scores[name][index].prod(axis=1), table.accept[index].prod(axis=1)) for index in windows])
+               for name in ONLINE_SIGNALS if name in (scores or {})]
     rows = []
-    for stage, mapping in (("raw", None), ("calibrated", calibration)):
-        if stage == "calibrated" and mapping is None:
-            continue
-        for k, (product, label) in enumerate(cumulative_products(table.logit, table.accept, windows, mapping), start=1):
+    for stage, products in stages:
+        for k, (product, label) in enumerate(products, start=1):
             if not len(label):
                 continue
             group = table.group[windows[k - 1][:, 0]]

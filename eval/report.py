@@ -182,12 +182,39 @@ def verdict(report: Report) -> dict[str, Any]:
              + (f" (95 % bootstrap interval over prompts {ci[0]:+.3f} to {ci[1]:+.3f})." if ci else "."),
              f"Its binary KL is {kl:.3f} against {kl_constant:.3f} for the constant predictor "
              f"({result['binary_kl_reduction'] * 100:.1f} % lower)." if kl < kl_constant else
-             f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}."]
+             f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}.", *margin_lines(report)]
     if report.decoding:
         result["decoding"], more = decoding_verdict(report.decoding)
         lines += more + grid_edge_lines(report.decoding)
     result["text"] = lines
     return result
+
+
+def margin_lines(report: Report) -> list[str]:
+    """The head beside the top-2 margin (vLLM's estimator on it, fitted causally along the same tokens), or why the
+    margin is not scored (data labelled before gen stored `top2`)."""
+    if report.data.get("margin_note"):
+        return [f"The top-2 margin is not scored: {report.data['margin_note']}."]
+    comparison = report.offline_comparison.get("top2_margin")
+    if not comparison:  # a report from before the margin was scored
+        return []
+    head, margin = report.offline["head"], report.offline["vllm_margin"]
+    ci = comparison["auc_margin_ci"]
+    return [f"Beside the top-2 logit margin fitted online (vllm_margin, causally along the same tokens): AUC "
+            f"{margin['auc']:.3f} against the head's {head['auc']:.3f}, a head margin of {comparison['auc_margin']:+.3f}"
+            + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "") + f"; binary KL {fmt(margin['binary_kl'])} against "
+            f"{fmt(head['binary_kl'])}" + cumulative_ece_note(report.cumulative) + "."]
+
+
+def cumulative_ece_note(rows: list[dict[str, Any]] | None) -> str:
+    """'; cumulative ECE at k = 1..K: …' of the head (calibrated where it is) and the margin, or nothing."""
+    stages = {row["stage"] for row in rows or ()}
+    head = "calibrated" if "calibrated" in stages else "raw"
+    if "vllm_margin" not in stages:
+        return ""
+    ece = {stage: " ".join(fmt(r["ece"]) for r in sorted(rows or (), key=lambda r: r["k"]) if r["stage"] == stage)
+           for stage in (head, "vllm_margin")}
+    return f"; cumulative ECE at k = 1, 2, …: {ece['vllm_margin']} against the head's ({head}) {ece[head]}"
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -352,7 +379,9 @@ def cumulative_section(rows: list[dict[str, Any]], section: str, plot: str) -> l
     lines = [f"{section} Cumulative acceptance per round position (held-out tokens)", "",
              "Π_{j≤k} â_j against Π_{j≤k} min(1, p/q), the chance that candidates 1..k are all accepted, over every run "
              "of k consecutive drafted candidates (windows); `calibrated` applies the head's per-position map, fitted on "
-             "calibration prompts that are not among these.", "",
+             "calibration prompts that are not among these; `head_online`, `vllm_current`, `vllm_margin` (…) take the "
+             "online fits' scores instead, each fitted causally along the same tokens (one intercept: offline tokens "
+             "have no round position).", "",
              "| k | stage | windows | mean label | mean Π â | AUROC | ECE [95 % over prompts] | Brier |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['k']} | {r['stage']} | {r['windows']:,} | {fmt(r['mean_label'])} | {fmt(r['mean_prediction'])} "
@@ -407,6 +436,7 @@ def serving_lines(serving: dict[str, Any], section: str, plot: str) -> list[str]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         best = ", ".join(f"B = {size}: {policy}" for size, policy in (serving["best"].get(view) or {}).items())
         lines += ["", f"Best policy (the oracle aside): {best}.", *warmup_lines(serving["rows"], view),
+                  *refit_lines(serving["rows"], view),
                   *rival_lines(serving["rows"], view), *signal_lines(serving["rows"], view), ""]
     return [*lines, *left_out, "", f"![Serving throughput]({plot})", ""]
 
@@ -480,6 +510,23 @@ def warmup_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
         if stayed:
             line += (f" At B = {', '.join(stayed)} it never left its warm-up: a comparison with it there is one with "
                      "constant K_max and judges nothing of its rule (decode more rounds: more test prompts or "
+                     "--test-samples).")
+        lines.append(line)
+    return lines
+
+
+def refit_lines(rows: list[dict[str, Any]], view: str) -> list[str]:
+    """For each live planner whose estimate refits while serving (every 100 rounds), how often it refitted at each B;
+    where it never did, its estimate was its starting one throughout, and the row judges nothing of its calibration."""
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["costs"] == view and "refits" in r):
+        runs = [r for r in rows if (r["policy"], r["costs"]) == (policy, view) and "refits" in r]
+        line = (f"{policy}'s refits from verify outcomes: "
+                + ", ".join(f"B = {r['batch_size']}: {r['refits']}" for r in runs) + ".")
+        never = [str(r["batch_size"]) for r in runs if not r["refits"]]
+        if never:
+            line += (f" At B = {', '.join(never)} it never refitted, so it planned on its starting estimate throughout "
+                     "and judges nothing of its online calibration (decode more rounds: longer --max-new-tokens or more "
                      "--test-samples).")
         lines.append(line)
     return lines

@@ -97,8 +97,6 @@ BASELINE_POLICIES = tuple(BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                        "vllm_history_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""
-HEAD_BATCH_POLICIES = {"goodput", "goodput_online"}
-"""The goodput planner fed the expected-acceptance head: as it was trained, or calibrated while serving."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
 
@@ -512,15 +510,15 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
         if timed:
             curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
-    batch_policies = {policy: float(config.max_draft) for policy in FREE_BATCH_POLICIES
-                      if policy in config.serving_batch_policies}
-    if budget_head is not None and "budget" in config.serving_batch_policies:
-        batch_policies["budget"] = config.budget_floor
-    for policy in HEAD_BATCH_POLICIES & set(config.serving_batch_policies):  # dcut's planner, fed the head's products
-        if budget_head is not None:
+    batch_policies: dict[str, float] = {}  # in the order --serving-batch-policies names them
+    for policy in dict.fromkeys(config.serving_batch_policies):
+        if policy in FREE_BATCH_POLICIES:
             batch_policies[policy] = float(config.max_draft)
-        elif "budget" in left_out:
-            left_out[policy] = left_out["budget"]
+        elif budget_head is None:  # the budget and dcut's planner fed the head's products need an expected head
+            if "budget" in left_out:
+                left_out[policy] = left_out["budget"]
+        else:
+            batch_policies[policy] = config.budget_floor if policy == "budget" else float(config.max_draft)
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
     def live(policy: str, threshold: float, size: int, view: ServingCosts) -> LiveRun:
@@ -670,7 +668,8 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
                                                        data.splits["val"], table.row, table.position)
         companion = Companion(companion_model, bins, companion_cost) if decodes_companion else None
-    offline = offline_metrics(table, config.bootstrap, config.seed)
+    scores = table.scores(config.seed)
+    offline = offline_metrics(table, config.bootstrap, config.seed, scores=scores)
     data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
                     "prompts": table.prompts, "mean_label": float(table.label.mean()),
                     "held_out": "the prompts the head did not train (or calibrate) on",
@@ -688,10 +687,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
             decoding.section["sv_companion_cost"] = companion.cost  # its forwards in draft forwards, as counted
     rule = decision_rule(trained, decoding.tuned_threshold if decoding else None, config)
     cumulative = (cumulative_calibration(table, trained.head.calibration, config.max_draft, resamples=config.bootstrap,
-                                         seed=config.seed)
+                                         seed=config.seed, scores=scores)
                   if trained.purpose in STOP_PURPOSES else None)
     report = Report(head=checked.head, data=data_section, offline=offline["signals"], cumulative=cumulative,
-                    offline_comparison=offline["head_vs_best_baseline"], calibration=calibration_table(table),
+                    offline_comparison=offline_comparison(offline), calibration=calibration_table(table),
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
                     sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)
     report.verdict = verdict(report)
@@ -706,6 +705,13 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if decoding:
         decoding.journal.remove()
     return report
+
+
+def offline_comparison(offline: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json's `offline_comparison`: the head against the best training-free signal, and under `top2_margin`
+    against the top-2 margin fitted online where the data stores `top2`."""
+    margin = offline.get("head_vs_top2_margin")
+    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {})}
 
 
 def write_plots(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,

@@ -76,6 +76,7 @@ class LiveRun:
 
     rounds: list[RoundRecord]
     warmup_rounds: int = 0
+    refits: int | None = None  # how often its signal refitted from verify outcomes (None: a signal that does not)
 
 
 LiveDecode = Callable[[str, float, int, ServingCosts], LiveRun]
@@ -89,7 +90,8 @@ def decode_live(engine: Any, prompts: list[list[int]], seeds: list[int], rule: A
     log: list[RoundRecord] = []
     planner = rule.planner(costs)
     engine.decode(prompts, rule, max_new_tokens, seeds, head, batch_size=batch_size, costs=costs, log=log, planner=planner)
-    return LiveRun(log, getattr(planner, "warmup_rounds", 0))
+    fit = getattr(getattr(planner, "signal", None), "fit", None)  # an estimate refitted while serving
+    return LiveRun(log, getattr(planner, "warmup_rounds", 0), None if fit is None else fit.refits)
 
 
 def warmup_record(run: LiveRun) -> dict[str, int] | None:
@@ -226,8 +228,10 @@ def serving_table(records: list[Any], tuned: dict[str, float], batch_sizes: list
                 key = (costs.target,) if policy == "budget" else (costs.draft, costs.target)  # the budget reads no draft cost
                 if key not in decoded:
                     decoded[key] = live(policy, threshold, size, costs)
-                row = table_row(policy, threshold, size, view, served_throughput(decoded[key].rounds, costs), "live", queue)
-                rows.append({**row, "warmup": warmup_record(decoded[key])} if decoded[key].warmup_rounds else row)
+                run = decoded[key]
+                row = table_row(policy, threshold, size, view, served_throughput(run.rounds, costs), "live", queue)
+                rows.append({**row, **({"warmup": warmup_record(run)} if run.warmup_rounds else {}),
+                             **({"refits": run.refits} if run.refits is not None else {})})
     compare(rows, resamples, seed)
     return rows
 

@@ -161,7 +161,7 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
         settings += [Setting(name, t) for name in ("svip", "confidence") for t in signal_grid[name]]
         settings += [Setting("adaedl", t) for t in signal_grid["adaedl"]]  # λ starts at SVIP's stop shares
         settings += [Setting("vllm_online", t) for t in head_thresholds]  # 1 − Π p_k > h, as the head's rule
-        settings += [Setting(policy, t) for policy in ("vllm_current", "vllm_history") for t in head_thresholds]
+        settings += [Setting(policy, t) for policy in ("vllm_current", "vllm_margin", "vllm_history") for t in head_thresholds]
         settings += [Setting("pmin", t) for t in signal_grid.get("pmin", ())]  # max q < p_min, at the stop shares
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         if companion:

@@ -132,3 +132,16 @@ def trained(tiny_model, prompts_file, tmp_path_factory):
                      str(root / name), "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
                      "--trainer.max_epochs", "1"]) == 0
     return data, root
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/NAME.py (the benchmarks are scripts, not a package), registered under its file's name so
+    that its dataclasses resolve."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -187,24 +187,34 @@ def test_the_greedy_fed_a_score_that_read_the_drawn_token_distorts_the_output():
     assert 0.5 * sum(abs(a - b) for a, b in zip(lossy, p)) == pytest.approx(0.15) and not math.isclose(lossy[2], p[2])
 
 
-def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(trained, tmp_path):
+@pytest.fixture(scope="module")
+def expected_checkpoint(trained, tmp_path_factory):
+    """An expected-acceptance head trained on the tiny data for two epochs, calibrated at 3 positions."""
+    from pathlib import Path
+
+    from specheads.cli import main
+
+    data, _ = trained
+    root = tmp_path_factory.mktemp("expected")
+    config = Path(__file__).parents[1] / "configs" / "train" / "expected-acceptance.yaml"
+    assert main(["train", "fit", "--config", str(config), "--data.path", str(data), "--data.val_fraction", "0.3",
+                 "--data.calibration_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "2",
+                 "--model.calibrate_positions", "3"]) == 0
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(trained, expected_checkpoint, tmp_path):
     """The whole path on the tiny pair: train on α with a per-position calibration, eval (its AUC against the realised
     acceptance, the verify budget decoded live with continuous batching), export with `decides: before_draw`."""
     import json
-    from pathlib import Path
 
     from specheads.artifacts.checkpoint import load_trained
     from specheads.cli import main
     from specheads.heads import load_head
 
     data, _ = trained
-    root = tmp_path / "expected"
-    config = Path(__file__).parents[1] / "configs" / "train" / "expected-acceptance.yaml"
-    assert main(["train", "fit", "--config", str(config), "--data.path", str(data), "--data.val_fraction", "0.3",
-                 "--data.calibration_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
-                 "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "2",
-                 "--model.calibrate_positions", "3"]) == 0
-    checkpoint = root / "checkpoints" / "last.ckpt"
+    checkpoint = expected_checkpoint
     head = load_trained(str(checkpoint))
     assert head.head.head_type == "expected_acceptance" and head.head.calibration.positions == 3
     out = tmp_path / "report"
@@ -229,6 +239,45 @@ def test_an_expected_acceptance_head_trains_calibrates_serves_live_and_exports(t
     loaded, rule = load_head(str(exported))
     hidden, signals = torch.randn(3, 32), torch.randn(3, 2)
     assert torch.equal(loaded.predict(hidden, signals, position=2), head.head.predict(hidden, signals, position=2))
+
+
+def test_eval_serves_the_online_planners_beside_dcut_at_every_batch_size_in_both_accelerator_views(
+        trained, expected_checkpoint, tmp_path):
+    """Issue 62's serving table, scaled down: the goodput planner fed the head calibrated online, the same planner fed
+    vLLM's merged estimator and D-Cut, decoded live at three batch sizes in both accelerator views (roofline presets),
+    the queue filled by --test-samples; every cell decoded, and the head's planner compared with the free ones in
+    every view and B, in the order the flag names them; how often each online estimate refitted is reported, and
+    that a few rounds never refit it."""
+    import json
+
+    from specheads.cli import main
+
+    data, _ = trained
+    views = ["h100-llama3.1-8b-llama3.2-1b", "4xh100-llama3.1-70b-llama3.1-8b"]
+    policies = ["vllm_current_adaptive", "goodput_online", "dcut"]
+    out = tmp_path / "serving"
+    args = ["eval", "--head", str(expected_checkpoint), "--data", str(data), "--out", str(out), "--num-decode-prompts",
+            "3", "--max-new-tokens", "4", "--max-draft", "3", "--bootstrap", "10", "--progress", "false",
+            "--fixed-thresholds", json.dumps({"constant_k": 2, "head": 0.6}), "--test-samples", "3",
+            "--serving-batch-sizes", "[2, 4, 8]", "--serving-costs", json.dumps(views),
+            "--serving-batch-policies", "[vllm_current_adaptive, goodput_online, dcut]"]
+    assert main(args) == 0
+    serving = json.loads((out / "metrics.json").read_text())["decoding"]["serving"]
+    named = serving["views"]
+    assert serving["requests"] == 9 and [f"roofline {view} (modelled)" for view in views] == named
+    live = [(r["policy"], r["batch_size"], r["costs"]) for r in serving["rows"] if r["decoded"] == "live"]
+    assert live == [(p, b, v) for p in policies for b in (2, 4, 8) for v in named]
+    online = [r for r in serving["rows"] if r["policy"] == "goodput_online"]
+    assert all(set(r["vs_live"]) == {"vllm_current_adaptive", "dcut"} and r["tokens_per_s"] > 0 for r in online)
+    # a few rounds each: the online estimates never refit (one every 100 rounds), and the table says so
+    assert all(r["refits"] == 0 for r in serving["rows"] if r["policy"] in policies[:2])
+    assert not any("refits" in r for r in serving["rows"] if r["policy"] == "dcut")
+    report = (out / "report.md").read_text()
+    for view in named:
+        assert f"Costs: {view}" in report
+    assert report.count("goodput_online (the trained head) against the planners of free signals: B = 2") == 2
+    assert report.count("goodput_online's refits from verify outcomes: B = 2: 0, B = 4: 0, B = 8: 0. At B = 2, 4, 8 it "
+                        "never refitted") == 2
 
 
 def write_costs(folder):

@@ -63,8 +63,9 @@ def test_an_interrupted_eval_resumes_without_decoding_a_finished_run_twice(train
     decoded_again = set().union(*again.batches)
     runs = json.loads((out / "runs.json").read_text())
     every_run = {(r["policy"], r["threshold"], r["prompt_id"]) for r in runs["runs"] if r["policy"] != "oracle"}
-    # K, SVIP, confidence, AdaEDL, head, vLLM's older and merged estimators, the history, p_min, the fixed rules
-    settings = 3 + 4 + 4 + 4 + 2 + 2 + 2 + 2 + 4 + len(FIXED_SETTINGS)
+    # K, SVIP, confidence, AdaEDL, head, vLLM's older and merged estimators and its margin revision, the history, p_min,
+    # the fixed rules
+    settings = 3 + 4 + 4 + 4 + 2 + 2 + 2 + 2 + 2 + 4 + len(FIXED_SETTINGS)
     assert len(every_run) == settings * len(runs["context"]["prompts"]) and len(every_run) > len(finished) > 0
     assert not decoded_again & finished and decoded_again | finished == every_run
     assert killed.batches[4] <= decoded_again  # the torn batch is decoded again

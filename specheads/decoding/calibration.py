@@ -53,7 +53,9 @@ the stop rule read from the costs (`head_cost_online`: S_k and μ from the calib
 exact). `audit_every` N > 0 drafts every N-th round to the cap and checks it whole (full width), so that positions
 the rule would trim are still observed.
 
-Each rule is defined here and registers itself in `specheads.decoding.rules.RULES`; every candidate's feature is
+Each estimate registers itself in `specheads.decoding.planners.SIGNALS` (`vllm_current`, `vllm_margin`, `history`,
+`head_online`) and each rule, defined here, in `specheads.decoding.rules.RULES`, naming the signal it reads; every
+candidate's feature is
 recorded when the engine hands the planner the round's drafts (`verify_lengths`, which checks all of them for a stop
 rule), so the candidate that ends a round at the cap is observed too.
 """
@@ -69,7 +71,14 @@ import numpy as np
 
 from specheads.decoding.cost_rule import CostPlanner, HeadCostStop
 from specheads.decoding.online import LOGIT_CLAMP, Outcome, PassivePlanner, drawn_logit
-from specheads.decoding.planners import SIGNAL_PRIOR, GoodputPlan, GoodputPlanner, Signal, clean, require_costs
+from specheads.decoding.planners import (
+    SIGNAL_PRIOR,
+    GoodputPlan,
+    Signal,
+    SignalReader,
+    make_signal,
+    register_signal,
+)
 from specheads.decoding.rules import Drafted, StopPolicy, register
 
 if TYPE_CHECKING:
@@ -258,31 +267,20 @@ class HistorySignal(Signal):
                 counts[min(outcome.position, self.positions) - 1] += (float(outcome.accepted), 1.0)
 
 
-class SignalStop(PassivePlanner):
+@dataclass
+class SignalStop(SignalReader):
     """A stop rule on a signal's survival product: a row's round ends once 1 − Π_{j≤k} a_j exceeds `threshold`; while
-    the signal is not `ready` every row drafts to its cap. The round's drafts are kept for the signal to learn from
-    (`verify_lengths` checks them all)."""
+    the signal is not `ready` every row drafts to its cap. Every drafted candidate is checked, and the signal learns
+    from them (`SignalReader`)."""
 
-    def __init__(self, signal: Signal, threshold: float):
-        self.signal, self.threshold = signal, threshold
-        self.survival: dict[int, float] = {}
-        self.rounds: dict[int, list[Drafted]] = {}
-
-    def admit(self, row: int) -> None:
-        self.signal.admit(row)
+    signal: Signal
+    threshold: float
+    survival: dict[int, float] = field(default_factory=dict)
+    rounds: dict[int, list[Drafted]] = field(default_factory=dict)
 
     def stops(self, row: int, drafted: Drafted) -> bool:
-        previous = 1.0 if drafted.index == 1 else self.survival.get(row, 1.0)
-        self.survival[row] = previous * clean(self.signal.acceptance_at(row, drafted))
-        return self.signal.ready and 1.0 - self.survival[row] > self.threshold
-
-    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> None:
-        self.rounds = {row: list(seen) for row, seen in rounds.items()}
-        return None
-
-    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
-        self.signal.observe(self.rounds, outcomes)
-        self.rounds = {}
+        _, survival = self.read(row, drafted)
+        return self.signal.ready and 1.0 - survival > self.threshold
 
 
 class PMinPlanner(PassivePlanner):
@@ -297,9 +295,9 @@ class PMinPlanner(PassivePlanner):
 
 
 @dataclass
-class CalibratedCostPlanner(CostPlanner):
+class CalibratedCostPlanner(SignalReader, CostPlanner):
     """The stop rule read from the costs (`CostPlanner`) on the head's â calibrated online by `signal`: S_k and μ
-    from the calibrated values."""
+    from the calibrated values (`SignalReader` reads and teaches the signal)."""
 
     signal: Signal | None = None
     survival: dict[int, float] = field(default_factory=dict)
@@ -307,60 +305,57 @@ class CalibratedCostPlanner(CostPlanner):
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         assert self.signal is not None
-        acceptance = clean(self.signal.acceptance_at(row, drafted))
-        survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
-        self.survival[row] = survival
+        acceptance, survival = self.read(row, drafted)
         stop = super().stops(row, replace(drafted, acceptance=survival, score=acceptance))
         if not self.signal.ready:  # a full-width round: it drafts on to the cap
             self.requests[row].drafted = drafted.index + 1
         return stop and self.signal.ready
 
-    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> None:
-        self.rounds = {row: list(seen) for row, seen in rounds.items()}
-        return None
 
-    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
-        super().observe(outcomes)
-        assert self.signal is not None
-        self.signal.observe(self.rounds, outcomes)
-        self.rounds = {}
+for name, factory in (("vllm_current", vllm_signal), ("vllm_margin", margin_signal), ("history", HistorySignal),
+                      ("head_online", head_signal)):
+    register_signal(name, factory)
+
+
+@dataclass(frozen=True)
+class SignalStopRule(StopPolicy):
+    """A stop rule on the survival product of a signal of `SIGNALS` (`SignalStop`): end the round once 1 − Π a_k
+    exceeds `threshold`."""
+
+    signal: ClassVar[str] = ""
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        return SignalStop(make_signal(self.signal, self.max_draft or 8), self.threshold)
 
 
 @register
 @dataclass(frozen=True)
-class VllmCurrent(StopPolicy):
+class VllmCurrent(SignalStopRule):
     """vLLM's online acceptance estimator as merged (`vllm_signal`: σ(w · logit(max q_k) + b_k), refitted every 100
-    rounds, no warm-up) as a stop rule: end the round once 1 − Π p_k exceeds `threshold`."""
+    rounds, no warm-up) as a stop rule."""
 
     name: ClassVar[str] = "vllm_current"
-
-    def planner(self, costs: ServingCosts | None) -> Any:
-        return SignalStop(vllm_signal(self.max_draft or 8), self.threshold)
+    signal: ClassVar[str] = "vllm_current"
 
 
 @register
 @dataclass(frozen=True)
-class VllmMargin(StopPolicy):
+class VllmMargin(SignalStopRule):
     """vLLM's estimator on the top-2 logit margin with the three-refit warm-up (`margin_signal`, the PR's earlier
-    revision) as a stop rule: end the round once 1 − Π p_k exceeds `threshold`; it drafts to the cap until its third
-    refit."""
+    revision) as a stop rule; it drafts to the cap until its third refit."""
 
     name: ClassVar[str] = "vllm_margin"
-
-    def planner(self, costs: ServingCosts | None) -> Any:
-        return SignalStop(margin_signal(self.max_draft or 8), self.threshold)
+    signal: ClassVar[str] = "vllm_margin"
 
 
 @register
 @dataclass(frozen=True)
-class VllmHistory(StopPolicy):
-    """The per-request history (`HistorySignal`) as a stop rule: end the round once 1 − Π a_j exceeds `threshold`,
-    a_j the request's own acceptance at position j so far."""
+class VllmHistory(SignalStopRule):
+    """The per-request history (`HistorySignal`) as a stop rule: a_j is the request's own acceptance at position j so
+    far."""
 
     name: ClassVar[str] = "vllm_history"
-
-    def planner(self, costs: ServingCosts | None) -> Any:
-        return SignalStop(HistorySignal(self.max_draft or 8), self.threshold)
+    signal: ClassVar[str] = "history"
 
 
 @register
@@ -392,63 +387,43 @@ class HeadCostOnline(HeadCostStop):
                                      signal=head_signal(self.max_draft or 8))
 
 
-@dataclass(frozen=True)
-class SignalPlan(GoodputPlan):
-    """The goodput planner (`GoodputPlanner`) fed a signal built here; `threshold` is the largest K it may plan."""
-
-    reads_head: ClassVar[bool] = False
-
-    def make_signal(self, positions: int) -> Signal:
-        raise NotImplementedError
-
-    def planner(self, costs: ServingCosts | None) -> Any:
-        return GoodputPlanner(require_costs(self.name, costs), self.make_signal(int(self.threshold)),
-                              max_k=int(self.threshold))
-
-
 @register
 @dataclass(frozen=True)
-class VllmCurrentAdaptive(SignalPlan):
+class VllmCurrentAdaptive(GoodputPlan):
     """vLLM's adaptive verification fed its merged estimator (`vllm_signal`) in the goodput planner: exact, logit(max q)
     being known before the draw; it trims from the first round."""
 
     name: ClassVar[str] = "vllm_current_adaptive"
-
-    def make_signal(self, positions: int) -> Signal:
-        return vllm_signal(positions)
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "vllm_current"
 
 
 @register
 @dataclass(frozen=True)
-class VllmMarginAdaptive(SignalPlan):
+class VllmMarginAdaptive(GoodputPlan):
     """The goodput planner fed the margin revision (`margin_signal`): every candidate checked until its third refit."""
 
     name: ClassVar[str] = "vllm_margin_adaptive"
-
-    def make_signal(self, positions: int) -> Signal:
-        return margin_signal(positions)
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "vllm_margin"
 
 
 @register
 @dataclass(frozen=True)
-class VllmHistoryAdaptive(SignalPlan):
+class VllmHistoryAdaptive(GoodputPlan):
     """The goodput planner fed each request's own acceptance by position (`HistorySignal`): exact, it reads only
     earlier rounds."""
 
     name: ClassVar[str] = "vllm_history_adaptive"
-
-    def make_signal(self, positions: int) -> Signal:
-        return HistorySignal(positions)
+    reads_head: ClassVar[bool] = False
+    signal: ClassVar[str] = "history"
 
 
 @register
 @dataclass(frozen=True)
-class GoodputOnline(SignalPlan):
+class GoodputOnline(GoodputPlan):
     """The goodput planner fed an expected-acceptance head calibrated while serving (`head_signal`): its logit α̂_j,
     known before the draw, refitted per position from verify outcomes."""
 
     name: ClassVar[str] = "goodput_online"
-    reads_head: ClassVar[bool] = True
-
-    def make_signal(self, positions: int) -> Signal:
-        return head_signal(positions)
+    signal: ClassVar[str] = "head_online"

@@ -35,7 +35,7 @@ The batch-level rules that run these planners are defined at the end, each regis
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -221,12 +221,57 @@ class VllmSignal(Signal):
             self.fit.refit()
 
 
-SIGNALS: dict[str, type[Signal]] = {cls.name: cls for cls in (HeadSignal, TopOneSignal, VllmSignal)}
+SignalFactory = Callable[[int], Signal]
+"""A signal for rounds of at most that many candidates."""
+SIGNALS: dict[str, SignalFactory] = {"head": lambda positions: HeadSignal(), "top1": lambda positions: TopOneSignal(),
+                                     "vllm": VllmSignal}
+"""Every signal a goodput planner or a stop rule may read, by name; `specheads.decoding.calibration` adds the estimates
+refitted while serving (`register_signal`)."""
+
+
+def register_signal(name: str, factory: SignalFactory) -> None:
+    """Add the signal `name` to `SIGNALS`."""
+    SIGNALS[name] = factory
 
 
 def make_signal(name: str, positions: int) -> Signal:
     """The signal `name` (`SIGNALS`) for rounds of at most `positions` candidates."""
-    return VllmSignal(positions) if name == VllmSignal.name else SIGNALS[name]()
+    return SIGNALS[name](positions)
+
+
+class SignalReader(PassivePlanner):
+    """A planner that reads a signal along every row's round and lets it
+    learn from the round's outcomes: each row's survival product S_k = Π a_j so far, and the round's drafted
+    candidates, kept from `verify_lengths` (which checks them all unless a subclass trims) to `observe`. Its state is
+    each subclass's fields; `admit` and `observe` pass on to the next planner among the subclass's bases too."""
+
+    signal: Signal
+    survival: dict[int, float]
+    rounds: dict[int, list[Drafted]]
+
+    def admit(self, row: int) -> None:
+        super().admit(row)
+        self.signal.admit(row)
+
+    def read(self, row: int, drafted: Drafted) -> tuple[float, float]:
+        """(a_k, S_k) of the candidate `row` just drafted, S_k kept for the row's next candidate."""
+        acceptance = clean(self.signal.acceptance_at(row, drafted))
+        survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
+        self.survival[row] = survival
+        return acceptance, survival
+
+    def keep(self, rounds: Mapping[int, list[Drafted]]) -> None:
+        """Keep the round's drafted candidates for the signal to learn from."""
+        self.rounds = {row: list(seen) for row, seen in rounds.items()}
+
+    def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int] | None:
+        self.keep(rounds)
+        return None
+
+    def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:
+        super().observe(outcomes)
+        self.signal.observe(self.rounds, outcomes)
+        self.rounds = {}
 
 
 def last(survival: list[float]) -> float:
@@ -308,7 +353,7 @@ def threshold_verify_lengths(survival: Mapping[int, list[float]], rate: float, t
 
 
 @dataclass
-class GoodputPlanner(PassivePlanner):
+class GoodputPlanner(SignalReader):
     """A verify budget that counts the draft's time and may choose not to speculate (docs/decoding-core.md "Verify
     budgets"); `signal` is where each candidate's acceptance comes from, the only thing that differs between the
     goodput, D-Cut and vLLM rules. Per round of B rows:
@@ -349,9 +394,6 @@ class GoodputPlanner(PassivePlanner):
     def price_head(self, head_cost: float) -> None:
         self.head_cost = head_cost
 
-    def admit(self, row: int) -> None:
-        self.signal.admit(row)
-
     def round_cap(self, rows: int, cap: int) -> int:
         largest = cap if self.max_k is None else min(cap, self.max_k)
         self.expected += [SIGNAL_PRIOR ** (j + 1) for j in range(len(self.expected), largest)]
@@ -366,9 +408,7 @@ class GoodputPlanner(PassivePlanner):
     def stops(self, row: int, drafted: Drafted) -> bool:
         if not self.signal.ready:
             return False
-        acceptance = clean(self.signal.acceptance_at(row, drafted))
-        survival = (1.0 if drafted.index == 1 else self.survival.get(row, 1.0)) * acceptance
-        self.survival[row] = survival
+        acceptance, survival = self.read(row, drafted)
         return not self.worth_drafting(survival, drafted.index, acceptance)
 
     def worth_drafting(self, survival: float, drafted: int, acceptance: float) -> bool:
@@ -387,7 +427,7 @@ class GoodputPlanner(PassivePlanner):
                               target.price(tokens + 1, rows) - target.price(tokens, rows))
 
     def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
-        self.rounds = {row: list(seen) for row, seen in rounds.items()}
+        self.keep(rounds)
         if not self.signal.ready:
             return {row: len(seen) for row, seen in rounds.items()}
         return threshold_verify_lengths(self.round_survival(), self.rate, self.costs.target)
@@ -406,8 +446,7 @@ class GoodputPlanner(PassivePlanner):
             else:  # a round of plain decoding: back towards the prior, so that drafting is tried again
                 reading = SIGNAL_PRIOR ** (j + 1)
             self.expected[j] = kept * mean + self.smoothing * reading
-        self.signal.observe(self.rounds, outcomes)
-        self.rounds = {}
+        super().observe(outcomes)
 
 
 def require_costs(name: str, costs: ServingCosts | None) -> ServingCosts:

@@ -251,6 +251,8 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "sv_companion": "SV's companion predictor at its best threshold (its forwards counted at their cost in draft "
                              "forwards)",
              "vllm_current": "vLLM's online acceptance estimator as merged (logit(max q), no warm-up) at its best threshold",
+             "vllm_margin": "vLLM's estimator on the top-2 logit margin, full blocks verified until its third refit, at its "
+                            "best threshold",
              "vllm_history": "each request's own acceptance by position (a per-request history) at its best threshold",
              "pmin": "llama.cpp's p_min (the candidate with max q below it ends the round unchecked) at its best p_min"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
