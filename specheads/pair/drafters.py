@@ -35,6 +35,7 @@ def speculators_models(algorithm: str) -> Any:
     try:
         from importlib import import_module
 
+        import_module("speculators.models")  # through the parent: a submodule already imported would hide its absence
         return import_module(f"speculators.models.{algorithm}")
     except ImportError as error:
         raise UsageError(f"{algorithm} drafters need speculators ({error.name or error} is missing); {INSTALL_HINT}") from None
