@@ -7,7 +7,9 @@ drafter's own confidence head beside it."""
 
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_args
@@ -175,3 +177,93 @@ def test_a_drafter_of_another_kind_or_target_is_refused_in_one_line_before_anyth
     assert main(drafter_args(tiny_model, prompts_file, tmp_path / "c", "eagle3", eagle, "--draft.skip_layers", "[2]")) == 2
     assert "--draft cannot go with --drafter" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+# ---- our heads on the drafter's state, and the DSpark drafter's own head as a baseline offline
+
+CONFIGS = Path(__file__).parents[1] / "configs" / "train"
+
+
+def train_args(config: str, data, root, *extra: str) -> list[str]:
+    """`specheads train fit` of a recipe on the tiny data, two epochs (prompts: 30 % held out, 30 % calibrate)."""
+    return ["train", "fit", "--config", str(CONFIGS / config), "--data.path", str(data), "--data.val_fraction", "0.3",
+            "--data.calibration_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def dspark_head(labelled, tmp_path_factory):
+    """configs/train/drafter-dspark-confidence.yaml trained on the DSpark drafter's data."""
+    root = tmp_path_factory.mktemp("dspark-head")
+    assert main(train_args("drafter-dspark-confidence.yaml", labelled[1]["dspark"][0], root)) == 0
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_the_dspark_confidence_recipe_reads_the_drafters_state_and_markov_embedding(dspark_head, labelled):
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.datamodule import AcceptanceDataModule
+    from specheads.dataset.targets import head_inputs, markov_argument
+
+    trained = load_trained(str(dspark_head))
+    head = trained.head
+    assert head.markov_rank == 8 and head.input_size == 32 + 8  # markov_rank null took the data's rank
+    data = AcceptanceDataModule(str(labelled[1]["dspark"][0]), val_fraction=0.3)
+    data.setup()
+    data.with_markov = True
+    batch = next(iter(data.ordered_batches("val", with_features=True)))
+    hidden, _, _, _, mask = head_inputs(batch, batch["features"], "context_state", "expect", [])
+    markov = markov_argument(batch, mask, "context_state", head)["markov_embedding"]
+    weight, bias = head.engine_linear()  # what an engine runs: one affine map of [state ; markov_w1[previous]]
+    expected = torch.cat([hidden.double(), markov.double()], -1) @ weight + bias
+    assert torch.allclose(head(hidden, markov_embedding=markov).double() + head.logit_correction.double(), expected,
+                          atol=1e-4)
+    assert markov.abs().sum() > 0 and not torch.allclose(head(hidden, markov_embedding=markov),
+                                                         head(hidden, markov_embedding=torch.zeros_like(markov)))
+
+
+def test_eval_scores_the_dspark_drafters_own_confidence_head_on_the_same_tokens(dspark_head, labelled, tmp_path):
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.artifacts.metrics import soft_auc
+    from specheads.dataset.prompts import prompt_digest
+
+    out = labelled[1]["dspark"][0]
+    assert main(["eval", "--head", str(dspark_head), "--data", str(out), "--out", str(tmp_path / "eval"),
+                 "--num-decode-prompts", "0", "--max-draft", "4", "--bootstrap", "10", "--progress", "false"]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    offline = metrics["offline"]
+    used = load_trained(str(dspark_head)).used_prompts
+    held = [row for row in load_labelled(out).with_format("numpy") if prompt_digest(row["prompt_ids"]) not in used]
+    label = np.concatenate([row["accept"][row["is_draft"]] for row in held])
+    score = np.concatenate([row["drafter_score"][row["is_draft"]] for row in held])
+    assert offline["dspark_confidence"]["auc"] == pytest.approx(soft_auc(label, score), abs=1e-9)  # the same tokens
+    for name in ("dspark_confidence", "dspark_confidence_ts"):
+        assert all(offline[name][metric] is not None for metric in ("auc", "binary_kl", "ece"))
+    temperatures = metrics["data"]["dspark_temperatures"]
+    assert len(temperatures["temperatures"]) == 4 and "calibration prompts" in temperatures["how"]
+    stages = {(row["stage"], row["k"]) for row in metrics["cumulative"]}
+    assert {("dspark_confidence", 1), ("dspark_confidence_ts", 1), ("dspark_confidence", 2)} <= stages
+    assert metrics["offline_comparison"]["dspark_confidence"]["baseline"] == "dspark_confidence"
+    assert "Beside the DSpark drafter's own confidence head" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_the_ontime_recipe_trains_on_eagle3_data_and_calibrates_rounds_by_depth(labelled, tmp_path, capsys):
+    from specheads.artifacts.checkpoint import load_trained
+
+    data = labelled[1]["eagle3"][0]
+    assert main(train_args("drafter-ontime.yaml", data, tmp_path / "ontime", "--model.calibrate_positions", "3")) == 0
+    calibration = load_trained(str(tmp_path / "ontime" / "checkpoints" / "last.ckpt")).head.calibration
+    assert calibration.positions == 3
+    capsys.readouterr()
+    assert main(train_args("specdecpp.yaml", data, tmp_path / "resnet")) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "labelled with a feature drafter (eagle3)" in error and "candidate_state" in error
+
+
+def test_a_round_of_a_feature_drafter_starts_at_depth_one():
+    from specheads.heads.calibration import round_windows
+
+    row, position = np.zeros(6, dtype=int), np.arange(6)
+    depth = np.array([2, 3, 1, 2, 3, 1])  # the first two tokens end a round that began before them
+    assert round_windows(row, position, 2)[1].tolist() == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]
+    assert round_windows(row, position, 3, depth)[1].tolist() == [[2, 3]]
+    assert round_windows(row, position, 3, depth)[2].tolist() == [[2, 3, 4]]
