@@ -31,6 +31,7 @@ from specheads.eval.offline import (
     calibration_table,
     collect_tokens,
     cumulative_calibration,
+    drafter_temperatures,
     offline_metrics,
     sprinter_distance,
     sprinter_operating_points,
@@ -663,6 +664,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if not len(table.label):
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
+    temperatures = None
+    if table.drafter_score is not None:  # a DSpark drafter's own confidence head: scored with and without them
+        table.drafter_temperatures, temperatures = drafter_temperatures(trained, data, pair.draft if pair else None,
+                                                                        config.max_draft)
     companion = None
     if companion_model is not None:
         table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
@@ -675,6 +680,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if temperatures is not None:
+        data_section["dspark_temperatures"] = {
+            "temperatures": None if table.drafter_temperatures is None else
+            [1 / scale for scale in table.drafter_temperatures.scale], "how": temperatures}
     if table.margin_note:  # data labelled before gen stored `top2`
         data_section["margin_note"] = table.margin_note
         print(f"Note: {table.margin_note}.", flush=True)
@@ -708,10 +717,12 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
 
 
 def offline_comparison(offline: dict[str, Any]) -> dict[str, Any]:
-    """metrics.json's `offline_comparison`: the head against the best training-free signal, and under `top2_margin`
-    against the top-2 margin fitted online where the data stores `top2`."""
-    margin = offline.get("head_vs_top2_margin")
-    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {})}
+    """metrics.json's `offline_comparison`: the head against the best training-free signal, under `top2_margin`
+    against the top-2 margin fitted online where the data stores `top2`, and under `dspark_confidence` against a DSpark
+    drafter's own confidence head where the data stores its score."""
+    margin, drafter = offline.get("head_vs_top2_margin"), offline.get("head_vs_dspark_confidence")
+    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {}),
+            **({"dspark_confidence": drafter} if drafter else {})}
 
 
 def write_plots(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,
