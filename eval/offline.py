@@ -36,7 +36,7 @@ from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows, sigmoid
 from specheads.model_outputs.signals import top_two_margin
-from specheads.train.calibration import fit_position_temperatures
+from specheads.heads.calibration_fit import fit_position_temperatures
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "adaedl",
              "sv_companion", "dspark_confidence", "dspark_confidence_ts")
@@ -250,7 +250,7 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
 def drafter_temperatures(trained: TrainedHead, data: AcceptanceDataModule, draft: torch.nn.Module | None,
                          max_positions: int) -> tuple[PositionCalibration | None, str]:
     """(the per-position temperatures of a DSpark drafter's own confidence, fitted as SGLang applies them
-    (`train.calibration.fit_position_temperatures`) on the tokens of the head's calibration prompts, or of its training
+    (`heads.calibration_fit.fit_position_temperatures`) on the tokens of the head's calibration prompts, or of its training
     prompts where it has none, never on the held-out ones; which prompts they were): (None, why) where those prompts
     hold no drafted token."""
     split = trained.split

@@ -6,7 +6,7 @@ class-weight correction) to â_k = σ(scale_k · z + bias_k), one affine map per
 so each map is monotone and keeps the head's ranking within a position. It is temperature scaling
 (scale_k = 1 / T_k, DSpark's "sequential temperature scaling") plus a shift: the weighted BCE and the
 prior correction leave a bias that a temperature alone cannot remove. Positions beyond the last fitted
-one use the last map. `train.calibration` fits the maps, in order of k, on prompts held out from training.
+one use the last map. `heads.calibration_fit` fits the maps, in order of k, on prompts held out from training.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from specheads.heads.calibration import cumulative_products, round_windows, wind
 from specheads.heads.loading import COST_RULE, STOP_RULE, cost_rule_refusal
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
-from specheads.train.calibration import fit_position_calibration
+from specheads.heads.calibration_fit import fit_position_calibration
 from specheads.train.loss import weighted_bce
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"

@@ -34,7 +34,7 @@ from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALE
 from specheads.heads.roles import role_of
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
-from specheads.train.calibration import fit_position_calibration, fit_sibling_calibration
+from specheads.heads.calibration_fit import fit_position_calibration, fit_sibling_calibration
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe
 
@@ -59,7 +59,7 @@ class AcceptanceModule(L.LightningModule):
         embedding_size: filled in from the draft when `candidate_embedding` is on; leave it at 0.
         start_from_signals: start the output layer at the weighted logistic regression of the extra features
             on the training labels (`train.probe`), so that the untrained head already uses the draft's signals.
-        calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`train.calibration`),
+        calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`heads.calibration_fit`),
             fitted after every validation on the data's calibration prompts (`data.calibration_fraction`) and
             stored with the weights; 0 fits none.
         target_state: a head deciding at draft also reads the target's state at the last position it verified and
