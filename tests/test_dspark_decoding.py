@@ -16,6 +16,7 @@ from specheads.model_outputs.sampling import SamplingTransform
 pytest.importorskip("speculators.models.dspark")
 
 from specheads.decoding import RoundEngine, make_policy  # noqa: E402
+from specheads.decoding.costs import CostCurve, ServingCosts, round_seconds  # noqa: E402
 from specheads.decoding.dspark import DSparkModel, block_forward, candidate_logits, dspark_decode  # noqa: E402
 from specheads.decoding.rules import StopPolicy  # noqa: E402
 from specheads.decoding.tree import TreeRule, decode_tree  # noqa: E402
@@ -189,6 +190,27 @@ def test_dspark_tree_drafts_sample_the_target_distribution(tiny_dspark, batch_si
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
     assert 0 < sum(r.accepted for r in results) < sum(r.drafted for r in results)
     assert all(len(widths) <= 1 for r in results for widths in r.draft_widths_per_round)  # one block forward a round
+
+
+def test_a_dspark_decode_is_counted_and_planned_at_one_block_forward_a_round(tiny_dspark):
+    """The oracle keeps a round's accepted candidates, one block forward for all of them (not one each); SmartSpec,
+    told the draft's shape, drafts the whole block where a chain's second forward would not pay (a draft at half the
+    target's cost, a flat target: its prior a = 0.7 picks K = 1 for a chain); the served rounds' prices read one
+    forward a round."""
+    target, drafter = tiny_dspark
+    engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    results = engine.decode([PROMPT] * 60, make_policy("oracle", 3, max_draft=3), 12, list(range(60)), batch_size=8)
+    assert all(r.draft_forwards == sum(1 for a in r.accepted_per_round if a) for r in results)
+    assert any(a > 1 for r in results for a in r.accepted_per_round)  # rounds that keep several candidates of a block
+    costs = ServingCosts(CostCurve((1, 64), (0.5, 0.5)), CostCurve((1, 64), (1.0, 1.0)))
+    log = []
+    planner = make_policy("smartspec", 3, max_draft=3).planner(costs)
+    result = engine.decode([PROMPT], make_policy("smartspec", 3, max_draft=3), 12, [0], costs=costs, log=log,
+                           planner=planner)[0]
+    assert planner.costs.block == 3 and result.drafted_per_round[1] == 3  # round 1 reads the prompt: it drafts none
+    # one forward: the first token read as context (the prompt's prefill is not priced) and the block's three slots
+    assert [widths for record in log for widths in record.draft_widths][1] == [1 + 3]
+    assert round_seconds(log[1], costs.shaped(3)) == pytest.approx(0.5 + 1.0)
 
 
 def test_greedy_dspark_trees_give_the_targets_greedy_tokens(wide_dspark):
