@@ -13,7 +13,8 @@ from specheads.artifacts.report_file import REPORT_FILE
 from specheads.plumbing.errors import UsageError, refuse_above
 
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history",
-                  "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
+                  "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle",
+                  "dspark_confidence")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 COST_RULES = ("head_cost", "head_cost_online")
 """The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
@@ -24,11 +25,12 @@ WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a nu
 FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
                 "svip": NON_NEGATIVE,
                 **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history", "pmin",
-                                               "transformers", "sv_companion", "head", "sprinter", *FIXED_TREES)}}
+                                               "transformers", "sv_companion", "head", "sprinter", "dspark_confidence",
+                                               *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
 sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
 SERVING_BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
-                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online")
+                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
 """The batch rules --serving-batch-policies may name (`specheads.decoding.rules.BATCH_POLICIES`, named here so that
 parsing the flags imports no torch)."""
 MEASURED = "measured"
@@ -44,7 +46,7 @@ BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once mo
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "vllm_current": "head_thresholds", "vllm_margin": "head_thresholds", "vllm_history": "head_thresholds",
-               "pmin": "stop_shares",
+               "pmin": "stop_shares", "dspark_confidence": "head_thresholds",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 

@@ -118,6 +118,38 @@ def test_a_rule_reading_the_confidence_head_stays_exact_and_sees_the_b1_loops_sc
     assert {r.drafted_per_round[1] for r in results} == {1, 2}  # the rule ended some rounds after one candidate
 
 
+@pytest.mark.parametrize("rule", ["dspark_confidence", "dspark_adaptive"])
+def test_the_drafters_confidence_as_a_free_rule_stays_exact(tiny_dspark, rule):
+    """llama.cpp's p_min on the confidence head (the candidate below it ends the round unchecked) and vLLM's adaptive
+    verification planning on it (the goodput planner ranking the rows' candidates by its survival products): both
+    read a score known before the draw, so the output stays the target's."""
+    target, drafter = tiny_dspark
+    transform = SamplingTransform(1.0)
+    engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
+    costs = ServingCosts(CostCurve((1, 64), (0.05, 0.1)), CostCurve((1, 64), (1.0, 1.6)))
+    runs, log = 800, []
+    results = engine.decode([PROMPT] * runs, make_policy(rule, 0.7 if rule == "dspark_confidence" else 3, max_draft=3),
+                            LENGTH, list(range(runs)), batch_size=8, costs=costs, log=log)
+    assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
+    checked = [(v, d) for record in log for v, d in zip(record.verified, record.drafted) if d]
+    if rule == "dspark_confidence":  # a candidate whose confidence was below p_min ended its round unchecked
+        assert any(v == d - 1 for v, d in checked) and any(v == d for v, d in checked)
+    else:  # the confidence planned each row's drafting: rows of one round drafted to different lengths
+        assert any(len(set(record.drafted)) > 1 for record in log)
+
+
+def test_a_rule_reading_the_drafters_confidence_is_refused_with_a_draft_that_has_none(tiny_dspark):
+    target, drafter = tiny_dspark
+    plain = random_dspark(target, [0, 1, 2], d2t=[0, 1], t2d=[True, False, True], confidence_head=False)
+    for draft in (DSparkModel(plain, target), tiny_lm(seed=2)):
+        engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+        for rule in ("dspark_confidence", "dspark_adaptive"):
+            with pytest.raises(UsageError, match=f"the {rule} rule reads a DSpark drafter's confidence head") as raised:
+                engine.decode([PROMPT], make_policy(rule, 0.5 if rule == "dspark_confidence" else 3), 4, [0],
+                              costs=ServingCosts(CostCurve((1, 2), (0.1, 0.1)), CostCurve((1, 2), (1.0, 1.0))))
+            assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("pair, prompts", [("tiny_dspark", [[0, 1], [2, 0, 1, 1], [1]]),
                                            ("recurrent_dspark", [[0, 1], [2, 0, 1, 1], [1]]),
                                            ("wide_dspark", [[5, 9, 30, 41], [8, 3], [12, 60, 7, 99, 14, 2]])])

@@ -233,10 +233,21 @@ class VllmSignal(Signal):
             self.fit.refit()
 
 
+class DSparkSignal(Signal):
+    """A DSpark drafter's confidence head, σ(proj([slot state ; Markov embedding of the token before])): candidate j's
+    acceptance predicted from what precedes its draw (`Drafted.drafter_score`), computed in the block's forward, so it
+    ranks exactly and costs nothing extra; trained jointly with the drafter (DSpark's own head), uncalibrated here."""
+
+    name: ClassVar[str] = "dspark_confidence"
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return 1.0 if drafted.drafter_score is None else drafted.drafter_score
+
+
 SignalFactory = Callable[[int], Signal]
 """A signal for rounds of at most that many candidates."""
 SIGNALS: dict[str, SignalFactory] = {"head": lambda positions: HeadSignal(), "top1": lambda positions: TopOneSignal(),
-                                     "vllm": VllmSignal}
+                                     "vllm": VllmSignal, "dspark_confidence": lambda positions: DSparkSignal()}
 """Every signal a goodput planner or a stop rule may read, by name; `specheads.decoding.calibration` adds the estimates
 refitted while serving (`register_signal`)."""
 
@@ -566,3 +577,16 @@ class VllmAdaptive(GoodputPlan):
     name: ClassVar[str] = "vllm_adaptive"
     reads_head: ClassVar[bool] = False
     signal: ClassVar[str] = "vllm"
+
+
+@register
+@dataclass(frozen=True)
+class DSparkAdaptive(GoodputPlan):
+    """vLLM's adaptive verification of a DSpark drafter in the goodput planner: each candidate's acceptance is the
+    drafter's own confidence head (`DSparkSignal`), as vLLM and SGLang plan a DSpark draft's verify budget with it.
+    Exact: the confidence is known before the draw; it needs a DSpark drafter with its confidence head."""
+
+    name: ClassVar[str] = "dspark_adaptive"
+    reads_head: ClassVar[bool] = False
+    reads_drafter_score: ClassVar[bool] = True
+    signal: ClassVar[str] = "dspark_confidence"
