@@ -72,6 +72,7 @@ def test_eval_decodes_the_free_rules_trees_and_serving_table_with_a_dspark_draft
     served = {row["policy"] for row in serving["rows"]}
     assert {"smartspec", "dspark_adaptive", "constant_k"} <= served and "goodput" not in served
     assert serving["left_out"]["goodput"] == decoding["head_left_out"]
+    assert "dspark_confidence" not in served and "checks one candidate fewer" in serving["left_out"]["dspark_confidence"]
     assert "drafted with the DSpark drafter" in (out / "report.md").read_text()
 
 
