@@ -336,3 +336,22 @@ def test_profile_refuses_two_drafters_or_a_dspark_folder_that_is_not_one_before_
         error = capsys.readouterr().err.strip()
         assert ("give the folder of a drafter" in error or "give one of them" in error) and error.count("\n") == 0
     assert not (tmp_path / "costs.json").exists()
+
+
+def test_the_wall_clock_benchmark_decodes_each_rule_with_a_dspark_drafter(wide_dspark, tiny_model, prompts_file, tmp_path):
+    """benchmarks/dspark_decode.py (the code it shares with eagle3_decode.py: `specheads.eval.wall_clock`): every
+    rule beside the target alone on the same prompts and seeds, at most one block forward a target call."""
+    from conftest import load_benchmark
+
+    save_drafter(wide_dspark[1], tmp_path / "drafter", dtype=torch.float32)
+    bench = load_benchmark("dspark_decode")
+    args = bench.DSparkBenchmark(drafter=str(tmp_path / "drafter"), target=str(tiny_model), prompt_file=str(prompts_file),
+                                 prompts=3, max_new_tokens=8, rules=["constant_k:4", "dspark_confidence:0.7", "tree:0.1"],
+                                 resamples=20, out=str(tmp_path / "out.json"))
+    report = bench.benchmark_drafter(args, "dspark")
+    assert json.loads((tmp_path / "out.json").read_text()) == json.loads(json.dumps(report))
+    assert report["kind"] == "dspark" and set(report["rules"]) == set(args.rules)
+    for rule, row in report["rules"].items():
+        assert row["tokens_per_s"] > 0 and 0 < row["draft_forwards_per_target_call"] <= 1, rule
+        assert (row["acceptance_per_position"] is None) == rule.startswith("tree:")
+        assert len(row["speedup_interval"]) == 2
