@@ -8,6 +8,7 @@ from typing import Any
 import markdown
 
 from specheads.artifacts.report_file import Report, tuned_row
+from specheads.decoding.drafters import DRAFTER_KINDS
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, DRAFTER_SIGNALS, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
@@ -22,13 +23,18 @@ MIN_TEST_PROMPTS = 8
 
 def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """How the learned policy's tuned threshold fares on test prompts against the tuned baselines."""
-    learned = "head" if any(r["policy"] == "head" for r in decoding["policies"]) else "sprinter"
+    learned = "head" if decoding.get("head_left_out") or any(r["policy"] == "head" for r in decoding["policies"]) \
+        else "sprinter"
     mine = tuned_row(decoding, learned)
     tested = decoding["prompts"]["test"]
     result: dict[str, Any] = {"policy": learned, "test_prompts": tested, "indicative": tested < MIN_TEST_PROMPTS}
     lines = [f"Decoding figures rest on {count(tested, 'test prompt')} × {decoding['max_new_tokens']} "
              "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
                              "with --num-decode-prompts)." if result["indicative"] else ".")]
+    drafter = decoding.get("drafter")
+    if drafter:
+        lines.append(f"Every decoding run drafted with the {DRAFTER_KINDS[drafter['kind']]} drafter {drafter['folder']} "
+                     "(its forwards counted as they ran: a DSpark block is one forward a round).")
     for baseline in (*DECODING_BASELINES, "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
@@ -37,6 +43,9 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
             if mine is not None:
                 result[f"gain_vs_{baseline}"] = mine["modelled_speedup"] / row["modelled_speedup"] - 1
                 result[f"gain_vs_{baseline}_ci"] = decoding.get("gain_intervals", {}).get(baseline)
+    if mine is None and decoding.get("head_left_out"):  # a feature drafter drafted: only the free rules decoded
+        result["note"] = f"the head's rules were not decoded: {decoding['head_left_out']}"
+        return result, lines + [result["note"][0].upper() + result["note"][1:] + "."]
     if mine is None:
         result["note"] = ("no SPRINTER threshold of the sweep kept the distance from the target within the budget on dev "
                           "prompts: the verifier keeps its untuned default (try higher --sprinter-thresholds or a "
