@@ -35,8 +35,8 @@ from specheads.decoding.online import LOGIT_CLAMP, AdaEdl, Outcome, VllmEstimato
 from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
 from specheads.heads.calibration import cumulative_products, round_windows, sigmoid
-from specheads.model_outputs.signals import top_two_margin
 from specheads.heads.calibration_fit import fit_position_temperatures
+from specheads.model_outputs.signals import top_two_margin
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "adaedl",
              "sv_companion", "dspark_confidence", "dspark_confidence_ts")

@@ -31,10 +31,10 @@ from specheads.dataset.targets import (
     token_targets,
 )
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
+from specheads.heads.calibration_fit import fit_position_calibration, fit_sibling_calibration
 from specheads.heads.roles import role_of
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
-from specheads.heads.calibration_fit import fit_position_calibration, fit_sibling_calibration
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe
 
