@@ -5,143 +5,21 @@ drafted position and paired intervals over prompts.
         --rules '["constant_k:2", "constant_k:3", "constant_k:4", "confidence:0.3", "svip:1.0", "tree:0.1"]'
 
 On the held-out confirmation prompts (the drafter trains on the built-in ones), each prompt is decoded by the target
-alone (one cached forward a token) and, for each rule, by the round engine with `Eagle3Model` as the draft
-(`specheads.decoding.eagle3`) at B = 1, every run with the prompt's seed. A rule is `name:threshold` (a chain rule of
-`specheads.decoding.rules`, K_max `--max-draft`), or `tree:floor` (a confidence-valued tree of `--tree-budget` nodes,
-EAGLE-2's). Prints per rule tokens/s, the speedup over the target alone with its 95 % interval over prompts, mean
-tokens a target call, the acceptance per drafted position (chains) and c = t_draft/t_target as the runs timed it;
-`--out` writes them as JSON.
+alone and, for each rule, by the round engine with `Eagle3Model` as the draft (`specheads.decoding.eagle3`) at B = 1
+(`specheads.eval.wall_clock`, shared with benchmarks/dspark_decode.py). Prints per rule tokens/s, the speedup over the
+target alone with its 95 % interval over prompts, tokens and draft forwards a target call, the acceptance per drafted
+position (chains) and c = t_draft/t_target as the runs timed it; `--out` writes them as JSON.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
-from transformers import DynamicCache
-
-from specheads.dataset.prompts import encode_prompt, load_prompts
-from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.eagle3 import Eagle3Model
-from specheads.decoding.result import DecodeResult
-from specheads.decoding.sampler import draw
-from specheads.decoding.tree import TreeRule, decode_tree
-from specheads.eval.serving import paired_ratio_interval
-from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.eagle3 import load_drafter
-from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
+from specheads.eval.wall_clock import DrafterBenchmark, benchmark_drafter
 from specheads.plumbing.dataclass_cli import parse_script
-from specheads.plumbing.files import write_json_atomic
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class DecodeBenchmark:
-    """What to decode.
-
-    Args:
-        drafter: the drafter folder (speculators' format).
-        target: the target model.
-        prompt_file: JSONL of prompts.
-        prompts: how many of them.
-        max_new_tokens: tokens per request.
-        rules: `name:threshold` chain rules and `tree:floor` trees.
-        max_draft: a chain's K_max.
-        tree_budget: a tree's nodes a round.
-        temperature: the sampling temperature (0: greedy).
-        resamples: bootstrap resamples of the prompts for the intervals.
-        out: a JSON file for the results.
-    """
-
-    drafter: str
-    target: str = "embedded:smollm2"
-    prompt_file: str = str(ROOT / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
-    prompts: int = 40
-    max_new_tokens: int = 64
-    rules: list[str] = field(default_factory=lambda: ["constant_k:2", "constant_k:3", "constant_k:4", "confidence:0.3",
-                                                      "tree:0.1"])
-    max_draft: int = 6
-    tree_budget: int = 8
-    temperature: float = 1.0
-    resamples: int = 1000
-    out: str | None = None
-
-
-@torch.no_grad()
-def target_alone(target: torch.nn.Module, prompt: list[int], transform: SamplingTransform, max_new_tokens: int, seed: int,
-                 stops: set[int]) -> tuple[list[int], float]:
-    """The target's own decoding, one cached forward a token: (tokens, seconds)."""
-    began = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=target.config)
-    logits = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
-    tokens: list[int] = []
-    while True:
-        tokens.append(draw(transform.log_probs(logits.float()), generator))
-        if len(tokens) >= max_new_tokens or tokens[-1] in stops:
-            return tokens, time.perf_counter() - began
-        logits = target(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
-
-
-def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DecodeBenchmark, seed: int) -> DecodeResult:
-    """One prompt under `rule` (`name:threshold` or `tree:floor`), B = 1."""
-    name, threshold = rule.split(":")
-    if name == "tree":
-        tree = TreeRule(values="confidence", floor=float(threshold), budget=args.tree_budget)
-        return decode_tree(engine, [prompt], tree, args.max_new_tokens, [seed])[0]
-    return engine.decode([prompt], make_policy(name, float(threshold), args.max_draft), args.max_new_tokens, [seed])[0]
-
-
-def per_position(results: list[DecodeResult]) -> list[float]:
-    """The share of chain rounds that reached drafted position k and accepted its candidate."""
-    reached, accepted = [0] * 64, [0] * 64
-    for result in results:
-        for drafted, kept in zip(result.drafted_per_round, result.accepted_per_round):
-            for k in range(drafted):
-                reached[k] += k <= kept
-                accepted[k] += k < kept
-    return [round(a / r, 3) for a, r in zip(accepted, reached) if r]
 
 
 def main() -> None:
-    args = parse_script(DecodeBenchmark, "eagle3_decode.py", "An EAGLE-3 drafter against the target alone at B = 1.")
-    spec = ModelSpec(path=args.target)
-    tokenizer, target = load_tokenizer(spec), load_model(spec)
-    draft = Eagle3Model(load_drafter(args.drafter, target), target)
-    stops = set(stop_token_ids(target, tokenizer))
-    transform = SamplingTransform(args.temperature)
-    engine = RoundEngine(target, draft, transform, sorted(stops))
-    prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts(args.prompt_file, limit=args.prompts)]
-    alone = {seed: target_alone(target, prompt, transform, args.max_new_tokens, seed, stops)
-             for seed, prompt in enumerate(prompts)}
-    baseline = {seed: [len(tokens), seconds] for seed, (tokens, seconds) in alone.items()}
-    alone_rate = sum(t for t, _ in baseline.values()) / sum(s for _, s in baseline.values())
-    report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "target_alone_tokens_per_s": alone_rate, "rules": {}}
-    print(f"target alone: {alone_rate:.1f} tokens/s on {len(prompts)} prompts")
-    for rule in args.rules:
-        results = {seed: run_rule(engine, rule, prompt, args, seed) for seed, prompt in enumerate(prompts)}
-        mine = {seed: [len(r.tokens), r.seconds] for seed, r in results.items()}
-        rate = sum(t for t, _ in mine.values()) / sum(s for _, s in mine.values())
-        draft_time = sum(r.draft_seconds for r in results.values()) / max(sum(r.draft_passes for r in results.values()), 1)
-        target_time = sum(r.target_seconds for r in results.values()) / max(sum(r.target_passes for r in results.values()), 1)
-        row = {"tokens_per_s": rate, "speedup": rate / alone_rate,
-               "speedup_interval": paired_ratio_interval(mine, baseline, args.resamples, 0),
-               "tokens_per_target_call": sum(len(r.tokens) for r in results.values())
-               / max(sum(r.target_calls for r in results.values()), 1),
-               "acceptance_per_position": None if rule.startswith("tree:") else per_position(list(results.values())),
-               "timed_cost_ratio": draft_time / target_time if target_time else None}
-        report["rules"][rule] = row
-        interval = row["speedup_interval"]
-        print(f"{rule}: {rate:.1f} tokens/s, {row['speedup']:.2f}x the target alone"
-              + (f" [{1 + interval[0]:.2f}, {1 + interval[1]:.2f}]" if interval else "")
-              + f", {row['tokens_per_target_call']:.2f} tokens a target call, acceptance per position "
-              f"{row['acceptance_per_position']}, timed c {row['timed_cost_ratio'] or float('nan'):.3f}")
-    if args.out:
-        write_json_atomic(Path(args.out), report)
+    args = parse_script(DrafterBenchmark, "eagle3_decode.py", "An EAGLE-3 drafter against the target alone at B = 1.")
+    benchmark_drafter(args, "eagle3")
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def calibration_sizes(args: RecipeBenchmark) -> dict[str, Any]:
     from specheads.artifacts.checkpoint import load_trained
     from specheads.dataset.datamodule import AcceptanceDataModule
     from specheads.eval.offline import cumulative_calibration
-    from specheads.train.calibration import fit_position_calibration
+    from specheads.heads.calibration_fit import fit_position_calibration
 
     largest = max(Path(args.out).glob("rows*"), key=lambda folder: int(folder.name[4:]))
     checkpoint = largest / "checkpoints" / "last.ckpt"

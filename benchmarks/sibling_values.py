@@ -8,7 +8,7 @@ or calibrated on, three scores of the same second child x₂ (drawn from q witho
 against its label min(1, p₂/q₂), the chance the target accepts it once the drafted candidate was rejected. A tree
 checks the second child at depth k only when the first children at depths 1..k−1 were accepted and the one at depth k
 was rejected, so depth k's figures weigh every run of k drafted positions by Π first_accept before × (1 − first_accept)
-there (`train.calibration.fit_sibling_calibration`'s weights); each head is read through its calibration map of depth
+there (`heads.calibration_fit.fit_sibling_calibration`'s weights); each head is read through its calibration map of depth
 k, as the tree reads it. Figures: weighted soft AUC, mean score − mean label (how much the score overstates the
 sibling), weighted ECE and binary KL, with 95 % intervals over prompts (paired for the differences).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
+from specheads.data_gen.drafter_labels import DEPTH_CHOICE
 from specheads.model_outputs.states import describe_state
 
 LABELS_TABLE = """\
@@ -26,6 +27,14 @@ SIBLING_ROWS = ("| `sibling_ids` | a tree's second child: drawn from q without `
                 "| `sibling_beta` | the same known before it is drawn, Σ min(p₂, q₂) |\n"
                 "| `sibling_logq` | log q(x₂) under the whole q (0 where there is no second child): the signal a head "
                 "reads of a tree's child |\n")
+DRAFTER_ROWS = ("| `depth` | the position's depth in its round (1 = the round's first candidate): the drafter drafted "
+                "`draft_ids` there from the round's anchor `depth` positions back (see below) |\n"
+                "| `features` (here) | the drafter's state after its final norm that produced q for position j + 1 (row j; "
+                "row n: the one for position n + 1), computed on the prompt and the target's response |\n")
+DRAFTER_SCORE_ROW = ("| `drafter_score` | the DSpark drafter's own confidence head: σ(proj([state ; Markov embedding])), its "
+                     "prediction that the candidate is accepted, made before the candidate is drawn |\n")
+MARKOV_ROW = ("| `markov_features` | markov_w1[the token before position j + 1] (row j, the rows `features` keeps): the "
+              "Markov embedding DSpark's confidence head reads beside the state |\n")
 TARGET_STATES_ROW = ("| `target_features` | the target's own states (after its final norm) on the same tokens and rows as `features`: "
                      "what the target computed at the positions it verified |\n")
 
@@ -41,6 +50,15 @@ def storage_line(manifest: dict) -> str:
     return (f"{line}, of which {storage['state_bytes_per_labelled_token']:,.0f} hidden states: "
             f"{storage['states_kept']:,} of {storage['states_of_all_positions']:,} positions kept "
             f"(`features_at: {identity.get('features_at', 'all')}`), {identity.get('features_dtype', 'float16')}")
+
+
+def drafter_rows(identity: dict) -> str:
+    """The fields a feature drafter's data adds, and how its depths were chosen (nothing for a plain draft)."""
+    drafter = identity["draft"]
+    if "kind" not in drafter:
+        return ""
+    return (DRAFTER_ROWS + (DRAFTER_SCORE_ROW if drafter["scores"] else "") + (MARKOV_ROW if drafter["markov_rank"] else "")
+            + "\n## Depth: chains of a feature drafter\n\n" + DEPTH_CHOICE.format(depth=drafter["depth"]) + "\n")
 
 
 def dataset_card(manifest: dict) -> str:
@@ -79,7 +97,7 @@ Fingerprint `{manifest['fingerprint']}`; `manifest.json` beside this card holds 
 
 ## Fields (one row per prompt × sample; per-position lists over the response)
 
-{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}{SIBLING_ROWS if identity.get('sibling_labels') else ''}
+{LABELS_TABLE.format(state=describe_state(identity.get('state_layer')))}{TARGET_STATES_ROW if identity.get('target_states') else ''}{SIBLING_ROWS if identity.get('sibling_labels') else ''}{drafter_rows(identity)}
 Load it with `specheads.dataset.store.load_labelled(folder)` (memory-mapped `datasets.Dataset`).
 """
     return DatasetCard(f"---\n{data.to_yaml()}\n---\n{body}").content

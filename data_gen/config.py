@@ -86,6 +86,24 @@ class GenerationOptions:
 
 
 @dataclass
+class DrafterOption:
+    """A feature drafter as the draft (`data_gen.drafter_labels`): an EAGLE-3 or DSpark drafter in speculators' format,
+    made for the target (`specheads train drafter`, or speculators). It replaces `draft`.
+
+    Args:
+        kind: `eagle3` or `dspark`; a folder of the other kind, or made for another target, is refused.
+        path: the drafter's folder (config.json + model.safetensors).
+        depth: K_max, the deepest position of a round its chains draft (the mix's runs of drafted positions are
+            rounds); default: the drafter's own (EAGLE-3: the speculative tokens its config proposes; DSpark: its
+            block's candidates, the most it may be).
+    """
+
+    kind: Literal["eagle3", "dspark"]
+    path: str
+    depth: PositiveInt | None = None
+
+
+@dataclass
 class GenConfig:
     """Everything `specheads gen` needs. Flags override the YAML (`--num-prompts 8`, `--sampling.temperature 0`)."""
 
@@ -93,6 +111,9 @@ class GenConfig:
     """The target model, whose acceptance of the draft is labelled."""
     draft: ModelSpec = field(default_factory=lambda: ModelSpec(skip_layers=[20, 21]))
     """The draft model; by default the target minus layers 20-21 (self-speculative)."""
+    drafter: DrafterOption | None = None
+    """A feature drafter as the draft instead (`--drafter.kind eagle3|dspark --drafter.path DIR`): its states and
+    labels at each position's depth in its round (docs/data.md "Feature drafters")."""
     prompts: str = "builtin"
     """the prompt source: `builtin` (200 mixed prompts), a JSONL file, or a Hugging Face dataset name or folder."""
     prompts_split: str = "train"
@@ -184,6 +205,7 @@ class GenConfig:
                              "a tree takes the draft's best tokens instead; drop sibling_labels or sample with "
                              "temperature > 0")
         self.check_generation()
+        self.check_drafter()
         self.check_placement()
         self.sampling.transform()
 
@@ -203,6 +225,21 @@ class GenConfig:
                              "target.device_map")
         for role, spec in (("target", self.target), ("draft", self.draft)):
             check_spec_placement(role, spec, self.gpus_per_rank)
+
+    def check_drafter(self) -> None:
+        """Refuse, with `drafter`, what a feature drafter's data cannot hold (docs/data.md "Feature drafters")."""
+        if self.drafter is None:
+            return
+        given = [name for name, on in (("--draft", self.draft != GenConfig().draft), ("--state-layer", self.state_layer),
+                                       ("--target-states", self.target_states), ("--sibling-labels", self.sibling_labels))
+                 if on]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot go with --drafter (the drafter is the draft, its state the one "
+                             "after its final norm that produced q, labelled for chains, not trees); drop them")
+        if not self.store_features or self.features_at == "drafted_candidate":
+            raise UsageError("a feature drafter's data stores the state that produced each q, which only gen can "
+                             "compute (no online training) and no state that has read the candidate: set "
+                             "store_features true and features_at all, drafted or drafted_context")
 
     def check_generation(self) -> None:
         """Refuse generation settings that cannot work together."""

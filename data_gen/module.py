@@ -19,13 +19,14 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
 
+from specheads.data_gen.drafter_labels import FeatureDrafter, label_drafter_batch
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import label_batch
 from specheads.data_gen.onepass import OnePass, ProbeFailed, derived_layout
 from specheads.data_gen.plan import Shard
 from specheads.dataset.shards import shard_problem
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
-from specheads.dataset.store import row_features, write_shard
+from specheads.dataset.store import DrafterColumns, row_features, write_shard
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.models import stop_token_ids
 
@@ -87,6 +88,8 @@ class LabellingModule(L.LightningModule):
         """The one-pass labeller (data_gen.onepass), built on first use, where it serves: a CPU, a draft derived from the
         target, generated responses with the default generation settings (no static cache, no compiled step), no target
         states. None elsewhere: responses from `generate` (or imported), then `label_batch`."""
+        if "one_pass" not in self._labellers and isinstance(self.draft, FeatureDrafter):
+            self._labellers["one_pass"] = None
         if "one_pass" not in self._labellers:
             options = self.engine.options
             fits = (self.device.type == "cpu" and options.cache == "dynamic" and not options.compile
@@ -117,12 +120,20 @@ class LabellingModule(L.LightningModule):
                 self.store_features, self.storage, self.siblings, rows_per_pass if isinstance(rows_per_pass, int) else None)
         responses = iter(self.engine.responses(self.target, rows, self.device, len(shard.batches[0])))
         for items in shard.batches:
-            batch = label_batch(self.target, self.draft, items, [next(responses) for _ in items], self.transform, self.seed,
-                                self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
-                                self.state_layer, self.storage, self.target_states, self.siblings)
+            batch = self.label_batch(items, [next(responses) for _ in items])
             for name, values in batch.items():
                 columns.setdefault(name, []).extend(values)
         return shard, columns
+
+    def label_batch(self, items: list[Any], responses: list[list[int]]) -> dict[str, list]:
+        """The columns of one batch of rows: `label_batch`, or with a feature drafter as the draft
+        `label_drafter_batch`."""
+        if isinstance(self.draft, FeatureDrafter):
+            return label_drafter_batch(self.target, self.draft, items, responses, self.transform, self.seed,
+                                       self.tokenizer.pad_token_id, self.device, self.storage)
+        return label_batch(self.target, self.draft, items, responses, self.transform, self.seed,
+                           self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
+                           self.state_layer, self.storage, self.target_states, self.siblings)
 
 
 def _identity(item: Any) -> Any:
@@ -133,11 +144,12 @@ class ShardWriter(BasePredictionWriter):
     """Writes each finished shard atomically; when every rank is done, rank 0 runs `on_complete`."""
 
     def __init__(self, out: Path, hidden_size: int | None, on_complete: Callable[[int, float], None], run: str,
-                 features_dtype: str = "float16", target_hidden_size: int | None = None, siblings: bool = False):
+                 features_dtype: str = "float16", target_hidden_size: int | None = None, siblings: bool = False,
+                 drafter: DrafterColumns | None = None):
         super().__init__(write_interval="batch")
         self.out = out
         self.run = run
-        self.schema = row_features(hidden_size, features_dtype, target_hidden_size, siblings)
+        self.schema = row_features(hidden_size, features_dtype, target_hidden_size, siblings, drafter)
         self.on_complete = on_complete
         self.tokens_written = 0
         self.started = time.perf_counter()

@@ -22,6 +22,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from specheads import __version__
 from specheads.data_gen.card import dataset_card
 from specheads.data_gen.config import GenConfig
+from specheads.data_gen.drafter_labels import (
+    FeatureDrafter,
+    check_prompts,
+    drafter_columns,
+    drafter_config,
+    drafter_identity,
+    load_feature_drafter,
+)
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import LABELLER, SIBLING_COLUMNS
 from specheads.data_gen.module import LabellingModule, ShardWriter
@@ -40,6 +48,7 @@ from specheads.pair.models import (
     chat_template_hash,
     context_length,
     draft_weights_identity,
+    load_model,
     load_pair,
     load_tokenizers,
     stop_token_ids,
@@ -145,6 +154,17 @@ def select_items(config: GenConfig, tokenizer: Any, prompts: list[Prompt], impor
     return Selection(items, skipped, unanswered)
 
 
+def load_models(config: GenConfig, tokenizer: Any, devices: Any) -> ModelPair:
+    """The pair gen labels: the target with its draft, or with the feature drafter `config.drafter` as the draft
+    (checked against the target before its weights are read)."""
+    if config.drafter is None:
+        return load_pair(config.target, config.draft, tokenizer, devices)
+    target = load_model(config.target, devices)
+    option = config.drafter
+    drafter = load_feature_drafter(option.kind, option.path, target, option.depth)
+    return ModelPair(target, drafter, tokenizer, config.target.describe(), drafter.name())
+
+
 def fingerprint_of(identity: dict) -> str:
     """The data fingerprint: a hash of everything that decides the rows."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -181,7 +201,8 @@ def data_identity(config: GenConfig, pair: ModelPair, prompts: list[Prompt], dev
     times are left out on purpose."""
     return {
         "target": weights_identity(config.target, pair.target),
-        "draft": draft_weights_identity(config.draft, pair.draft),
+        "draft": (drafter_identity(pair.draft) if isinstance(pair.draft, FeatureDrafter)
+                  else draft_weights_identity(config.draft, pair.draft)),
         "tokenizer_hash": tokenizer_hash(pair.tokenizer),
         "chat_template_hash": chat_template_hash(pair.tokenizer),
         "sampling": {**config.sampling.transform().as_dict(), "max_new_tokens": config.sampling.max_new_tokens},
@@ -267,6 +288,8 @@ def run(config: GenConfig) -> Summary | None:
         require_vllm()
     out = Path(config.out)
     check_output_folder(out)
+    if config.drafter is not None:  # its kind (and speculators) before any model loads
+        drafter_config(config.drafter.kind, config.drafter.path)
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column,
                                column_flag="--prompts-column")
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
@@ -276,14 +299,15 @@ def run(config: GenConfig) -> Summary | None:
     for note in ignored_settings(config) if rank_zero_only.rank == 0 else []:
         print(f"specheads gen: {note}", file=sys.stderr)
     trainer = make_trainer(config)  # before the models: Lightning names this rank's devices, where they are loaded
-    pair = load_pair(config.target, config.draft, tokenizer,
-                     rank_devices(trainer.strategy.root_device, config.gpus_per_rank))
+    pair = load_models(config, tokenizer, rank_devices(trainer.strategy.root_device, config.gpus_per_rank))
     check_state_layer(pair.draft, config.state_layer)
     imported = (finish_imported(read, stop_token_ids(pair.target, tokenizer), tokenizer.eos_token_id,
                                 config.sampling.max_new_tokens) if read is not None else None)
     selection = select_items(config, tokenizer, prompts, imported.by_prompt if imported else None,
                              context_length(pair.target))
     items = selection.items
+    if config.drafter is not None:
+        check_prompts(items)
     shards = build_plan(items, config.batch_size, config.rows_per_shard)
     identity = data_identity(config, pair, prompts, trainer.strategy.root_device)
     fingerprint = fingerprint_of(identity)
@@ -423,9 +447,11 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
                              threads=config.threads, engine=BuiltinEngine(tokenizer, transform, config.sampling.max_new_tokens, config.seed,
                                                   config.generation), target_states=config.target_states,
                              siblings=config.sibling_labels)
+    drafter = started["identity"]["draft"] if config.drafter is not None else None
     writer = ShardWriter(out, int(pair.draft.config.hidden_size) if config.store_features else None, finalise,
                          fingerprint, config.features_dtype,
-                         int(pair.target.config.hidden_size) if config.target_states else None, config.sibling_labels)
+                         int(pair.target.config.hidden_size) if config.target_states else None, config.sibling_labels,
+                         drafter_columns(drafter) if drafter else None)
     trainer.callbacks.append(writer)
     with threads_kept():  # the module sets this rank's labelling threads (config.threads) once Lightning has launched
         trainer.predict(module, return_predictions=False)

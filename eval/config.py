@@ -13,7 +13,8 @@ from specheads.artifacts.report_file import REPORT_FILE
 from specheads.plumbing.errors import UsageError, refuse_above
 
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history",
-                  "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle")
+                  "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle",
+                  "dspark_confidence")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 COST_RULES = ("head_cost", "head_cost_online")
 """The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
@@ -24,11 +25,12 @@ WHOLE, NON_NEGATIVE, UNIT = "a whole number >= 1", "a finite number >= 0", "a nu
 FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": WHOLE, "sglang_adaptive": WHOLE,
                 "svip": NON_NEGATIVE,
                 **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history", "pmin",
-                                               "transformers", "sv_companion", "head", "sprinter", *FIXED_TREES)}}
+                                               "transformers", "sv_companion", "head", "sprinter", "dspark_confidence",
+                                               *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
 sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
 SERVING_BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
-                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online")
+                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
 """The batch rules --serving-batch-policies may name (`specheads.decoding.rules.BATCH_POLICIES`, named here so that
 parsing the flags imports no torch)."""
 MEASURED = "measured"
@@ -44,7 +46,7 @@ BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once mo
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "vllm_current": "head_thresholds", "vllm_margin": "head_thresholds", "vllm_history": "head_thresholds",
-               "pmin": "stop_shares",
+               "pmin": "stop_shares", "dspark_confidence": "head_thresholds",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
@@ -121,10 +123,21 @@ class EvalConfig:
             the goodput planner fed by the expected-acceptance head, D-Cut's top-1 product or vLLM's estimate:
             `goodput`, `dcut`, `vllm_adaptive`; on request, the same planner fed vLLM's merged estimator, its margin
             revision, each request's history or the expected-acceptance head calibrated while serving:
-            `vllm_current_adaptive`, `vllm_margin_adaptive`, `vllm_history_adaptive`, `goodput_online`).
+            `vllm_current_adaptive`, `vllm_margin_adaptive`, `vllm_history_adaptive`, `goodput_online`; with a DSpark
+            drafter's confidence head, `dspark_adaptive`, which --dspark adds).
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
-            0 turns it off. Counted forwards are the same either way.
+            0 turns it off; default 2048, and off with --eagle3 or --dspark (their drafts run without one). Counted
+            forwards are the same either way.
+        eagle3: an EAGLE-3 drafter folder (speculators' format, e.g. `specheads train drafter`'s DIR/drafter) that
+            drafts every decoding run instead of the data's draft, reading the target's streams (the eagle3 extra):
+            the free rules, constant K, the oracle, the confidence-valued trees and the serving table decode with it;
+            the head's rules are left out (the head read the data's draft's state, not the drafter's). Not with SV's
+            companion, a prompt cache or a verifier (SPRINTER earns no bonus token, which its first round needs).
+        dspark: a DSpark drafter folder (speculators' format), as --eagle3, drafting a block per forward (each round
+            counted and priced as one forward over its block); with its confidence head, the sweep adds
+            `dspark_confidence` (llama.cpp's p_min on it, at --head-thresholds) and the serving table
+            `dspark_adaptive` (the goodput planner fed it).
         tree_budgets: also decode tree drafts (`specheads.decoding.tree`, a batch's trees verified together) with at
             most N nodes per target forward, for each N given: the head-valued tree (an on-time or expected-acceptance
             head) and the confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other
@@ -167,9 +180,23 @@ class EvalConfig:
     fixed_thresholds: dict[str, float] | None = None
     serving_batch_policies: list[Literal[SERVING_BATCH_POLICIES]] = field(
         default_factory=lambda: ["budget", "smartspec", "goodput", "dcut", "vllm_adaptive"])
-    prompt_cache_mb: NonNegativeInt = 2048
+    prompt_cache_mb: NonNegativeInt | None = None
+    eagle3: str | None = None
+    dspark: str | None = None
     tree_budgets: list[PositiveInt] | None = None
     tree_floors: list[ClosedUnitInterval] | None = None
+
+    @property
+    def drafter(self) -> tuple[str, str] | None:
+        """(`eagle3` or `dspark`, the folder) of the feature drafter that drafts the decoding runs; None: the data's
+        draft does."""
+        return named_drafter(self.eagle3, self.dspark)
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """The prompt cache's size: --prompt-cache-mb, by default 2048 MiB, and none for a feature drafter."""
+        default = 0 if self.drafter else 2048
+        return (default if self.prompt_cache_mb is None else self.prompt_cache_mb) << 20
 
     @property
     def tunes_here(self) -> bool:
@@ -186,6 +213,7 @@ class EvalConfig:
             raise UsageError("num_decode_prompts must be 0 (no decoding runs) or at least 2 (a dev and a test prompt), "
                              "got 1")
         self.check_bounds()
+        self.validate_drafter()
         self.validate_serving()
         if self.reuse_runs:
             require_report_files("--reuse-runs", self.reuse_runs, ("runs.json",))
@@ -201,6 +229,25 @@ class EvalConfig:
             raise UsageError("--tuned-from and --fixed-thresholds both say which thresholds to decode; give one")
         if self.tuned_from or self.fixed_thresholds is not None:
             self.validate_given_thresholds()
+
+    def validate_drafter(self) -> None:
+        """--eagle3 / --dspark: one drafter, a folder of one, and nothing it cannot decode with yet; the DSpark
+        confidence rules only with a DSpark drafter (whether it has its confidence head is checked once it loads)."""
+        named = [name for name in ("dspark_confidence", "dspark_adaptive")
+                 if name in (*(self.fixed_thresholds or {}), *self.serving_batch_policies)]
+        if named and not self.dspark:
+            raise UsageError(f"{' and '.join(named)} read{'s' if len(named) == 1 else ''} a DSpark drafter's confidence "
+                             "head; give --dspark DIR, or drop them")
+        if not self.drafter:
+            return
+        option = flag(self.drafter[0])
+        for given, what in ((self.sv_companion_skip_layers, "--sv-companion-skip-layers (SV's companion)"),
+                            (self.prompt_cache_mb, "--prompt-cache-mb (a prompt cache)")):
+            if given:
+                raise UsageError(f"{option} drafts without {what} for now; drop it, or drop {option}")
+        if self.budget_head:
+            raise UsageError(f"{option} leaves out the rules that read a head (it was trained on the data's draft's "
+                             f"state, not the drafter's), so --budget-head would plan nothing; drop it, or drop {option}")
 
     def check_bounds(self) -> None:
         """Refuse a count beyond its bound in BOUNDS, naming what it counts."""
@@ -287,6 +334,20 @@ class EvalConfig:
     def as_dict(self) -> dict:
         """Plain dict (for metrics.json)."""
         return asdict(self)
+
+
+def named_drafter(eagle3: str | None, dspark: str | None) -> tuple[str, str] | None:
+    """(`eagle3` or `dspark`, the folder) of the drafter --eagle3 or --dspark names (None: neither), refused in one
+    line when both are given or the folder holds no drafter's config.json."""
+    if eagle3 and dspark:
+        raise UsageError("--eagle3 and --dspark each name the draft; give one of them")
+    kind = "eagle3" if eagle3 else "dspark" if dspark else None
+    if kind is None:
+        return None
+    folder = eagle3 or dspark
+    if not Path(folder, "config.json").is_file():
+        raise UsageError(f"--{kind} {folder}: give the folder of a drafter (its config.json and model.safetensors)")
+    return kind, folder
 
 
 def in_range(value: float, kind: str) -> bool:

@@ -28,24 +28,30 @@ from specheads.artifacts.metrics import (
     soft_pr_auc,
 )
 from specheads.dataset.datamodule import AcceptanceDataModule
-from specheads.dataset.targets import draft_features, head_inputs, stale_target_states
+from specheads.dataset.prompts import prompt_digest
+from specheads.dataset.targets import draft_features, head_inputs, markov_argument, stale_target_states
 from specheads.decoding.calibration import MARGIN_REVISION_START, MAX_LOG_ODDS_START, OnlineLogistic
 from specheads.decoding.online import LOGIT_CLAMP, AdaEdl, Outcome, VllmEstimator
 from specheads.decoding.rules import Drafted
 from specheads.heads import STORED_SIGNALS, TARGET_STALENESS, PositionCalibration
-from specheads.heads.calibration import cumulative_products, round_windows
+from specheads.heads.calibration import cumulative_products, round_windows, sigmoid
+from specheads.heads.calibration_fit import fit_position_temperatures
 from specheads.model_outputs.signals import top_two_margin
 
 BASELINES = ("svip_entropy", "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "adaedl",
-             "sv_companion")
+             "sv_companion", "dspark_confidence", "dspark_confidence_ts")
 HEAD_SIGNALS = ("head", "head_online", "head_online_margin")
 """The head's scores: as trained, and calibrated online from the outcomes before each token (`online_scores`), on its
 logit alone or beside the top-2 margin."""
 SIGNAL_ORDER = (*HEAD_SIGNALS, *BASELINES, "beta_oracle", "label_ceiling", "constant")
+DRAFTER_SIGNALS = ("dspark_confidence", "dspark_confidence_ts")
+"""A DSpark drafter's own confidence head, where the data stores its score (`drafter_score`): as it is, and with the
+per-position temperatures fitted on the calibration prompts (`drafter_temperatures`), as SGLang applies them."""
 PROBABILITY_SIGNALS = (*HEAD_SIGNALS, "draft_top1", "draft_prob", "vllm_online", "vllm_current", "vllm_margin", "sv_companion",
-                       "beta_oracle", "label_ceiling", "constant")
+                       *DRAFTER_SIGNALS, "beta_oracle", "label_ceiling", "constant")
 READS_DRAWN_TOKEN = {"svip_entropy": False, "draft_top1": False, "draft_prob": True, "vllm_online": True,
                      "vllm_current": False, "vllm_margin": False, "adaedl": False, "sv_companion": True,
+                     "dspark_confidence": False, "dspark_confidence_ts": False,
                      "beta_oracle": False, "label_ceiling": True, "constant": False}
 """Whether a signal's score of ŷ_k reads ŷ_k itself: only the scores that do not may rank drafted positions for a
 verify budget (docs/decoding-core.md "Verify budgets"); the head's own answer is its `decides`."""
@@ -80,6 +86,9 @@ class TokenTable:
     prompts: int
     sv_companion: np.ndarray | None = None  # SV's companion predictor (eval.companion), when eval was asked for it
     top2: np.ndarray | None = None  # the draft's second-largest q; None for data labelled before it was stored
+    depth: np.ndarray | None = None  # each token's depth in its round: a feature drafter's data (data_gen.drafter_labels)
+    drafter_score: np.ndarray | None = None  # a DSpark drafter's own confidence, where the data stores it
+    drafter_temperatures: PositionCalibration | None = None  # its per-position temperatures (`drafter_temperatures`)
 
     def scores(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Every signal's score per token (higher = more likely accepted); the margin's only where the data has
@@ -93,16 +102,27 @@ class TokenTable:
                           head_online_margin=online_scores(np.c_[self.logit, margin], (1.0, 0.0, 0.0), self.label, seed))
         return {"head": self.prediction, **baseline_scores(self.logq, self.entropy, self.top1),
                 "vllm_online": vllm_online_scores(np.exp(self.logq), self.label, seed), **online,
-                "adaedl": adaedl_scores(self.entropy, self.label, self.row, seed), **companion,
+                "adaedl": adaedl_scores(self.entropy, self.label, self.row, seed), **companion, **self.drafter_scores(),
                 "beta_oracle": self.beta, "label_ceiling": self.label,
                 "constant": np.full_like(self.label, self.label.mean())}
+
+    def drafter_scores(self) -> dict[str, np.ndarray]:
+        """The DSpark drafter's own confidence (`DRAFTER_SIGNALS`) where the data stores it: as it is, and scaled by
+        its per-position temperatures where they were fitted."""
+        if self.drafter_score is None:
+            return {}
+        scores = {"dspark_confidence": self.drafter_score}
+        if self.drafter_temperatures is not None:
+            scaled = self.drafter_temperatures.logits(logits(self.drafter_score), self.depth)
+            scores["dspark_confidence_ts"] = sigmoid(scaled)
+        return scores
 
     def subset(self, index: np.ndarray) -> TokenTable:
         """The tokens at `index` (a bootstrap resample)."""
         values = {name: getattr(self, name)[index] for name in TOKEN_COLUMNS}
-        return TokenTable(**values, prompts=self.prompts,
-                          sv_companion=None if self.sv_companion is None else self.sv_companion[index],
-                          top2=None if self.top2 is None else self.top2[index])
+        optional = {name: None if getattr(self, name) is None else getattr(self, name)[index]
+                    for name in ("sv_companion", "top2", "depth", "drafter_score")}
+        return TokenTable(**values, prompts=self.prompts, **optional, drafter_temperatures=self.drafter_temperatures)
 
     @property
     def margin_note(self) -> str | None:
@@ -189,11 +209,12 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
     head = trained.head
     embeddings = draft.get_input_embeddings() if head.candidate_embedding_size and draft is not None else None
     columns: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
-    top2: list[np.ndarray] = []
+    optional: dict[str, list[np.ndarray]] = {name: [] for name in ("top2", "depth", "drafter_score")}
     prompt_index: dict[str, int] = {}
     rows = data.splits[split]["prompt_id"]
     start = 0
     data.with_target_states = bool(head.target_state_size)
+    data.with_markov = bool(getattr(head, "markov_rank", 0))
     for index, batch in enumerate(data.ordered_batches(split, with_features=True)):
         size = len(batch["valid"])
         ids = rows[start : start + size]
@@ -204,7 +225,8 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
                                                               realised=True)
         target = (stale_target_states(batch, mask, TARGET_STALENESS, seed=index)
                   if head.target_state_size else (None, None))
-        logit = (head(hidden, signals, embedding, *target) + head.logit_correction).double().cpu()
+        markov = markov_argument(batch, mask, trained.reads, head)
+        logit = (head(hidden, signals, embedding, *target, **markov) + head.logit_correction).double().cpu()
         columns["logit"].append(logit.numpy())
         columns["prediction"].append(torch.sigmoid(logit).numpy())
         columns["label"].append(label.numpy())
@@ -213,14 +235,40 @@ def collect_tokens(trained: TrainedHead, data: AcceptanceDataModule, draft: torc
         columns["position"].append(position.numpy())
         for name in POSITION_COLUMNS:
             columns[name].append(batch[name][mask].numpy())
-        if "top2" in batch:
-            top2.append(batch["top2"][mask].numpy())
+        for name, parts in optional.items():
+            if name in batch:
+                parts.append(batch[name][mask].numpy())
         groups = torch.tensor([prompt_index.setdefault(i, len(prompt_index)) for i in ids]).unsqueeze(1)
         columns["group"].append(groups.expand_as(mask)[mask].numpy())
     arrays = {name: np.concatenate(parts).astype(np.int64 if name in INTEGER_COLUMNS else np.float64)
               for name, parts in columns.items()}
     return TokenTable(**arrays, prompts=len(prompt_index),
-                      top2=np.concatenate(top2).astype(np.float64) if top2 else None)
+                      **{name: np.concatenate(parts).astype(np.int64 if name == "depth" else np.float64) if parts else None
+                         for name, parts in optional.items()})
+
+
+def drafter_temperatures(trained: TrainedHead, data: AcceptanceDataModule, draft: torch.nn.Module | None,
+                         max_positions: int) -> tuple[PositionCalibration | None, str]:
+    """(the per-position temperatures of a DSpark drafter's own confidence, fitted as SGLang applies them
+    (`heads.calibration_fit.fit_position_temperatures`) on the tokens of the head's calibration prompts, or of its training
+    prompts where it has none, never on the held-out ones; which prompts they were): (None, why) where those prompts
+    hold no drafted token."""
+    split = trained.split
+    source = "calibration" if split.get("calibration_prompts") else "training"
+    wanted = set(split.get("calibration_prompts") or split.get("train_prompts") or [])
+    rows = data.splits["train"]
+    ids = rows.with_format("numpy", columns=["prompt_ids"])["prompt_ids"]
+    data.splits["drafter_calibration"] = rows.select([i for i, row in enumerate(ids) if prompt_digest(row) in wanted])
+    try:
+        table = collect_tokens(trained, data, draft, split="drafter_calibration") if len(
+            data.splits["drafter_calibration"]) else None
+    finally:
+        del data.splits["drafter_calibration"]
+    if table is None or table.drafter_score is None or not len(table.label):
+        return None, f"not fitted: the head's {source} prompts hold no drafted token"
+    fitted = fit_position_temperatures(logits(table.drafter_score), table.accept, table.row, table.position,
+                                       max_positions, table.depth)
+    return fitted, f"fitted on the head's {source} prompts ({table.prompts} prompts, {len(table.label)} tokens)"
 
 
 def as_probability(name: str, score: np.ndarray) -> np.ndarray:
@@ -286,6 +334,9 @@ def offline_metrics(table: TokenTable, resamples: int = 200, seed: int = 0, bins
     comparisons = {"head_vs_best_baseline": head_over(best)}
     if "vllm_margin" in scores:
         comparisons["head_vs_top2_margin"] = head_over("vllm_margin")
+    for name in DRAFTER_SIGNALS:
+        if name in scores:
+            comparisons[f"head_vs_{name}"] = head_over(name)
     return {"signals": result, **comparisons}
 
 
@@ -328,14 +379,16 @@ def cumulative_calibration(table: TokenTable, calibration: PositionCalibration |
     the held-out tokens, before and (when the head carries one) after its per-position calibration, with the
     reliability bins of each and the ECE's 95 % interval over resampled prompts (`ece_ci`: its sampling noise, what
     an ECE goal is judged against). Given `scores` (`TokenTable.scores`), the same for each online fit's
-    (`ONLINE_SIGNALS`; stage: its name), whose calibration is the fit made causally along the tokens."""
-    windows = round_windows(table.row, table.position, max_positions)
+    (`ONLINE_SIGNALS`; stage: its name), whose calibration is the fit made causally along the tokens, and for a DSpark
+    drafter's own confidence with and without its temperatures (`DRAFTER_SIGNALS`). On a feature drafter's data a
+    window is a round at depths 1..k (`heads.calibration.round_windows`)."""
+    windows = round_windows(table.row, table.position, max_positions, table.depth)
     stages: list[tuple[str, list[tuple[np.ndarray, np.ndarray]]]] = [
         ("raw", cumulative_products(table.logit, table.accept, windows, None))]
     if calibration is not None:
         stages.append(("calibrated", cumulative_products(table.logit, table.accept, windows, calibration)))
     stages += [(name, [(scores[name][index].prod(axis=1), table.accept[index].prod(axis=1)) for index in windows])
-               for name in ONLINE_SIGNALS if name in (scores or {})]
+               for name in (*ONLINE_SIGNALS, *DRAFTER_SIGNALS) if name in (scores or {})]
     rows = []
     for stage, products in stages:
         for k, (product, label) in enumerate(products, start=1):

@@ -22,7 +22,8 @@ LABELS = {"head": "learned head", "svip_entropy": "SVIP −√H(q)", "draft_top1
           "vllm_current": "vLLM estimator, logit(max q)", "vllm_margin": "vLLM estimator, top-2 margin",
           "head_online": "head calibrated online", "head_online_margin": "head + margin calibrated online",
           "adaedl": "AdaEDL adapted bound",
-          "sv_companion": "SV companion bins",
+          "sv_companion": "SV companion bins", "dspark_confidence": "DSpark drafter's confidence head",
+          "dspark_confidence_ts": "DSpark confidence, temperature-scaled",
           "beta_oracle": "oracle β", "label_ceiling": "label ceiling"}
 
 

@@ -17,6 +17,7 @@ from jsonargparse.typing import PositiveInt
 
 from specheads.decoding.cost_table import PRESET_NAMES, PRESET_TOKENS, PRESETS, measured_table, roofline_table, write_cost_table
 from specheads.decoding.costs import CURVE_TOKENS
+from specheads.eval.config import named_drafter
 from specheads.pair.models import ModelSpec
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError, refuse_above
@@ -90,12 +91,10 @@ class ProfileConfig:
         if self.preset and (self.target != default_target() or self.draft != default_draft()):
             raise UsageError(f"--preset {self.preset} models its own pair ({PRESETS[self.preset].description}); drop "
                              "--target/--draft, or drop --preset to measure those models")
-        if self.eagle3 and self.dspark:
-            raise UsageError("--eagle3 and --dspark each name the draft; give one of them")
-        for flag, folder in (("--eagle3", self.eagle3), ("--dspark", self.dspark)):
-            if folder and (self.preset or not Path(folder, "config.json").is_file()):
-                raise UsageError(f"{flag} {folder}: give the folder of a drafter (its config.json and "
-                                 "model.safetensors) and no --preset")
+        drafter = named_drafter(self.eagle3, self.dspark)
+        if drafter and self.preset:
+            raise UsageError(f"--{drafter[0]} {drafter[1]} is measured; --preset {self.preset} models its own pair: "
+                             "drop one of them")
         if self.head and self.preset:
             raise UsageError(f"--head is timed beside a measured draft; --preset {self.preset} models its own pair, "
                              "whose heads eval prices by their weights: drop --head, or drop --preset to measure")
@@ -175,15 +174,11 @@ def measure_pair(config: ProfileConfig, tokens: tuple[int, ...], head: tuple[str
 
 def feature_draft(config: ProfileConfig, target: Any) -> tuple[Any, str]:
     """(the drafter of `--eagle3` or `--dspark` as the round engine's draft, its name in the table)."""
-    if config.eagle3:
-        from specheads.decoding.eagle3 import Eagle3Model
-        from specheads.pair.eagle3 import load_drafter
+    from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
 
-        return Eagle3Model(load_drafter(config.eagle3, target), target), f"EAGLE-3 {config.eagle3}"
-    from specheads.decoding.dspark import DSparkModel
-    from specheads.pair.dspark import load_drafter as load_dspark
-
-    return DSparkModel(load_dspark(config.dspark, target), target), f"DSpark {config.dspark}"
+    kind = "eagle3" if config.eagle3 else "dspark"
+    folder = getattr(config, kind)
+    return load_feature_draft(kind, folder, target), f"{DRAFTER_KINDS[kind]} {folder}"
 
 
 def main(argv: list[str]) -> int:

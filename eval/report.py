@@ -8,9 +8,10 @@ from typing import Any
 import markdown
 
 from specheads.artifacts.report_file import Report, tuned_row
+from specheads.decoding.drafters import DRAFTER_KINDS
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
-from specheads.eval.offline import BASELINES, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
+from specheads.eval.offline import BASELINES, DRAFTER_SIGNALS, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
 from specheads.eval.serving import PLANNED_BY_HEAD
 from specheads.plumbing.files import write_text_atomic
@@ -22,13 +23,18 @@ MIN_TEST_PROMPTS = 8
 
 def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """How the learned policy's tuned threshold fares on test prompts against the tuned baselines."""
-    learned = "head" if any(r["policy"] == "head" for r in decoding["policies"]) else "sprinter"
+    learned = "head" if decoding.get("head_left_out") or any(r["policy"] == "head" for r in decoding["policies"]) \
+        else "sprinter"
     mine = tuned_row(decoding, learned)
     tested = decoding["prompts"]["test"]
     result: dict[str, Any] = {"policy": learned, "test_prompts": tested, "indicative": tested < MIN_TEST_PROMPTS}
     lines = [f"Decoding figures rest on {count(tested, 'test prompt')} × {decoding['max_new_tokens']} "
              "new tokens" + (f": indicative only, not a finding (fewer than {MIN_TEST_PROMPTS} test prompts; decode more "
                              "with --num-decode-prompts)." if result["indicative"] else ".")]
+    drafter = decoding.get("drafter")
+    if drafter:
+        lines.append(f"Every decoding run drafted with the {DRAFTER_KINDS[drafter['kind']]} drafter {drafter['folder']} "
+                     "(its forwards counted as they ran: a DSpark block is one forward a round).")
     for baseline in (*DECODING_BASELINES, "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
@@ -37,6 +43,9 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
             if mine is not None:
                 result[f"gain_vs_{baseline}"] = mine["modelled_speedup"] / row["modelled_speedup"] - 1
                 result[f"gain_vs_{baseline}_ci"] = decoding.get("gain_intervals", {}).get(baseline)
+    if mine is None and decoding.get("head_left_out"):  # a feature drafter drafted: only the free rules decoded
+        result["note"] = f"the head's rules were not decoded: {decoding['head_left_out']}"
+        return result, lines + [result["note"][0].upper() + result["note"][1:] + "."]
     if mine is None:
         result["note"] = ("no SPRINTER threshold of the sweep kept the distance from the target within the budget on dev "
                           "prompts: the verifier keeps its untuned default (try higher --sprinter-thresholds or a "
@@ -182,7 +191,8 @@ def verdict(report: Report) -> dict[str, Any]:
              + (f" (95 % bootstrap interval over prompts {ci[0]:+.3f} to {ci[1]:+.3f})." if ci else "."),
              f"Its binary KL is {kl:.3f} against {kl_constant:.3f} for the constant predictor "
              f"({result['binary_kl_reduction'] * 100:.1f} % lower)." if kl < kl_constant else
-             f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}.", *margin_lines(report)]
+             f"Its binary KL {kl:.3f} is NOT below the constant predictor's {kl_constant:.3f}.", *margin_lines(report),
+             *drafter_lines(report)]
     if report.decoding:
         result["decoding"], more = decoding_verdict(report.decoding)
         lines += more + grid_edge_lines(report.decoding)
@@ -204,6 +214,31 @@ def margin_lines(report: Report) -> list[str]:
             f"{margin['auc']:.3f} against the head's {head['auc']:.3f}, a head margin of {comparison['auc_margin']:+.3f}"
             + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "") + f"; binary KL {fmt(margin['binary_kl'])} against "
             f"{fmt(head['binary_kl'])}" + cumulative_ece_note(report.cumulative) + "."]
+
+
+def drafter_lines(report: Report) -> list[str]:
+    """The head beside a DSpark drafter's own confidence head on the same tokens, with and without its per-position
+    temperatures, where the data stores its score."""
+    comparison = report.offline_comparison.get("dspark_confidence")
+    if not comparison:
+        return []
+    head, ours = report.offline["dspark_confidence"], report.offline["head"]
+    scaled = report.offline.get("dspark_confidence_ts")
+    ci = comparison["auc_margin_ci"]
+    ece = {stage: " ".join(fmt(r["ece"]) for r in sorted(report.cumulative or (), key=lambda r: r["k"])
+                           if r["stage"] == stage) for stage in ("raw", "calibrated", *DRAFTER_SIGNALS)}
+    ours_stage = "calibrated" if ece["calibrated"] else "raw"
+    line = (f"Beside the DSpark drafter's own confidence head (dspark_confidence, its score before each draw): AUC "
+            f"{head['auc']:.3f} against the head's {ours['auc']:.3f}, a head margin of {comparison['auc_margin']:+.3f}"
+            + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "") + f"; binary KL {fmt(head['binary_kl'])}"
+            + (f" ({fmt(scaled['binary_kl'])} with its temperatures, {report.data['dspark_temperatures']['how']})"
+               if scaled else f" (no temperatures: {report.data.get('dspark_temperatures', {}).get('how', 'none fitted')})")
+            + f" against the head's {fmt(ours['binary_kl'])}")
+    if ece["dspark_confidence"]:
+        line += (f"; cumulative ECE at k = 1, 2, …: {ece['dspark_confidence']}"
+                 + (f" ({ece['dspark_confidence_ts']} with temperatures)" if ece["dspark_confidence_ts"] else "")
+                 + f" against the head's ({ours_stage}) {ece[ours_stage]}")
+    return [line + "."]
 
 
 def cumulative_ece_note(rows: list[dict[str, Any]] | None) -> str:

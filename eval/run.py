@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,9 +21,11 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, CostTable, read_cost_table
 from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
+from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
 from specheads.decoding.engine import check_decodable_head
+from specheads.decoding.features import draft_block, refuse_for_draft
 from specheads.decoding.prompt_cache import PromptCache
-from specheads.decoding.rules import BASELINES
+from specheads.decoding.rules import BASELINES, RULES
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import COST_RULES, MEASURED, EvalConfig
 from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
@@ -31,6 +34,7 @@ from specheads.eval.offline import (
     calibration_table,
     collect_tokens,
     cumulative_calibration,
+    drafter_temperatures,
     offline_metrics,
     sprinter_distance,
     sprinter_operating_points,
@@ -66,6 +70,7 @@ from specheads.eval.sweep import (
     decoded_settings,
     default_settings,
     grid_edges,
+    head_free,
     is_tree,
     measure_costs,
     paired_gain_interval,
@@ -95,7 +100,7 @@ TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
 BASELINE_POLICIES = tuple(BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
-                       "vllm_history_adaptive")
+                       "vllm_history_adaptive", "dspark_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
@@ -284,6 +289,7 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
     checked = Checked(head_identity(trained), tables)
     if config.num_decode_prompts:
         check_decodable_head(trained.head)
+        check_drafter_head(config, trained)
     if config.fixed_thresholds:
         checked.tuning = given_tuning(config.fixed_thresholds, own_rule(trained), config.max_draft)
         check_given_rules(config, trained, checked.tuning, "--fixed-thresholds")
@@ -299,6 +305,36 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
     return checked
 
 
+def check_drafter_head(config: EvalConfig, trained: TrainedHead) -> None:
+    """Refuse a verifier's eval with --eagle3 / --dspark before any model loads: its rule, SPRINTER, earns no bonus
+    token, which a feature drafter's first round needs (`specheads.decoding.features.FeatureDraft.refuse`)."""
+    if config.drafter and trained.purpose not in STOP_PURPOSES:
+        kind = config.drafter[0]
+        raise UsageError(f"--{kind}: a verifier's eval decodes SPRINTER, whose rounds earn no bonus token, which a "
+                         f"{DRAFTER_KINDS[kind]} draft's first round needs; evaluate a stop head with --{kind}, or drop it")
+
+
+def head_rules_left_out(config: EvalConfig, trained: TrainedHead) -> str | None:
+    """Why the rules that read the evaluated head are not decoded (None: they are): with --eagle3 / --dspark the
+    head read the data's draft's state, not the drafter's."""
+    if not config.drafter:
+        return None
+    kind, folder = config.drafter
+    return (f"the head read the state of the data's draft ({trained.draft}), not the {DRAFTER_KINDS[kind]} drafter's "
+            f"({folder}): its rules decode with a head trained on that drafter's data")
+
+
+def drafter_context(kind: str, folder: str) -> dict[str, Any]:
+    """The drafter of the decoding runs as their context records it: its kind, folder and the sha256 of its
+    config.json and weights (runs of another drafter are neither reused nor resumed)."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(Path(folder) / name, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return {"kind": kind, "folder": str(Path(folder).absolute()), "sha256": digest.hexdigest()}
+
+
 def own_rule(trained: TrainedHead) -> str:
     """The evaluated head's own rule: the stop rule (`head`) or the SPRINTER loop."""
     return "head" if trained.purpose in STOP_PURPOSES else "sprinter"
@@ -311,7 +347,7 @@ def check_given_rules(config: EvalConfig, trained: TrainedHead, tuning: EarlierT
         raise UsageError(f"{given_by} names SV's companion rule; give --sv-companion-skip-layers")
     if config.tree_budgets:
         tree_settings(config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
-                      tuning.tree_floors, given_by)
+                      tuning.tree_floors, given_by, head_rules_left_out(config, trained))
 
 
 def cost_table_notes(config: EvalConfig, manifest: dict[str, Any], tables: dict[str, CostTable]) -> dict[str, list[str]]:
@@ -352,6 +388,8 @@ class DecodePlan:
     trees: list[Setting]
     trees_left_out: dict[str, str]
     head_cost: float  # a head forward over one token in draft forwards (`head_forward_cost`): what its scores are counted at
+    draft: Any  # what drafts the runs: the data's draft, or the --eagle3 / --dspark drafter
+    head_left_out: str | None = None  # why the rules reading the head are not decoded (`head_rules_left_out`)
 
 
 def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
@@ -360,7 +398,13 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     """The decode prompts and every check that needs the models but no forward: enough prompts, batch sizes the test
     requests fill, --tuned-from and --reuse-runs against this context, the tree settings and the pair's caches.
     `skipped`: the prompts not to decode (`prompt_digest`s); `companion_cost`: SV's companion's, when it decodes."""
-    max_context = min(context_length(pair.target), context_length(pair.draft))
+    draft = pair.draft
+    if config.drafter:  # loaded, and what it cannot draft with refused, before any forward
+        draft = load_feature_draft(*config.drafter, pair.target)
+        for name in ("dspark_confidence", "dspark_adaptive"):
+            if name in (*(config.fixed_thresholds or {}), *config.serving_batch_policies):
+                refuse_for_draft(draft, RULES[name], None, None)
+    max_context = min(context_length(pair.target), context_length(draft))
     prompts, left_out = held_out_prompts(config, manifest, skipped, pair.tokenizer, max_context)
     too_long = left_out.too_long_line(max_context, config.max_new_tokens)
     if too_long:
@@ -377,6 +421,9 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     identity = manifest["identity"]
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
+    if config.drafter:
+        context["drafter"] = drafter_context(*config.drafter)
+    head_left_out = head_rules_left_out(config, trained)
     if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)
     head_cost = head_forward_cost(trained.head, pair.draft)
@@ -389,10 +436,10 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     trees, trees_left_out = tree_settings(
         config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
         tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
-        else "--fixed-thresholds") if config.tree_budgets else ([], {})
+        else "--fixed-thresholds", head_left_out) if config.tree_budgets else ([], {})
     if trees:
-        check_tree_pair(RoundEngine(pair.target, pair.draft, transform, []), trained.head)
-    return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out, head_cost)
+        check_tree_pair(RoundEngine(pair.target, draft, transform, []), trained.head)
+    return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out, head_cost, draft, head_left_out)
 
 
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
@@ -405,19 +452,22 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     learned = own_rule(trained)
     head_cost = plan.head_cost
     place(pair.target, device)
-    place(pair.draft, device)
+    place(plan.draft, device)
     trained.head.to(device)
     prob = table.top1 if transform.greedy else np.exp(table.logq)
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
-        config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None)
+        config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None,
+        drafter_scores=getattr(plan.draft, "scores", False))
     if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
         settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
     settings += trees
+    if plan.head_left_out:
+        settings = head_free(settings, config.max_draft)
     journal = open_journal(Path(config.out), context, asdict(checked.head))
     finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
-    prompt_cache = PromptCache(config.prompt_cache_mb << 20) if config.prompt_cache_mb else None
-    engine = RoundEngine(pair.target, pair.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
+    prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+    engine = RoundEngine(pair.target, plan.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
                          prompt_cache)
     engine.store_prompts([list(p.ids) for p in prompts], config.decode_batch_size)  # no setting times the prefill
     records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
@@ -454,6 +504,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "reused_runs": {"from": config.reuse_runs, "count": sum(r.reused for r in records if r.policy != "oracle")},
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}
+    if config.drafter:
+        section.update(drafter=context["drafter"], head_left_out=plan.head_left_out)
     if trees:
         section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
                                         tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
@@ -461,7 +513,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     if config.serving_batch_sizes:  # the trees are per-request rules too: served from their runs beside the chains
         served = {**tuned, **{policy: floor for policy, floor in (section.get("trees") or {}).get("tuned_floors", {}).items()
                               if not math.isnan(floor)}}
-        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained, checked)
+        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained, checked,
+                                             plan.head_left_out)
     return Decoding(section, records, tuned.get(learned), context, journal)
 
 
@@ -479,20 +532,20 @@ def resumable(journal: RunJournal, settings: list[Setting], prompts: list[Decode
 
 def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, records: list[Any],
                     tuned: dict[str, float], engine: RoundEngine, prompts: list[DecodePrompt],
-                    trained: TrainedHead, checked: Checked) -> dict[str, Any]:
+                    trained: TrainedHead, checked: Checked, head_left_out: str | None = None) -> dict[str, Any]:
     """Each policy at its tuned threshold, and the batch policies (the verify budget, SmartSpec's K), serving
     `config.serving_batch_sizes` requests at a time (eval.serving), priced with the models' cost curves (given in
     `config.serving_costs` or measured here) and with the draft at `config.cost_ratio` × the target; a policy that
     reads a head pays its forwards (its curve where one was timed for that head, else its weights' share of the
-    draft's)."""
-    budget_head = None if checked.budget_head is None else checked.budget_head.to(device).eval()
-    left_out = dict(checked.budget_left_out)
+    draft's). `head_left_out`: why the batch rules that read a head are left out (a feature drafter drafts)."""
+    budget_head = None if checked.budget_head is None or head_left_out else checked.budget_head.to(device).eval()
+    left_out = dict(checked.budget_left_out) if not head_left_out else {"budget": head_left_out}
     heads = {"evaluated": trained.head, **({"budget": budget_head} if budget_head is not None else {})}
     digests = {"evaluated": checked.head.weights_digest, "budget": checked.budget_digest}  # each computed once an eval
     sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
     for name in config.serving_cost_sources:
         if name == MEASURED:
-            measured = ServingCosts(measure_cost_curve(pair.draft), measure_cost_curve(pair.target))
+            measured = ServingCosts(measure_cost_curve(engine.draft), measure_cost_curve(pair.target))
             sources.append((MEASURED, lambda size, measured=measured: measured, True))
             measured_heads[MEASURED] = {digests[role]: measure_head_curve(head) for role, head in heads.items()}
             curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
@@ -502,7 +555,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             view = table.view if table.view not in curves else f"{table.view} ({name})"
             sources.append((view, table.at_batch_size, table.source != "roofline"))
             measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
-            curves[view] = {**curves_used(table.costs, most_served_tokens(config)), "source": table.describe(),
+            curves[view] = {**curves_used(table.costs, most_served_tokens(config, draft_block(engine.draft))),
+                            "source": table.describe(),
                             "modelled": table.modelled, "per_batch_size": table.source == "roofline" and name in PRESET_NAMES,
                             **table_file(table), **({"notes": checked.table_notes[name]}
                                                    if checked.table_notes.get(name) else {})}
@@ -511,7 +565,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
     batch_policies: dict[str, float] = {}  # in the order --serving-batch-policies names them
-    for policy in dict.fromkeys(config.serving_batch_policies):
+    named = [*config.serving_batch_policies, *(["dspark_adaptive"] if getattr(engine.draft, "scores", False) else [])]
+    for policy in dict.fromkeys(named):
         if policy in FREE_BATCH_POLICIES:
             batch_policies[policy] = float(config.max_draft)
         elif budget_head is None:  # the budget and dcut's planner fed the head's products need an expected head
@@ -545,11 +600,11 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
 
 
-def most_served_tokens(config: EvalConfig) -> int:
+def most_served_tokens(config: EvalConfig, block: int | None = None) -> int:
     """The most tokens one forward of the serving table can hold: the largest batch, each row reading at most as
     many tokens as a round drafts (K_max, a tree's N) or a row generates (a draft catching up after rounds without
-    drafting), plus one."""
-    per_row = max(config.max_draft, config.max_new_tokens, *(config.tree_budgets or []))
+    drafting), plus one, and a block drafter's block beside its catch-up."""
+    per_row = max(config.max_draft, config.max_new_tokens, *(config.tree_budgets or [])) + (block or 0)
     return max(config.serving_batch_sizes or [1]) * (per_row + 1)
 
 
@@ -663,6 +718,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if not len(table.label):
         raise UsageError(f"the held-out prompts of {config.data} hold no labelled token for this head; "
                          "evaluate on data with more prompts or draft positions")
+    temperatures = None
+    if table.drafter_score is not None:  # a DSpark drafter's own confidence head: scored with and without them
+        table.drafter_temperatures, temperatures = drafter_temperatures(trained, data, pair.draft if pair else None,
+                                                                        config.max_draft)
     companion = None
     if companion_model is not None:
         table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
@@ -675,6 +734,10 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if temperatures is not None:
+        data_section["dspark_temperatures"] = {
+            "temperatures": None if table.drafter_temperatures is None else
+            [1 / scale for scale in table.drafter_temperatures.scale], "how": temperatures}
     if table.margin_note:  # data labelled before gen stored `top2`
         data_section["margin_note"] = table.margin_note
         print(f"Note: {table.margin_note}.", flush=True)
@@ -708,10 +771,12 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
 
 
 def offline_comparison(offline: dict[str, Any]) -> dict[str, Any]:
-    """metrics.json's `offline_comparison`: the head against the best training-free signal, and under `top2_margin`
-    against the top-2 margin fitted online where the data stores `top2`."""
-    margin = offline.get("head_vs_top2_margin")
-    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {})}
+    """metrics.json's `offline_comparison`: the head against the best training-free signal, under `top2_margin`
+    against the top-2 margin fitted online where the data stores `top2`, and under `dspark_confidence` against a DSpark
+    drafter's own confidence head where the data stores its score."""
+    margin, drafter = offline.get("head_vs_top2_margin"), offline.get("head_vs_dspark_confidence")
+    return {**offline["head_vs_best_baseline"], **({"top2_margin": margin} if margin else {}),
+            **({"dspark_confidence": drafter} if drafter else {})}
 
 
 def write_plots(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,

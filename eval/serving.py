@@ -63,6 +63,7 @@ NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and l
               "pmin": "a round p_min ends checks one candidate fewer than it drafted, and its runs record what was "
                       "drafted, not what was checked, so a replay would price the dropped candidate in the target's "
                       "forward"}
+NOT_SERVED["dspark_confidence"] = NOT_SERVED["pmin"]  # p_min on the drafter's confidence: the same rounds
 
 PLANNED_BY_HEAD = ("goodput", "goodput_online", "budget")
 """The batch policies that plan with the trained expected-acceptance head (the budget head), judged against the others

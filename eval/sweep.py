@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.costs import hindsight_forwards, hindsight_widths
+from specheads.decoding.features import draft_block
 from specheads.decoding.online import ADAEDL_GAMMA, SGLANG_START
 from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.decoding.tree import TreeRule, child_values_refusal, decode_tree
@@ -149,9 +151,11 @@ FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristi
 
 def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
                      head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
-                     constant_ks: Iterable[int] | None = None, companion: bool = False) -> list[Setting]:
+                     constant_ks: Iterable[int] | None = None, companion: bool = False,
+                     drafter_scores: bool = False) -> list[Setting]:
     """The sweep for a head of `purpose`: constant K, SVIP, confidence, the field's free rules, SV's companion
-    predictor where a companion runs (`companion`), the head and the oracle (stop heads), or constant K beside the
+    predictor where a companion runs (`companion`), p_min on a DSpark drafter's confidence where the draft makes
+    one (`drafter_scores`, at the head's thresholds), the head and the oracle (stop heads), or constant K beside the
     SPRINTER loop (verifiers)."""
     head_thresholds = HEAD_THRESHOLDS if head_thresholds is None else head_thresholds
     sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
@@ -166,6 +170,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
         settings += [Setting(policy, value) for policy, value in FIXED_SETTINGS.items()]
         if companion:
             settings += [Setting("sv_companion", t) for t in head_thresholds]  # 1 − Π p̂_k > h, as the head's rule
+        if drafter_scores:
+            settings += [Setting("dspark_confidence", t) for t in head_thresholds]  # its confidence < p_min
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))
     else:
@@ -173,13 +179,14 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     return settings
 
 
-def as_oracle(record: RunRecord) -> RunRecord:
+def as_oracle(record: RunRecord, block: int | None = None) -> RunRecord:
     """The hindsight oracle's accounting of a constant-K_max run (the same tokens): it drafts only the candidates the
-    target accepts, one draft forward each (the first reading the run's catch-up), and calls the target as often."""
-    widths = [[first[0]] + [1] * (accepted - 1) if accepted else []
-              for first, accepted in zip(record.draft_widths_per_round, record.accepted_per_round)]
+    target accepts, one draft forward each (the first reading the run's catch-up), or one block a round that keeps
+    any for a draft of forward shape `block` (`specheads.decoding.costs.hindsight_forwards`), and calls the target as
+    often."""
+    widths = hindsight_widths(record.draft_widths_per_round, record.accepted_per_round, block)
     return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round),
-                   draft_forwards=record.accepted, draft_widths_per_round=widths)
+                   draft_forwards=hindsight_forwards(record.accepted_per_round, block), draft_widths_per_round=widths)
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
@@ -214,6 +221,19 @@ def decode_runs(engine: RoundEngine, setting: Setting, prompts: list[DecodePromp
                    else [math.nan] * len(results))
     return [record_of(setting, prompt, result, likelihood)
             for prompt, result, likelihood in zip(prompts, results, likelihoods)]
+
+
+def reads_head(setting: Setting, max_draft: int) -> bool:
+    """Whether the setting's rule (or tree) reads the evaluated head."""
+    tree = tree_policy(setting.policy)
+    if tree is not None:
+        return tree.rule(setting.threshold).reads_head
+    return make_policy(setting.policy, setting.threshold, max_draft).reads_head
+
+
+def head_free(settings: list[Setting], max_draft: int) -> list[Setting]:
+    """The settings whose rules read no head (a feature drafter's eval: the head read another draft's state)."""
+    return [setting for setting in settings if not reads_head(setting, max_draft)]
 
 
 def decoded_settings(settings: list[Setting], max_draft: int) -> list[Setting]:
@@ -268,7 +288,7 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
             record = replace(earlier[number], split=prompt.split) if earlier[number] is not None else decoded[number]
             records.append(record)
             if oracle_wanted and setting == Setting("constant_k", float(max_draft)):
-                records.append(as_oracle(record))
+                records.append(as_oracle(record, draft_block(engine.draft)))
     bar.close()
     return records
 
@@ -514,13 +534,15 @@ def tree_head_refusal(head: AcceptanceHead, purpose: str) -> str | None:
 
 def tree_settings(budgets: Iterable[int], head: AcceptanceHead, purpose: str, cost_ratio: float,
                   floors: Iterable[float] | None = None, given: dict[str, float] | None = None,
-                  given_by: str = "--fixed-thresholds") -> tuple[list[Setting], dict[str, str]]:
+                  given_by: str = "--fixed-thresholds",
+                  head_left_out: str | None = None) -> tuple[list[Setting], dict[str, str]]:
     """The tree settings of a sweep, and the trees left out with why: for each budget N, the head-valued tree (when
-    the head can value children, `tree_head_refusal`) and the confidence-valued tree at each floor of `floors`
+    the head can value children, `tree_head_refusal`, and its rules are decoded: `head_left_out` says why not) and
+    the confidence-valued tree at each floor of `floors`
     (TREE_FLOORS by default; tuned on dev prompts afterwards), or at the one floor `given` for it (keyed by policy
     name, `tree_head_n8`, or by kind, `tree_head`, for every N) by `given_by`; and both grown by the costs at
     `cost_ratio` (floor 0, tuned nowhere)."""
-    refusal = tree_head_refusal(head, purpose)
+    refusal = head_left_out or tree_head_refusal(head, purpose)
     sources = ("confidence",) if refusal else ("head", "confidence")
     settings = []
     for budget in dict.fromkeys(budgets):

@@ -6,7 +6,7 @@ class-weight correction) to â_k = σ(scale_k · z + bias_k), one affine map per
 so each map is monotone and keeps the head's ranking within a position. It is temperature scaling
 (scale_k = 1 / T_k, DSpark's "sequential temperature scaling") plus a shift: the weighted BCE and the
 prior correction leave a bias that a temperature alone cannot remove. Positions beyond the last fitted
-one use the last map. `train.calibration` fits the maps, in order of k, on prompts held out from training.
+one use the last map. `heads.calibration_fit` fits the maps, in order of k, on prompts held out from training.
 """
 
 from __future__ import annotations
@@ -85,13 +85,18 @@ def window_starts(row: np.ndarray, position: np.ndarray, length: int) -> np.ndar
     return np.flatnonzero(ends[run] - np.arange(count) >= length)
 
 
-def round_windows(row: np.ndarray, position: np.ndarray, max_positions: int) -> list[np.ndarray]:
+def round_windows(row: np.ndarray, position: np.ndarray, max_positions: int,
+                  depth: np.ndarray | None = None) -> list[np.ndarray]:
     """For k = 1..max_positions, the token indices [windows, k] of every run of k consecutive drafted candidates (any
-    drafted token may open a round: the draft's state there is the same whichever token ended the last round)."""
+    drafted token may open a round: a draft model's state there is the same whichever token ended the last round).
+    With `depth` (a feature drafter's data, whose q depends on the depth in its round: `data_gen.drafter_labels`), only
+    the runs whose tokens sit at depths 1..k, a round as that drafter drafts it."""
     windows = []
     for k in range(1, max_positions + 1):
-        starts = window_starts(row, position, k)
-        windows.append(starts[:, None] + np.arange(k)[None, :])
+        index = window_starts(row, position, k)[:, None] + np.arange(k)[None, :]
+        if depth is not None:
+            index = index[(depth[index] == np.arange(1, k + 1)[None, :]).all(axis=1)]
+        windows.append(index)
     return windows
 
 

@@ -16,6 +16,7 @@ from specheads.model_outputs.sampling import SamplingTransform
 pytest.importorskip("speculators.models.dspark")
 
 from specheads.decoding import RoundEngine, make_policy  # noqa: E402
+from specheads.decoding.costs import CostCurve, ServingCosts, round_seconds  # noqa: E402
 from specheads.decoding.dspark import DSparkModel, block_forward, candidate_logits, dspark_decode  # noqa: E402
 from specheads.decoding.rules import StopPolicy  # noqa: E402
 from specheads.decoding.tree import TreeRule, decode_tree  # noqa: E402
@@ -117,6 +118,38 @@ def test_a_rule_reading_the_confidence_head_stays_exact_and_sees_the_b1_loops_sc
     assert {r.drafted_per_round[1] for r in results} == {1, 2}  # the rule ended some rounds after one candidate
 
 
+@pytest.mark.parametrize("rule", ["dspark_confidence", "dspark_adaptive"])
+def test_the_drafters_confidence_as_a_free_rule_stays_exact(tiny_dspark, rule):
+    """llama.cpp's p_min on the confidence head (the candidate below it ends the round unchecked) and vLLM's adaptive
+    verification planning on it (the goodput planner ranking the rows' candidates by its survival products): both
+    read a score known before the draw, so the output stays the target's."""
+    target, drafter = tiny_dspark
+    transform = SamplingTransform(1.0)
+    engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
+    costs = ServingCosts(CostCurve((1, 64), (0.05, 0.1)), CostCurve((1, 64), (1.0, 1.6)))
+    runs, log = 800, []
+    results = engine.decode([PROMPT] * runs, make_policy(rule, 0.7 if rule == "dspark_confidence" else 3, max_draft=3),
+                            LENGTH, list(range(runs)), batch_size=8, costs=costs, log=log)
+    assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
+    checked = [(v, d) for record in log for v, d in zip(record.verified, record.drafted) if d]
+    if rule == "dspark_confidence":  # a candidate whose confidence was below p_min ended its round unchecked
+        assert any(v == d - 1 for v, d in checked) and any(v == d for v, d in checked)
+    else:  # the confidence planned each row's drafting: rows of one round drafted to different lengths
+        assert any(len(set(record.drafted)) > 1 for record in log)
+
+
+def test_a_rule_reading_the_drafters_confidence_is_refused_with_a_draft_that_has_none(tiny_dspark):
+    target, drafter = tiny_dspark
+    plain = random_dspark(target, [0, 1, 2], d2t=[0, 1], t2d=[True, False, True], confidence_head=False)
+    for draft in (DSparkModel(plain, target), tiny_lm(seed=2)):
+        engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+        for rule in ("dspark_confidence", "dspark_adaptive"):
+            with pytest.raises(UsageError, match=f"the {rule} rule reads a DSpark drafter's confidence head") as raised:
+                engine.decode([PROMPT], make_policy(rule, 0.5 if rule == "dspark_confidence" else 3), 4, [0],
+                              costs=ServingCosts(CostCurve((1, 2), (0.1, 0.1)), CostCurve((1, 2), (1.0, 1.0))))
+            assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("pair, prompts", [("tiny_dspark", [[0, 1], [2, 0, 1, 1], [1]]),
                                            ("recurrent_dspark", [[0, 1], [2, 0, 1, 1], [1]]),
                                            ("wide_dspark", [[5, 9, 30, 41], [8, 3], [12, 60, 7, 99, 14, 2]])])
@@ -189,6 +222,27 @@ def test_dspark_tree_drafts_sample_the_target_distribution(tiny_dspark, batch_si
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
     assert 0 < sum(r.accepted for r in results) < sum(r.drafted for r in results)
     assert all(len(widths) <= 1 for r in results for widths in r.draft_widths_per_round)  # one block forward a round
+
+
+def test_a_dspark_decode_is_counted_and_planned_at_one_block_forward_a_round(tiny_dspark):
+    """The oracle keeps a round's accepted candidates, one block forward for all of them (not one each); SmartSpec,
+    told the draft's shape, drafts the whole block where a chain's second forward would not pay (a draft at half the
+    target's cost, a flat target: its prior a = 0.7 picks K = 1 for a chain); the served rounds' prices read one
+    forward a round."""
+    target, drafter = tiny_dspark
+    engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    results = engine.decode([PROMPT] * 60, make_policy("oracle", 3, max_draft=3), 12, list(range(60)), batch_size=8)
+    assert all(r.draft_forwards == sum(1 for a in r.accepted_per_round if a) for r in results)
+    assert any(a > 1 for r in results for a in r.accepted_per_round)  # rounds that keep several candidates of a block
+    costs = ServingCosts(CostCurve((1, 64), (0.5, 0.5)), CostCurve((1, 64), (1.0, 1.0)))
+    log = []
+    planner = make_policy("smartspec", 3, max_draft=3).planner(costs)
+    result = engine.decode([PROMPT], make_policy("smartspec", 3, max_draft=3), 12, [0], costs=costs, log=log,
+                           planner=planner)[0]
+    assert planner.costs.block == 3 and result.drafted_per_round[1] == 3  # round 1 reads the prompt: it drafts none
+    # one forward: the first token read as context (the prompt's prefill is not priced) and the block's three slots
+    assert [widths for record in log for widths in record.draft_widths][1] == [1 + 3]
+    assert round_seconds(log[1], costs.shaped(3)) == pytest.approx(0.5 + 1.0)
 
 
 def test_greedy_dspark_trees_give_the_targets_greedy_tokens(wide_dspark):
@@ -282,3 +336,22 @@ def test_profile_refuses_two_drafters_or_a_dspark_folder_that_is_not_one_before_
         error = capsys.readouterr().err.strip()
         assert ("give the folder of a drafter" in error or "give one of them" in error) and error.count("\n") == 0
     assert not (tmp_path / "costs.json").exists()
+
+
+def test_the_wall_clock_benchmark_decodes_each_rule_with_a_dspark_drafter(wide_dspark, tiny_model, prompts_file, tmp_path):
+    """benchmarks/dspark_decode.py (the code it shares with eagle3_decode.py: `specheads.eval.wall_clock`): every
+    rule beside the target alone on the same prompts and seeds, at most one block forward a target call."""
+    from conftest import load_benchmark
+
+    save_drafter(wide_dspark[1], tmp_path / "drafter", dtype=torch.float32)
+    bench = load_benchmark("dspark_decode")
+    args = bench.DSparkBenchmark(drafter=str(tmp_path / "drafter"), target=str(tiny_model), prompt_file=str(prompts_file),
+                                 prompts=3, max_new_tokens=8, rules=["constant_k:4", "dspark_confidence:0.7", "tree:0.1"],
+                                 resamples=20, out=str(tmp_path / "out.json"))
+    report = bench.benchmark_drafter(args, "dspark")
+    assert json.loads((tmp_path / "out.json").read_text()) == json.loads(json.dumps(report))
+    assert report["kind"] == "dspark" and set(report["rules"]) == set(args.rules)
+    for rule, row in report["rules"].items():
+        assert row["tokens_per_s"] > 0 and 0 < row["draft_forwards_per_target_call"] <= 1, rule
+        assert (row["acceptance_per_position"] is None) == rule.startswith("tree:")
+        assert len(row["speedup_interval"]) == 2

@@ -15,10 +15,10 @@ from specheads.dataset.targets import head_inputs
 from specheads.decoding import RoundEngine, make_policy
 from specheads.heads import OnTimeAcceptanceHead, PositionCalibration, ResNetAcceptanceHead, load_head
 from specheads.heads.calibration import cumulative_products, round_windows, window_starts
+from specheads.heads.calibration_fit import fit_position_calibration
 from specheads.heads.loading import COST_RULE, STOP_RULE, cost_rule_refusal
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
-from specheads.train.calibration import fit_position_calibration
 from specheads.train.loss import weighted_bce
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"

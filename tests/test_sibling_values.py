@@ -100,7 +100,7 @@ def test_second_children_need_a_head_a_tree_can_use_and_untruncated_sampling(sib
 def test_the_sibling_calibration_of_depth_k_is_the_weighted_fit_of_the_second_children_a_tree_reaches_there():
     """Depth k's map is the logistic fit of the second children's labels at the last position of every run of k
     drafted positions, weighted by Π first_accept before it × (1 − first_accept) there (checked against sklearn)."""
-    from specheads.train.calibration import fit_sibling_calibration
+    from specheads.heads.calibration_fit import fit_sibling_calibration
 
     rng = np.random.default_rng(0)
     rows, length = 400, 6

@@ -249,7 +249,8 @@ def test_train_configs_are_valid(config, labelled, capsys):
 
     assert main(["train", "fit", "--config", str(config), "--data.path", str(labelled), "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["head"] in ("specdecpp_resnet", "specdecpp_ontime", "expected_acceptance", "sprinter_linear")
+    assert printed["model"]["head"] in ("specdecpp_resnet", "specdecpp_ontime", "expected_acceptance", "sprinter_linear",
+                                        "dspark_confidence")
     AcceptanceModule(**{**yaml.safe_load(config.read_text())["model"], "hidden_size": 32})  # constructor accepts it
 
 

@@ -8,6 +8,7 @@ signals and the binary KL of the constant predictor, so the head's margin is vis
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -25,14 +26,15 @@ from specheads.dataset.targets import (
     Contexts,
     draft_features,
     head_inputs,
+    markov_argument,
     stale_target_states,
     token_targets,
 )
 from specheads.heads import SIGNALS, STOP_PURPOSES, STORED_SIGNALS, TARGET_STALENESS, AcceptanceHead, head_class
+from specheads.heads.calibration_fit import fit_position_calibration, fit_sibling_calibration
 from specheads.heads.roles import role_of
 from specheads.model_outputs.states import describe_state
 from specheads.plumbing.errors import UsageError
-from specheads.train.calibration import fit_position_calibration, fit_sibling_calibration
 from specheads.train.loss import position_weights, run_positions, weighted_bce
 from specheads.train.probe import signal_probe
 
@@ -57,7 +59,7 @@ class AcceptanceModule(L.LightningModule):
         embedding_size: filled in from the draft when `candidate_embedding` is on; leave it at 0.
         start_from_signals: start the output layer at the weighted logistic regression of the extra features
             on the training labels (`train.probe`), so that the untrained head already uses the draft's signals.
-        calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`train.calibration`),
+        calibrate_positions: a stop head's calibration of Π â per round position k = 1..this (`heads.calibration_fit`),
             fitted after every validation on the data's calibration prompts (`data.calibration_fraction`) and
             stored with the weights; 0 fits none.
         target_state: a head deciding at draft also reads the target's state at the last position it verified and
@@ -99,7 +101,7 @@ class AcceptanceModule(L.LightningModule):
         self.alpha_out: torch.nn.Linear | None = None
         self.validation = torch.nn.ModuleDict({name: CatMetric(nan_strategy="disable") for name in VALIDATION_COLUMNS})
         self.constant = float("nan")
-        if hidden_size is not None:
+        if hidden_size is not None and (head_args or {}).get("markov_rank", 0) is not None:  # null: the data's, in setup
             self.build(hidden_size, embedding_size)
 
     @property
@@ -134,6 +136,7 @@ class AcceptanceModule(L.LightningModule):
                              f"{data.draft_name!r}; fix model.draft or use data from that draft")
         self.match_state_layer(data)
         self.match_target_states(data)
+        self.match_markov(data)
         data.require_states(self.hparams.head, self.reads, self.purpose)
         if data.children == "second" and (self.purpose not in STOP_PURPOSES or self.reads != CONTEXT_STATE):
             raise UsageError(f"data.children: second trains a head of a tree's later siblings, which a tree scores from "
@@ -210,6 +213,22 @@ class AcceptanceModule(L.LightningModule):
         if self.head is not None and self.head.target_state_size != data.target_hidden_size:
             self.head = None
 
+    def match_markov(self, data: Any) -> None:
+        """A head with a `markov_rank` (dspark_confidence) reads the data's Markov embedding (`markov_features`, from a
+        DSpark drafter): rank null takes the data's; a rank the data does not store is refused."""
+        if "markov_rank" not in inspect.signature(head_class(self.hparams.head)).parameters:
+            return
+        head_args = dict(self.hparams.head_args or {})
+        rank = data.markov_rank if head_args.get("markov_rank") is None else head_args["markov_rank"]
+        if rank and rank != data.markov_rank:
+            stored = f"a Markov embedding of rank {data.markov_rank}" if data.markov_rank else "no Markov embedding"
+            raise UsageError(f"model.head_args.markov_rank is {rank} but {data.path} stores {stored}; set it to "
+                             f"{data.markov_rank} or null (the data's), or label the data with that DSpark drafter")
+        self.hparams.head_args = {**head_args, "markov_rank": rank}
+        data.with_markov = rank > 0
+        if self.head is not None and getattr(self.head, "markov_rank", rank) != rank:
+            self.head = None
+
     def fit_statistics(self, data: Any) -> None:
         """Input standardisation and the constant predictor, from the training split's labelled tokens."""
         signals, labels = [], []
@@ -262,19 +281,22 @@ class AcceptanceModule(L.LightningModule):
     def head_inputs(self, batch: dict[str, Any], seed: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, labels, mask) over the batch's labelled positions."""
-        hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, seed)
-        return self.head(hidden, signals, embedding, target, staleness), label, mask
+        hidden, signals, embedding, label, mask, target, staleness, markov = self.batch_inputs(batch, seed)
+        return self.head(hidden, signals, embedding, target, staleness, **markov), label, mask
 
-    def batch_inputs(self, batch: dict[str, Any], seed: int | None = None) -> tuple[torch.Tensor, ...]:
-        """(hidden, signals, candidate embedding, label, mask, target state, staleness) of the batch's labelled
-        positions (`head_inputs`); the last two are None unless the head reads the target's state, whose staleness
-        is drawn at random while training and fixed by `seed` (the batch's index) for validation and calibration."""
+    def batch_inputs(self, batch: dict[str, Any], seed: int | None = None) -> tuple[Any, ...]:
+        """(hidden, signals, candidate embedding, label, mask, target state, staleness, Markov keyword) of the batch's
+        labelled positions (`head_inputs`); target state and staleness are None unless the head reads the target's
+        state, whose staleness is drawn at random while training and fixed by `seed` (the batch's index) for
+        validation and calibration; the last is `markov_argument`'s keyword for the head (empty unless it reads a
+        DSpark drafter's Markov embedding)."""
         features = batch["features"] if "features" in batch else self.draft_features(batch, batch["valid"].shape[1])
         inputs = head_inputs(batch, features, self.reads, self.purpose, self.head.extra_features, self.hparams.tau,
                              self.hparams.contexts, self.embeddings)
+        markov = markov_argument(batch, inputs[4], self.reads, self.head)
         if not self.head.target_state_size:
-            return (*inputs, None, None)
-        return (*inputs, *stale_target_states(batch, inputs[4], TARGET_STALENESS, seed))
+            return (*inputs, None, None, markov)
+        return (*inputs, *stale_target_states(batch, inputs[4], TARGET_STALENESS, seed), markov)
 
     def draft_features(self, batch: dict[str, Any], width: int) -> torch.Tensor:
         """Online mode: the frozen draft's states on prompt + mixed tokens, padded like stored features."""
@@ -290,11 +312,12 @@ class AcceptanceModule(L.LightningModule):
     def objective(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """(the training loss of a batch, its labelled tokens): the weighted BCE (position-weighted with
         `position_gamma`), plus `alpha_weight` × the auxiliary output's BCE against α at the same tokens."""
-        hidden, signals, embedding, labels, mask, target, staleness = self.batch_inputs(batch)
-        features = self.head.features(hidden, signals, embedding, target, staleness)
+        hidden, signals, embedding, labels, mask, target, staleness, markov = self.batch_inputs(batch)
+        features = self.head.features(hidden, signals, embedding, target, staleness, **markov)
         weights = batch["child_weight"][mask].float() if "child_weight" in batch else None  # second children
         if self.hparams.position_gamma is not None:
-            position = position_weights(run_positions(batch["is_draft"])[mask], self.hparams.position_gamma)
+            depth = batch["depth"] if "depth" in batch else run_positions(batch["is_draft"])  # a drafter's: its own
+            position = position_weights(depth[mask], self.hparams.position_gamma)
             weights = position if weights is None else weights * position
         if self.alpha_out is None:
             return weighted_bce(self.head.score(features), labels, self.hparams.w_acc, self.hparams.w_rej, weights), len(labels)
@@ -348,15 +371,17 @@ class AcceptanceModule(L.LightningModule):
         hyperparameters, so that every checkpoint carries the map that fits its weights. Every rank fits the same
         map from the same ordered rows."""
         data = self.trainer.datamodule
-        logits, accept, first, rows, positions, offset = [], [], [], [], [], 0
+        logits, accept, first, depths, rows, positions, offset = [], [], [], [], [], [], 0
         for index, batch in enumerate(data.ordered_batches("calibration", with_features=True)):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            hidden, signals, embedding, label, mask, target, staleness = self.batch_inputs(batch, seed=index)
-            logits.append((self.head(hidden, signals, embedding, target, staleness)
+            hidden, signals, embedding, label, mask, target, staleness, markov = self.batch_inputs(batch, seed=index)
+            logits.append((self.head(hidden, signals, embedding, target, staleness, **markov)
                            + self.head.logit_correction).double().cpu())
             accept.append(label.double().cpu())
             if "first_accept" in batch:
                 first.append(batch["first_accept"][mask].double().cpu())
+            if "depth" in batch:
+                depths.append(batch["depth"][mask].cpu())
             row, position = mask.nonzero(as_tuple=True)
             rows.append((row + offset).cpu())
             positions.append(position.cpu())
@@ -364,7 +389,8 @@ class AcceptanceModule(L.LightningModule):
         columns = [torch.cat(part).numpy() for part in (logits, accept, rows, positions)]
         calibration = (fit_sibling_calibration(*columns[:2], torch.cat(first).numpy(), *columns[2:],
                                                self.hparams.calibrate_positions) if first else
-                       fit_position_calibration(*columns, self.hparams.calibrate_positions))
+                       fit_position_calibration(*columns, self.hparams.calibrate_positions,
+                                                torch.cat(depths).numpy() if depths else None))
         self.head.set_calibration(calibration)
         self.hparams.head_args = {**(self.hparams.head_args or {}), "calibration": calibration.as_dict()}
 

@@ -30,8 +30,13 @@ from specheads.plumbing.files import write_json_atomic
 
 PER_POSITION_FLOATS = ("accept", "beta", "logp", "logq", "entropy", "top1")
 SMALL_COLUMNS = ("prompt_id", "prompt_ids", "mixed_ids", "draft_ids", "is_draft", *PER_POSITION_FLOATS)
-OPTIONAL_FLOATS = ("top2",)
-"""Per-position columns a batch carries where the data has them (`top2`: datasets of labeller 3 on)."""
+OPTIONAL_FLOATS = ("top2", "drafter_score")
+"""Per-position columns a batch carries where the data has them (`top2`: datasets of labeller 3 on; `drafter_score`:
+a DSpark drafter's confidence, `data_gen.drafter_labels`)."""
+OPTIONAL_INTS = ("depth",)
+"""Per-position integer columns a batch carries where the data has them (`depth`: a feature drafter's data)."""
+KEPT_STATES = ("features", "markov_features")
+"""State columns that keep the rows `features_at` names (`target_features` keeps them all)."""
 SECOND_CHILD_COLUMNS = {"draft_ids": "sibling_ids", "accept": "sibling_accept", "beta": "sibling_beta",
                         "logq": "sibling_logq"}
 """With `children: second`, the columns a batch takes from the second-child labels (`gen --sibling_labels true`)."""
@@ -76,12 +81,13 @@ class RowDataset(Dataset):
     Arrow take per batch instead of one per row, and the states stay views of the taken table."""
 
     def __init__(self, rows: datasets.Dataset, with_features: bool, features_at: str = "all",
-                 with_target_states: bool = False, children: str = "first"):
-        self.columns = (SMALL_COLUMNS + tuple(name for name in OPTIONAL_FLOATS if name in rows.column_names)
+                 with_target_states: bool = False, children: str = "first", with_markov: bool = False):
+        self.columns = (SMALL_COLUMNS + tuple(name for name in (*OPTIONAL_FLOATS, *OPTIONAL_INTS) if name in rows.column_names)
                         + (tuple(SECOND_CHILD_COLUMNS.values()) if children == "second" else ()))
         self.children = children
         self.rows = rows.with_format("numpy", columns=list(self.columns))
-        self.state_columns = ["features", *(["target_features"] if with_target_states else [])] if with_features else []
+        self.state_columns = (["features", *(["target_features"] if with_target_states else []),
+                               *(["markov_features"] if with_markov else [])] if with_features else [])
         self.features = rows.with_format("arrow", columns=self.state_columns) if with_features else None
         self.features_at = features_at
 
@@ -124,20 +130,22 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     width = max(len(row["accept"]) for row in rows)
     floats = (PER_POSITION_FLOATS + tuple(name for name in OPTIONAL_FLOATS if name in rows[0])
               + (("first_accept", "child_weight") if "child_weight" in rows[0] else ()))
+    ints = ("draft_ids", *(name for name in OPTIONAL_INTS if name in rows[0]))
     padded = {"valid": np.zeros((len(rows), width), dtype=bool), "is_draft": np.zeros((len(rows), width), dtype=bool),
-              "draft_ids": np.zeros((len(rows), width), dtype=np.int64),
+              **{name: np.zeros((len(rows), width), dtype=np.int64) for name in ints},
               **{name: np.zeros((len(rows), width), dtype=np.float32) for name in floats}}
     for index, row in enumerate(rows):
         n = len(row["accept"])
         padded["valid"][index, :n] = row.get("has_second", True)
-        for name in ("is_draft", "draft_ids", *floats):
+        for name in ("is_draft", *ints, *floats):
             padded[name][index, :n] = row[name]
     if "features" in rows[0]:
         padded.update(padded_states(rows, width))
-    if "target_features" in rows[0]:
-        padded["target_features"] = padded_states(rows, width, "target_features")["target_features"]
+    for name in ("target_features", "markov_features"):
+        if name in rows[0]:
+            padded[name] = padded_states(rows, width, name)[name]
     batch: dict[str, Any] = {name: torch.from_numpy(values) for name, values in padded.items()}
-    for name in ("features", "target_features"):
+    for name in ("features", "target_features", "markov_features"):
         if name in batch:
             batch[name] = as_tensor(padded[name])  # bfloat16 travels as its uint16 bits until here
     if "features" not in rows[0]:
@@ -151,15 +159,15 @@ def padded_states(rows: list[dict[str, Any]], width: int, name: str = "features"
     the rows keep only some positions (`state_rows`), `state_kept` [B, width + 1] marking them."""
     hidden = rows[0][name].shape[-1]
     features = np.zeros((len(rows), width + 1, hidden), dtype=rows[0][name].dtype)
-    if "state_rows" not in rows[0] or name != "features":
+    if "state_rows" not in rows[0] or name not in KEPT_STATES:
         for index, row in enumerate(rows):
             features[index, : len(row[name])] = row[name]
         return {name: features}
     kept = np.zeros((len(rows), width + 1), dtype=bool)
     for index, row in enumerate(rows):
-        features[index, row["state_rows"]] = row["features"]
+        features[index, row["state_rows"]] = row[name]
         kept[index, row["state_rows"]] = True
-    return {"features": features, "state_kept": kept}
+    return {name: features, "state_kept": kept}
 
 
 class RankBatchSampler(Sampler[list[int]]):
@@ -248,6 +256,10 @@ class AcceptanceDataModule(L.LightningDataModule):
         if not manifest.get("complete"):
             raise UsageError(f"{path} holds an unfinished `specheads gen` run; run the same gen command again to finish it")
         stored = bool(manifest["identity"]["store_features"])
+        drafter = manifest["identity"]["draft"].get("kind")
+        if mode == "online" and drafter:
+            raise UsageError(f"{path} was labelled with a feature drafter ({drafter}), whose states only gen computes; "
+                             "use --data.mode offline (or auto)")
         if mode == "offline" and not stored:
             raise UsageError(f"{path} stores no hidden-state features; use --data.mode online (or auto), or regenerate "
                              "with --store-features true")
@@ -273,6 +285,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.train_rows = train_rows
         self.with_target_states = False  # set by a head that reads the target's state
+        self.with_markov = False  # set by a head that reads a DSpark drafter's Markov embedding
         self.splits: dict[str, datasets.Dataset] = {}
 
     @property
@@ -290,8 +303,23 @@ class AcceptanceDataModule(L.LightningDataModule):
         """Which draft states the data keeps (`data_gen.storage`; `all` for data made before the option)."""
         return storage_of(self.manifest["identity"]).at
 
+    @property
+    def drafter(self) -> str | None:
+        """The feature drafter the data was labelled with (`eagle3`, `dspark`), None for a draft model."""
+        return self.manifest["identity"]["draft"].get("kind")
+
+    @property
+    def markov_rank(self) -> int:
+        """The rank of the Markov embedding the data stores (`markov_features`; 0: none)."""
+        return int(self.manifest["identity"]["draft"].get("markov_rank") or 0)
+
     def require_states(self, head: str, reads: str, purpose: str) -> None:
-        """Refuse a head that reads states the data did not keep (offline mode; online mode computes them all)."""
+        """Refuse a head that reads states the data did not keep (offline mode; online mode computes them all); a
+        feature drafter's data keeps only the states that produced q (`data_gen.drafter_labels`)."""
+        if self.drafter and reads != "context_state":
+            raise UsageError(f"{self.path} was labelled with a feature drafter ({self.drafter}), whose data holds the "
+                             f"state that produced each q, not the {reads} a {head} head reads; train a head that reads "
+                             "the context_state (specdecpp_ontime, expected_acceptance, dspark_confidence)")
         if self.mode == "offline":
             require_states(self.features_at, head, reads, purpose, self.path)
 
@@ -383,7 +411,7 @@ class AcceptanceDataModule(L.LightningDataModule):
         sampler = RankBatchSampler(lengths, self.batch_size, shuffle, self.split_seed,
                                    trainer.global_rank if trainer else 0, trainer.world_size if trainer else 1)
         return DataLoader(RowDataset(rows, self.mode == "offline", self.features_at, self.with_target_states,
-                                     self.children),
+                                     self.children, self.with_markov),
                           batch_sampler=sampler,
                           collate_fn=collate_rows, num_workers=self.num_workers)
 
@@ -397,6 +425,6 @@ class AcceptanceDataModule(L.LightningDataModule):
         """The whole split in a fixed order (every rank sees the same), for statistics; per-position columns only
         unless `with_features` (stored features in offline mode, token ids for the draft in online mode)."""
         return DataLoader(RowDataset(self.splits[split], with_features and self.mode == "offline", self.features_at,
-                                     self.with_target_states, self.children),
+                                     self.with_target_states, self.children, self.with_markov),
                           batch_size=rows_per_batch or self.batch_size, collate_fn=collate_rows,
                           num_workers=self.num_workers)

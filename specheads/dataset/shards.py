@@ -154,6 +154,9 @@ LIMITS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "entropy": (lambda v: np.isfinite(v) & (v >= 0), "not a finite entropy"),
     "features": (lambda v: np.isfinite(float_values(v)), "not finite"),
     "target_features": (lambda v: np.isfinite(float_values(v)), "not finite"),
+    "markov_features": (lambda v: np.isfinite(float_values(v)), "not finite"),
+    "drafter_score": (lambda v: (v >= 0) & (v <= 1), "outside [0, 1]"),
+    "depth": (lambda v: v >= 1, "not a depth (1, 2, ...)"),
 }
 """Each stored column's valid values (NaN fails every test), and what a bad value is."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,21 @@ PER_POSITION_FLOATS = ("logp", "logq", "accept", "beta", "entropy", "top1", "top
 PER_POSITION_IDS = ("target_ids", "draft_ids", "mixed_ids")
 
 
+@dataclass(frozen=True)
+class DrafterColumns:
+    """The columns a feature drafter's data adds (`data_gen.drafter_labels`): `depth` always, `drafter_score` where the
+    drafter predicts its acceptance, `markov_features` [n + 1, markov_rank] where it has a Markov head."""
+
+    markov_rank: int = 0
+    scores: bool = False
+
+
 def row_features(hidden_size: int | None, features_dtype: str = "float16",
-                 target_hidden_size: int | None = None, siblings: bool = False) -> datasets.Features:
+                 target_hidden_size: int | None = None, siblings: bool = False,
+                 drafter: DrafterColumns | None = None) -> datasets.Features:
     """The Arrow schema of one row; `features` only when hidden states are stored (bfloat16 as its uint16 bits),
     `target_features` only when the target's states are stored too (`target_states`), the `sibling_*` columns only
-    with `sibling_labels`."""
+    with `sibling_labels`, a feature drafter's columns with `drafter` (`data_gen.drafter_labels`)."""
     ints = datasets.List(datasets.Value("int32"))
     floats = datasets.List(datasets.Value("float32"))
     schema: dict[str, Any] = {
@@ -58,6 +69,12 @@ def row_features(hidden_size: int | None, features_dtype: str = "float16",
         schema.update(sibling_ids=ints, sibling_accept=floats, sibling_beta=floats, sibling_logq=floats)
     if hidden_size:
         schema["features"] = datasets.Array2D(shape=(None, hidden_size), dtype=ARROW_DTYPES[features_dtype])
+    if drafter is not None:
+        schema["depth"] = ints
+        if drafter.scores:
+            schema["drafter_score"] = floats
+        if drafter.markov_rank:
+            schema["markov_features"] = datasets.Array2D(shape=(None, drafter.markov_rank), dtype=ARROW_DTYPES[features_dtype])
     if target_hidden_size:
         schema["target_features"] = datasets.Array2D(shape=(None, target_hidden_size), dtype=ARROW_DTYPES[features_dtype])
     return datasets.Features(schema)

@@ -68,6 +68,20 @@ def head_inputs(batch: dict[str, torch.Tensor], features: torch.Tensor, reads: s
     return hidden, signals, embedding, label[mask], mask
 
 
+def markov_argument(batch: dict[str, torch.Tensor], mask: torch.Tensor, reads: str, head: torch.nn.Module
+                    ) -> dict[str, torch.Tensor]:
+    """`{"markov_embedding": [tokens, R]}` at a batch's labelled positions for a head that reads a DSpark drafter's
+    Markov embedding of the previous token (`markov_rank` > 0; stored as `markov_features`, aligned with the states),
+    else `{}`: the keyword arguments the head's forward takes beside the others."""
+    if not getattr(head, "markov_rank", 0):
+        return {}
+    if "markov_features" not in batch:
+        raise UsageError(f"the head reads a DSpark drafter's Markov embedding (markov_rank {head.markov_rank}) but the "
+                         "batch holds none; label the data with a DSpark drafter (`specheads gen --drafter.kind dspark`) "
+                         "or set model.head_args.markov_rank 0")
+    return {"markov_embedding": head_states(batch["markov_features"], reads)[mask.to(batch["markov_features"].device)]}
+
+
 def stale_target_states(batch: dict[str, torch.Tensor], mask: torch.Tensor, max_staleness: int,
                         seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(target state [tokens, h_target], staleness k [tokens]) for a batch's labelled positions (`mask`): the target's

@@ -283,15 +283,26 @@ class SignalStop(SignalReader):
         return self.signal.ready and 1.0 - survival > self.threshold
 
 
-class PMinPlanner(PassivePlanner):
-    """llama.cpp's p_min: the candidate that ended a round with max q below `p_min` is not checked (module
-    docstring)."""
+def top1_of(drafted: Drafted) -> float:
+    """max q at the step that drafted the candidate (what llama.cpp's p_min reads)."""
+    return drafted.top1
 
-    def __init__(self, p_min: float):
-        self.p_min = p_min
+
+def drafter_score_of(drafted: Drafted) -> float:
+    """The drafter's own prediction of the candidate's acceptance (a DSpark drafter's confidence head), made before
+    its draw; 1.0 for a draft that makes none (`refuse_for_draft` refuses a rule reading it there)."""
+    return 1.0 if drafted.drafter_score is None else drafted.drafter_score
+
+
+class PMinPlanner(PassivePlanner):
+    """llama.cpp's p_min: the candidate that ended a round with its `score` (max q, or a DSpark drafter's confidence)
+    below `p_min` is not checked (module docstring)."""
+
+    def __init__(self, p_min: float, score: Callable[[Drafted], float] = top1_of):
+        self.p_min, self.score = p_min, score
 
     def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
-        return {row: len(seen) - int(bool(seen) and seen[-1].top1 < self.p_min) for row, seen in rounds.items()}
+        return {row: len(seen) - int(bool(seen) and self.score(seen[-1]) < self.p_min) for row, seen in rounds.items()}
 
 
 @dataclass
@@ -365,12 +376,26 @@ class PMin(StopPolicy):
     candidate is not checked (`PMinPlanner`)."""
 
     name: ClassVar[str] = "pmin"
+    score: ClassVar[Callable[[Drafted], float]] = staticmethod(top1_of)
 
     def signal_says_stop(self, drafted: Drafted) -> bool:
-        return drafted.top1 < self.threshold
+        return self.score(drafted) < self.threshold
 
     def planner(self, costs: ServingCosts | None) -> Any:
-        return PMinPlanner(self.threshold)
+        return PMinPlanner(self.threshold, self.score)
+
+
+@register
+@dataclass(frozen=True)
+class DSparkConfidence(PMin):
+    """llama.cpp's p_min on a DSpark drafter's confidence head (what llama.cpp stops a DSpark draft with): drafting
+    ends at the first candidate whose confidence is below `threshold`, and that candidate is not checked. Exact, and
+    free: the confidence of candidate k reads the block's slot and the token before k, not k, so it is known before k
+    is drawn, and the drafter computed it in its block's forward (`Drafted.drafter_score`)."""
+
+    name: ClassVar[str] = "dspark_confidence"
+    reads_drafter_score: ClassVar[bool] = True
+    score: ClassVar[Callable[[Drafted], float]] = staticmethod(drafter_score_of)
 
 
 @register

@@ -20,6 +20,10 @@ When the gain S_k·μ − ρ·(c·(1 + h) + Δv) falls with k (S_k never rises; 
 curve), the stopping problem is monotone and the one-step look-ahead is the optimal rule: no look-ahead over the
 remaining candidates does better (docs/method.md). Exact: a decision reads only the candidates drafted so far,
 each of which the target then checks, and outcomes already observed (`specheads.decoding.rules`).
+
+A block drafter (DSpark: `CostPlanner.price_draft`) runs one forward a round however many candidates it uses, so
+T(k) = c·[k ≥ 1] + c·h·k + v(k): once the round drafts, its forward is spent, and one more candidate costs only the
+head's forward and the target's extra token, S_k · μ_{k+1} > ρ* · (c·h + v(k+1) − v(k)).
 """
 
 from __future__ import annotations
@@ -87,17 +91,27 @@ class CostPlanner(PassivePlanner):
     curve: CostCurve | None = None  # the target's forward time against its tokens; None: flat (counted forwards)
     requests: dict[int, RequestState] = field(default_factory=dict)
     head_cost: float = 0.0  # h: the head's forward over one candidate in draft forwards (`price_head`)
+    block: bool = False  # a block drafter: one draft forward a round that drafts, however many candidates (`price_draft`)
 
     @property
     def candidate_cost(self) -> float:
-        """c·(1 + h): one candidate's draft forward and the head's forward that scores it, in target forwards."""
-        return self.cost_ratio * (1.0 + self.head_cost)
+        """What one more candidate costs, in target forwards, once the round drafts: c·(1 + h), its draft forward and
+        the head's that scores it; c·h for a block drafter, which drew it from the block's one forward."""
+        return self.cost_ratio * (self.head_cost + (0.0 if self.block else 1.0))
+
+    def drafting_cost(self, drafted: int) -> float:
+        """What a round's `drafted` candidates cost in draft and head forwards, in target forwards: each its
+        `candidate_cost`, and a block drafter's forward, c, where the round drafts at all."""
+        return self.candidate_cost * drafted + (self.cost_ratio if self.block and drafted else 0.0)
 
     def admit(self, row: int) -> None:
         self.requests[row] = RequestState()
 
     def price_head(self, head_cost: float) -> None:
         self.head_cost = head_cost
+
+    def price_draft(self, block: int | None) -> None:
+        self.block = block is not None
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         state = self.requests.setdefault(row, RequestState())
@@ -114,7 +128,7 @@ class CostPlanner(PassivePlanner):
             state = self.requests.setdefault(row, RequestState())
             drafted = max(state.drafted, len(checked))
             state.tokens += sum(o.accepted for o in checked) + 1
-            state.cost += self.candidate_cost * drafted + verify_cost(self.curve, drafted)
+            state.cost += self.drafting_cost(drafted) + verify_cost(self.curve, drafted)
             state.drafted = 0
 
 

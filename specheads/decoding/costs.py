@@ -19,6 +19,11 @@ tokens the rows' heads scored there, on the head's own curve (`ServingCosts.head
 or, without one, at the head's share of the draft's weights (`RoundRecord.head_cost`, `head_forward_cost`) times the
 draft's curve. A rule reading free signals (the draft's confidence or entropy) has no such term. The planners read
 the same prices to choose how much to draft and verify (`specheads.decoding.planners`).
+
+A block drafter (DSpark) drafts a round's candidates from one forward over its block of slots, reading as context the
+tokens emitted since it last ran: its rounds record that one forward (`BatchCache.round_widths`), the planners plan on
+it (`ServingCosts.block`, told by the engine: `PassivePlanner.price_draft`), and the oracle is counted one forward a
+round that keeps a candidate (`hindsight_forwards`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -174,23 +179,69 @@ def synchronize(device: torch.device) -> None:
 @dataclass(frozen=True)
 class ServingCosts:
     """The draft's and the target's cost curves, and the acceptance head's where it was measured (None: a head's
-    forward is priced at its share of the draft's weights, `RoundRecord.head_cost`, times the draft's curve)."""
+    forward is priced at its share of the draft's weights, `RoundRecord.head_cost`, times the draft's curve).
+
+    `block` is the draft's forward shape (`shaped`): None, one forward a candidate (a causal LM, an EAGLE-3 drafter:
+    a round of k candidates runs k forwards of one token a row); n, one forward over a block of n slots a round (a
+    DSpark drafter: a round that drafts at all runs one forward, however many of its candidates it uses, and that
+    forward also reads as context every token emitted since the drafter last ran, one token a row each)."""
 
     draft: CostCurve
     target: CostCurve
     head: CostCurve | None = None
+    block: int | None = None
+
+    def shaped(self, block: int | None) -> ServingCosts:
+        """The same curves for a draft of forward shape `block` (class docstring)."""
+        return replace(self, block=block)
 
     def scaled_draft(self, ratio: float) -> ServingCosts:
         """The same target with a draft `ratio` times as costly as the target at every token count (a 7B/70B view); a
         head measured beside the real draft does not carry over: the head is priced at its share of the draft's
         weights."""
-        return ServingCosts(CostCurve(self.target.tokens, tuple(ratio * s for s in self.target.seconds)), self.target)
+        return ServingCosts(CostCurve(self.target.tokens, tuple(ratio * s for s in self.target.seconds)), self.target,
+                            block=self.block)
 
     def catch_up(self, rows: int) -> float:
         """What one more token in each of `rows` rows adds to the draft's next forward: the cost a round defers when
         its draft did not read its rows' last token (a round of plain decoding, K = 0; or one whose candidates were
-        all accepted, the last of them never read by the draft)."""
-        return self.draft.price(2 * rows, rows) - self.draft.price(rows, rows) if rows > 0 else 0.0
+        all accepted, the last of them never read by the draft); for a block drafter, what one more context token a
+        row adds to its block's forward (every emitted token is one: `deferred_step`)."""
+        if rows <= 0:
+            return 0.0
+        if self.block is not None:
+            return self.draft.price(rows * (self.block + 1), rows) - self.draft.price(rows * self.block, rows)
+        return self.draft.price(2 * rows, rows) - self.draft.price(rows, rows)
+
+    def drafting(self, rows: int, k: int, head_cost: float | None = None) -> float:
+        """Seconds of a round's drafting when each of `rows` rows drafts k candidates, a head scoring each where
+        `head_cost` is given (`scoring`): k draft forwards of one token a row, or, for a block drafter, one forward
+        over the rows' blocks (none at k = 0); the catch-up is priced apart (`catch_up`)."""
+        if k <= 0:
+            return 0.0
+        scoring = k * self.scoring(rows, head_cost)
+        if self.block is not None:
+            return self.draft.price(rows * self.block, rows) + scoring
+        return k * self.draft.price(rows, rows) + scoring
+
+    def draft_step(self, rows: int, head_cost: float | None = None) -> float:
+        """What one row's next candidate adds to a round of `rows` rows that already drafts (its draft forward over
+        one more token, and the head's where one scores it); a block drafter drew it from the block it holds, so only
+        the head's forward is left."""
+        scoring = self.scoring(rows, head_cost) - self.scoring(rows - 1, head_cost)
+        if self.block is not None:
+            return scoring
+        return self.draft.price(rows, rows) - self.draft.price(rows - 1, rows - 1) + scoring
+
+    def deferred_step(self, rows: int, survival: float, acceptance: float) -> float:
+        """The change in deferred catch-up seconds when a row of `rows` whose candidates so far stand with chance
+        `survival` drafts one more, accepted with chance `acceptance`: a chain's draft reads the candidate now, so its
+        catch-up is deferred only when that one stands too (it spares u·S·(1 − a), u the catch-up a row); a block
+        drafter reads every emitted token as context later, so the candidate adds u·S·a."""
+        unit = self.catch_up(rows) / rows
+        if self.block is not None:
+            return unit * survival * acceptance
+        return -unit * survival * (1.0 - acceptance)
 
     def scoring(self, tokens: int, head_cost: float | None) -> float:
         """Seconds of one head forward over `tokens` scored tokens (a draft step's rows), as `head_seconds` prices it:
@@ -222,6 +273,23 @@ class RoundRecord:
 def chain_widths(drafted: list[int]) -> list[list[int]]:
     """The draft forwards of chain rounds of `drafted` candidates each: one token a forward."""
     return [[1] * k for k in drafted]
+
+
+def hindsight_forwards(accepted_per_round: list[int], block: int | None) -> int:
+    """The draft forwards the hindsight oracle is counted, drafting only the candidates the target accepts: one a
+    candidate, or, for a draft of forward shape `block` (`ServingCosts.block`), one a round that keeps any."""
+    if block is not None:
+        return sum(1 for accepted in accepted_per_round if accepted)
+    return sum(accepted_per_round)
+
+
+def hindsight_widths(widths_per_round: list[list[int]], accepted_per_round: list[int],
+                     block: int | None) -> list[list[int]]:
+    """The tokens of the oracle's draft forwards in each round (`hindsight_forwards`), from those of a run that
+    drafted more: its first forward (its catch-up, or a block drafter's block) where it keeps a candidate, then one
+    token a further kept candidate for a chain."""
+    return [([first[0]] + ([] if block is not None else [1] * (accepted - 1))) if accepted else []
+            for first, accepted in zip(widths_per_round, accepted_per_round)]
 
 
 def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:

@@ -190,6 +190,8 @@ class DSparkModel(FeatureDraft):
     def __init__(self, drafter: Any, target: Any) -> None:
         super().__init__(drafter, target, drafter.config.aux_hidden_state_layer_ids, DSparkDecoder(drafter))
         self.candidates = block_candidates(drafter.config)
+        self.block = drafter.config.block_size
+        self.scores = drafter.confidence_head is not None
 
     def own_rule(self) -> StopPolicy:
         """Its whole block each round (constant K at the block's candidates), as vLLM serves a DSpark drafter."""
@@ -240,7 +242,7 @@ class DSparkBatchCache(BatchCache):
     def round_widths(self, unread: int, drafted: int) -> list[int]:
         """One forward a round: the context positions it had not read (all the unread tokens but the anchor) and the
         block."""
-        return [unread - 1 + self.model.drafter.config.block_size] if drafted else []
+        return [unread - 1 + self.model.block] if drafted else []
 
     def feed(self, tokens: dict[int, list[int]], logits_rows: dict[int, int] | None = None
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

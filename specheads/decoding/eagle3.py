@@ -209,7 +209,7 @@ class Eagle3BatchCache(BatchCache):
              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         decoder = self.model.get_decoder()
         self.own_by_slot.clear()  # a catch-up or a chain's step: no tree node is an ancestor any more
-        fed, features = {}, {}
+        fed, features, caught_up = {}, {}, {}
         for row, row_tokens in tokens.items():
             if not self.started[row]:
                 self.started[row], row_tokens = True, row_tokens[1:]
@@ -217,13 +217,16 @@ class Eagle3BatchCache(BatchCache):
             streams, held = self.target.streams[self.of_target(row)], self.target.length(self.of_target(row))
             read = min(max(held - (start - 1), 0), len(row_tokens))  # positions with the target's streams
             if read == len(row_tokens):  # a catch-up: every position before these is the target's
-                features[row] = decoder.drafter.fc(streams[start - 1: start - 1 + read].to(self.device))
+                caught_up[row] = streams[start - 1: start - 1 + read]
                 self.from_target[row] += read if len(self.slots[row]) == self.from_target[row] else 0
             elif len(row_tokens) == 1 and self.own[row] is not None:  # a drafted token after the last position
                 features[row] = self.own[row][None]
             else:
                 raise RuntimeError("an EAGLE-3 draft reads its own state only for one token after its last position")
             fed[row] = row_tokens
+        if caught_up:  # every row's target streams through `fc` in one forward
+            fused = decoder.drafter.fc(torch.cat(list(caught_up.values())).to(self.device))
+            features.update(zip(caught_up, fused.split([len(part) for part in caught_up.values()])))
         width = max(len(row_tokens) for row_tokens in fed.values())
         size = next(iter(features.values())).shape[-1]
         padded = torch.zeros(len(self.slots), width, size, device=self.device)

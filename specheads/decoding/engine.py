@@ -49,8 +49,8 @@ import torch
 
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion, head_forward_cost
-from specheads.decoding.costs import RoundRecord, ServingCosts
-from specheads.decoding.features import refuse_for_draft, round_caches
+from specheads.decoding.costs import RoundRecord, ServingCosts, hindsight_forwards
+from specheads.decoding.features import draft_block, refuse_for_draft, round_caches
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
@@ -182,9 +182,10 @@ class ServedBatch:
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
                  target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None,
-                 companion_cost: float = 1.0, hindsight: bool = False):
+                 companion_cost: float = 1.0, hindsight: bool = False, block: int | None = None):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
-        self.hindsight = hindsight  # the oracle: it counts one draft forward per candidate it keeps
+        self.hindsight = hindsight  # the oracle: it counts the draft forwards of the candidates it keeps
+        self.block = block  # the draft's forward shape (`ServingCosts.block`)
         self.draft, self.target, self.companion, self.companion_cost = draft, target, companion, companion_cost
         self.prompt_cache = prompt_cache
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
@@ -296,8 +297,8 @@ class ServedBatch:
             if self.companion is not None:  # SV's companion: each forward counts as `companion_cost` draft forwards
                 result.companion_forwards = self.companion.forwards[row] - self.first_companion_forward[row]
                 result.draft_forwards += result.companion_forwards * self.companion_cost
-            if self.hindsight:  # it would have drafted only the candidates the target accepts, one forward each
-                result.draft_forwards = result.accepted
+            if self.hindsight:  # it would have drafted only the candidates the target accepts
+                result.draft_forwards = hindsight_forwards(result.accepted_per_round, self.block)
             self.finished.append(row)
 
     def refill(self) -> None:
@@ -352,10 +353,12 @@ class RoundEngine:
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
         draft, target = round_caches(self.target, self.draft, slots, head.state_layer if rule.reads_head else None)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
+        block = draft_block(self.draft)
         batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache,
-                            self.companion.cost if companion is not None else 1.0, rule.hindsight)
+                            self.companion.cost if companion is not None else 1.0, rule.hindsight, block)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
+            planner.price_draft(block)  # the planner prices the draft's forwards as they run: one a candidate, or a block
             for row in batch.live:
                 planner.admit(row)
             batch.on_admit = planner.admit

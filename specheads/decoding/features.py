@@ -220,6 +220,9 @@ class FeatureDraft(torch.nn.Module):
     set `kind` (how messages name it) and make the drafter's cache of B rows beside the target's (`draft_cache`)."""
 
     kind: str = ""
+    block: int | None = None  # the forward shape (`specheads.decoding.costs.ServingCosts.block`): one forward a
+    # candidate, or one over a block of this many slots a round
+    scores: bool = False  # whether it predicts each candidate's acceptance before the draw (`BatchCache.drafter_score`)
 
     def __init__(self, drafter: Any, target: Any, layer_ids: list[int], decoder: torch.nn.Module) -> None:
         super().__init__()
@@ -277,7 +280,16 @@ def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[Batch
     return BatchCache(engine_target, rows), lambda row, state_layer: BatchCache(engine_draft, 1, state_layer)
 
 
+def draft_block(draft: Any) -> int | None:
+    """The forward shape of `draft` (`FeatureDraft.block`): None for a draft of one forward a candidate."""
+    return draft.block if isinstance(draft, FeatureDraft) else None
+
+
 def refuse_for_draft(draft: Any, rule: Any, prompt_cache: Any, companion: Any) -> None:
-    """What the round engine cannot do yet with `draft` (a feature draft's `refuse`; nothing for a causal LM)."""
+    """What the round engine cannot do yet with `draft` (a feature draft's `refuse`; nothing for a causal LM), and a
+    rule reading the drafter's own prediction (`reads_drafter_score`) with a draft that makes none."""
+    if getattr(rule, "reads_drafter_score", False) and not (isinstance(draft, FeatureDraft) and draft.scores):
+        raise UsageError(f"the {rule.name} rule reads a DSpark drafter's confidence head, which this draft does not "
+                         "have; decode it with a DSpark drafter trained with its confidence head, or use another rule")
     if isinstance(draft, FeatureDraft):
         draft.refuse(rule, prompt_cache, companion)

@@ -48,6 +48,16 @@ from specheads.decoding.rules import Drafted, StopPolicy, register, require_whol
 from specheads.plumbing.errors import UsageError
 
 
+class PlansOnCosts(PassivePlanner):
+    """A planner that plans on the serving costs (`costs`), priced for the draft's forward shape once the engine
+    tells it (`price_draft`: one forward a candidate, or one block a round)."""
+
+    costs: ServingCosts
+
+    def price_draft(self, block: int | None) -> None:
+        self.costs = self.costs.shaped(block)
+
+
 def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> tuple[dict[int, int], float]:
     """SV's batch greedy: each row's verify length, from its candidates' survival products S_1 ≥ S_2 ≥ … .
 
@@ -82,7 +92,7 @@ def clean(score: float) -> float:
     return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0
 
 
-class BudgetPlanner(PassivePlanner):
+class BudgetPlanner(PlansOnCosts):
     """The verify budget: every row drafts up to the cap, stopping early once its survival S_k falls below the
     marginal value the previous round's greedy refused (what a candidate had to be worth to be checked; the rule's
     floor when it refused none), then the target checks the prefixes `goodput_verify_lengths` chooses."""
@@ -100,7 +110,7 @@ class BudgetPlanner(PassivePlanner):
 
 
 @dataclass
-class SmartSpecPlanner(PassivePlanner):
+class SmartSpecPlanner(PlansOnCosts):
     """SmartSpec's goodput K (Liu et al. 2024): one K for the whole batch each round, the one that maximises the
     modelled goodput B · Σ_{j=0..K} a^j / (Σ_{s≤K} t_draft(B) + t_target(B · (K + 1)) + a^K · catch-up(B)), with a
     the token acceptance rate estimated from the past rounds (an exponential average of accepted and rejected counts:
@@ -108,7 +118,8 @@ class SmartSpecPlanner(PassivePlanner):
     rows, and catch-up(B) what the round defers to the draft's next forward when its rows' last token goes unread
     (`ServingCosts.catch_up`: always at K = 0, where the draft does not run; at K ≥ 1 when every candidate is
     accepted). K = 0 is plain target decoding; its rounds check nothing, so the estimate drifts back to the prior and
-    drafting is tried again."""
+    drafting is tried again. For a block drafter (`PlansOnCosts.price_draft`) the draft's K forwards are one block
+    forward, and every emitted token is a context token of a later block (`ServingCosts.drafting`, `deferred_share`)."""
 
     costs: ServingCosts
     smoothing: float = 0.1
@@ -126,8 +137,9 @@ class SmartSpecPlanner(PassivePlanner):
 
         def goodput(k: int) -> float:
             expected = rows * sum(rate**j for j in range(k + 1))
-            deferred = deferred_share([rate**j for j in range(1, k + 1)], rows, k, rows * k)  # a^K: every one checked
-            return expected / (k * self.costs.draft.price(rows, rows) + self.costs.target.price(rows * (k + 1), rows)
+            deferred = deferred_share([rate**j for j in range(1, k + 1)], rows, k, rows * k,  # a^K: every one checked
+                                      self.costs.block, expected - rows)
+            return expected / (self.costs.drafting(rows, k) + self.costs.target.price(rows * (k + 1), rows)
                                + deferred * self.costs.catch_up(rows))
 
         largest = cap if self.max_k is None else min(cap, self.max_k)
@@ -221,10 +233,21 @@ class VllmSignal(Signal):
             self.fit.refit()
 
 
+class DSparkSignal(Signal):
+    """A DSpark drafter's confidence head, σ(proj([slot state ; Markov embedding of the token before])): candidate j's
+    acceptance predicted from what precedes its draw (`Drafted.drafter_score`), computed in the block's forward, so it
+    ranks exactly and costs nothing extra; trained jointly with the drafter (DSpark's own head), uncalibrated here."""
+
+    name: ClassVar[str] = "dspark_confidence"
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return 1.0 if drafted.drafter_score is None else drafted.drafter_score
+
+
 SignalFactory = Callable[[int], Signal]
 """A signal for rounds of at most that many candidates."""
 SIGNALS: dict[str, SignalFactory] = {"head": lambda positions: HeadSignal(), "top1": lambda positions: TopOneSignal(),
-                                     "vllm": VllmSignal}
+                                     "vllm": VllmSignal, "dspark_confidence": lambda positions: DSparkSignal()}
 """Every signal a goodput planner or a stop rule may read, by name; `specheads.decoding.calibration` adds the estimates
 refitted while serving (`register_signal`)."""
 
@@ -299,20 +322,26 @@ def planned_goodput(survival: list[float], rows: int, k: int, costs: ServingCost
     each candidate, as `round_seconds` prices it (`ServingCosts.scoring` at h = `head_cost`; none for a free
     signal). k = 0 is plain decoding: rows tokens in t_target(rows), the draft's catch-up (one more token a row in
     its next forward, `ServingCosts.catch_up`) deferred; at k ≥ 1 a row defers it when all its k candidates are
-    checked and accepted (S̄_k), the last of them unread by the draft."""
+    checked and accepted (S̄_k), the last of them unread by the draft. A block drafter's k draft forwards are one
+    (`ServingCosts.drafting`), and its deferred catch-up is every emitted token (`deferred_share`)."""
     verified = rows * k if verified is None else verified
     full, part = divmod(verified, rows)  # every row's first `full` positions, then `part` rows' next one
     expected = rows * sum(survival[:full]) + (part * survival[full] if part else 0.0)
-    return float((rows + expected) / (k * (costs.draft.price(rows, rows) + costs.scoring(rows, head_cost))
-                                      + costs.target.price(rows + verified, rows)
-                                      + deferred_share(survival, rows, k, verified) * costs.catch_up(rows)))
+    return float((rows + expected) / (costs.drafting(rows, k, head_cost) + costs.target.price(rows + verified, rows)
+                                      + deferred_share(survival, rows, k, verified, costs.block, expected)
+                                      * costs.catch_up(rows)))
 
 
-def deferred_share(survival: list[float], rows: int, k: int, verified: int | np.ndarray) -> float | np.ndarray:
+def deferred_share(survival: list[float], rows: int, k: int, verified: int | np.ndarray, block: int | None = None,
+                   expected: float | np.ndarray = 0.0) -> float | np.ndarray:
     """The expected share of the `rows` rows whose last token the draft has not read after a round of k candidates a
     row, `verified` of them checked (the likeliest first; an array of counts gives the share of each): every row at
     k = 0 (the draft did not run); at k ≥ 1 the rows whose k candidates were all checked, each with chance S̄_k that
-    all stand (the last of them unread). The one catch-up term of `planned_goodput`, `plan_round` and SmartSpec."""
+    all stand (the last of them unread). The one catch-up term of `planned_goodput`, `plan_round` and SmartSpec.
+    For a block drafter (`block` given) every token the round emits is a context token of a later block: 1 + the
+    round's `expected` accepted candidates (beside `verified`'s) over the rows."""
+    if block is not None:
+        return 1.0 + expected / rows
     if k == 0:
         return 1.0
     return np.clip(verified - rows * (k - 1), 0, rows) / rows * survival[k - 1]
@@ -326,10 +355,11 @@ def plan_round(survival: list[float], rows: int, largest: int, costs: ServingCos
     Its K = 0, K = largest and every constant K in between are among the rounds it compares."""
     gains = np.concatenate([[0.0], np.cumsum(np.repeat(np.asarray(survival[:largest], float), rows))])
     target = np.asarray([costs.target.price(rows + verified, rows) for verified in range(rows * largest + 1)])
-    catch_up, step = costs.catch_up(rows), costs.draft.price(rows, rows) + costs.scoring(rows, head_cost)
+    catch_up = costs.catch_up(rows)
     best, rate = 0, rows / (float(target[0]) + catch_up)
     for k in range(1, largest + 1):
-        seconds = k * step + target[: rows * k + 1] + deferred_share(survival, rows, k, np.arange(rows * k + 1)) * catch_up
+        deferred = deferred_share(survival, rows, k, np.arange(rows * k + 1), costs.block, gains[: rows * k + 1])
+        seconds = costs.drafting(rows, k, head_cost) + target[: rows * k + 1] + deferred * catch_up
         goodput = (rows + gains[: rows * k + 1]) / seconds
         if goodput.max() > rate:
             best, rate = k, float(goodput.max())
@@ -353,7 +383,7 @@ def threshold_verify_lengths(survival: Mapping[int, list[float]], rate: float, t
 
 
 @dataclass
-class GoodputPlanner(SignalReader):
+class GoodputPlanner(SignalReader, PlansOnCosts):
     """A verify budget that counts the draft's time and may choose not to speculate (docs/decoding-core.md "Verify
     budgets"); `signal` is where each candidate's acceptance comes from, the only thing that differs between the
     goodput, D-Cut and vLLM rules. Per round of B rows:
@@ -375,7 +405,10 @@ class GoodputPlanner(SignalReader):
        and so the positions the verify step ranks, independent of the other rows' draws.
     3. `verify_lengths`: `threshold_verify_lengths` at ρ, on the survival products of the drafted candidates.
 
-    A signal not yet `ready` drafts every row to the cap and checks every candidate (vLLM's warm-up).
+    A signal not yet `ready` drafts every row to the cap and checks every candidate (vLLM's warm-up). For a block
+    drafter (`PlansOnCosts.price_draft`) the round's draft forwards are one block forward, a row's next candidate
+    costs no draft forward (t_draft(B) − t_draft(B − 1) drops out), and every emitted token is read as context by a
+    later block (+u · S_k · a_k in place of the catch-up spared: `ServingCosts.deferred_step`).
     """
 
     costs: ServingCosts
@@ -416,14 +449,10 @@ class GoodputPlanner(SignalReader):
         should draft one more (class docstring)."""
         if drafted >= self.k:
             return False
-        rows, draft, target = self.rows, self.costs.draft, self.costs.target
+        rows, target = self.rows, self.costs.target
         tokens = rows * (drafted + 1)
-        draft_step = (draft.price(rows, rows) - draft.price(rows - 1, rows - 1)
-                      + self.costs.scoring(rows, self.head_cost) - self.costs.scoring(rows - 1, self.head_cost))
-        # drafting on, the draft reads this candidate now, so its catch-up after a round that accepts it all is
-        # deferred only when the next one stands too
-        spared = self.costs.catch_up(rows) / rows * survival * (1.0 - acceptance)
-        return worth_drafting(survival, acceptance, self.rate, draft_step - spared,
+        step = self.costs.draft_step(rows, self.head_cost) + self.costs.deferred_step(rows, survival, acceptance)
+        return worth_drafting(survival, acceptance, self.rate, step,
                               target.price(tokens + 1, rows) - target.price(tokens, rows))
 
     def verify_lengths(self, rounds: Mapping[int, list[Drafted]]) -> dict[int, int]:
@@ -548,3 +577,16 @@ class VllmAdaptive(GoodputPlan):
     name: ClassVar[str] = "vllm_adaptive"
     reads_head: ClassVar[bool] = False
     signal: ClassVar[str] = "vllm"
+
+
+@register
+@dataclass(frozen=True)
+class DSparkAdaptive(GoodputPlan):
+    """vLLM's adaptive verification of a DSpark drafter in the goodput planner: each candidate's acceptance is the
+    drafter's own confidence head (`DSparkSignal`), as vLLM and SGLang plan a DSpark draft's verify budget with it.
+    Exact: the confidence is known before the draw; it needs a DSpark drafter with its confidence head."""
+
+    name: ClassVar[str] = "dspark_adaptive"
+    reads_head: ClassVar[bool] = False
+    reads_drafter_score: ClassVar[bool] = True
+    signal: ClassVar[str] = "dspark_confidence"

@@ -78,6 +78,7 @@ class StopPolicy:
     reads_head: ClassVar[bool] = False
     hindsight: ClassVar[bool] = False  # the oracle counts only the candidates it would have kept
     bonus: ClassVar[bool] = True  # a fully accepted round earns a token from p
+    reads_drafter_score: ClassVar[bool] = False  # reads the drafter's own prediction (`Drafted.drafter_score`)
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and self.max_draft < 1:
@@ -238,7 +239,7 @@ class SprinterRule(StopPolicy):
 
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "head_cost", "oracle", "vllm_online", "adaedl", "transformers",
                  "transformers_heuristic", "sglang_adaptive", "sv_companion", "vllm_current", "vllm_margin", "vllm_history",
-                 "pmin", "head_cost_online")
+                 "pmin", "head_cost_online", "dspark_confidence")
 ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic", "sglang_adaptive", "vllm_current",
                    "vllm_margin", "vllm_history", "head_cost_online")
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
@@ -257,7 +258,7 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "pmin": "llama.cpp's p_min (the candidate with max q below it ends the round unchecked) at its best p_min"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
 BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
-                  "vllm_history_adaptive", "goodput_online")
+                  "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
 
 
 def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:

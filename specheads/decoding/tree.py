@@ -43,7 +43,9 @@ their costs"). Each step takes the action of highest gain in E[R − ρ·T] (`sp
   computed: their width is free up to the budget on the flat curve);
 - read the unread node of highest value v, in one draft forward: gain v·μ_1 − ρ·(c + c·h + Δv), the forward paid for
   by the first child it opens; the forward also reads up to `expand` − 1 further nodes whose first child pays for its
-  own slot (v·μ_1 > ρ·(c·h + Δv)).
+  own slot (v·μ_1 > ρ·(c·h + Δv)). A block drafter (DSpark) reads its nodes from the round's block without a forward,
+  so a read costs what a slot does: v·μ_1 − ρ·(c·h + Δv); its one forward a round is the tail's, and its paths end
+  at the block's depth.
 μ_j is the mean score of the request's children drawn so far at place j among their siblings (all places when none
 is yet at j; 1 before any), ρ the request's realised rate (1 + tokens)/(1 + cost) over its rounds so far (its head's
 forwards in the cost); both are known before the slot's draw, so exactness is as above. The floor still applies (0
@@ -74,7 +76,7 @@ from specheads.decoding.engine import (
     count_round,
     unread_tokens,
 )
-from specheads.decoding.features import tree_caches
+from specheads.decoding.features import draft_block, tree_caches
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
@@ -238,6 +240,7 @@ class TreeCosts:
     scores: dict[int, list[float]] = field(default_factory=dict)  # place among siblings (1-based) -> [sum, count]
     head_cost: float = 0.0  # h: the head's forward over one node in draft forwards (0: no head scores)
     sibling_cost: float | None = None  # the sibling head's h, where one scores the second children
+    block: bool = False  # a block drafter: the tree's nodes are read from the round's block, without a forward
 
     def scoring_cost(self, place: int) -> float:
         """c·h: what scoring a node at `place` among its siblings adds, in target forwards (its scorer's h: the
@@ -267,8 +270,10 @@ class TreeCosts:
 
     def read_gain(self, value: float, nodes: int) -> float:
         """What reading a node of `value` in a draft forward of its own adds, counting the first child it opens:
-        v·μ_1 − ρ·(c + c·h + Δv), c·h the first child's scoring."""
-        return drafting_gain(value, self.expected_score(1), self.request.rate(), self.cost_ratio + self.scoring_cost(1),
+        v·μ_1 − ρ·(c + c·h + Δv), c·h the first child's scoring; a block drafter reads it from the round's block,
+        without a forward: v·μ_1 − ρ·(c·h + Δv)."""
+        forward = 0.0 if self.block else self.cost_ratio
+        return drafting_gain(value, self.expected_score(1), self.request.rate(), forward + self.scoring_cost(1),
                              verify_step(self.curve, nodes))
 
     def observe(self, accepted: int, draft_forwards: int, nodes: int, head_forwards: float = 0.0) -> None:
@@ -297,7 +302,8 @@ class TreeDrafter:
         self.head_costs = scoring_costs(engine, head, sibling_head) if head_costs is None else head_costs
         self.costs = None if rule.cost_ratio is None else TreeCosts(
             rule.cost_ratio, rule.curve, head_cost=self.head_costs.get(id(head), 0.0),
-            sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)])
+            sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)],
+            block=draft_block(engine.draft) is not None)
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with

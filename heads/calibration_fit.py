@@ -34,13 +34,14 @@ Map = tuple[float, float]  # (scale, bias) of one position
 
 
 def fitted_maps(row: np.ndarray, position: np.ndarray, max_positions: int,
-                fit: Callable[[int, np.ndarray, list[Map]], Map | None]) -> PositionCalibration:
+                fit: Callable[[int, np.ndarray, list[Map]], Map | None],
+                depth: np.ndarray | None = None) -> PositionCalibration:
     """One map per position k = 1..max_positions, in order: `fit(k, windows of k tokens, the maps of positions < k)`
     gives (scale, bias), or None where there is nothing to fit; a position with no run of length k, or nothing to
-    fit, keeps the previous map."""
+    fit, keeps the previous map. With `depth` (a feature drafter's data) a window is a round at depths 1..k."""
     if max_positions < 1:
         raise UsageError(f"calibrate_positions must be at least 1 to fit a calibration, got {max_positions}")
-    windows = round_windows(row, position, max_positions)
+    windows = round_windows(row, position, max_positions, depth)
     if not len(windows[0]):
         raise UsageError("no drafted token to fit the calibration on; give the calibration split more prompts")
     maps: list[Map] = []
@@ -58,18 +59,41 @@ def minimised(loss: Callable[..., float], maps: list[Map], *args: np.ndarray) ->
     return float(np.exp(result.x[0])), float(result.x[1])
 
 
+def window_prefix(z: np.ndarray, maps: list[Map]) -> np.ndarray:
+    """Π over the first len(`maps`) candidates of each window (logits `z` [windows, k]) of σ(scale_j · z_j + bias_j)."""
+    prefix = np.ones(len(z))
+    for j, (scale, bias) in enumerate(maps):
+        prefix *= sigmoid(scale * z[:, j] + bias)
+    return prefix
+
+
 def fit_position_calibration(logits: np.ndarray, accept: np.ndarray, row: np.ndarray, position: np.ndarray,
-                             max_positions: int) -> PositionCalibration:
+                             max_positions: int, depth: np.ndarray | None = None) -> PositionCalibration:
     """The per-position maps fitted on drafted tokens sorted by (row, position): `logits` are the head's corrected
-    logits, `accept` the soft labels min(1, p/q). A position with no run of that length keeps the previous map."""
+    logits, `accept` the soft labels min(1, p/q); `depth`, each token's depth in its round where the data has one. A
+    position with no run of that length keeps the previous map."""
     def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map:
         z = logits[index]
-        prefix = np.ones(len(index))
-        for j, (scale, bias) in enumerate(maps):
-            prefix *= sigmoid(scale * z[:, j] + bias)
-        return minimised(product_cross_entropy, maps, prefix, z[:, -1], accept[index].prod(axis=1))
+        return minimised(product_cross_entropy, maps, window_prefix(z, maps), z[:, -1], accept[index].prod(axis=1))
 
-    return fitted_maps(row, position, max_positions, fit)
+    return fitted_maps(row, position, max_positions, fit, depth)
+
+
+def fit_position_temperatures(logits: np.ndarray, accept: np.ndarray, row: np.ndarray, position: np.ndarray,
+                              max_positions: int, depth: np.ndarray | None = None) -> PositionCalibration:
+    """Sequential temperature scaling, as SGLang applies it to a DSpark drafter's confidence head and DeepSpec
+    evaluates it: per position k, σ(z / T_k), T_k fitted with the temperatures of positions < k fixed by the BCE of the
+    cumulative product against Π min(1, p/q) over the rounds of k candidates; a temperature alone, no shift (the map's
+    scale 1/T_k, its bias 0). The arguments are `fit_position_calibration`'s."""
+    def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map:
+        z = logits[index]
+        prefix, label = window_prefix(z, maps), accept[index].prod(axis=1)
+        start = np.log(maps[-1][0]) if maps else 0.0
+        result = minimize(lambda x: product_cross_entropy(np.array([x[0], 0.0]), prefix, z[:, -1], label), [start],
+                          method="L-BFGS-B", bounds=[LOG_SCALE_BOUNDS])
+        return float(np.exp(result.x[0])), 0.0
+
+    return fitted_maps(row, position, max_positions, fit, depth)
 
 
 def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept: np.ndarray, row: np.ndarray,

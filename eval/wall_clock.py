@@ -1,0 +1,150 @@
+"""Wall clock of a feature drafter (EAGLE-3, DSpark) against the target alone at B = 1, rule by rule, with paired
+intervals over prompts: what benchmarks/eagle3_decode.py and benchmarks/dspark_decode.py share.
+
+Each prompt is decoded by the target alone (one cached forward a token) and, for each rule, by the round engine with
+the drafter as the draft at B = 1, every run with the prompt's seed. A rule is `name:threshold` (a chain rule of
+`specheads.decoding.rules`, K_max `max_draft`), or `tree:floor` (a confidence-valued tree of `tree_budget` nodes,
+EAGLE-2's). Per rule: tokens/s, the speedup over the target alone with its 95 % interval over prompts, tokens and draft
+forwards a target call (a DSpark block is one forward), the acceptance per drafted position (chains) and
+c = t_draft/t_target as the runs timed it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from specheads.dataset.prompts import encode_prompt, load_prompts
+from specheads.decoding import RoundEngine, make_policy
+from specheads.decoding.drafters import load_feature_draft
+from specheads.decoding.result import DecodeResult
+from specheads.decoding.sampler import draw
+from specheads.decoding.tree import TreeRule, decode_tree
+from specheads.eval.serving import paired_ratio_interval
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
+from specheads.plumbing.files import write_json_atomic
+
+CONFIRMATION_PROMPTS = str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
+"""The held-out confirmation prompts (the drafters train on the built-in ones)."""
+
+
+@dataclass
+class DrafterBenchmark:
+    """What to decode.
+
+    Args:
+        drafter: the drafter folder (speculators' format).
+        target: the target model.
+        prompt_file: JSONL of prompts.
+        prompts: how many of them.
+        max_new_tokens: tokens per request.
+        rules: `name:threshold` chain rules and `tree:floor` trees.
+        max_draft: a chain's K_max (a DSpark drafter's block caps it too).
+        tree_budget: a tree's nodes a round.
+        temperature: the sampling temperature (0: greedy).
+        resamples: bootstrap resamples of the prompts for the intervals.
+        out: a JSON file for the results.
+    """
+
+    drafter: str
+    target: str = "embedded:smollm2"
+    prompt_file: str = CONFIRMATION_PROMPTS
+    prompts: int = 40
+    max_new_tokens: int = 64
+    rules: list[str] = field(default_factory=lambda: ["constant_k:2", "constant_k:3", "constant_k:4", "confidence:0.3",
+                                                      "tree:0.1"])
+    max_draft: int = 6
+    tree_budget: int = 8
+    temperature: float = 1.0
+    resamples: int = 1000
+    out: str | None = None
+
+
+@torch.no_grad()
+def target_alone(target: torch.nn.Module, prompt: list[int], transform: SamplingTransform, max_new_tokens: int, seed: int,
+                 stops: set[int]) -> tuple[list[int], float]:
+    """The target's own decoding, one cached forward a token: (tokens, seconds)."""
+    began = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    cache = DynamicCache(config=target.config)
+    logits = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+    tokens: list[int] = []
+    while True:
+        tokens.append(draw(transform.log_probs(logits.float()), generator))
+        if len(tokens) >= max_new_tokens or tokens[-1] in stops:
+            return tokens, time.perf_counter() - began
+        logits = target(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+
+
+def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DrafterBenchmark, seed: int) -> DecodeResult:
+    """One prompt under `rule` (`name:threshold` or `tree:floor`), B = 1."""
+    name, threshold = rule.split(":")
+    if name == "tree":
+        tree = TreeRule(values="confidence", floor=float(threshold), budget=args.tree_budget)
+        return decode_tree(engine, [prompt], tree, args.max_new_tokens, [seed])[0]
+    return engine.decode([prompt], make_policy(name, float(threshold), args.max_draft), args.max_new_tokens, [seed])[0]
+
+
+def per_position(results: list[DecodeResult]) -> list[float]:
+    """The share of chain rounds that reached drafted position k and accepted its candidate."""
+    reached, accepted = [0] * 64, [0] * 64
+    for result in results:
+        for drafted, kept in zip(result.drafted_per_round, result.accepted_per_round):
+            for k in range(drafted):
+                reached[k] += k <= kept
+                accepted[k] += k < kept
+    return [round(a / r, 3) for a, r in zip(accepted, reached) if r]
+
+
+def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, list[float]], alone_rate: float,
+             resamples: int) -> dict[str, Any]:
+    """One rule's figures from its runs (keyed by prompt) against the target alone's (`baseline`: tokens, seconds)."""
+    mine = {seed: [len(r.tokens), r.seconds] for seed, r in results.items()}
+    rate = sum(t for t, _ in mine.values()) / sum(s for _, s in mine.values())
+    runs = list(results.values())
+    draft_time = sum(r.draft_seconds for r in runs) / max(sum(r.draft_passes for r in runs), 1)
+    target_time = sum(r.target_seconds for r in runs) / max(sum(r.target_passes for r in runs), 1)
+    calls = max(sum(r.target_calls for r in runs), 1)
+    return {"tokens_per_s": rate, "speedup": rate / alone_rate,
+            "speedup_interval": paired_ratio_interval(mine, baseline, resamples, 0),
+            "tokens_per_target_call": sum(len(r.tokens) for r in runs) / calls,
+            "draft_forwards_per_target_call": sum(r.draft_forwards for r in runs) / calls,
+            "acceptance_per_position": None if rule.startswith("tree:") else per_position(runs),
+            "timed_cost_ratio": draft_time / target_time if target_time else None}
+
+
+def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
+    """Decode `args.prompts` prompts by the target alone and under each rule with the `kind` drafter of
+    `args.drafter` (`specheads.decoding.drafters`), print each rule's line and write `args.out`; the report."""
+    spec = ModelSpec(path=args.target)
+    tokenizer, target = load_tokenizer(spec), load_model(spec)
+    stops = set(stop_token_ids(target, tokenizer))
+    transform = SamplingTransform(args.temperature)
+    engine = RoundEngine(target, load_feature_draft(kind, args.drafter, target), transform, sorted(stops))
+    prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts(args.prompt_file, limit=args.prompts)]
+    alone = {seed: target_alone(target, prompt, transform, args.max_new_tokens, seed, stops)
+             for seed, prompt in enumerate(prompts)}
+    baseline = {seed: [len(tokens), seconds] for seed, (tokens, seconds) in alone.items()}
+    alone_rate = sum(t for t, _ in baseline.values()) / sum(s for _, s in baseline.values())
+    report: dict[str, Any] = {"drafter": args.drafter, "kind": kind, "prompts": len(prompts),
+                              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                              "target_alone_tokens_per_s": alone_rate, "rules": {}}
+    print(f"target alone: {alone_rate:.1f} tokens/s on {len(prompts)} prompts")
+    for rule in args.rules:
+        results = {seed: run_rule(engine, rule, prompt, args, seed) for seed, prompt in enumerate(prompts)}
+        row = report["rules"][rule] = rule_row(rule, results, baseline, alone_rate, args.resamples)
+        interval = row["speedup_interval"]
+        print(f"{rule}: {row['tokens_per_s']:.1f} tokens/s, {row['speedup']:.2f}x the target alone"
+              + (f" [{1 + interval[0]:.2f}, {1 + interval[1]:.2f}]" if interval else "")
+              + f", {row['tokens_per_target_call']:.2f} tokens and {row['draft_forwards_per_target_call']:.2f} draft "
+              f"forwards a target call, acceptance per position {row['acceptance_per_position']}, timed c "
+              f"{row['timed_cost_ratio'] or float('nan'):.3f}")
+    if args.out:
+        write_json_atomic(Path(args.out), report)
+    return report

@@ -1,0 +1,269 @@
+"""`specheads gen` with a feature drafter as the draft (`data_gen.drafter_labels`): EAGLE-3 and DSpark drafters of
+speculators' classes with random weights, for the tiny target. Every labelled position's q, p, labels, state, Markov
+embedding and confidence are those of the decoding core's B = 1 draft at that position's depth, computed here from
+scratch for each position (a fresh target cache over the verified prefix, a fresh drafter); the depths follow the
+mix's runs; a head trains on the drafter's state with its Markov embedding; eval's offline table scores the DSpark
+drafter's own confidence head beside it."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_args
+from test_eagle3_decoding import randomised
+
+from specheads.cli import main
+from specheads.model_outputs.sampling import SamplingTransform
+
+pytest.importorskip("speculators.models.dspark")
+
+from specheads.data_gen.drafter_labels import chain_depths, chains  # noqa: E402
+from specheads.dataset.store import load_labelled  # noqa: E402
+from specheads.decoding.dspark import block_forward, candidate_logits, markov_inputs  # noqa: E402
+from specheads.decoding.eagle3 import Eagle3Draft  # noqa: E402
+from specheads.decoding.features import FeatureTarget, place_logits  # noqa: E402
+from specheads.pair.drafters import draft_rows, fill_from_target, save_drafter  # noqa: E402
+
+LAYERS = [1, 2, 3]
+
+
+def vocabulary_maps(size: int, step: int) -> tuple[list[int], list[bool]]:
+    """(d2t, t2d) of a draft vocabulary of every `step`-th target token."""
+    kept = list(range(0, size, step))
+    return [t - i for i, t in enumerate(kept)], [i in set(kept) for i in range(size)]
+
+
+def saved_drafter(kind: str, target, folder, **settings):
+    """A `kind` drafter of speculators' classes for `target`, with random weights, saved to `folder` (float32)."""
+    d2t, t2d = vocabulary_maps(target.config.vocab_size, 2)
+    if kind == "eagle3":
+        from specheads.pair.eagle3 import build_drafter
+
+        drafter = build_drafter(target.config, LAYERS, len(d2t), "tiny", ttt_steps=3)
+    else:
+        from specheads.pair.dspark import build_drafter
+
+        options = {"mask_token_id": 0, "block_size": 4, "markov_rank": 8, **settings}
+        drafter = build_drafter(target.config, LAYERS, len(d2t), "tiny", **options)
+    fill_from_target(drafter, target, torch.tensor(d2t), torch.tensor(t2d))
+    drafter = randomised(drafter, seed=3, std=0.2, also=("lm_head.weight",))
+    save_drafter(drafter, folder, dtype=torch.float32)
+    return folder
+
+
+def drafter_args(tiny_model, prompts_file, out, kind, folder, *extra):
+    """gen on the tiny target with the drafter in `folder` as the draft (no derived draft)."""
+    args = [a for a in tiny_args(tiny_model, prompts_file, out) if a not in ("--draft.skip_layers", "[2]")]
+    return [*args, "--drafter.kind", kind, "--drafter.path", str(folder), *extra]
+
+
+@pytest.fixture(scope="module")
+def labelled(tiny_model, prompts_file, tmp_path_factory):
+    """A gen folder per drafter kind (two responses per prompt, mixing 0.3, EAGLE-3 chains 3 deep)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    root = tmp_path_factory.mktemp("drafter-gen")
+    made = {}
+    for kind, extra in (("eagle3", ["--drafter.depth", "3"]), ("dspark", [])):
+        folder = saved_drafter(kind, target, root / f"{kind}-drafter")
+        out = root / f"{kind}-gen"
+        assert main(drafter_args(tiny_model, prompts_file, out, kind, folder, "--mixing.target_ratio", "0.3",
+                                 *extra)) == 0
+        made[kind] = (out, folder)
+    return target, made
+
+
+def reference(kind: str, target, drafter, sequence: list[int], predicted: int, depth: int, transform):
+    """From scratch, what the decoding core's B = 1 draft computes for the token at `predicted` drafted `depth` deep
+    (the target has read every token before the anchor, the chain reads the sequence's tokens after it): (log q over
+    the target's vocabulary, the state that produced it, its Markov embedding, its confidence), and log p."""
+    anchor = predicted - depth
+    layer_ids = drafter.config.eagle_aux_hidden_state_layer_ids if kind == "eagle3" else drafter.config.aux_hidden_state_layer_ids
+    verifier = FeatureTarget(target, layer_ids)
+    verifier.feed(sequence[:anchor])
+    log_p = transform.log_probs(target(torch.tensor([sequence[:predicted]])).logits[0, -1].float())
+    vocabulary = target.config.vocab_size
+    if kind == "eagle3":
+        draft = Eagle3Draft(drafter, vocabulary)
+        logits, own = draft.feed(sequence[1: anchor + 1], verifier.features[:anchor], fused=True)
+        for token in sequence[anchor + 1: predicted]:
+            logits, own = draft.feed([token], own[-1:], fused=False)
+        log_q = draft.log_q(logits[-1], transform)
+        return log_q, drafter.norm(own[-1:])[0] if not drafter.config.norm_output else own[-1], None, None, log_p
+    block = block_forward(drafter, verifier.features, sequence[anchor])
+    previous = sequence[anchor:predicted]
+    logits, score = candidate_logits(drafter, block, previous)
+    log_q = transform.log_probs(place_logits(logits, draft_rows(drafter), vocabulary))
+    slot = len(markov_inputs(drafter.config, previous)) - 1
+    markov = drafter.markov_head.markov_w1.weight[previous[-1]]
+    return log_q, block.hidden[slot], markov, score, log_p
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_gen_labels_every_position_as_the_drafter_drafts_it_at_its_depth(labelled, kind):
+    from specheads.pair.dspark import load_drafter as load_dspark
+    from specheads.pair.eagle3 import load_drafter as load_eagle3
+
+    target, made = labelled
+    out, folder = made[kind]
+    drafter = (load_eagle3 if kind == "eagle3" else load_dspark)(folder, target)
+    rows = load_labelled(out).with_format("numpy")
+    manifest = json.loads((out / "manifest.json").read_text())
+    identity = manifest["identity"]["draft"]
+    depth = 3 if kind == "eagle3" else 4
+    assert identity["kind"] == kind and identity["depth"] == depth and len(identity["weights_sha256"]) == 16
+    assert manifest["draft_name"] == f"{'EAGLE-3' if kind == 'eagle3' else 'DSpark'} {folder}"
+    assert ("drafter_score" in rows.column_names) == ("markov_features" in rows.column_names) == (kind == "dspark")
+    transform = SamplingTransform(1.0)
+    checked = set()
+    for row in rows.select(range(4)):
+        prompt, response = row["prompt_ids"].tolist(), row["target_ids"].tolist()
+        is_draft = row["is_draft"].tolist()
+        assert row["depth"].tolist() == chain_depths(is_draft, depth)[: len(response)]
+        assert row["features"].shape == (len(response) + 1, target.config.hidden_size)
+        sequence = prompt + response
+        for j, d in enumerate(row["depth"].tolist()):
+            log_q, state, markov, score, log_p = reference(kind, target, drafter, sequence, len(prompt) + j, d, transform)
+            candidate = int(row["draft_ids"][j])
+            assert row["logq"][j] == pytest.approx(float(log_q[candidate]), abs=1e-4)
+            assert row["logp"][j] == pytest.approx(float(log_p[candidate]), abs=1e-4)
+            assert row["accept"][j] == pytest.approx(min(1.0, math.exp(log_p[candidate] - log_q[candidate])), abs=1e-4)
+            assert row["beta"][j] == pytest.approx(float(torch.minimum(log_p, log_q).exp().sum()), abs=1e-4)
+            assert torch.allclose(torch.from_numpy(row["features"][j].astype("float32")), state.float(), atol=2e-3)
+            if kind == "dspark":
+                assert row["drafter_score"][j] == pytest.approx(score, abs=1e-5)
+                assert torch.allclose(torch.from_numpy(row["markov_features"][j].astype("float32")), markov, atol=1e-3)
+            checked.add(d)
+    assert checked == set(range(1, depth + 1))  # every depth of a round was checked
+
+
+def test_depths_follow_the_mixs_runs_and_start_a_round_after_k_max():
+    is_draft = [True, True, False, True, True, True, True, False]
+    assert chain_depths(is_draft, 3) == [1, 2, 3, 1, 2, 3, 1, 2, 1]
+    assert chains([1, 2, 3, 1, 2, 3, 1, 2, 1]) == [(0, 3), (3, 3), (6, 2), (8, 1)]
+
+
+def test_the_data_card_says_how_the_depths_were_chosen_and_a_rerun_has_nothing_to_label(labelled, tiny_model,
+                                                                                         prompts_file, capsys):
+    _, made = labelled
+    out, folder = made["dspark"]
+    card = (out / "README.md").read_text()
+    assert "## Depth: chains of a feature drafter" in card and "`drafter_score`" in card and "`markov_features`" in card
+    capsys.readouterr()
+    assert main(drafter_args(tiny_model, prompts_file, out, "dspark", folder, "--mixing.target_ratio", "0.3")) == 0
+    assert "nothing new to label" in capsys.readouterr().out
+
+
+def test_a_drafter_of_another_kind_or_target_is_refused_in_one_line_before_anything_is_written(
+        labelled, tiny_model, prompts_file, tmp_path, capsys):
+    _, made = labelled
+    _, eagle = made["eagle3"]
+    assert main(drafter_args(tiny_model, prompts_file, tmp_path / "a", "dspark", eagle)) == 2
+    error = capsys.readouterr().err.strip()
+    assert "holds a 'eagle3' drafter" in error and "--drafter.kind eagle3" in error and len(error.splitlines()) == 1
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.hidden_size = 48
+    folder = saved_drafter("dspark", LlamaForCausalLM(config), tmp_path / "wide-drafter")
+    capsys.readouterr()
+    assert main(drafter_args(tiny_model, prompts_file, tmp_path / "b", "dspark", folder)) == 2
+    error = capsys.readouterr().err.strip()
+    assert "made for another target: hidden size 48 (the target's: 32)" in error and len(error.splitlines()) == 1
+    assert main(drafter_args(tiny_model, prompts_file, tmp_path / "c", "eagle3", eagle, "--draft.skip_layers", "[2]")) == 2
+    assert "--draft cannot go with --drafter" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+# ---- our heads on the drafter's state, and the DSpark drafter's own head as a baseline offline
+
+CONFIGS = Path(__file__).parents[1] / "configs" / "train"
+
+
+def train_args(config: str, data, root, *extra: str) -> list[str]:
+    """`specheads train fit` of a recipe on the tiny data, two epochs (prompts: 30 % held out, 30 % calibrate)."""
+    return ["train", "fit", "--config", str(CONFIGS / config), "--data.path", str(data), "--data.val_fraction", "0.3",
+            "--data.calibration_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def dspark_head(labelled, tmp_path_factory):
+    """configs/train/drafter-dspark-confidence.yaml trained on the DSpark drafter's data."""
+    root = tmp_path_factory.mktemp("dspark-head")
+    assert main(train_args("drafter-dspark-confidence.yaml", labelled[1]["dspark"][0], root)) == 0
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_the_dspark_confidence_recipe_reads_the_drafters_state_and_markov_embedding(dspark_head, labelled):
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.dataset.datamodule import AcceptanceDataModule
+    from specheads.dataset.targets import head_inputs, markov_argument
+
+    trained = load_trained(str(dspark_head))
+    head = trained.head
+    assert head.markov_rank == 8 and head.input_size == 32 + 8  # markov_rank null took the data's rank
+    data = AcceptanceDataModule(str(labelled[1]["dspark"][0]), val_fraction=0.3)
+    data.setup()
+    data.with_markov = True
+    batch = next(iter(data.ordered_batches("val", with_features=True)))
+    hidden, _, _, _, mask = head_inputs(batch, batch["features"], "context_state", "expect", [])
+    markov = markov_argument(batch, mask, "context_state", head)["markov_embedding"]
+    weight, bias = head.engine_linear()  # what an engine runs: one affine map of [state ; markov_w1[previous]]
+    expected = torch.cat([hidden.double(), markov.double()], -1) @ weight + bias
+    assert torch.allclose(head(hidden, markov_embedding=markov).double() + head.logit_correction.double(), expected,
+                          atol=1e-4)
+    assert markov.abs().sum() > 0 and not torch.allclose(head(hidden, markov_embedding=markov),
+                                                         head(hidden, markov_embedding=torch.zeros_like(markov)))
+
+
+def test_eval_scores_the_dspark_drafters_own_confidence_head_on_the_same_tokens(dspark_head, labelled, tmp_path):
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.artifacts.metrics import soft_auc
+    from specheads.dataset.prompts import prompt_digest
+
+    out = labelled[1]["dspark"][0]
+    assert main(["eval", "--head", str(dspark_head), "--data", str(out), "--out", str(tmp_path / "eval"),
+                 "--num-decode-prompts", "0", "--max-draft", "4", "--bootstrap", "10", "--progress", "false"]) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    offline = metrics["offline"]
+    used = load_trained(str(dspark_head)).used_prompts
+    held = [row for row in load_labelled(out).with_format("numpy") if prompt_digest(row["prompt_ids"]) not in used]
+    label = np.concatenate([row["accept"][row["is_draft"]] for row in held])
+    score = np.concatenate([row["drafter_score"][row["is_draft"]] for row in held])
+    assert offline["dspark_confidence"]["auc"] == pytest.approx(soft_auc(label, score), abs=1e-9)  # the same tokens
+    for name in ("dspark_confidence", "dspark_confidence_ts"):
+        assert all(offline[name][metric] is not None for metric in ("auc", "binary_kl", "ece"))
+    temperatures = metrics["data"]["dspark_temperatures"]
+    assert len(temperatures["temperatures"]) == 4 and "calibration prompts" in temperatures["how"]
+    stages = {(row["stage"], row["k"]) for row in metrics["cumulative"]}
+    assert {("dspark_confidence", 1), ("dspark_confidence_ts", 1), ("dspark_confidence", 2)} <= stages
+    assert metrics["offline_comparison"]["dspark_confidence"]["baseline"] == "dspark_confidence"
+    assert "Beside the DSpark drafter's own confidence head" in (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_the_ontime_recipe_trains_on_eagle3_data_and_calibrates_rounds_by_depth(labelled, tmp_path, capsys):
+    from specheads.artifacts.checkpoint import load_trained
+
+    data = labelled[1]["eagle3"][0]
+    assert main(train_args("drafter-ontime.yaml", data, tmp_path / "ontime", "--model.calibrate_positions", "3")) == 0
+    calibration = load_trained(str(tmp_path / "ontime" / "checkpoints" / "last.ckpt")).head.calibration
+    assert calibration.positions == 3
+    capsys.readouterr()
+    assert main(train_args("specdecpp.yaml", data, tmp_path / "resnet")) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "labelled with a feature drafter (eagle3)" in error and "candidate_state" in error
+
+
+def test_a_round_of_a_feature_drafter_starts_at_depth_one():
+    from specheads.heads.calibration import round_windows
+
+    row, position = np.zeros(6, dtype=int), np.arange(6)
+    depth = np.array([2, 3, 1, 2, 3, 1])  # the first two tokens end a round that began before them
+    assert round_windows(row, position, 2)[1].tolist() == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]
+    assert round_windows(row, position, 3, depth)[1].tolist() == [[2, 3]]
+    assert round_windows(row, position, 3, depth)[2].tolist() == [[2, 3, 4]]
