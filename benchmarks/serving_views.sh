@@ -5,7 +5,8 @@
 # batch size) and the CPU's measured curves. Evals of one torch thread each, two at a time on 2 cores; each
 # resumes from its journal when run again. The 160 confirmation prompts at B = 8 and 32; at B = 128 and 256 the
 # queue holds two samples of each (320 requests, --test-samples 2) so that B = 256 fills; the CPU's curves on the
-# first 80 prompts. The evaluated head is the expected-acceptance head (trained with
+# first 80 prompts, two samples each (160 requests: eval refuses a batch size above the requests it decodes, so
+# that B = 128 fills). The evaluated head is the expected-acceptance head (trained with
 # configs/train/expected-acceptance.yaml): the planners read it, and its stop rule 1 - prod a > h is one of the
 # per-request rows (h = 0.6, the on-time head's dev-tuned value, given, not tuned here).
 #   sh benchmarks/serving_views.sh EXPECTED_HEAD DATA [OUT]
@@ -21,5 +22,6 @@ OMP_NUM_THREADS=1 specheads eval $COMMON $ACCELERATORS --num-decode-prompts 160 
 OMP_NUM_THREADS=1 specheads eval $COMMON $ACCELERATORS --num-decode-prompts 160 --test-samples 2 \
   --out "$OUT/accelerators-queue" --serving-batch-sizes "[128, 256]" > "$OUT-accelerators-queue.log" 2>&1 &
 wait
-OMP_NUM_THREADS=1 specheads eval $COMMON --num-decode-prompts 80 --out "$OUT/cpu" --serving-batch-sizes "[8, 32, 128]" \
+OMP_NUM_THREADS=1 specheads eval $COMMON --num-decode-prompts 80 --test-samples 2 --out "$OUT/cpu" \
+  --serving-batch-sizes "[8, 32, 128]" \
   --serving-costs measured --serving-batch-policies "[goodput, smartspec]" > "$OUT-cpu.log" 2>&1
