@@ -134,6 +134,12 @@ def trained(tiny_model, prompts_file, tmp_path_factory):
     return data, root
 
 
+def vocabulary_maps(size: int, step: int) -> tuple[list[int], list[bool]]:
+    """(d2t, t2d) of a draft vocabulary of every `step`-th target token, as a feature drafter's maps."""
+    kept = list(range(0, size, step))
+    return [t - i for i, t in enumerate(kept)], [i in set(kept) for i in range(size)]
+
+
 def load_benchmark(name: str):
     """The module benchmarks/NAME.py (the benchmarks are scripts, not a package), registered under its file's name so
     that its dataclasses resolve."""

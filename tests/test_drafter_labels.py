@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_args
+from conftest import tiny_args, vocabulary_maps
 from test_eagle3_decoding import randomised
 
 from specheads.cli import main
@@ -28,12 +28,6 @@ from specheads.decoding.features import FeatureTarget, place_logits  # noqa: E40
 from specheads.pair.drafters import draft_rows, fill_from_target, save_drafter  # noqa: E402
 
 LAYERS = [1, 2, 3]
-
-
-def vocabulary_maps(size: int, step: int) -> tuple[list[int], list[bool]]:
-    """(d2t, t2d) of a draft vocabulary of every `step`-th target token."""
-    kept = list(range(0, size, step))
-    return [t - i for i, t in enumerate(kept)], [i in set(kept) for i in range(size)]
 
 
 def saved_drafter(kind: str, target, folder, **settings):

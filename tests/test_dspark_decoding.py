@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import vocabulary_maps
 from test_eagle3_decoding import check_profile, randomised
 from test_eval import PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
@@ -57,9 +58,7 @@ def wide_dspark(tiny_model):
 
     target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     vocabulary = target.config.vocab_size
-    kept = list(range(0, vocabulary, 3))
-    return target, random_dspark(target, [1, 2, 3], [t - i for i, t in enumerate(kept)],
-                                 [i in set(kept) for i in range(vocabulary)], std=0.3, mask_token_id=0, block_size=4,
+    return target, random_dspark(target, [1, 2, 3], *vocabulary_maps(vocabulary, 3), std=0.3, mask_token_id=0, block_size=4,
                                  markov_rank=8, markov_head_type="gated")
 
 
@@ -181,10 +180,8 @@ def test_the_block_computes_what_speculators_training_forward_computes(tiny_mode
 
     target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     vocabulary = target.config.vocab_size
-    kept = list(range(0, vocabulary, 2))
-    drafter = random_dspark(target, [1, 2, 3], [t - i for i, t in enumerate(kept)], [i in set(kept) for i in range(vocabulary)],
-                            std=0.3, mask_token_id=1, block_size=4, markov_rank=8, markov_head_type=head,
-                            sample_from_anchor=anchor_first)
+    drafter = random_dspark(target, [1, 2, 3], *vocabulary_maps(vocabulary, 2), std=0.3, mask_token_id=1, block_size=4,
+                            markov_rank=8, markov_head_type=head, sample_from_anchor=anchor_first)
     tokens = [5, 9, 30, 41, 7, 12, 60, 3, 99, 14, 21, 8, 2, 17]
     anchors = torch.tensor([3, 7])
     size = len(tokens)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import vocabulary_maps
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.model_outputs.sampling import SamplingTransform
@@ -77,9 +78,7 @@ def test_greedy_eagle3_decoding_gives_the_targets_greedy_tokens(tiny_model):
 
     target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     vocabulary = target.config.vocab_size
-    kept = list(range(0, vocabulary, 3))
-    drafter = random_drafter(target, [1, 2, 3], [t - i for i, t in enumerate(kept)],
-                             [i in set(kept) for i in range(vocabulary)], std=0.3)
+    drafter = random_drafter(target, [1, 2, 3], *vocabulary_maps(vocabulary, 3), std=0.3)
     prompt = [5, 9, 30, 41]
     expected = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
@@ -172,9 +171,7 @@ def wide_eagle(tiny_model):
 
     target = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     vocabulary = target.config.vocab_size
-    kept = list(range(0, vocabulary, 2))
-    return target, random_drafter(target, [1, 2, 3], [t - i for i, t in enumerate(kept)],
-                                  [i in set(kept) for i in range(vocabulary)], std=0.3)
+    return target, random_drafter(target, [1, 2, 3], *vocabulary_maps(vocabulary, 2), std=0.3)
 
 
 @pytest.mark.parametrize("pair, prompts", [("tiny_eagle", [[0, 1], [2, 0, 1, 1], [1]]),  # most drafts accepted
