@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specheads.pair.drafters import fill_from_target, vocab_maps
-from specheads.pair.eagle3 import build_drafter, default_layer_ids, load_drafter
+from specheads.pair.eagle3 import build_drafter, default_layer_ids, drafter_forward, load_drafter
 from specheads.pair.models import ModelSpec, load_model
 from specheads.plumbing.dataclass_cli import parse_script
 
@@ -70,14 +70,11 @@ def main() -> None:
     ids = torch.randint(0, target.config.vocab_size, (1, args.context))
     features = torch.randn(1, args.context, 3 * target.config.hidden_size)
     target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache()
-    layer = drafter.layers[0]
 
     def draft_forward(tokens: torch.Tensor, fused: torch.Tensor, start: int) -> torch.Tensor:
-        inputs = torch.cat([drafter.embed_tokens(tokens), drafter.fc(fused)], dim=-1)
         positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
-        out = layer(inputs, attention_mask=None, position_ids=positions, past_key_values=draft_cache, use_cache=True,
-                    position_embeddings=drafter.rotary_emb(inputs, positions))
-        return drafter.lm_head(drafter.norm(out))
+        normed, _ = drafter_forward(drafter, tokens, drafter.fc(fused), None, positions, draft_cache)
+        return drafter.lm_head(normed)
 
     target(input_ids=ids, past_key_values=target_cache, use_cache=True)
     draft_forward(ids, features, 0)

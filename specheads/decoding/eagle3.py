@@ -46,6 +46,7 @@ from specheads.decoding.features import (
 from specheads.decoding.sampler import draw
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows
+from specheads.pair.eagle3 import drafter_forward
 
 
 class Eagle3Draft:
@@ -73,19 +74,13 @@ class Eagle3Draft:
         drafter = self.drafter
         start, count = self.first_position + self.length, len(tokens)
         ids = torch.tensor([tokens], device=features.device)
-        hidden = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
-        hidden = torch.cat([drafter.embed_tokens(ids), hidden.to(drafter.fc.weight.dtype)], dim=-1)
+        rows = drafter.fc(features.unsqueeze(0)) if fused else features.unsqueeze(0)
         positions = torch.arange(start, start + count, device=features.device).unsqueeze(0)
         held = self.length
-        mask = torch.full((count, held + count), -math.inf, dtype=hidden.dtype, device=hidden.device)
+        mask = torch.full((count, held + count), -math.inf, dtype=rows.dtype, device=rows.device)
         mask = torch.triu(mask, diagonal=held + 1)[None, None]  # each token sees what is held and itself
-        embeddings = drafter.rotary_emb(hidden, positions)
-        for layer in drafter.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                           position_embeddings=embeddings)
-        normed = drafter.norm(hidden)
+        normed, own = drafter_forward(drafter, ids, rows, mask, positions, self.cache)
         self.forwards += 1
-        own = normed if drafter.config.norm_output else hidden
         return drafter.lm_head(normed)[0].float(), own[0]
 
     def crop(self, length: int) -> None:
@@ -145,18 +140,12 @@ class Eagle3Decoder(torch.nn.Module):
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
-        count = input_ids.shape[1]
-        embedded = drafter.embed_tokens(input_ids)
+        dtype = drafter.embed_tokens.weight.dtype
         # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
-        features = torch.zeros_like(embedded) if self.features is None else self.features.to(embedded.dtype)
-        hidden = torch.cat([embedded, features], dim=-1)
-        mask = additive_mask(attention_mask, count, hidden.dtype)
-        embeddings = drafter.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                           position_embeddings=embeddings)
-        normed = drafter.norm(hidden)
-        self.own = normed if drafter.config.norm_output else hidden
+        features = (torch.zeros(*input_ids.shape, drafter.embed_tokens.embedding_dim, dtype=dtype, device=input_ids.device)
+                    if self.features is None else self.features)
+        mask = additive_mask(attention_mask, input_ids.shape[1], dtype)
+        normed, self.own = drafter_forward(drafter, input_ids, features, mask, position_ids, cache)
         return BaseModelOutputWithPast(last_hidden_state=normed, past_key_values=cache)
 
 

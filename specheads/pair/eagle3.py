@@ -67,3 +67,19 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, attention: str = "
         return speculators_eagle3().Eagle3DraftModel(config)
 
     return load_speculators_drafter(folder, target, "eagle3", "Eagle3SpeculatorConfig", build)
+
+
+def drafter_forward(drafter: torch.nn.Module, input_ids: torch.Tensor, features: torch.Tensor,
+                    mask: torch.Tensor | None, positions: torch.Tensor, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's decoder over `input_ids` [B, m], each token beside its feature row [B, m, h] (the target's streams
+    after `fc`, or the drafter's own states), at `positions` [B, m] under the additive attention `mask` (None: the
+    layers' own), its keys and values added to `cache`: (the normed states its LM head reads, the states a drafted
+    token is read back with: the normed ones where the drafter was trained so, `norm_output`)."""
+    embedded = drafter.embed_tokens(input_ids)
+    hidden = torch.cat([embedded, features.to(embedded.dtype)], dim=-1)
+    embeddings = drafter.rotary_emb(hidden, positions)
+    for layer in drafter.layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                       position_embeddings=embeddings)
+    normed = drafter.norm(hidden)
+    return normed, normed if drafter.config.norm_output else hidden
