@@ -140,6 +140,16 @@ def vocabulary_maps(size: int, step: int) -> tuple[list[int], list[bool]]:
     return [t - i for i, t in enumerate(kept)], [i in set(kept) for i in range(size)]
 
 
+def target_greedy(target, prompt: list[int], count: int) -> list[int]:
+    """The `count` tokens transformers' greedy generation gives after `prompt` (no stop token): what an exact decoder
+    must give at temperature 0."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
 def load_benchmark(name: str):
     """The module benchmarks/NAME.py (the benchmarks are scripts, not a package), registered under its file's name so
     that its dataclasses resolve."""

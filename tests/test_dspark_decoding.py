@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import vocabulary_maps
+from conftest import target_greedy, vocabulary_maps
 from test_eagle3_decoding import check_profile, randomised
 from test_eval import PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
@@ -162,10 +162,7 @@ def test_the_round_engine_decodes_as_the_b1_dspark_loop_and_greedy_as_the_target
             alone = dspark_decode(target, drafter, prompt, transform, 4, 14, seed)
             assert result.tokens == alone.tokens and result.draft_forwards == alone.draft_forwards, (temperature, seed)
             if temperature == 0:
-                ids = torch.tensor([prompt])
-                greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert result.tokens == greedy
+                assert result.tokens == target_greedy(target, prompt, 14)
 
 
 @pytest.mark.parametrize("anchor_first, head", [(True, "vanilla"), (False, "vanilla"), (True, "gated"), (True, "rnn"),
@@ -249,10 +246,7 @@ def test_greedy_dspark_trees_give_the_targets_greedy_tokens(wide_dspark):
     results = decode_tree(engine, prompts, TreeRule(values="confidence", floor=0.0, budget=6, width=2), 16, [0, 1, 2],
                           batch_size=2)
     for prompt, result in zip(prompts, results):
-        ids = torch.tensor([prompt])
-        greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert result.tokens == greedy
+        assert result.tokens == target_greedy(target, prompt, 16)
         assert 1 < max(result.drafted_per_round) <= 6
 
 

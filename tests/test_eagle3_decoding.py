@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import vocabulary_maps
+from conftest import target_greedy, vocabulary_maps
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
 
 from specheads.model_outputs.sampling import SamplingTransform
@@ -80,8 +80,7 @@ def test_greedy_eagle3_decoding_gives_the_targets_greedy_tokens(tiny_model):
     vocabulary = target.config.vocab_size
     drafter = random_drafter(target, [1, 2, 3], *vocabulary_maps(vocabulary, 3), std=0.3)
     prompt = [5, 9, 30, 41]
-    expected = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+    expected = target_greedy(target, prompt, 20)
     result = eagle3_decode(target, drafter, prompt, SamplingTransform(0.0), 4, 20, seed=0)
     assert result.tokens == expected and result.target_calls == result.rounds + 1
 
@@ -191,10 +190,7 @@ def test_the_round_engine_decodes_as_the_b1_eagle3_loop_and_greedy_as_the_target
             assert result.tokens == alone.tokens, (temperature, seed)
             drafted, accepted = drafted + result.drafted, accepted + result.accepted
             if temperature == 0:
-                ids = torch.tensor([prompt])
-                greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                assert result.tokens == greedy
+                assert result.tokens == target_greedy(target, prompt, 16)
     assert accepted < drafted and (pair == "wide_eagle" or accepted > drafted / 3)
 
 
@@ -269,10 +265,7 @@ def test_greedy_eagle3_trees_give_the_targets_greedy_tokens(pair, prompts, reque
     results = decode_tree(engine, prompts, TreeRule(values="confidence", floor=0.0, budget=6, width=2), 16, [0, 1, 2],
                           batch_size=2)
     for prompt, result in zip(prompts, results):
-        ids = torch.tensor([prompt])
-        greedy = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert result.tokens == greedy
+        assert result.tokens == target_greedy(target, prompt, 16)
 
 
 def test_profile_measures_an_eagle3_drafter_as_the_draft(wide_eagle, tiny_model, tmp_path):
