@@ -41,18 +41,18 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
-        if grad or input.device.type != "cpu" or weight.device.type != "cpu" or not (
-                input.dtype == weight.dtype == torch.float32):
-            return super().forward(input)
-        if self.packed is None or self.packed_from != (weight.data_ptr(), weight._version):
+        if self.packed_from != (weight.data_ptr(), weight._version):
             self.pack()
+        if self.packed is None or not input.is_cpu or input.dtype != torch.float32 or (
+                torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)):
+            return super().forward(input)
         return torch.ops.mkldnn._linear_pointwise(input, self.packed, self.bias, "none", [], "")
 
     def pack(self) -> None:
-        """Pack the weight as it is now."""
+        """Pack the weight as it is now (none for a weight off the CPU or not in float32)."""
         weight = self.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.packed_rows)
+        packable = weight.is_cpu and weight.dtype == torch.float32
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.packed_rows) if packable else None
         self.packed_from = (weight.data_ptr(), weight._version)
 
     def __getstate__(self) -> dict[str, Any]:
