@@ -5,7 +5,8 @@
 Both read one new token over a KV cache of `context` positions: the target's whole forward (30 layers and the LM
 head over its 49 152 tokens), the drafter's fc fusion of three target states, its decoder layer and its LM head over
 the draft vocabulary (a trained folder, or a fresh drafter of that vocabulary: the cost is the shape's, not the
-weights'). Prints the median milliseconds of each and their ratio.
+weights'). Prints the median milliseconds of each and their ratio. Both run on prepacked linear layers unless
+`--packed-weights false` (`specheads.pair.packed`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from specheads.pair.drafters import fill_from_target, vocab_maps
 from specheads.pair.eagle3 import build_drafter, default_layer_ids, drafter_forward, load_drafter
 from specheads.pair.models import ModelSpec, load_model
+from specheads.pair.packed import pack_linear_weights
 from specheads.plumbing.dataclass_cli import parse_script
 
 
@@ -33,6 +35,8 @@ class CostBenchmark:
         target: the target model.
         context: positions already in both caches.
         repeats: timed steps (after 5 untimed).
+        packed_weights: both models' linear layers on weights prepacked once (`specheads.pair.packed`), as
+            benchmarks/eagle3_decode.py runs them.
     """
 
     drafter: str | None = None
@@ -40,6 +44,7 @@ class CostBenchmark:
     target: str = "embedded:smollm2"
     context: int = 200
     repeats: int = 60
+    packed_weights: bool = True
 
 
 def median_seconds(step: Callable[[], None], repeats: int) -> float:
@@ -66,6 +71,8 @@ def main() -> None:
         counts = torch.arange(target.config.vocab_size, 0, -1)
         drafter = build_drafter(target.config, default_layer_ids(target.config.num_hidden_layers), args.draft_vocab_size, "none")
         fill_from_target(drafter, target, *vocab_maps(counts, args.draft_vocab_size)).eval()
+    for model in (target, drafter) if args.packed_weights else ():
+        pack_linear_weights(model)
     torch.manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, args.context))
     features = torch.randn(1, args.context, 3 * target.config.hidden_size)
@@ -91,7 +98,7 @@ def main() -> None:
     draft_seconds = median_seconds(draft_step, args.repeats)
     print(f"target {target_seconds * 1e3:.2f} ms, drafter {draft_seconds * 1e3:.2f} ms (vocabulary "
           f"{drafter.config.draft_vocab_size}), ratio {draft_seconds / target_seconds:.3f}, context {args.context}, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s), {'prepacked' if args.packed_weights else 'stock'} linear layers")
 
 
 if __name__ == "__main__":

@@ -334,3 +334,25 @@ def test_eagle3_drafts_through_transformers_generate(tiny_eagle, wide_eagle):
     speculative = target.generate(ids, custom_generate=speculative_generate, draft=Eagle3Model(drafter, target),
                                   tree=tree, **common)
     assert torch.equal(speculative, target.generate(ids, **common))
+
+
+def test_the_wall_clock_benchmark_runs_both_models_on_packed_weights_and_greedy_gives_the_targets_tokens(
+        wide_eagle, tiny_model, prompts_file, tmp_path):
+    """benchmarks/eagle3_decode.py at T = 0: the target alone and every rule run on prepacked linear layers
+    (`specheads.pair.packed`: a verify of K + 1 tokens then costs about one target forward), and each rule's tokens
+    are the target alone's on every prompt."""
+    from conftest import load_benchmark
+
+    from specheads.pair.drafters import save_drafter
+    from specheads.pair.packed import packing_available
+
+    save_drafter(wide_eagle[1], tmp_path / "drafter", dtype=torch.float32)
+    bench = load_benchmark("eagle3_decode")
+    args = bench.DrafterBenchmark(drafter=str(tmp_path / "drafter"), target=str(tiny_model), prompt_file=str(prompts_file),
+                                  prompts=3, max_new_tokens=10, rules=["constant_k:3", "tree:0.1"], temperature=0.0,
+                                  resamples=20)
+    report = bench.benchmark_drafter(args, "eagle3")
+    layers = wide_eagle[0].config.num_hidden_layers * 7 + 1  # q, k, v, o, gate, up, down; the LM head
+    assert report["packed_layers"] == ({"target": layers, "draft": 10} if packing_available() else {"target": 0, "draft": 0})
+    for rule, row in report["rules"].items():
+        assert row["same_as_greedy_target"] == 1.0, rule
