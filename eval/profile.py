@@ -200,7 +200,8 @@ def main(argv: list[str]) -> int:
               "of a draft forward)")
     for entry in table.get("raised", []):
         print(f"  context {entry['context']}: the {entry['model']}'s time fell at {entry['tokens']} token(s) below an "
-              "earlier count's (a busy machine?); raised to the running maximum and listed in the table's `raised`; "
-              "for a clean curve re-run on a quiet machine")
+              "earlier count's (a busy machine, or on a CPU float32 matmuls that repack their weights below some "
+              "row count: docs/benchmarks.md, 'Why a verify cost two target forwards'); raised to the running maximum "
+              "and listed in the table's `raised`; for a clean curve re-run on a quiet machine")
     print(f"wrote {config.out} (use it with `specheads eval --serving-costs {config.out}`)")
     return 0
