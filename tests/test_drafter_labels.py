@@ -17,6 +17,7 @@ from test_eagle3_decoding import randomised
 
 from specheads.cli import main
 from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 pytest.importorskip("speculators.models.dspark")
 
@@ -261,3 +262,37 @@ def test_a_round_of_a_feature_drafter_starts_at_depth_one():
     assert round_windows(row, position, 2)[1].tolist() == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]
     assert round_windows(row, position, 3, depth)[1].tolist() == [[2, 3]]
     assert round_windows(row, position, 3, depth)[2].tolist() == [[2, 3, 4]]
+
+
+def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_that_labelled_its_data(
+        labelled, dspark_head, tiny_model, prompts_file, tmp_path, capsys):
+    """benchmarks/eagle3_decode.py `head:h` (`specheads.eval.wall_clock`): the on-time head trained on the EAGLE-3
+    drafter's data decides each round's length (h = 0 stops after the first candidate, h = 1 never), its forwards
+    timed as they run; a rule reading a head without --head, or a head another draft's data trained, is refused in
+    one line before any model loads."""
+    from conftest import load_benchmark
+
+    data, folder = labelled[1]["eagle3"]
+    assert main(train_args("drafter-ontime.yaml", data, tmp_path / "ontime", "--model.calibrate_positions", "3")) == 0
+    bench = load_benchmark("eagle3_decode")
+    args = bench.DrafterBenchmark(drafter=str(folder), target=str(tiny_model), prompt_file=str(prompts_file), prompts=3,
+                                  max_new_tokens=8, rules=["head:0.0", "head:1.0", "constant_k:3"], max_draft=3,
+                                  resamples=20, head=str(tmp_path / "ontime"))
+    rules = bench.benchmark_drafter(args, "eagle3")["rules"]
+    never = {key: rules["head:1.0"][key] for key in ("tokens_per_target_call", "draft_forwards_per_target_call",
+                                                     "acceptance_per_position")}
+    assert never == {key: rules["constant_k:3"][key] for key in never}  # the same seeds, rounds 3 deep
+    first = rules["head:0.0"]
+    assert len(first["acceptance_per_position"]) == 1 and len(never["acceptance_per_position"]) > 1
+    # one candidate a round: one drafter forward and one head forward
+    assert first["head_forwards_per_target_call"] == first["draft_forwards_per_target_call"] > 0
+    for rule in ("head:0.0", "head:1.0"):
+        assert rules[rule]["head_seconds"] > 0 and rules[rule]["timed_head_cost_ratio"] > 0
+    assert "head_seconds" not in rules["constant_k:3"]
+    capsys.readouterr()
+    missing = str(tmp_path / "no-target")  # refused before the target is looked for
+    for head, fix in ((None, "give --head CHECKPOINT"), (str(dspark_head), "whose state its rule would read")):
+        refused = bench.DrafterBenchmark(drafter=str(folder), target=missing, rules=["head:0.5"], head=head)
+        with pytest.raises(UsageError, match=fix) as raised:
+            bench.benchmark_drafter(refused, "eagle3")
+        assert "\n" not in str(raised.value)
