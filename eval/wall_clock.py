@@ -3,10 +3,12 @@ intervals over prompts: what benchmarks/eagle3_decode.py and benchmarks/dspark_d
 
 Each prompt is decoded by the target alone (one cached forward a token) and, for each rule, by the round engine with
 the drafter as the draft at B = 1, every run with the prompt's seed. A rule is `name:threshold` (a chain rule of
-`specheads.decoding.rules`, K_max `max_draft`), or `tree:floor` (a confidence-valued tree of `tree_budget` nodes,
-EAGLE-2's). Per rule: tokens/s, the speedup over the target alone with its 95 % interval over prompts, tokens and draft
-forwards a target call (a DSpark block is one forward), the acceptance per drafted position (chains), c =
-t_draft/t_target as the runs timed it and, at T = 0, the share of prompts whose tokens are the target alone's.
+`specheads.decoding.rules`, K_max `max_draft`; `head:h` is the stop rule of the trained head `--head`, which must have
+trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of `tree_budget` nodes, EAGLE-2's).
+Per rule: tokens/s, the speedup over the target alone with its 95 % interval over prompts, tokens and draft forwards a
+target call (a DSpark block is one forward), the acceptance per drafted position (chains), c = t_draft/t_target as the
+runs timed it, for the head's rule its forwards' seconds timed as they ran against the target's and, at T = 0, the
+share of prompts whose tokens are the target alone's.
 
 Both models' linear layers read weights prepacked once (`specheads.pair.packed`, `packed_weights`), the target
 alone's too: without, a verify of K + 1 tokens costs 1.7–1.9 one-token forwards on one CPU thread.
@@ -15,6 +17,8 @@ alone's too: without, a verify of K + 1 tokens costs 1.7–1.9 one-token forward
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,16 +26,22 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specheads.artifacts.checkpoint import load_trained
+from specheads.data_gen.drafter_labels import drafter_weights_sha256
 from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.drafters import load_feature_draft
+from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
+from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw
 from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.eval.serving import paired_ratio_interval
+from specheads.heads import STOP_PURPOSES
+from specheads.heads.base import AcceptanceHead
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
 from specheads.pair.packed import pack_linear_weights
+from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
 CONFIRMATION_PROMPTS = str(Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout_confirm.jsonl")
@@ -48,7 +58,7 @@ class DrafterBenchmark:
         prompt_file: JSONL of prompts.
         prompts: how many of them.
         max_new_tokens: tokens per request.
-        rules: `name:threshold` chain rules and `tree:floor` trees.
+        rules: `name:threshold` chain rules (`head:h`: the stop rule of `head`) and `tree:floor` trees.
         max_draft: a chain's K_max (a DSpark drafter's block caps it too).
         tree_budget: a tree's nodes a round.
         temperature: the sampling temperature (0: greedy: every rule then gives the target's greedy tokens).
@@ -56,6 +66,8 @@ class DrafterBenchmark:
             float32), the target alone too.
         resamples: bootstrap resamples of the prompts for the intervals.
         out: a JSON file for the results.
+        head: a trained stop head (a `specheads train` checkpoint or run folder, or an exported head) that `head:h`
+            rules read; it must have trained on data `specheads gen` labelled with this drafter.
     """
 
     drafter: str
@@ -71,6 +83,7 @@ class DrafterBenchmark:
     packed_weights: bool = True
     resamples: int = 1000
     out: str | None = None
+    head: str | None = None
 
 
 @torch.no_grad()
@@ -89,13 +102,56 @@ def target_alone(target: torch.nn.Module, prompt: list[int], transform: Sampling
         logits = target(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
 
 
-def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DrafterBenchmark, seed: int) -> DecodeResult:
-    """One prompt under `rule` (`name:threshold` or `tree:floor`), B = 1."""
+def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DrafterBenchmark, seed: int,
+             head: AcceptanceHead | None = None) -> DecodeResult:
+    """One prompt under `rule` (`name:threshold` or `tree:floor`), B = 1; `head` is what a `head:h` rule reads."""
     name, threshold = rule.split(":")
     if name == "tree":
         tree = TreeRule(values="confidence", floor=float(threshold), budget=args.tree_budget)
         return decode_tree(engine, [prompt], tree, args.max_new_tokens, [seed])[0]
-    return engine.decode([prompt], make_policy(name, float(threshold), args.max_draft), args.max_new_tokens, [seed])[0]
+    policy = make_policy(name, float(threshold), args.max_draft)
+    return engine.decode([prompt], policy, args.max_new_tokens, [seed], head if policy.reads_head else None)[0]
+
+
+def stop_head(args: DrafterBenchmark, kind: str) -> AcceptanceHead | None:
+    """The head that `head:h` rules read (None when no rule reads one), loaded and checked before any model: refused
+    without `--head`, with `--head` and no rule reading it, or with a head that is no stop head or trained on data
+    another draft labelled (it reads the state of the draft that labelled its data)."""
+    reading = [rule for rule in args.rules if rule.split(":")[0] == "head"]
+    if not reading:
+        if args.head:
+            raise UsageError(f"--head {args.head} is given but no rule reads it; add a `head:h` rule, e.g. head:0.6")
+        return None
+    if not args.head:
+        raise UsageError(f"the rule {reading[0]} reads a trained head; give --head CHECKPOINT, trained on data "
+                         f"`specheads gen --drafter.kind {kind} --drafter.path {args.drafter}` labelled")
+    trained = load_trained(args.head)
+    if trained.purpose not in STOP_PURPOSES:
+        raise UsageError(f"--head {args.head} is a {trained.purpose} head; `head:h` decodes a stop head's rule")
+    labelled_by = (trained.data_identity or {}).get("draft", {})
+    if labelled_by.get("kind") != kind or labelled_by.get("weights_sha256") != drafter_weights_sha256(args.drafter):
+        raise UsageError(f"--head {args.head} trained on data labelled by {trained.draft}, not by the "
+                         f"{DRAFTER_KINDS[kind]} drafter {args.drafter}, whose state its rule would read; train one on "
+                         f"`specheads gen --drafter.kind {kind} --drafter.path {args.drafter}` data")
+    check_decodable_head(trained.head)
+    return trained.head.eval()
+
+
+@contextmanager
+def timed_forwards(module: torch.nn.Module | None) -> Iterator[list[float]]:
+    """The seconds of each of `module`'s forwards while inside, timed as they run (none without a module)."""
+    seconds: list[float] = []
+    if module is None:
+        yield seconds
+        return
+    began: list[float] = []
+    hooks = (module.register_forward_pre_hook(lambda *_: began.append(time.perf_counter())),
+             module.register_forward_hook(lambda *_: seconds.append(time.perf_counter() - began.pop())))
+    try:
+        yield seconds
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def position_counts(results: list[DecodeResult]) -> tuple[list[int], list[int]]:
@@ -117,9 +173,10 @@ def per_position(results: list[DecodeResult]) -> list[float]:
 
 
 def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, list[float]], alone_rate: float,
-             resamples: int, greedy: dict[int, list[int]] | None = None) -> dict[str, Any]:
+             resamples: int, head_seconds: list[float], greedy: dict[int, list[int]] | None = None) -> dict[str, Any]:
     """One rule's figures from its runs (keyed by prompt) against the target alone's (`baseline`: tokens, seconds);
-    with `greedy` (the target alone's tokens at T = 0), the share of prompts whose tokens are the same."""
+    `head_seconds`: each head forward the runs made, as timed; with `greedy` (the target alone's tokens at T = 0), the
+    share of prompts whose tokens are the same."""
     mine = {seed: [len(r.tokens), r.seconds] for seed, r in results.items()}
     rate = sum(t for t, _ in mine.values()) / sum(s for _, s in mine.values())
     runs = list(results.values())
@@ -134,12 +191,21 @@ def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, li
             "acceptance_counts": None if rule.startswith("tree:") else dict(zip(("accepted", "reached"), position_counts(runs))),
             "timed_cost_ratio": draft_time / target_time if target_time else None,
             "same_as_greedy_target": None if greedy is None else
-            sum(r.tokens == greedy[seed] for seed, r in results.items()) / len(results)}
+            sum(r.tokens == greedy[seed] for seed, r in results.items()) / len(results),
+            **(head_timing(head_seconds, calls, target_time) if head_seconds else {})}
+
+
+def head_timing(seconds: list[float], calls: int, target_time: float) -> dict[str, Any]:
+    """A head rule's forwards (`seconds`, each as timed): how many a target call, their seconds, and a forward's
+    mean seconds against a target forward's (the head's own c)."""
+    return {"head_forwards_per_target_call": len(seconds) / calls, "head_seconds": sum(seconds),
+            "timed_head_cost_ratio": sum(seconds) / len(seconds) / target_time if target_time else None}
 
 
 def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     """Decode `args.prompts` prompts by the target alone and under each rule with the `kind` drafter of
     `args.drafter` (`specheads.decoding.drafters`), print each rule's line and write `args.out`; the report."""
+    head = stop_head(args, kind)
     spec = ModelSpec(path=args.target)
     tokenizer, target = load_tokenizer(spec), load_model(spec)
     stops = set(stop_token_ids(target, tokenizer))
@@ -159,15 +225,19 @@ def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     print(f"target alone: {alone_rate:.1f} tokens/s on {len(prompts)} prompts (prepacked linear layers: target "
           f"{packed[0]}, draft {packed[1]})")
     greedy = {seed: tokens for seed, (tokens, _) in alone.items()} if transform.greedy else None
+    if head is not None:
+        report["head"] = args.head
     for rule in args.rules:
-        results = {seed: run_rule(engine, rule, prompt, args, seed) for seed, prompt in enumerate(prompts)}
-        row = report["rules"][rule] = rule_row(rule, results, baseline, alone_rate, args.resamples, greedy)
+        with timed_forwards(head) as head_seconds:
+            results = {seed: run_rule(engine, rule, prompt, args, seed, head) for seed, prompt in enumerate(prompts)}
+        row = report["rules"][rule] = rule_row(rule, results, baseline, alone_rate, args.resamples, head_seconds, greedy)
         interval = row["speedup_interval"]
         print(f"{rule}: {row['tokens_per_s']:.1f} tokens/s, {row['speedup']:.2f}x the target alone"
               + (f" [{1 + interval[0]:.2f}, {1 + interval[1]:.2f}]" if interval else "")
               + f", {row['tokens_per_target_call']:.2f} tokens and {row['draft_forwards_per_target_call']:.2f} draft "
               f"forwards a target call, acceptance per position {row['acceptance_per_position']}, timed c "
               f"{row['timed_cost_ratio'] or float('nan'):.3f}"
+              + (f", head c {row['timed_head_cost_ratio']:.3f}" if row.get("timed_head_cost_ratio") else "")
               + ("" if greedy is None else f", the target's greedy tokens on {row['same_as_greedy_target']:.0%} of prompts"))
     if args.out:
         write_json_atomic(Path(args.out), report)

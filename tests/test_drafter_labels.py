@@ -17,6 +17,7 @@ from test_eagle3_decoding import randomised
 
 from specheads.cli import main
 from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
 
 pytest.importorskip("speculators.models.dspark")
 
@@ -240,13 +241,19 @@ def test_eval_scores_the_dspark_drafters_own_confidence_head_on_the_same_tokens(
     assert "Beside the DSpark drafter's own confidence head" in (tmp_path / "eval" / "report.md").read_text()
 
 
-def test_the_ontime_recipe_trains_on_eagle3_data_and_calibrates_rounds_by_depth(labelled, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def eagle3_head(labelled, tmp_path_factory):
+    """configs/train/drafter-ontime.yaml trained on the EAGLE-3 drafter's data, calibrated at depths 1..3."""
+    root = tmp_path_factory.mktemp("eagle3-head")
+    assert main(train_args("drafter-ontime.yaml", labelled[1]["eagle3"][0], root, "--model.calibrate_positions", "3")) == 0
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_the_ontime_recipe_trains_on_eagle3_data_and_calibrates_rounds_by_depth(labelled, eagle3_head, tmp_path, capsys):
     from specheads.artifacts.checkpoint import load_trained
 
     data = labelled[1]["eagle3"][0]
-    assert main(train_args("drafter-ontime.yaml", data, tmp_path / "ontime", "--model.calibrate_positions", "3")) == 0
-    calibration = load_trained(str(tmp_path / "ontime" / "checkpoints" / "last.ckpt")).head.calibration
-    assert calibration.positions == 3
+    assert load_trained(str(eagle3_head)).head.calibration.positions == 3
     capsys.readouterr()
     assert main(train_args("specdecpp.yaml", data, tmp_path / "resnet")) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -261,3 +268,64 @@ def test_a_round_of_a_feature_drafter_starts_at_depth_one():
     assert round_windows(row, position, 2)[1].tolist() == [[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]]
     assert round_windows(row, position, 3, depth)[1].tolist() == [[2, 3]]
     assert round_windows(row, position, 3, depth)[2].tolist() == [[2, 3, 4]]
+
+
+def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_that_labelled_its_data(
+        labelled, eagle3_head, dspark_head, tiny_model, prompts_file, tmp_path, capsys):
+    """benchmarks/eagle3_decode.py `head:h` (`specheads.eval.wall_clock`): the on-time head trained on the EAGLE-3
+    drafter's data decides each round's length (h = 0 stops after the first candidate, h = 1 never), its forwards
+    timed as they run; a rule reading a head without --head, or a head another draft's data trained, is refused in
+    one line before any model loads."""
+    from conftest import load_benchmark
+
+    folder = labelled[1]["eagle3"][1]
+    bench = load_benchmark("eagle3_decode")
+    args = bench.DrafterBenchmark(drafter=str(folder), target=str(tiny_model), prompt_file=str(prompts_file), prompts=3,
+                                  max_new_tokens=8, rules=["head:0.0", "head:1.0", "constant_k:3"], max_draft=3,
+                                  resamples=20, head=str(eagle3_head))
+    rules = bench.benchmark_drafter(args, "eagle3")["rules"]
+    never = {key: rules["head:1.0"][key] for key in ("tokens_per_target_call", "draft_forwards_per_target_call",
+                                                     "acceptance_per_position")}
+    assert never == {key: rules["constant_k:3"][key] for key in never}  # the same seeds, rounds 3 deep
+    first = rules["head:0.0"]
+    assert len(first["acceptance_per_position"]) == 1 and len(never["acceptance_per_position"]) > 1
+    # one candidate a round: one drafter forward and one head forward
+    assert first["head_forwards_per_target_call"] == first["draft_forwards_per_target_call"] > 0
+    for rule in ("head:0.0", "head:1.0"):
+        assert rules[rule]["head_seconds"] > 0 and rules[rule]["timed_head_cost_ratio"] > 0
+    assert "head_seconds" not in rules["constant_k:3"]
+    capsys.readouterr()
+    missing = str(tmp_path / "no-target")  # refused before the target is looked for
+    for head, fix in ((None, "give --head CHECKPOINT"), (str(dspark_head), "whose state its rule would read")):
+        refused = bench.DrafterBenchmark(drafter=str(folder), target=missing, rules=["head:0.5"], head=head)
+        with pytest.raises(UsageError, match=fix) as raised:
+            bench.benchmark_drafter(refused, "eagle3")
+        assert "\n" not in str(raised.value)
+
+
+def test_eval_decodes_the_heads_rules_with_the_eagle3_drafter_that_labelled_its_data(labelled, eagle3_head, tmp_path,
+                                                                                     capsys):
+    """With --eagle3 naming the drafter that labelled the data, the head read that drafter's state: its stop rule
+    decodes beside the free rules with paired intervals, its forward counted against the drafter's weights (not the
+    data's config's unused draft); decoding the drafter's data without --eagle3 is refused in one line."""
+    from test_eval import eval_args
+
+    from specheads.artifacts.checkpoint import load_trained
+    from specheads.decoding.companion import head_forward_cost
+    from specheads.decoding.drafters import load_feature_draft
+
+    target, made = labelled
+    data, folder = made["eagle3"]
+    report = tmp_path / "with"
+    assert main(eval_args(eagle3_head, data, report, "--eagle3", str(folder))) == 0
+    decoding = json.loads((report / "metrics.json").read_text())["decoding"]
+    assert decoding["head_left_out"] is None
+    assert {"head", "head_cost", "confidence", "svip", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
+    assert {"confidence", "svip", "constant_k"} <= set(decoding["gain_intervals"])
+    drafter = load_feature_draft("eagle3", folder, target)
+    assert decoding["head_forward_cost"] == pytest.approx(head_forward_cost(load_trained(str(eagle3_head)).head, drafter))
+    capsys.readouterr()
+    assert main(eval_args(eagle3_head, data, tmp_path / "without")) == 2
+    error = capsys.readouterr().err.strip()
+    assert f"give --eagle3 {folder}, or --num-decode-prompts 0" in error and "\n" not in error
+    assert not (tmp_path / "without").exists()
