@@ -164,13 +164,18 @@ def load_feature_drafter(kind: str, folder: str | Path, target: Any, depth: int 
     return FeatureDrafter(kind, load_drafter(folder, target), Path(folder), chosen, int(target.config.vocab_size))
 
 
-def drafter_identity(drafter: FeatureDrafter) -> dict[str, Any]:
-    """What the data fingerprint records of the drafter: its kind, folder and the digest of its files (config.json
-    and safetensors, whole), the chains' depth, and the columns it adds."""
+def drafter_weights_sha256(folder: str | Path) -> str:
+    """The digest of a drafter folder's files (config.json and safetensors, whole), as the data fingerprint records it."""
     from specheads.pair.digests import cached_weights_sha256
     from specheads.pair.models import ModelSpec, local_weights_sha256, resolve_source
 
-    digest = local_weights_sha256(resolve_source(ModelSpec(path=str(drafter.folder))), cached_weights_sha256)
+    return local_weights_sha256(resolve_source(ModelSpec(path=str(folder))), cached_weights_sha256)
+
+
+def drafter_identity(drafter: FeatureDrafter) -> dict[str, Any]:
+    """What the data fingerprint records of the drafter: its kind, folder and the digest of its files
+    (`drafter_weights_sha256`), the chains' depth, and the columns it adds."""
+    digest = drafter_weights_sha256(drafter.folder)
     return {"kind": drafter.kind, "folder": str(drafter.folder), "weights_sha256": digest, "depth": drafter.depth,
             "markov_rank": drafter.markov_rank, "scores": drafter.scores, "layer_ids": drafter.layer_ids}
 

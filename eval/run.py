@@ -14,6 +14,7 @@ import torch
 
 from specheads.artifacts.checkpoint import TrainedHead, load_trained
 from specheads.artifacts.report_file import REPORT_FILE, EvaluatedHead, Report
+from specheads.data_gen.drafter_labels import drafter_weights_sha256
 from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
 from specheads.dataset.store import read_manifest
@@ -23,9 +24,9 @@ from specheads.decoding.cost_table import PRESET_NAMES, CostTable, read_cost_tab
 from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
 from specheads.decoding.engine import check_decodable_head
-from specheads.decoding.features import draft_block, refuse_for_draft
+from specheads.decoding.features import FeatureDraft, draft_block, refuse_for_draft
 from specheads.decoding.prompt_cache import PromptCache
-from specheads.decoding.rules import BASELINES, RULES
+from specheads.decoding.rules import BASELINES, DRAFTER_BASELINES, RULES
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import COST_RULES, MEASURED, EvalConfig
 from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
@@ -89,7 +90,16 @@ from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_r
 from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
-from specheads.pair.models import ModelPair, ModelSpec, context_length, load_pair, stop_token_ids, without_layers
+from specheads.pair.models import (
+    ModelPair,
+    ModelSpec,
+    context_length,
+    load_model,
+    load_pair,
+    load_tokenizer,
+    stop_token_ids,
+    without_layers,
+)
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_files, check_output_folder, write_json_atomic
 from specheads.plumbing.lock import folder_lock
@@ -98,7 +108,7 @@ from specheads.plumbing.text import count
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
-BASELINE_POLICIES = tuple(BASELINES)
+BASELINE_POLICIES = (*BASELINES, *DRAFTER_BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                        "vllm_history_adaptive", "dspark_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""
@@ -271,6 +281,7 @@ class Checked:
     budget_digest: str | None = None
     budget_left_out: dict[str, str] = field(default_factory=dict)
     table_notes: dict[str, list[str]] = field(default_factory=dict)  # per --serving-costs file (`cost_table_notes`)
+    head_left_out: str | None = None  # why the rules reading the head are not decoded (`head_rules_left_out`)
 
 
 def serving_tables(config: EvalConfig) -> dict[str, CostTable]:
@@ -290,9 +301,11 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
     if config.num_decode_prompts:
         check_decodable_head(trained.head)
         check_drafter_head(config, trained)
+        check_drafter_data(config, manifest["identity"]["draft"])
+        checked.head_left_out = head_rules_left_out(config, trained, manifest["identity"]["draft"])
     if config.fixed_thresholds:
         checked.tuning = given_tuning(config.fixed_thresholds, own_rule(trained), config.max_draft)
-        check_given_rules(config, trained, checked.tuning, "--fixed-thresholds")
+        check_given_rules(config, trained, checked.tuning, "--fixed-thresholds", checked.head_left_out)
     if config.serving_batch_sizes:
         checked.budget_head, checked.budget_left_out = expected_head(config, trained)
         if checked.budget_head is trained.head:
@@ -305,6 +318,29 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
     return checked
 
 
+def eval_pair(config: EvalConfig, manifest: dict[str, Any]) -> ModelPair:
+    """The data's target and draft; on a feature drafter's data with --eagle3 / --dspark, that drafter is the draft
+    (the data's config names no other: its default draft was never run)."""
+    source = manifest["config"]
+    target_spec = ModelSpec(**source["target"])
+    if not (config.drafter and manifest["identity"]["draft"].get("kind")):
+        return load_pair(target_spec, ModelSpec(**source["draft"]))
+    target = load_model(target_spec)
+    kind, folder = config.drafter
+    return ModelPair(target, load_feature_draft(kind, folder, target), load_tokenizer(target_spec),
+                     target_spec.describe(), f"{DRAFTER_KINDS[kind]} drafter {folder}")
+
+
+def check_drafter_data(config: EvalConfig, labelled_by: dict[str, Any]) -> None:
+    """Refuse decoding a feature drafter's data (`labelled_by`: the manifest's draft identity) without --eagle3 /
+    --dspark: its decoding runs draft with that drafter, and the data's config names no other draft."""
+    kind = labelled_by.get("kind")
+    if kind and not config.drafter:
+        raise UsageError(f"{config.data} was labelled with the {DRAFTER_KINDS[kind]} drafter {labelled_by['folder']}, "
+                         f"which its decoding runs draft with: give --{kind} {labelled_by['folder']}, or "
+                         "--num-decode-prompts 0")
+
+
 def check_drafter_head(config: EvalConfig, trained: TrainedHead) -> None:
     """Refuse a verifier's eval with --eagle3 / --dspark before any model loads: its rule, SPRINTER, earns no bonus
     token, which a feature drafter's first round needs (`specheads.decoding.features.FeatureDraft.refuse`)."""
@@ -314,12 +350,15 @@ def check_drafter_head(config: EvalConfig, trained: TrainedHead) -> None:
                          f"{DRAFTER_KINDS[kind]} draft's first round needs; evaluate a stop head with --{kind}, or drop it")
 
 
-def head_rules_left_out(config: EvalConfig, trained: TrainedHead) -> str | None:
-    """Why the rules that read the evaluated head are not decoded (None: they are): with --eagle3 / --dspark the
-    head read the data's draft's state, not the drafter's."""
+def head_rules_left_out(config: EvalConfig, trained: TrainedHead, labelled_by: dict[str, Any]) -> str | None:
+    """Why the rules that read the evaluated head are not decoded (None: they are): the head read the state of the
+    draft that labelled the data (`labelled_by`, the manifest's draft identity), so with --eagle3 / --dspark they
+    decode only where that drafter labelled it (the same files)."""
     if not config.drafter:
         return None
     kind, folder = config.drafter
+    if labelled_by.get("kind") == kind and labelled_by.get("weights_sha256") == drafter_weights_sha256(folder):
+        return None
     return (f"the head read the state of the data's draft ({trained.draft}), not the {DRAFTER_KINDS[kind]} drafter's "
             f"({folder}): its rules decode with a head trained on that drafter's data")
 
@@ -340,14 +379,15 @@ def own_rule(trained: TrainedHead) -> str:
     return "head" if trained.purpose in STOP_PURPOSES else "sprinter"
 
 
-def check_given_rules(config: EvalConfig, trained: TrainedHead, tuning: EarlierTuning, given_by: str) -> None:
+def check_given_rules(config: EvalConfig, trained: TrainedHead, tuning: EarlierTuning, given_by: str,
+                      head_left_out: str | None) -> None:
     """Refuse given thresholds this eval cannot decode: SV's companion rule without a companion, a tree without its
-    floor (`tree_settings` says which)."""
+    floor (`tree_settings` says which; `head_left_out`: why the head's rules are not decoded)."""
     if "sv_companion" in tuning.thresholds and not (config.sv_companion_skip_layers and trained.purpose in STOP_PURPOSES):
         raise UsageError(f"{given_by} names SV's companion rule; give --sv-companion-skip-layers")
     if config.tree_budgets:
         tree_settings(config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
-                      tuning.tree_floors, given_by, head_rules_left_out(config, trained))
+                      tuning.tree_floors, given_by, head_left_out)
 
 
 def cost_table_notes(config: EvalConfig, manifest: dict[str, Any], tables: dict[str, CostTable]) -> dict[str, list[str]]:
@@ -400,7 +440,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     `skipped`: the prompts not to decode (`prompt_digest`s); `companion_cost`: SV's companion's, when it decodes."""
     draft = pair.draft
     if config.drafter:  # loaded, and what it cannot draft with refused, before any forward
-        draft = load_feature_draft(*config.drafter, pair.target)
+        draft = pair.draft if isinstance(pair.draft, FeatureDraft) else load_feature_draft(*config.drafter, pair.target)
         for name in ("dspark_confidence", "dspark_adaptive"):
             if name in (*(config.fixed_thresholds or {}), *config.serving_batch_policies):
                 refuse_for_draft(draft, RULES[name], None, None)
@@ -423,7 +463,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     if config.drafter:
         context["drafter"] = drafter_context(*config.drafter)
-    head_left_out = head_rules_left_out(config, trained)
+    head_left_out = checked.head_left_out
     if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)
     head_cost = head_forward_cost(trained.head, pair.draft)
@@ -432,7 +472,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     tuning = checked.tuning
     if config.tuned_from:
         tuning = load_tuning(config.tuned_from, checked.head, context, config.cost_ratio)
-        check_given_rules(config, trained, tuning, f"{config.tuned_from} (--tuned-from)")
+        check_given_rules(config, trained, tuning, f"{config.tuned_from} (--tuned-from)", head_left_out)
     trees, trees_left_out = tree_settings(
         config.tree_budgets, trained.head, trained.purpose, config.cost_ratio, config.tree_floors,
         tuning.tree_floors if tuning else None, f"{config.tuned_from} (--tuned-from)" if config.tuned_from
@@ -505,7 +545,9 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}
     if config.drafter:
-        section.update(drafter=context["drafter"], head_left_out=plan.head_left_out)
+        section["drafter"] = context["drafter"]
+    if config.drafter or plan.head_left_out:
+        section["head_left_out"] = plan.head_left_out
     if trees:
         section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
                                         tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
@@ -701,8 +743,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     data, trained_on = held_out_data(config, trained, manifest)
     need_models = (config.num_decode_prompts > 0 or data.mode == "online" or trained.head.candidate_embedding_size
                    or config.sv_companion_skip_layers)
-    source = manifest["config"]
-    pair = load_pair(ModelSpec(**source["target"]), ModelSpec(**source["draft"])) if need_models else None
+    pair = eval_pair(config, manifest) if need_models else None
     transform = SamplingTransform(**{k: manifest["identity"]["sampling"][k] for k in TRANSFORM_KEYS})
     companion_model = (without_layers(pair.target, list(config.sv_companion_skip_layers))
                        if config.sv_companion_skip_layers else None)
