@@ -254,7 +254,7 @@ def test_eval_decodes_our_head_beside_the_drafters_own_with_the_drafter_that_lab
     decoding = json.loads((report / "metrics.json").read_text())["decoding"]
     assert decoding["head_left_out"] is None
     assert {"head", "dspark_confidence", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
-    assert len(decoding["gain_intervals"]["dspark_confidence"]) == 2
+    assert "dspark_confidence" in decoding["gain_intervals"]  # None here: one test prompt group to resample
     assert {"goodput", "dspark_adaptive"} <= {row["policy"] for row in decoding["serving"]["rows"]}
     assert "the DSpark drafter's own confidence head at its best p_min" in (report / "report.md").read_text()
     capsys.readouterr()
