@@ -132,12 +132,15 @@ class EvalConfig:
         eagle3: an EAGLE-3 drafter folder (speculators' format, e.g. `specheads train drafter`'s DIR/drafter) that
             drafts every decoding run instead of the data's draft, reading the target's streams (the eagle3 extra):
             the free rules, constant K, the oracle, the confidence-valued trees and the serving table decode with it;
-            the head's rules are left out (the head read the data's draft's state, not the drafter's). Not with SV's
-            companion, a prompt cache or a verifier (SPRINTER earns no bonus token, which its first round needs).
+            the head's rules are left out (the head read the data's draft's state, not the drafter's) unless this
+            drafter labelled the data (`specheads gen --drafter.kind`, the same files; required to decode such data,
+            which names no other draft). Not with SV's companion, a prompt cache or a verifier (SPRINTER earns no
+            bonus token, which its first round needs).
         dspark: a DSpark drafter folder (speculators' format), as --eagle3, drafting a block per forward (each round
             counted and priced as one forward over its block); with its confidence head, the sweep adds
             `dspark_confidence` (llama.cpp's p_min on it, at --head-thresholds) and the serving table
-            `dspark_adaptive` (the goodput planner fed it).
+            `dspark_adaptive` (the goodput planner fed it), beside the head's stop rule (a paired interval) and its
+            verify budget where the head was trained on this drafter's data.
         tree_budgets: also decode tree drafts (`specheads.decoding.tree`, a batch's trees verified together) with at
             most N nodes per target forward, for each N given: the head-valued tree (an on-time or expected-acceptance
             head) and the confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other

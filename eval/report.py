@@ -10,6 +10,7 @@ import markdown
 from specheads.artifacts.report_file import Report, tuned_row
 from specheads.decoding.drafters import DRAFTER_KINDS
 from specheads.decoding.rules import BASELINES as DECODING_BASELINES
+from specheads.decoding.rules import DRAFTER_BASELINES
 from specheads.eval.config import GRID_FIELDS, flag
 from specheads.eval.offline import BASELINES, DRAFTER_SIGNALS, HEAD_SIGNALS, READS_DRAWN_TOKEN, SIGNAL_ORDER
 from specheads.eval.plots import PLOTS
@@ -35,7 +36,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     if drafter:
         lines.append(f"Every decoding run drafted with the {DRAFTER_KINDS[drafter['kind']]} drafter {drafter['folder']} "
                      "(its forwards counted as they ran: a DSpark block is one forward a round).")
-    for baseline in (*DECODING_BASELINES, "oracle"):
+    for baseline in (*DECODING_BASELINES, *DRAFTER_BASELINES, "oracle"):
         row = tuned_row(decoding, baseline)
         if row is not None:
             result[f"{baseline}_threshold"] = row["threshold"]
@@ -58,7 +59,7 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
         where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
         lines.append(f"At {costs}, the head policy (threshold {mine['threshold']:g}, {where}) "
                      f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
-        for baseline, what in DECODING_BASELINES.items():
+        for baseline, what in {**DECODING_BASELINES, **DRAFTER_BASELINES}.items():
             if f"gain_vs_{baseline}" in result:
                 gain = result[f"gain_vs_{baseline}"]
                 ci = result[f"gain_vs_{baseline}_ci"]
@@ -97,7 +98,7 @@ def strongest_baseline_lines(result: dict[str, Any]) -> list[str]:
     """Name the free rule with the highest test speedup (the hardest one for the head to beat) and the head's margin
     over it, recorded in `result` as `strongest_baseline` and `gain_vs_strongest_baseline` (with `_ci`), and the free
     rules this eval did not decode (`baselines_not_decoded`: not asked for, or left out of the thresholds it took)."""
-    speedups = {b: result[f"{b}_speedup"] for b in DECODING_BASELINES if f"{b}_speedup" in result}
+    speedups = {b: result[f"{b}_speedup"] for b in (*DECODING_BASELINES, *DRAFTER_BASELINES) if f"{b}_speedup" in result}
     if not speedups:
         return []
     strongest = max(speedups, key=speedups.get)

@@ -26,7 +26,7 @@ from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.features import FeatureDraft, draft_block, refuse_for_draft
 from specheads.decoding.prompt_cache import PromptCache
-from specheads.decoding.rules import BASELINES, RULES
+from specheads.decoding.rules import BASELINES, DRAFTER_BASELINES, RULES
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import COST_RULES, MEASURED, EvalConfig
 from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
@@ -108,7 +108,7 @@ from specheads.plumbing.text import count
 MODEL_KEYS = ("target", "draft", "tokenizer_hash", "chat_template_hash", "draft_hidden_size")
 TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
-BASELINE_POLICIES = tuple(BASELINES)
+BASELINE_POLICIES = (*BASELINES, *DRAFTER_BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                        "vllm_history_adaptive", "dspark_adaptive")
 """The serving table's batch rules that read no head (their value is the largest K)."""

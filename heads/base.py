@@ -241,10 +241,11 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specheads",
 
     @torch.no_grad()
     def predict(self, hidden: Tensor, signals: Tensor | None = None, candidate_embedding: Tensor | None = None,
-                position: Tensor | int | None = None) -> Tensor:
+                position: Tensor | int | None = None, **inputs: Tensor) -> Tensor:
         """Acceptance probabilities without gradients: sigmoid of the logits plus the class-weight correction, and
-        through the head's per-position calibration when `position` (1-based within the round) is given."""
-        return self.probabilities(self(hidden, signals, candidate_embedding), position)
+        through the head's per-position calibration when `position` (1-based within the round) is given; `inputs`
+        go to `forward` (a DSpark head's `markov_embedding`)."""
+        return self.probabilities(self(hidden, signals, candidate_embedding, **inputs), position)
 
     def probabilities(self, logits: Tensor, position: Tensor | int | None = None) -> Tensor:
         """Probabilities from `forward`'s logits: sigmoid(logits + log(w_rej / w_acc)), calibrated for the candidates'

@@ -249,6 +249,30 @@ def eagle3_head(labelled, tmp_path_factory):
     return root / "checkpoints" / "last.ckpt"
 
 
+def test_eval_decodes_our_head_beside_the_drafters_own_with_the_drafter_that_labelled_the_data(dspark_head, labelled,
+                                                                                                 tmp_path, capsys):
+    """With --dspark naming the drafter that labelled the data, the head read that drafter's state: its stop rule
+    decodes beside the drafter's own (`dspark_confidence`, paired interval) and the serving table plans with it
+    (`goodput`) beside `dspark_adaptive`; without --dspark, decoding the drafter's data is refused in one line."""
+    from test_eval import eval_args
+
+    out, folder = labelled[1]["dspark"]
+    report = tmp_path / "with"
+    assert main(eval_args(dspark_head, out, report, "--dspark", str(folder), "--serving-batch-sizes", "[2]", "--test-samples", "2",
+                          "--serving-batch-policies", "[goodput]", "--serving-costs", "h100-llama3.1-8b-llama3.2-1b")) == 0
+    decoding = json.loads((report / "metrics.json").read_text())["decoding"]
+    assert decoding["head_left_out"] is None
+    assert {"head", "dspark_confidence", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
+    assert "dspark_confidence" in decoding["gain_intervals"]  # None here: one test prompt group to resample
+    assert {"goodput", "dspark_adaptive"} <= {row["policy"] for row in decoding["serving"]["rows"]}
+    assert "the DSpark drafter's own confidence head at its best p_min" in (report / "report.md").read_text()
+    capsys.readouterr()
+    assert main(eval_args(dspark_head, out, tmp_path / "without")) == 2  # its decoding runs draft with the drafter
+    error = capsys.readouterr().err.strip()
+    assert f"give --dspark {folder}, or --num-decode-prompts 0" in error and "\n" not in error
+    assert not (tmp_path / "without").exists()
+
+
 def test_the_ontime_recipe_trains_on_eagle3_data_and_calibrates_rounds_by_depth(labelled, eagle3_head, tmp_path, capsys):
     from specheads.artifacts.checkpoint import load_trained
 

@@ -137,6 +137,54 @@ def test_the_drafters_confidence_as_a_free_rule_stays_exact(tiny_dspark, rule):
         assert any(len(set(record.drafted)) > 1 for record in log)
 
 
+def drafters_own_head(drafter):
+    """A `dspark_confidence` head of ours holding the drafter's own confidence head's weights (no standardisation,
+    no correction, no calibration): the same function of [state ; Markov embedding]."""
+    from specheads.heads.dspark import DSparkConfidenceHead
+
+    proj = drafter.confidence_head.proj
+    head = DSparkConfidenceHead(drafter.config.transformer_layer_config.hidden_size,
+                                markov_rank=drafter.markov_head.markov_rank)
+    with torch.no_grad():
+        head.out.weight.copy_(proj.weight.float())
+        head.out.bias.copy_(proj.bias.float())
+    return head.eval()
+
+
+@pytest.mark.parametrize("tiny", ["tiny_dspark", "recurrent_dspark"])
+def test_a_head_of_ours_reading_the_drafters_state_and_markov_embedding_scores_as_its_own_head(tiny, request,
+                                                                                              monkeypatch):
+    """A head trained on a DSpark drafter's data (`dspark_confidence`, markov_rank R) is fed in decoding what it was
+    trained on: the slot's state and markov_w1[the token before the candidate]. Holding the drafter's own head's
+    weights, it scores every candidate as the drafter's head does, in B > 1 batches."""
+    from specheads.decoding.rules import HeadStop
+
+    target, drafter = request.getfixturevalue(tiny)
+    seen = []
+    original = HeadStop.signal_says_stop
+    monkeypatch.setattr(HeadStop, "signal_says_stop",
+                        lambda self, d: seen.append((d.score, d.drafter_score)) or original(self, d))
+    engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    results = engine.decode([PROMPT, [2, 0, 1, 1], [1]], make_policy("head", 0.6, max_draft=3), 12, [0, 1, 2],
+                            drafters_own_head(drafter), batch_size=2)
+    ours, theirs = zip(*seen)
+    assert len(seen) > 6 and ours == pytest.approx(theirs, abs=1e-5) and len(set(theirs)) > 3
+    assert all(result.head_scored for result in results)
+
+
+def test_a_head_reading_a_markov_embedding_is_refused_with_a_draft_that_makes_none(tiny_dspark):
+    target, drafter = tiny_dspark
+    head = drafters_own_head(drafter)
+    engine = RoundEngine(target, tiny_lm(seed=2), SamplingTransform(1.0), stop_ids=[])
+    with pytest.raises(UsageError, match="reads a DSpark drafter's Markov embedding of rank 4, which this draft does "
+                                         "not make") as raised:
+        engine.decode([PROMPT], make_policy("head", 0.5), 4, [0], head)
+    assert "\n" not in str(raised.value)
+    tree = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    with pytest.raises(UsageError, match="a tree feeds a head no DSpark Markov embedding.*decode chains with it"):
+        decode_tree(tree, [PROMPT], TreeRule(values="head", floor=0.1, budget=4), 4, [0], head=head)
+
+
 def test_a_rule_reading_the_drafters_confidence_is_refused_with_a_draft_that_has_none(tiny_dspark):
     target, drafter = tiny_dspark
     plain = random_dspark(target, [0, 1, 2], d2t=[0, 1], t2d=[True, False, True], confidence_head=False)

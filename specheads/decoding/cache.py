@@ -64,6 +64,11 @@ class BatchCache:
         candidate was drawn (a DSpark drafter's confidence head); None for a draft that makes none."""
         return None
 
+    def markov_embedding(self, row: int) -> torch.Tensor | None:
+        """The draft's Markov embedding [R] of the token before the candidate it last proposed for `row` (a DSpark
+        drafter's `markov_w1[token]`, what its confidence head reads beside the state); None for a draft without one."""
+        return None
+
     def round_widths(self, unread: int, drafted: int) -> list[int]:
         """The tokens each draft forward of a round that drafted `drafted` candidates read: its catch-up (`unread`,
         the tokens it had not read) first, then one a candidate (the last candidate's forward is never run)."""

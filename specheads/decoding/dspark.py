@@ -192,6 +192,8 @@ class DSparkModel(FeatureDraft):
         self.candidates = block_candidates(drafter.config)
         self.block = drafter.config.block_size
         self.scores = drafter.confidence_head is not None
+        markov = drafter.markov_head
+        self.markov_rank = int(markov.markov_rank) if markov is not None else 0  # what a head of our own may read
 
     def own_rule(self) -> StopPolicy:
         """Its whole block each round (constant K at the block's candidates), as vLLM serves a DSpark drafter."""
@@ -218,6 +220,7 @@ class DSparkBatchCache(BatchCache):
         self.target_row = target_row  # a tree request's own cache (one row) reads this row of the shared target's
         self.blocks: list[Block | None] = [None] * rows
         self.scores: list[float | None] = [None] * rows
+        self.markov: list[torch.Tensor | None] = [None] * rows
         self.nodes: dict[int, int] = {}  # a tree's nodes read from the block: their token by the id they were given
 
     def length(self, row: int) -> int:
@@ -238,6 +241,9 @@ class DSparkBatchCache(BatchCache):
 
     def drafter_score(self, row: int) -> float | None:
         return self.scores[row]
+
+    def markov_embedding(self, row: int) -> torch.Tensor | None:
+        return self.markov[row]
 
     def round_widths(self, unread: int, drafted: int) -> list[int]:
         """One forward a round: the context positions it had not read (all the unread tokens but the anchor) and the
@@ -260,6 +266,9 @@ class DSparkBatchCache(BatchCache):
         for row in tokens:
             block = self.blocks[row]
             logits, self.scores[row] = candidate_logits(self.model.drafter, block, block.previous)
+            markov = self.model.drafter.markov_head
+            self.markov[row] = None if markov is None else markov.prev_embeddings(
+                torch.tensor(block.previous[-1], device=self.device)).float()
             slot = len(markov_inputs(self.model.drafter.config, block.previous)) - 1
             result[row] = (place_logits(logits, self.model.head.rows, self.model.head.vocabulary)[None],
                            block.hidden[slot: slot + 1].float())
@@ -332,10 +341,10 @@ class DSparkBatchCache(BatchCache):
 
     def hold(self, row: int, slots: list[int]) -> None:
         """A tree round is over: its nodes were never in the cache, and the block is dropped."""
-        self.blocks[row], self.scores[row] = None, None
+        self.blocks[row], self.scores[row], self.markov[row] = None, None, None
 
     def crop_row(self, row: int, length: int) -> None:
         """Drop the round's block, and the context positions beyond `length`."""
-        self.blocks[row], self.scores[row] = None, None
+        self.blocks[row], self.scores[row], self.markov[row] = None, None, None
         if length < len(self.slots[row]):
             super().crop_row(row, length)

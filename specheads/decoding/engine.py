@@ -81,15 +81,18 @@ def candidate_signals(draft_logits: torch.Tensor, logq_all: torch.Tensor, token:
 
 @torch.no_grad()
 def acceptance_batch(head: AcceptanceHead, states: list[torch.Tensor], signals: list[dict[str, float]],
-                     embeddings: list[torch.Tensor | None], positions: list[int]) -> list[float]:
+                     embeddings: list[torch.Tensor | None], positions: list[int],
+                     markov: list[torch.Tensor] | None = None) -> list[float]:
     """The head's acceptance probabilities for several rows' candidates in one call; `positions` (1-based in the
-    round) apply a stop head's per-position calibration."""
+    round) apply a stop head's per-position calibration; `markov`: each candidate's Markov embedding of the token
+    before it, for a head that reads a DSpark drafter's (`markov_rank`)."""
     device = next(head.parameters()).device  # the head's inputs meet its weights (a split draft's state is elsewhere)
     columns = [[row[name] for name in head.extra_features] for row in signals]
     signal_tensor = torch.tensor(columns, dtype=torch.float32, device=device) if head.extra_features else None
     embedding = torch.cat(embeddings).to(device) if embeddings and embeddings[0] is not None else None
     position = torch.tensor(positions, device=device)
-    return head.predict(torch.stack(states).to(device), signal_tensor, embedding, position).tolist()
+    extra = {"markov_embedding": torch.stack(markov).to(device)} if markov else {}
+    return head.predict(torch.stack(states).to(device), signal_tensor, embedding, position, **extra).tolist()
 
 
 def fit_vocabulary(logits: torch.Tensor, rows: int | None) -> torch.Tensor:
@@ -103,13 +106,19 @@ def fit_vocabulary(logits: torch.Tensor, rows: int | None) -> torch.Tensor:
     return torch.cat([logits, logits.new_full((*logits.shape[:-1], rows - width), -math.inf)], dim=-1)
 
 
-def check_decodable_head(head: AcceptanceHead | None) -> None:
-    """Refuse, before any forward, a head the round engine cannot feed: one that reads the target's state."""
+def check_decodable_head(head: AcceptanceHead | None, draft: Any = None) -> None:
+    """Refuse, before any forward, a head the round engine cannot feed: one that reads the target's state, or (with
+    `draft` given) a DSpark drafter's Markov embedding that `draft` does not make (`markov_rank`)."""
     if head is not None and getattr(head, "target_state_size", 0):
         raise UsageError(f"this {head.head_type} head reads the target's state at the last verified position "
                          f"(target_state_size={head.target_state_size}), which decoding does not feed it; score it "
                          "offline (specheads eval --num-decode-prompts 0), or decode with a head trained without target "
                          "states")
+    rank = getattr(head, "markov_rank", 0)
+    if head is not None and draft is not None and rank and getattr(draft, "markov_rank", 0) != rank:
+        raise UsageError(f"this {head.head_type} head reads a DSpark drafter's Markov embedding of rank {rank}, which "
+                         f"this draft does not make (rank {getattr(draft, 'markov_rank', 0)}); decode it with the DSpark "
+                         "drafter whose data it was trained on")
 
 
 def count_head(result: DecodeResult, widths: list[int], forwards: float, called: bool) -> None:
@@ -345,7 +354,7 @@ class RoundEngine:
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
         refuse_for_draft(self.draft, rule, self.prompt_cache, self.companion)
         rule.check_head(head)
-        check_decodable_head(head if rule.reads_head else None)
+        check_decodable_head(head if rule.reads_head else None, self.draft)
         if rule.reads_companion and self.companion is None:
             raise UsageError(f"the {rule.name} rule reads SV's companion predictor; build the engine with a companion "
                              "(eval: --sv-companion-skip-layers)")
@@ -477,7 +486,7 @@ class RoundEngine:
             drawn = self._draw_rows(draft.feed(reads), generators)
             # the companion's cache is fed and cropped with the draft's, so it takes the same tokens
             scores = (self._companion_scores(companion.feed(reads), drawn) if companion is not None
-                      else self._head_scores(head, drawn, rounds))
+                      else self._head_scores(head, drawn, rounds, draft))
             for row, candidate in drawn.items():
                 this = rounds[row]
                 this.drafted += 1
@@ -517,9 +526,10 @@ class RoundEngine:
                                           candidate.token)
                 for row, candidate in drawn.items()}
 
-    def _head_scores(self, head: AcceptanceHead | None, drawn: dict[int, Drawn],
-                     rounds: dict[int, RowRound]) -> dict[int, float]:
-        """The head's score per drafting row at this step: of the candidate just drafted (an `at_draft` head), or of
+    def _head_scores(self, head: AcceptanceHead | None, drawn: dict[int, Drawn], rounds: dict[int, RowRound],
+                     draft: BatchCache) -> dict[int, float]:
+        """The head's score per drafting row at this step: of the candidate just drafted (an `at_draft` head, or a
+        `before_draw` one, with the draft's Markov embedding of the token before it where the head reads one), or of
         the previous one, whose state this forward gave (a `one_step_late` head); none without a head."""
         if head is None:
             return {}
@@ -533,8 +543,9 @@ class RoundEngine:
         if not rows:
             return {}
         states, signals, candidates, positions = zip(*inputs)
+        markov = [draft.markov_embedding(r) for r in rows] if getattr(head, "markov_rank", 0) else None
         scores = acceptance_batch(head, list(states), list(signals), [self.candidate_embedding(head, t) for t in candidates],
-                                  list(positions))
+                                  list(positions), markov)
         return dict(zip(rows, scores))
 
     def candidate_embedding(self, head: AcceptanceHead, token: int) -> torch.Tensor | None:

@@ -257,6 +257,8 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "vllm_history": "each request's own acceptance by position (a per-request history) at its best threshold",
              "pmin": "llama.cpp's p_min (the candidate with max q below it ends the round unchecked) at its best p_min"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
+DRAFTER_BASELINES = {"dspark_confidence": "the DSpark drafter's own confidence head at its best p_min (llama.cpp's stop)"}
+"""The rules reading a drafter's own prediction that a head is judged against where the drafter drafts (--dspark)."""
 BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                   "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
 

@@ -159,7 +159,8 @@ class TreeRule:
         for name, scorer in (("head", head), ("sibling head", sibling_head)):
             refusal = None if scorer is None else child_values_refusal(scorer)
             if refusal:
-                raise UsageError(f"the {name}: {refusal}; use an at_draft or before_draw head")
+                fix = "decode chains with it" if getattr(scorer, "markov_rank", 0) else "use an at_draft or before_draw head"
+                raise UsageError(f"the {name}: {refusal}; {fix}")
         if sibling_head is not None and sibling_head.state_layer != head.state_layer:
             raise UsageError(f"the sibling head reads the draft's state at layer {sibling_head.state_layer} and the "
                              f"head at {head.state_layer}; a tree reads one state per node: train both on data of one "
@@ -168,7 +169,11 @@ class TreeRule:
 
 def child_values_refusal(head: AcceptanceHead) -> str | None:
     """Why `head` cannot score a tree's children (None: it can): a tree scores each child from its parent's state
-    when the child is drawn, which only a head deciding at the draw or before it does."""
+    when the child is drawn, which only a head deciding at the draw or before it does, and feeds it no Markov embedding
+    (a head reading a DSpark drafter's: `markov_rank`)."""
+    if getattr(head, "markov_rank", 0):
+        return (f"a tree feeds a head no DSpark Markov embedding; this {head.head_type} head reads one (markov_rank "
+                f"{head.markov_rank})")
     if head.decides in ("at_draft", "before_draw"):
         return None
     return (f"a tree scores each child from its parent's state; a {head.head_type} head decides {head.decides} (it "
