@@ -43,7 +43,7 @@ from specheads.dataset.store import DrafterColumns
 from specheads.model_outputs.sampling import SamplingTransform, row_generator, uniforms
 from specheads.model_outputs.signals import output_logits
 from specheads.model_outputs.states import decoder_states
-from specheads.pair.drafters import draft_rows, speculators_models, streams_captured
+from specheads.pair.drafters import draft_rows, drafter_weights_sha256, speculators_models, streams_captured
 from specheads.plumbing.errors import UsageError
 
 KINDS = {"eagle3": "EAGLE-3", "dspark": "DSpark"}
@@ -162,14 +162,6 @@ def load_feature_drafter(kind: str, folder: str | Path, target: Any, depth: int 
     else:
         from specheads.pair.dspark import load_drafter
     return FeatureDrafter(kind, load_drafter(folder, target), Path(folder), chosen, int(target.config.vocab_size))
-
-
-def drafter_weights_sha256(folder: str | Path) -> str:
-    """The digest of a drafter folder's files (config.json and safetensors, whole), as the data fingerprint records it."""
-    from specheads.pair.digests import cached_weights_sha256
-    from specheads.pair.models import ModelSpec, local_weights_sha256, resolve_source
-
-    return local_weights_sha256(resolve_source(ModelSpec(path=str(folder))), cached_weights_sha256)
 
 
 def drafter_identity(drafter: FeatureDrafter) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import torch
 
 from specheads.artifacts.checkpoint import TrainedHead, load_trained
 from specheads.artifacts.report_file import REPORT_FILE, EvaluatedHead, Report
-from specheads.data_gen.drafter_labels import drafter_weights_sha256
 from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.dataset.prompts import encode_prompt, load_prompts, prompt_digest, prompt_token_limit
 from specheads.dataset.store import read_manifest
@@ -90,6 +89,7 @@ from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_r
 from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
+from specheads.pair.drafters import drafter_weights_sha256
 from specheads.pair.models import (
     ModelPair,
     ModelSpec,

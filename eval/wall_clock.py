@@ -27,7 +27,6 @@ import torch
 from transformers import DynamicCache
 
 from specheads.artifacts.checkpoint import load_trained
-from specheads.data_gen.drafter_labels import drafter_weights_sha256
 from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
@@ -39,6 +38,7 @@ from specheads.eval.serving import paired_ratio_interval
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.base import AcceptanceHead
 from specheads.model_outputs.sampling import SamplingTransform
+from specheads.pair.drafters import drafter_weights_sha256
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
 from specheads.pair.packed import pack_linear_weights
 from specheads.plumbing.errors import UsageError

@@ -169,3 +169,11 @@ def target_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_
         target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     last = len(target.get_decoder().layers)
     return torch.cat([captured[index] for index in layer_ids], dim=-1), captured[last]
+
+
+def drafter_weights_sha256(folder: str | Path) -> str:
+    """The digest of a drafter folder's files (config.json and safetensors, whole), as the data fingerprint records it."""
+    from specheads.pair.digests import cached_weights_sha256
+    from specheads.pair.models import ModelSpec, local_weights_sha256, resolve_source
+
+    return local_weights_sha256(resolve_source(ModelSpec(path=str(folder))), cached_weights_sha256)
