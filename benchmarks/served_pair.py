@@ -15,7 +15,7 @@ from pathlib import Path
 from specheads.decoding.cost_table import read_cost_table
 from specheads.decoding.costs import served_throughput
 from specheads.eval.reuse import read_records, saved_runs
-from specheads.eval.serving import head_cost_of, paired_ratio_interval, replay, request_rounds
+from specheads.eval.serving import head_cost_of, paired_ratio_interval, replay, request_rounds, table_row
 from specheads.plumbing.dataclass_cli import parse_script
 from specheads.plumbing.errors import UsageError
 
@@ -42,16 +42,13 @@ class ServedPair:
 
 
 def served(records: list, policy: str, size: int, table) -> tuple[float, dict[str, list[float]]]:
-    """The policy's test runs served `size` at a time: tokens/s and each prompt's (tokens, seconds)."""
+    """The policy's test runs served `size` at a time: tokens/s and each prompt's (tokens, seconds), a prompt's
+    samples summed together as the report's table pairs them (`eval.serving.table_row`)."""
     runs = [r for r in records if r.split == "test" and r.policy == policy]
     log = replay([request_rounds(r) for r in runs], size, head_cost_of(runs))
-    out = served_throughput(log, table.at_batch_size(size))
-    per_prompt: dict[str, list[float]] = {}
-    for index, (tokens, seconds) in out["per_request"].items():
-        share = per_prompt.setdefault(runs[index].prompt_id, [0.0, 0.0])
-        share[0] += tokens
-        share[1] += seconds
-    return out["tokens_per_s"], per_prompt
+    row = table_row(policy, runs[0].threshold, size, "", served_throughput(log, table.at_batch_size(size)), "replayed",
+                    [r.prompt_id for r in runs])
+    return row["tokens_per_s"], row["per_request"]
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ from specheads.heads.loading import STOP_RULE, VERIFY_RULE, DecisionRule, cost_r
 from specheads.heads.roles import CHAIN_HEADS, EXPECTED_ACCEPTANCE, VERIFIER
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.states import describe_state
-from specheads.pair.drafters import drafter_weights_sha256
+from specheads.pair.drafters import labelled_by_drafter
 from specheads.pair.models import (
     ModelPair,
     ModelSpec,
@@ -357,7 +357,7 @@ def head_rules_left_out(config: EvalConfig, trained: TrainedHead, labelled_by: d
     if not config.drafter:
         return None
     kind, folder = config.drafter
-    if labelled_by.get("kind") == kind and labelled_by.get("weights_sha256") == drafter_weights_sha256(folder):
+    if labelled_by_drafter(labelled_by, kind, folder):
         return None
     return (f"the head read the state of the data's draft ({trained.draft}), not the {DRAFTER_KINDS[kind]} drafter's "
             f"({folder}): its rules decode with a head trained on that drafter's data")

@@ -38,7 +38,7 @@ from specheads.eval.serving import paired_ratio_interval
 from specheads.heads import STOP_PURPOSES
 from specheads.heads.base import AcceptanceHead
 from specheads.model_outputs.sampling import SamplingTransform
-from specheads.pair.drafters import drafter_weights_sha256
+from specheads.pair.drafters import labelled_by_drafter
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
 from specheads.pair.packed import pack_linear_weights
 from specheads.plumbing.errors import UsageError
@@ -128,8 +128,7 @@ def stop_head(args: DrafterBenchmark, kind: str) -> AcceptanceHead | None:
     trained = load_trained(args.head)
     if trained.purpose not in STOP_PURPOSES:
         raise UsageError(f"--head {args.head} is a {trained.purpose} head; `head:h` decodes a stop head's rule")
-    labelled_by = (trained.data_identity or {}).get("draft", {})
-    if labelled_by.get("kind") != kind or labelled_by.get("weights_sha256") != drafter_weights_sha256(args.drafter):
+    if not labelled_by_drafter((trained.data_identity or {}).get("draft", {}), kind, args.drafter):
         raise UsageError(f"--head {args.head} trained on data labelled by {trained.draft}, not by the "
                          f"{DRAFTER_KINDS[kind]} drafter {args.drafter}, whose state its rule would read; train one on "
                          f"`specheads gen --drafter.kind {kind} --drafter.path {args.drafter}` data")
@@ -166,9 +165,8 @@ def position_counts(results: list[DecodeResult]) -> tuple[list[int], list[int]]:
     return accepted[:depth], reached[:depth]
 
 
-def per_position(results: list[DecodeResult]) -> list[float]:
-    """The share of chain rounds that reached drafted position k and accepted its candidate."""
-    accepted, reached = position_counts(results)
+def shares(accepted: list[int], reached: list[int]) -> list[float]:
+    """Per drafted position, the share of the rounds that reached it that accepted its candidate (`position_counts`)."""
     return [round(a / r, 3) for a, r in zip(accepted, reached)]
 
 
@@ -183,12 +181,13 @@ def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, li
     draft_time = sum(r.draft_seconds for r in runs) / max(sum(r.draft_passes for r in runs), 1)
     target_time = sum(r.target_seconds for r in runs) / max(sum(r.target_passes for r in runs), 1)
     calls = max(sum(r.target_calls for r in runs), 1)
+    counts = None if rule.startswith("tree:") else position_counts(runs)
     return {"tokens_per_s": rate, "speedup": rate / alone_rate,
             "speedup_interval": paired_ratio_interval(mine, baseline, resamples, 0),
             "tokens_per_target_call": sum(len(r.tokens) for r in runs) / calls,
             "draft_forwards_per_target_call": sum(r.draft_forwards for r in runs) / calls,
-            "acceptance_per_position": None if rule.startswith("tree:") else per_position(runs),
-            "acceptance_counts": None if rule.startswith("tree:") else dict(zip(("accepted", "reached"), position_counts(runs))),
+            "acceptance_per_position": None if counts is None else shares(*counts),
+            "acceptance_counts": None if counts is None else dict(zip(("accepted", "reached"), counts)),
             "timed_cost_ratio": draft_time / target_time if target_time else None,
             "same_as_greedy_target": None if greedy is None else
             sum(r.tokens == greedy[seed] for seed, r in results.items()) / len(results),

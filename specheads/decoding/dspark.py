@@ -220,7 +220,6 @@ class DSparkBatchCache(BatchCache):
         self.target_row = target_row  # a tree request's own cache (one row) reads this row of the shared target's
         self.blocks: list[Block | None] = [None] * rows
         self.scores: list[float | None] = [None] * rows
-        self.markov: list[torch.Tensor | None] = [None] * rows
         self.nodes: dict[int, int] = {}  # a tree's nodes read from the block: their token by the id they were given
 
     def length(self, row: int) -> int:
@@ -243,7 +242,11 @@ class DSparkBatchCache(BatchCache):
         return self.scores[row]
 
     def markov_embedding(self, row: int) -> torch.Tensor | None:
-        return self.markov[row]
+        """The Markov head's embedding of the token before the row's last candidate (`block.previous`'s last)."""
+        block, markov = self.blocks[row], self.model.drafter.markov_head
+        if block is None or markov is None:
+            return None
+        return markov.prev_embeddings(torch.tensor(block.previous[-1], device=self.device)).float()
 
     def round_widths(self, unread: int, drafted: int) -> list[int]:
         """One forward a round: the context positions it had not read (all the unread tokens but the anchor) and the
@@ -266,9 +269,6 @@ class DSparkBatchCache(BatchCache):
         for row in tokens:
             block = self.blocks[row]
             logits, self.scores[row] = candidate_logits(self.model.drafter, block, block.previous)
-            markov = self.model.drafter.markov_head
-            self.markov[row] = None if markov is None else markov.prev_embeddings(
-                torch.tensor(block.previous[-1], device=self.device)).float()
             slot = len(markov_inputs(self.model.drafter.config, block.previous)) - 1
             result[row] = (place_logits(logits, self.model.head.rows, self.model.head.vocabulary)[None],
                            block.hidden[slot: slot + 1].float())
@@ -341,10 +341,10 @@ class DSparkBatchCache(BatchCache):
 
     def hold(self, row: int, slots: list[int]) -> None:
         """A tree round is over: its nodes were never in the cache, and the block is dropped."""
-        self.blocks[row], self.scores[row], self.markov[row] = None, None, None
+        self.blocks[row], self.scores[row] = None, None
 
     def crop_row(self, row: int, length: int) -> None:
         """Drop the round's block, and the context positions beyond `length`."""
-        self.blocks[row], self.scores[row], self.markov[row] = None, None, None
+        self.blocks[row], self.scores[row] = None, None
         if length < len(self.slots[row]):
             super().crop_row(row, length)

@@ -177,3 +177,9 @@ def drafter_weights_sha256(folder: str | Path) -> str:
     from specheads.pair.models import ModelSpec, local_weights_sha256, resolve_source
 
     return local_weights_sha256(resolve_source(ModelSpec(path=str(folder))), cached_weights_sha256)
+
+
+def labelled_by_drafter(draft_identity: dict[str, Any], kind: str, folder: str | Path) -> bool:
+    """Whether the data whose fingerprint records `draft_identity` (its manifest's draft) was labelled by the `kind`
+    drafter in `folder`: the same kind and the same files (`drafter_weights_sha256`)."""
+    return draft_identity.get("kind") == kind and draft_identity.get("weights_sha256") == drafter_weights_sha256(folder)
