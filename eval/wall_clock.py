@@ -3,12 +3,14 @@ intervals over prompts: what benchmarks/eagle3_decode.py and benchmarks/dspark_d
 
 Each prompt is decoded by the target alone (one cached forward a token) and, for each rule, by the round engine with
 the drafter as the draft at B = 1, every run with the prompt's seed. A rule is `name:threshold` (a chain rule of
-`specheads.decoding.rules`, K_max `max_draft`; `head:h` is the stop rule of the trained head `--head`, which must have
-trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of `tree_budget` nodes, EAGLE-2's).
+`specheads.decoding.rules`, K_max `max_draft`; `head:h` and `head_cost:c` are the stop rules of the trained head
+`--head`, which must have trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of
+`tree_budget` nodes, EAGLE-2's).
 Per rule: tokens/s, the speedup over the target alone with its 95 % interval over prompts, tokens and draft forwards a
 target call (a DSpark block is one forward), the acceptance per drafted position (chains), c = t_draft/t_target as the
 runs timed it, for the head's rule its forwards' seconds timed as they ran against the target's and, at T = 0, the
-share of prompts whose tokens are the target alone's.
+share of prompts whose tokens are the target alone's. The JSON keeps each prompt's (tokens, seconds) per rule and for
+the target alone, so a subset (a test half) can be judged afterwards.
 
 Both models' linear layers read weights prepacked once (`specheads.pair.packed`, `packed_weights`), the target
 alone's too: without, a verify of K + 1 tokens costs 1.7–1.9 one-token forwards on one CPU thread.
@@ -58,7 +60,7 @@ class DrafterBenchmark:
         prompt_file: JSONL of prompts.
         prompts: how many of them.
         max_new_tokens: tokens per request.
-        rules: `name:threshold` chain rules (`head:h`: the stop rule of `head`) and `tree:floor` trees.
+        rules: `name:threshold` chain rules (`head:h`, `head_cost:c`: the stop rules of `head`) and `tree:floor` trees.
         max_draft: a chain's K_max (a DSpark drafter's block caps it too).
         tree_budget: a tree's nodes a round.
         temperature: the sampling temperature (0: greedy: every rule then gives the target's greedy tokens).
@@ -67,7 +69,7 @@ class DrafterBenchmark:
         resamples: bootstrap resamples of the prompts for the intervals.
         out: a JSON file for the results.
         head: a trained stop head (a `specheads train` checkpoint or run folder, or an exported head) that `head:h`
-            rules read; it must have trained on data `specheads gen` labelled with this drafter.
+            and `head_cost:c` rules read; it must have trained on data `specheads gen` labelled with this drafter.
     """
 
     drafter: str
@@ -114,20 +116,22 @@ def run_rule(engine: RoundEngine, rule: str, prompt: list[int], args: DrafterBen
 
 
 def stop_head(args: DrafterBenchmark, kind: str) -> AcceptanceHead | None:
-    """The head that `head:h` rules read (None when no rule reads one), loaded and checked before any model: refused
+    """The head that `head:h` and `head_cost:c` rules read (None when no rule reads one), loaded and checked before any model: refused
     without `--head`, with `--head` and no rule reading it, or with a head that is no stop head or trained on data
     another draft labelled (it reads the state of the draft that labelled its data)."""
-    reading = [rule for rule in args.rules if rule.split(":")[0] == "head"]
+    reading = [rule for rule in args.rules if not rule.startswith("tree:")
+               and make_policy(rule.split(":")[0], float(rule.split(":")[1]), args.max_draft).reads_head]
     if not reading:
         if args.head:
-            raise UsageError(f"--head {args.head} is given but no rule reads it; add a `head:h` rule, e.g. head:0.6")
+            raise UsageError(f"--head {args.head} is given but no rule reads it; add a `head:h` rule, e.g. head:0.6, "
+                             "or `head_cost:c`")
         return None
     if not args.head:
         raise UsageError(f"the rule {reading[0]} reads a trained head; give --head CHECKPOINT, trained on data "
                          f"`specheads gen --drafter.kind {kind} --drafter.path {args.drafter}` labelled")
     trained = load_trained(args.head)
     if trained.purpose not in STOP_PURPOSES:
-        raise UsageError(f"--head {args.head} is a {trained.purpose} head; `head:h` decodes a stop head's rule")
+        raise UsageError(f"--head {args.head} is a {trained.purpose} head; {reading[0]} decodes a stop head's rule")
     if not labelled_by_drafter((trained.data_identity or {}).get("draft", {}), kind, args.drafter):
         raise UsageError(f"--head {args.head} trained on data labelled by {trained.draft}, not by the "
                          f"{DRAFTER_KINDS[kind]} drafter {args.drafter}, whose state its rule would read; train one on "
@@ -191,7 +195,8 @@ def rule_row(rule: str, results: dict[int, DecodeResult], baseline: dict[int, li
             "timed_cost_ratio": draft_time / target_time if target_time else None,
             "same_as_greedy_target": None if greedy is None else
             sum(r.tokens == greedy[seed] for seed, r in results.items()) / len(results),
-            **(head_timing(head_seconds, calls, target_time) if head_seconds else {})}
+            **(head_timing(head_seconds, calls, target_time) if head_seconds else {}),
+            "per_prompt": mine}
 
 
 def head_timing(seconds: list[float], calls: int, target_time: float) -> dict[str, Any]:
@@ -220,7 +225,8 @@ def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     report: dict[str, Any] = {"drafter": args.drafter, "kind": kind, "prompts": len(prompts),
                               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                               "packed_layers": {"target": packed[0], "draft": packed[1]},
-                              "target_alone_tokens_per_s": alone_rate, "rules": {}}
+                              "target_alone_tokens_per_s": alone_rate, "target_alone_per_prompt": baseline,
+                              "rules": {}}
     print(f"target alone: {alone_rate:.1f} tokens/s on {len(prompts)} prompts (prepacked linear layers: target "
           f"{packed[0]}, draft {packed[1]})")
     greedy = {seed: tokens for seed, (tokens, _) in alone.items()} if transform.greedy else None

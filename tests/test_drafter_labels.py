@@ -318,6 +318,9 @@ def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_tha
     for rule in ("head:0.0", "head:1.0"):
         assert rules[rule]["head_seconds"] > 0 and rules[rule]["timed_head_cost_ratio"] > 0
     assert "head_seconds" not in rules["constant_k:3"]
+    assert rules["constant_k:3"]["per_prompt"].keys() == {0, 1, 2}
+    alone = bench.benchmark_drafter(bench.DrafterBenchmark(**{**vars(args), "rules": ["head_cost:0.5"]}), "eagle3")
+    assert alone["rules"]["head_cost:0.5"]["head_seconds"] > 0  # the rule read from the costs loads the head too
     capsys.readouterr()
     missing = str(tmp_path / "no-target")  # refused before the target is looked for
     for head, fix in ((None, "give --head CHECKPOINT"), (str(dspark_head), "whose state its rule would read")):
