@@ -14,7 +14,7 @@ from specheads.plumbing.errors import UsageError, refuse_above
 
 FIXED_POLICIES = ("constant_k", "svip", "confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history",
                   "pmin", "transformers", "transformers_heuristic", "sglang_adaptive", "sv_companion", "head", "sprinter", "oracle",
-                  "dspark_confidence")
+                  "dspark_confidence", "dspark_confidence_ts")
 """The policies --fixed-thresholds may name: the sweep's, in its order."""
 COST_RULES = ("head_cost", "head_cost_online")
 """The head's stop rule read from the costs, decoded at the stated c where the head allows it: on the head as trained,
@@ -26,11 +26,13 @@ FIXED_RANGES = {"constant_k": WHOLE, "oracle": WHOLE, "transformers_heuristic": 
                 "svip": NON_NEGATIVE,
                 **{policy: UNIT for policy in ("confidence", "adaedl", "vllm_online", "vllm_current", "vllm_margin", "vllm_history", "pmin",
                                                "transformers", "sv_companion", "head", "sprinter", "dspark_confidence",
+                                               "dspark_confidence_ts",
                                                *FIXED_TREES)}}
 """The values each policy's threshold may take: a draft length (K, K_max, the heuristic's and SGLang's first K), SVIP's bound on
 sqrt(H(q)), or a probability (q(ŷ), AdaEDL's λ, 1 − Π â, a verifier's â, p_min)."""
 SERVING_BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive",
-                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
+                          "vllm_margin_adaptive", "vllm_history_adaptive", "goodput_online", "dspark_adaptive",
+                          "dspark_adaptive_ts")
 """The batch rules --serving-batch-policies may name (`specheads.decoding.rules.BATCH_POLICIES`, named here so that
 parsing the flags imports no torch)."""
 MEASURED = "measured"
@@ -46,7 +48,7 @@ BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once mo
 GRID_FIELDS = {"constant_k": "constant_ks", "svip": "stop_shares", "confidence": "stop_shares", "adaedl": "stop_shares",
                "head": "head_thresholds", "vllm_online": "head_thresholds", "sv_companion": "head_thresholds",
                "vllm_current": "head_thresholds", "vllm_margin": "head_thresholds", "vllm_history": "head_thresholds",
-               "pmin": "stop_shares", "dspark_confidence": "head_thresholds",
+               "pmin": "stop_shares", "dspark_confidence": "head_thresholds", "dspark_confidence_ts": "head_thresholds",
                "sprinter": "sprinter_thresholds", "tree_head": "tree_floors",
                "tree_confidence": "tree_floors"}  # the field that sets each policy's grid
 
@@ -236,7 +238,7 @@ class EvalConfig:
     def validate_drafter(self) -> None:
         """--eagle3 / --dspark: one drafter, a folder of one, and nothing it cannot decode with yet; the DSpark
         confidence rules only with a DSpark drafter (whether it has its confidence head is checked once it loads)."""
-        named = [name for name in ("dspark_confidence", "dspark_adaptive")
+        named = [name for name in ("dspark_confidence", "dspark_adaptive", "dspark_confidence_ts", "dspark_adaptive_ts")
                  if name in (*(self.fixed_thresholds or {}), *self.serving_batch_policies)]
         if named and not self.dspark:
             raise UsageError(f"{' and '.join(named)} read{'s' if len(named) == 1 else ''} a DSpark drafter's confidence "

@@ -110,7 +110,7 @@ TRANSFORM_KEYS = ("temperature", "top_k", "top_p")
 
 BASELINE_POLICIES = (*BASELINES, *DRAFTER_BASELINES)
 FREE_BATCH_POLICIES = ("smartspec", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
-                       "vllm_history_adaptive", "dspark_adaptive")
+                       "vllm_history_adaptive", "dspark_adaptive", "dspark_adaptive_ts")
 """The serving table's batch rules that read no head (their value is the largest K)."""
 LABELS = {"stop": "accept = min(1, p/q)",
           "expect": "accept = min(1, p/q) of the drafted candidate (the head trains on α = Σ min(p, q) at every position)"}
@@ -441,8 +441,8 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     draft = pair.draft
     if config.drafter:  # loaded, and what it cannot draft with refused, before any forward
         draft = pair.draft if isinstance(pair.draft, FeatureDraft) else load_feature_draft(*config.drafter, pair.target)
-        for name in ("dspark_confidence", "dspark_adaptive"):
-            if name in (*(config.fixed_thresholds or {}), *config.serving_batch_policies):
+        for name in ("dspark_confidence", "dspark_adaptive"):  # the _ts forms' temperatures are fitted later
+            if {name, f"{name}_ts"} & {*(config.fixed_thresholds or {}), *config.serving_batch_policies}:
                 refuse_for_draft(draft, RULES[name], None, None)
     max_context = min(context_length(pair.target), context_length(draft))
     prompts, left_out = held_out_prompts(config, manifest, skipped, pair.tokenizer, max_context)
@@ -498,7 +498,8 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     settings = tuning.settings() if tuning else default_settings(
         trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
         config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None,
-        drafter_scores=getattr(plan.draft, "scores", False))
+        drafter_scores=getattr(plan.draft, "scores", False),
+        drafter_temperatures=getattr(plan.draft, "score_temperatures", None) is not None)
     if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
         settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
     settings += trees
@@ -607,7 +608,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
             curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
     # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
     batch_policies: dict[str, float] = {}  # in the order --serving-batch-policies names them
-    named = [*config.serving_batch_policies, *(["dspark_adaptive"] if getattr(engine.draft, "scores", False) else [])]
+    named = [*config.serving_batch_policies, *(["dspark_adaptive"] if getattr(engine.draft, "scores", False) else []),
+             *(["dspark_adaptive_ts"] if getattr(engine.draft, "score_temperatures", None) is not None else [])]
     for policy in dict.fromkeys(named):
         if policy in FREE_BATCH_POLICIES:
             batch_policies[policy] = float(config.max_draft)
@@ -775,6 +777,13 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if plan is not None and hasattr(plan.draft, "score_temperatures"):  # decoded as SGLang applies them, beside raw
+        plan.draft.score_temperatures = table.drafter_temperatures
+        scaled = {"dspark_confidence_ts", "dspark_adaptive_ts"} & {*(config.fixed_thresholds or {}),
+                                                                   *config.serving_batch_policies}
+        if scaled and table.drafter_temperatures is None:
+            raise UsageError(f"{' and '.join(sorted(scaled))} read the drafter's confidence through its temperatures, "
+                             f"which were {temperatures}; train the head with calibration prompts, or drop them")
     if temperatures is not None:
         data_section["dspark_temperatures"] = {
             "temperatures": None if table.drafter_temperatures is None else

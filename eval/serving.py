@@ -64,6 +64,7 @@ NOT_SERVED = {"sprinter": "SPRINTER's target call checks one flagged token and l
                       "drafted, not what was checked, so a replay would price the dropped candidate in the target's "
                       "forward"}
 NOT_SERVED["dspark_confidence"] = NOT_SERVED["pmin"]  # p_min on the drafter's confidence: the same rounds
+NOT_SERVED["dspark_confidence_ts"] = NOT_SERVED["pmin"]
 
 PLANNED_BY_HEAD = ("goodput", "goodput_online", "budget")
 """The batch policies that plan with the trained expected-acceptance head (the budget head), judged against the others

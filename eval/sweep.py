@@ -152,10 +152,11 @@ FIXED_SETTINGS = {"transformers": TRANSFORMERS_THRESHOLD, "transformers_heuristi
 def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draft: int,
                      head_thresholds: Iterable[float] | None = None, sprinter_thresholds: Iterable[float] | None = None,
                      constant_ks: Iterable[int] | None = None, companion: bool = False,
-                     drafter_scores: bool = False) -> list[Setting]:
+                     drafter_scores: bool = False, drafter_temperatures: bool = False) -> list[Setting]:
     """The sweep for a head of `purpose`: constant K, SVIP, confidence, the field's free rules, SV's companion
     predictor where a companion runs (`companion`), p_min on a DSpark drafter's confidence where the draft makes
-    one (`drafter_scores`, at the head's thresholds), the head and the oracle (stop heads), or constant K beside the
+    one (`drafter_scores`, at the head's thresholds; through its temperatures too where they were fitted,
+    `drafter_temperatures`), the head and the oracle (stop heads), or constant K beside the
     SPRINTER loop (verifiers)."""
     head_thresholds = HEAD_THRESHOLDS if head_thresholds is None else head_thresholds
     sprinter_thresholds = SPRINTER_THRESHOLDS if sprinter_thresholds is None else sprinter_thresholds
@@ -172,6 +173,8 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
             settings += [Setting("sv_companion", t) for t in head_thresholds]  # 1 − Π p̂_k > h, as the head's rule
         if drafter_scores:
             settings += [Setting("dspark_confidence", t) for t in head_thresholds]  # its confidence < p_min
+        if drafter_scores and drafter_temperatures:
+            settings += [Setting("dspark_confidence_ts", t) for t in head_thresholds]
         settings += [Setting("head", t) for t in head_thresholds]
         settings.append(Setting("oracle", float(max_draft)))
     else:

@@ -252,8 +252,9 @@ def eagle3_head(labelled, tmp_path_factory):
 def test_eval_decodes_our_head_beside_the_drafters_own_with_the_drafter_that_labelled_the_data(dspark_head, labelled,
                                                                                                  tmp_path, capsys):
     """With --dspark naming the drafter that labelled the data, the head read that drafter's state: its stop rule
-    decodes beside the drafter's own (`dspark_confidence`, paired interval) and the serving table plans with it
-    (`goodput`) beside `dspark_adaptive`; without --dspark, decoding the drafter's data is refused in one line."""
+    decodes beside the drafter's own (`dspark_confidence`, raw and through its fitted temperatures, paired intervals)
+    and the serving table plans with it (`goodput`) beside `dspark_adaptive` (and `_ts`); without --dspark, decoding
+    the drafter's data is refused in one line."""
     from test_eval import eval_args
 
     out, folder = labelled[1]["dspark"]
@@ -264,7 +265,10 @@ def test_eval_decodes_our_head_beside_the_drafters_own_with_the_drafter_that_lab
     assert decoding["head_left_out"] is None
     assert {"head", "dspark_confidence", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
     assert "dspark_confidence" in decoding["gain_intervals"]  # None here: one test prompt group to resample
-    assert {"goodput", "dspark_adaptive"} <= {row["policy"] for row in decoding["serving"]["rows"]}
+    assert {"goodput", "dspark_adaptive", "dspark_adaptive_ts"} <= {row["policy"] for row in decoding["serving"]["rows"]}
+    # the drafter's confidence through the temperatures fitted on the head's calibration prompts decodes beside it
+    assert "dspark_confidence_ts" in {row["policy"] for row in decoding["policies"]}
+    assert "dspark_confidence_ts" in decoding["gain_intervals"]
     assert "the DSpark drafter's own confidence head at its best p_min" in (report / "report.md").read_text()
     capsys.readouterr()
     assert main(eval_args(dspark_head, out, tmp_path / "without")) == 2  # its decoding runs draft with the drafter

@@ -21,6 +21,7 @@ from specheads.decoding.costs import CostCurve, ServingCosts, round_seconds  # n
 from specheads.decoding.dspark import DSparkModel, block_forward, candidate_logits, dspark_decode  # noqa: E402
 from specheads.decoding.rules import StopPolicy  # noqa: E402
 from specheads.decoding.tree import TreeRule, decode_tree  # noqa: E402
+from specheads.heads.calibration import PositionCalibration  # noqa: E402
 from specheads.pair.drafters import fill_from_target, save_drafter, target_features  # noqa: E402
 from specheads.pair.dspark import build_drafter, load_drafter  # noqa: E402
 from specheads.plumbing.errors import UsageError  # noqa: E402
@@ -117,24 +118,49 @@ def test_a_rule_reading_the_confidence_head_stays_exact_and_sees_the_b1_loops_sc
     assert {r.drafted_per_round[1] for r in results} == {1, 2}  # the rule ended some rounds after one candidate
 
 
-@pytest.mark.parametrize("rule", ["dspark_confidence", "dspark_adaptive"])
+@pytest.mark.parametrize("rule", ["dspark_confidence", "dspark_adaptive", "dspark_confidence_ts", "dspark_adaptive_ts"])
 def test_the_drafters_confidence_as_a_free_rule_stays_exact(tiny_dspark, rule):
     """llama.cpp's p_min on the confidence head (the candidate below it ends the round unchecked) and vLLM's adaptive
-    verification planning on it (the goodput planner ranking the rows' candidates by its survival products): both
-    read a score known before the draw, so the output stays the target's."""
+    verification planning on it (the goodput planner ranking the rows' candidates by its survival products), raw and
+    through per-position temperatures (SGLang's table): all read a score known before the draw, so the output stays
+    the target's."""
     target, drafter = tiny_dspark
     transform = SamplingTransform(1.0)
-    engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
+    model = DSparkModel(drafter, target)
+    scaled = rule.endswith("_ts")
+    if scaled:
+        model.score_temperatures = PositionCalibration(scale=(4.0, 0.25, 2.0), bias=(0.0, 0.0, 0.0))
+    engine = RoundEngine(target, model, transform, stop_ids=[])
     costs = ServingCosts(CostCurve((1, 64), (0.05, 0.1)), CostCurve((1, 64), (1.0, 1.6)))
     runs, log = 800, []
-    results = engine.decode([PROMPT] * runs, make_policy(rule, 0.7 if rule == "dspark_confidence" else 3, max_draft=3),
-                            LENGTH, list(range(runs)), batch_size=8, costs=costs, log=log)
+    policy = make_policy(rule, 0.7 if "confidence" in rule else 3, max_draft=3)
+    seen = []
+    original = type(policy).stop
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(policy), "stop", lambda self, d: seen.append(d) or original(self, d))
+        results = engine.decode([PROMPT] * runs, policy, LENGTH, list(range(runs)), batch_size=8, costs=costs, log=log)
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
+    raw = [(d.index, d.drafter_score, d.drafter_score_scaled) for d in seen]
+    if scaled:  # candidate k's confidence z reaches the rule as σ(scale_k · z)
+        assert all(s == pytest.approx(1 / (1 + (p / (1 - p)) ** -(4.0, 0.25, 2.0)[k - 1]), abs=1e-6) for k, p, s in raw)
+    else:
+        assert all(s is None for _, _, s in raw)
     checked = [(v, d) for record in log for v, d in zip(record.verified, record.drafted) if d]
-    if rule == "dspark_confidence":  # a candidate whose confidence was below p_min ended its round unchecked
+    if "confidence" in rule:  # a candidate whose confidence was below p_min ended its round unchecked
         assert any(v == d - 1 for v, d in checked) and any(v == d for v, d in checked)
     else:  # the confidence planned each row's drafting: rows of one round drafted to different lengths
         assert any(len(set(record.drafted)) > 1 for record in log)
+
+
+def test_a_temperature_scaled_rule_is_refused_on_a_drafter_given_no_temperatures(tiny_dspark):
+    """`dspark_confidence_ts` / `dspark_adaptive_ts` read the confidence through temperatures: without them the engine
+    refuses in one line before any forward, instead of deciding on the unscaled score."""
+    target, drafter = tiny_dspark
+    engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    for rule in ("dspark_confidence_ts", "dspark_adaptive_ts"):
+        with pytest.raises(UsageError, match="was given none") as refused:
+            engine.decode([PROMPT], make_policy(rule, 0.5 if "confidence" in rule else 3, max_draft=3), 4, [0])
+        assert "\n" not in str(refused.value)
 
 
 def drafters_own_head(drafter):

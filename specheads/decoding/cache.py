@@ -64,6 +64,11 @@ class BatchCache:
         candidate was drawn (a DSpark drafter's confidence head); None for a draft that makes none."""
         return None
 
+    def drafter_score_scaled(self, row: int) -> float | None:
+        """`drafter_score` through the draft's per-position temperatures (a DSpark drafter's, where given); None for a
+        draft that makes no score or was given no temperatures."""
+        return None
+
     def markov_embedding(self, row: int) -> torch.Tensor | None:
         """The draft's Markov embedding [R] of the token before the candidate it last proposed for `row` (a DSpark
         drafter's `markov_w1[token]`, what its confidence head reads beside the state); None for a draft without one."""

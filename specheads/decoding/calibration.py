@@ -294,6 +294,12 @@ def drafter_score_of(drafted: Drafted) -> float:
     return 1.0 if drafted.drafter_score is None else drafted.drafter_score
 
 
+def drafter_score_scaled_of(drafted: Drafted) -> float:
+    """`drafter_score_of` through the drafter's per-position temperatures (`Drafted.drafter_score_scaled`); 1.0 where
+    the draft was given none (`refuse_for_draft` refuses a rule reading it there)."""
+    return 1.0 if drafted.drafter_score_scaled is None else drafted.drafter_score_scaled
+
+
 class PMinPlanner(PassivePlanner):
     """llama.cpp's p_min: the candidate that ended a round with its `score` (max q, or a DSpark drafter's confidence)
     below `p_min` is not checked (module docstring)."""
@@ -396,6 +402,17 @@ class DSparkConfidence(PMin):
     name: ClassVar[str] = "dspark_confidence"
     reads_drafter_score: ClassVar[bool] = True
     score: ClassVar[Callable[[Drafted], float]] = staticmethod(drafter_score_of)
+
+
+@register
+@dataclass(frozen=True)
+class DSparkConfidenceScaled(DSparkConfidence):
+    """`dspark_confidence` on the confidence through the drafter's per-position temperatures (DeepSpec's temperature
+    scaling, SGLang's table): σ(z / T_k) < p_min ends the round. Exact as the raw one: T_k depends on k alone."""
+
+    name: ClassVar[str] = "dspark_confidence_ts"
+    reads_drafter_temperatures: ClassVar[bool] = True
+    score: ClassVar[Callable[[Drafted], float]] = staticmethod(drafter_score_scaled_of)
 
 
 @register

@@ -29,10 +29,12 @@ and SV's companion do not run with this draft yet.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -49,6 +51,7 @@ from specheads.decoding.features import (
 )
 from specheads.decoding.rules import StopPolicy, make_policy
 from specheads.decoding.sampler import draw
+from specheads.heads.calibration import PositionCalibration
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows
 from specheads.pair.dspark import block_candidates
@@ -192,6 +195,8 @@ class DSparkModel(FeatureDraft):
         self.candidates = block_candidates(drafter.config)
         self.block = drafter.config.block_size
         self.scores = drafter.confidence_head is not None
+        self.score_temperatures: PositionCalibration | None = None  # per candidate k, its confidence's temperature
+        # (scale 1/T_k, bias 0 as SGLang's table applies it; `drafter_score_scaled`), set by who fitted them
         markov = drafter.markov_head
         self.markov_rank = int(markov.markov_rank) if markov is not None else 0  # what a head of our own may read
 
@@ -240,6 +245,16 @@ class DSparkBatchCache(BatchCache):
 
     def drafter_score(self, row: int) -> float | None:
         return self.scores[row]
+
+    def drafter_score_scaled(self, row: int) -> float | None:
+        """The confidence of the row's last candidate (candidate k = len(block.previous)) through the model's
+        `score_temperatures`: σ(z / T_k), z its logit; None without them."""
+        calibration, score = self.model.score_temperatures, self.scores[row]
+        if calibration is None or score is None:
+            return None
+        clipped = min(max(score, 1e-7), 1 - 1e-7)
+        scaled = calibration.logits(np.array([math.log(clipped / (1 - clipped))]), np.array([len(self.blocks[row].previous)]))
+        return float(1 / (1 + np.exp(-scaled[0])))
 
     def markov_embedding(self, row: int) -> torch.Tensor | None:
         """The Markov head's embedding of the token before the row's last candidate (`block.previous`'s last)."""

@@ -291,5 +291,9 @@ def refuse_for_draft(draft: Any, rule: Any, prompt_cache: Any, companion: Any) -
     if getattr(rule, "reads_drafter_score", False) and not (isinstance(draft, FeatureDraft) and draft.scores):
         raise UsageError(f"the {rule.name} rule reads a DSpark drafter's confidence head, which this draft does not "
                          "have; decode it with a DSpark drafter trained with its confidence head, or use another rule")
+    if getattr(rule, "reads_drafter_temperatures", False) and getattr(draft, "score_temperatures", None) is None:
+        raise UsageError(f"the {rule.name} rule reads the DSpark drafter's confidence through per-position "
+                         "temperatures, and this draft was given none; fit them (eval --dspark fits them on the head's "
+                         "calibration prompts) or use dspark_confidence / dspark_adaptive")
     if isinstance(draft, FeatureDraft):
         draft.refuse(rule, prompt_cache, companion)

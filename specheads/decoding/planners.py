@@ -244,10 +244,21 @@ class DSparkSignal(Signal):
         return 1.0 if drafted.drafter_score is None else drafted.drafter_score
 
 
+class DSparkScaledSignal(Signal):
+    """`DSparkSignal` through the drafter's per-position temperatures (`Drafted.drafter_score_scaled`), as SGLang plans
+    with its temperature table: exact for the same reason."""
+
+    name: ClassVar[str] = "dspark_confidence_ts"
+
+    def acceptance(self, drafted: Drafted) -> float:
+        return 1.0 if drafted.drafter_score_scaled is None else drafted.drafter_score_scaled
+
+
 SignalFactory = Callable[[int], Signal]
 """A signal for rounds of at most that many candidates."""
 SIGNALS: dict[str, SignalFactory] = {"head": lambda positions: HeadSignal(), "top1": lambda positions: TopOneSignal(),
-                                     "vllm": VllmSignal, "dspark_confidence": lambda positions: DSparkSignal()}
+                                     "vllm": VllmSignal, "dspark_confidence": lambda positions: DSparkSignal(),
+                                     "dspark_confidence_ts": lambda positions: DSparkScaledSignal()}
 """Every signal a goodput planner or a stop rule may read, by name; `specheads.decoding.calibration` adds the estimates
 refitted while serving (`register_signal`)."""
 
@@ -590,3 +601,13 @@ class DSparkAdaptive(GoodputPlan):
     reads_head: ClassVar[bool] = False
     reads_drafter_score: ClassVar[bool] = True
     signal: ClassVar[str] = "dspark_confidence"
+
+
+@register
+@dataclass(frozen=True)
+class DSparkAdaptiveScaled(DSparkAdaptive):
+    """`dspark_adaptive` on the confidence through the drafter's per-position temperatures (`DSparkScaledSignal`)."""
+
+    name: ClassVar[str] = "dspark_adaptive_ts"
+    reads_drafter_temperatures: ClassVar[bool] = True
+    signal: ClassVar[str] = "dspark_confidence_ts"

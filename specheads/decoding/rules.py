@@ -52,6 +52,8 @@ class Drafted:
     margin: float = 0.0  # the top-2 logit margin of that q (`top_two_margin`): known before the draw
     drafter_score: float | None = None  # the draft's own prediction of the candidate's acceptance (a DSpark drafter's
     # confidence head, `BatchCache.drafter_score`): known before the draw; None for a draft that makes none
+    drafter_score_scaled: float | None = None  # the same through the drafter's per-position temperatures, as SGLang
+    # applies them (`BatchCache.drafter_score_scaled`); None where the draft was given none
 
 
 RULES: dict[str, type[StopPolicy]] = {}
@@ -79,6 +81,7 @@ class StopPolicy:
     hindsight: ClassVar[bool] = False  # the oracle counts only the candidates it would have kept
     bonus: ClassVar[bool] = True  # a fully accepted round earns a token from p
     reads_drafter_score: ClassVar[bool] = False  # reads the drafter's own prediction (`Drafted.drafter_score`)
+    reads_drafter_temperatures: ClassVar[bool] = False  # reads it through the drafter's temperatures (`drafter_score_scaled`)
 
     def __post_init__(self) -> None:
         if self.max_draft is not None and self.max_draft < 1:
@@ -239,7 +242,7 @@ class SprinterRule(StopPolicy):
 
 STOP_POLICIES = ("constant_k", "svip", "confidence", "head", "head_cost", "oracle", "vllm_online", "adaedl", "transformers",
                  "transformers_heuristic", "sglang_adaptive", "sv_companion", "vllm_current", "vllm_margin", "vllm_history",
-                 "pmin", "head_cost_online", "dspark_confidence")
+                 "pmin", "head_cost_online", "dspark_confidence", "dspark_confidence_ts")
 ONLINE_POLICIES = ("vllm_online", "adaedl", "transformers", "transformers_heuristic", "sglang_adaptive", "vllm_current",
                    "vllm_margin", "vllm_history", "head_cost_online")
 BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best threshold",
@@ -257,10 +260,12 @@ BASELINES = {"constant_k": "the best constant K", "svip": "SVIP at its best thre
              "vllm_history": "each request's own acceptance by position (a per-request history) at its best threshold",
              "pmin": "llama.cpp's p_min (the candidate with max q below it ends the round unchecked) at its best p_min"}
 """The free rules a learned stop head is judged against in decoding, and how a report names each."""
-DRAFTER_BASELINES = {"dspark_confidence": "the DSpark drafter's own confidence head at its best p_min (llama.cpp's stop)"}
+DRAFTER_BASELINES = {"dspark_confidence": "the DSpark drafter's own confidence head at its best p_min (llama.cpp's stop)",
+                     "dspark_confidence_ts": "the same head through its per-position temperatures (DeepSpec's and SGLang's "
+                                             "temperature scaling) at its best p_min"}
 """The rules reading a drafter's own prediction that a head is judged against where the drafter drafts (--dspark)."""
 BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
-                  "vllm_history_adaptive", "goodput_online", "dspark_adaptive")
+                  "vllm_history_adaptive", "goodput_online", "dspark_adaptive", "dspark_adaptive_ts")
 
 
 def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
