@@ -21,12 +21,21 @@ class DemoConfig:
         quick: the small version (about 1 k labelled tokens, a few decoding runs): every stage in a few minutes.
         overwrite: delete `out` first; without it a finished stage is reused and an unfinished one resumes.
         progress: show progress bars.
+        eagle3: an EAGLE-3 drafter folder for the embedded target (`specheads train drafter --config
+            eagle3-smollm2`): the demo adds its wall-clock line at B = 1 (target alone, constant K = 1, transformers'
+            default rule, and with `eagle3_head` the head's stop rule) beside the modelled one.
+        eagle3_head: a stop head trained on data that drafter labelled (`specheads gen --config smollm2-eagle3`).
+        eagle3_cost_ratio: the c = t_draft/t_target that head's rule read from the costs is decoded at (the drafter's,
+            profiled: `specheads profile --eagle3 DIR`).
     """
 
     out: str | None = None
     quick: bool = False
     overwrite: bool = False
     progress: bool = True
+    eagle3: str | None = None
+    eagle3_head: str | None = None
+    eagle3_cost_ratio: float = 0.086
 
     @property
     def folder(self) -> Path:

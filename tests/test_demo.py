@@ -60,6 +60,40 @@ def test_demo_defaults_and_refusal(tmp_path, capsys):
     assert "specheads demo" in capsys.readouterr().err
 
 
+def wall_clock_row(speedup: float, c: float, **head: float) -> dict:
+    return {"speedup": speedup, "speedup_interval": [speedup - 1.05, speedup - 0.95], "tokens_per_target_call": 1.3,
+            "draft_forwards_per_target_call": 1.0, "timed_cost_ratio": c, **head}
+
+
+def test_the_demos_eagle3_line_reads_the_wall_clock_beside_the_modelled_speedup_and_says_how_without_a_drafter(
+        tmp_path, monkeypatch):
+    """`specheads demo --eagle3 DIR`: per rule the wall-clock speedup with its interval beside the speedup modelled
+    from the same runs' counted forwards at the timed c (the head's forwards at their own timed cost); a kept line with
+    the same settings is reused without decoding; without a drafter the line says how to make one."""
+    from specheads.demo import eagle3
+    from specheads.demo.stages import Layout
+
+    config = DemoConfig(out=str(tmp_path / "demo"), eagle3="runs/eagle3/drafter", eagle3_head="head.ckpt")
+    settings = eagle3.benchmark_settings(config)
+    assert settings.rules == ["constant_k:1", "transformers:0.4", "head_cost:0.086"] and settings.head == "head.ckpt"
+    result = {"settings": vars(settings), "prompts": 16, "max_new_tokens": 32, "target_alone_tokens_per_s": 34.5,
+              "rules": {"constant_k:1": wall_clock_row(1.06, 0.1),
+                        "head_cost:0.086": wall_clock_row(1.02, 0.1, head_forwards_per_target_call=0.5,
+                                                          timed_head_cost_ratio=0.02)}}
+    folder = tmp_path / "demo" / "eagle3"
+    folder.mkdir(parents=True)
+    (folder / "wall_clock.json").write_text(json.dumps(result))
+    monkeypatch.setattr(eagle3, "benchmark_drafter", lambda *_: pytest.fail("a kept line was decoded again"))
+    kept = eagle3.eagle3_line(config, Layout(tmp_path / "demo"))
+    lines = eagle3.eagle3_lines(kept)
+    assert "target alone 34.5 tokens/s" in lines[0] and "16 held-out prompts × 32 tokens" in lines[0]
+    assert "constant K = 1: 1.06× [1.01, 1.11]; modelled from its forwards at the timed c = 0.100: 1.18×" in lines[1]
+    assert "the head's rule read from the costs (head.ckpt): 1.02×" in lines[2]
+    assert lines[2].endswith("1.17×")  # 1.3 / (1 + 0.1 · 1.0 + 0.02 · 0.5) = 1.171…: the head priced
+    assert eagle3.modelled(kept["rules"]["head_cost:0.086"]) == pytest.approx(1.3 / 1.11)
+    assert "specheads train drafter --config eagle3-smollm2" in eagle3.eagle3_lines(None)[0]
+
+
 def numbers(text: str) -> set[str]:
     return set(re.findall(r"[-+]?\d+\.\d{3}", text))
 

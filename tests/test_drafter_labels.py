@@ -334,6 +334,28 @@ def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_tha
         assert "\n" not in str(raised.value)
 
 
+def test_the_demo_refuses_an_eagle3_line_it_could_not_decode_before_any_stage(labelled, eagle3_head, dspark_head,
+                                                                               tmp_path):
+    """`specheads demo --eagle3 DIR [--eagle3-head CKPT]` checks before gen starts: the folder holds an EAGLE-3 drafter,
+    the head trained on data that drafter labelled, and --eagle3-head comes with --eagle3; each refusal is one line
+    and the demo folder is not made."""
+    from specheads.demo.config import DemoConfig
+    from specheads.demo.eagle3 import check_eagle3
+
+    eagle3_folder, dspark_folder = labelled[1]["eagle3"][1], labelled[1]["dspark"][1]
+    check_eagle3(DemoConfig(eagle3=str(eagle3_folder), eagle3_head=str(eagle3_head)))  # a line it can decode
+    out = tmp_path / "demo"
+    for flags, fix in ((["--eagle3", str(dspark_folder)], "not 'eagle3'"),
+                       (["--eagle3", str(tmp_path)], "is not a drafter folder"),
+                       (["--eagle3", str(eagle3_folder), "--eagle3-head", str(dspark_head)], "whose state its rule would read"),
+                       (["--eagle3-head", str(eagle3_head)], "give --eagle3 DIR too")):
+        with pytest.raises(UsageError, match=fix) as refused:
+            check_eagle3(DemoConfig(**{flag.lstrip("-").replace("-", "_"): value
+                                       for flag, value in zip(flags[::2], flags[1::2])}))
+        assert "\n" not in str(refused.value)
+        assert main(["demo", "--out", str(out), *flags]) == 2 and not out.exists()
+
+
 def test_eval_decodes_the_heads_rules_with_the_eagle3_drafter_that_labelled_its_data(labelled, eagle3_head, tmp_path,
                                                                                      capsys):
     """With --eagle3 naming the drafter that labelled the data, the head read that drafter's state: its stop rule

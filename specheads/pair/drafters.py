@@ -106,17 +106,11 @@ def save_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype = to
     drafter.save_pretrained(folder, state_dict=state, safe_serialization=True)
 
 
-def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, config_class: str,
-                 build: Any) -> torch.nn.Module:
-    """The `algorithm` drafter saved in `folder` (speculators' format), read with speculators' `config_class` and made
-    by `build(config)`, completed with `target`'s weights, in eval mode, frozen, in the target's dtype and on its
-    device. Nothing but config.json and safetensors is read; the verifier it names is not fetched. A folder of another
-    algorithm is refused in one line."""
+def check_drafter_folder(folder: str | Path, algorithm: str) -> None:
+    """Refuse in one line a folder that holds no `algorithm` drafter in speculators' format (config.json naming it and
+    model.safetensors); reads config.json only."""
     import json
 
-    from safetensors.torch import load_file
-
-    module = speculators_models(algorithm)
     folder = Path(folder)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise UsageError(f"{folder} is not a drafter folder (config.json and model.safetensors); give the folder "
@@ -125,6 +119,19 @@ def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, co
     if kind != algorithm:
         raise UsageError(f"{folder}/config.json names speculators_model_type {kind!r}, not {algorithm!r}; give the folder "
                          f"of a {algorithm} drafter")
+
+
+def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, config_class: str,
+                 build: Any) -> torch.nn.Module:
+    """The `algorithm` drafter saved in `folder` (speculators' format), read with speculators' `config_class` and made
+    by `build(config)`, completed with `target`'s weights, in eval mode, frozen, in the target's dtype and on its
+    device. Nothing but config.json and safetensors is read; the verifier it names is not fetched. A folder of another
+    algorithm is refused in one line."""
+    from safetensors.torch import load_file
+
+    module = speculators_models(algorithm)
+    folder = Path(folder)
+    check_drafter_folder(folder, algorithm)
     drafter = build(getattr(module, config_class).from_pretrained(str(folder)))
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
