@@ -231,11 +231,10 @@ class GenConfig:
         if self.drafter is None:
             return
         given = [name for name, on in (("--draft", self.draft != GenConfig().draft), ("--state-layer", self.state_layer),
-                                       ("--target-states", self.target_states), ("--sibling-labels", self.sibling_labels))
-                 if on]
+                                       ("--target-states", self.target_states)) if on]
         if given:
             raise UsageError(f"{', '.join(given)} cannot go with --drafter (the drafter is the draft, its state the one "
-                             "after its final norm that produced q, labelled for chains, not trees); drop them")
+                             "after its final norm that produced q); drop them")
         if not self.store_features or self.features_at == "drafted_candidate":
             raise UsageError("a feature drafter's data stores the state that produced each q, which only gen can "
                              "compute (no online training) and no state that has read the candidate: set "

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specheads.data_gen.labels import PositionLabels, labels_from_log_probs, mix_tokens, mixing_draws
+from specheads.data_gen.labels import SIBLING_COLUMNS, PositionLabels, labels_from_log_probs, mix_tokens, mixing_draws
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import FeatureStorage
 from specheads.dataset.store import DrafterColumns
@@ -258,9 +258,11 @@ class DrafterRow:
 
 def label_drafter_row(target: Any, drafter: FeatureDrafter, target_states: torch.Tensor, streams: torch.Tensor,
                       tokens: list[int], prompt_length: int, is_draft: list[bool], transform: SamplingTransform,
-                      draws: torch.Tensor) -> DrafterRow:
+                      draws: torch.Tensor, sibling_draws: torch.Tensor | None = None) -> DrafterRow:
     """The labels of one row (its prompt + response `tokens`, the target's states and streams on them) with the
-    drafter drafting each position at its depth (module docstring); candidates drawn with `draws`."""
+    drafter drafting each position at its depth (module docstring); candidates drawn with `draws`, and with
+    `sibling_draws` each position's second child from the same q (`labels.sibling_labels`: a tree's second child
+    shares its first's state)."""
     depths = chain_depths(is_draft, drafter.depth)
     rounds = [(prompt_length - 1 + start, length) for start, length in chains(depths)]  # anchor: the token before
     rows = draft_rows(drafter.drafter)
@@ -273,7 +275,8 @@ def label_drafter_row(target: Any, drafter: FeatureDrafter, target_states: torch
         logits = torch.stack([place(step.logits, rows, drafter.vocabulary) for step in chunk])
         logp_all = transform.log_probs(output_logits(target, target_states[positions.to(target_states.device)]))
         parts.append(labels_from_log_probs(logp_all, transform.log_probs(logits), logits, transform,
-                                           draws[start: start + length]))
+                                           draws[start: start + length],
+                                           None if sibling_draws is None else sibling_draws[start: start + length]))
     labels = PositionLabels(*(None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
                               for name in PositionLabels.__dataclass_fields__))
     markov = torch.stack([step.markov for step in steps]).cpu() if steps[0].markov is not None else None
@@ -299,10 +302,11 @@ def check_prompts(items: list[WorkItem]) -> None:
 
 def label_drafter_batch(target: Any, drafter: FeatureDrafter, items: list[WorkItem], responses: list[list[int]],
                         transform: SamplingTransform, global_seed: int, pad_id: int, device: torch.device,
-                        storage: FeatureStorage) -> dict[str, list]:
+                        storage: FeatureStorage, siblings: bool = False) -> dict[str, list]:
     """Label one batch of rows with `drafter` as the draft; the columns of `labels.label_batch` (features: the
-    drafter's states, the rows and dtype `storage` names), plus `depth`, and with a DSpark drafter `markov_features`
-    (where it has a Markov head) and `drafter_score` (where it has a confidence head)."""
+    drafter's states, the rows and dtype `storage` names; the `sibling_*` columns with `siblings`, from the row's own
+    sibling stream as `label_batch` draws them), plus `depth`, and with a DSpark drafter `markov_features` (where it
+    has a Markov head) and `drafter_score` (where it has a confidence head)."""
     sequences = [list(item.prompt_ids) + response for item, response in zip(items, responses)]
     with streams_captured(target, drafter.layer_ids) as captured:
         target_states = decoder_states(target, sequences, pad_id, device)
@@ -312,15 +316,19 @@ def label_drafter_batch(target: Any, drafter: FeatureDrafter, items: list[WorkIt
         generator = row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "label"))
         mixing = mixing_draws(global_seed, item, len(response))
         is_draft = (mixing >= item.target_ratio).tolist()
+        sibling_draws = (uniforms(row_generator(row_seed(global_seed, item.prompt_id, item.sample_index, "sibling")),
+                                  len(response)) if siblings else None)
         result = label_drafter_row(target, drafter, target_states[row], streams[row], sequences[row],
-                                   len(item.prompt_ids), is_draft, transform, uniforms(generator, len(response)))
+                                   len(item.prompt_ids), is_draft, transform, uniforms(generator, len(response)),
+                                   sibling_draws)
         mixed_ids, _ = mix_tokens(torch.tensor(response), result.labels.draft_ids, item.target_ratio, mixing)
         kept = torch.from_numpy(storage.rows(is_draft))
         values = {"prompt_id": item.prompt_id, "sample_index": item.sample_index, "target_ratio": item.target_ratio,
                   "prompt_ids": list(item.prompt_ids), "target_ids": response, "mixed_ids": mixed_ids.tolist(),
                   "is_draft": is_draft, "depth": result.depths,
                   **{name: getattr(result.labels, name).numpy()
-                     for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1", "top2")},
+                     for name in ("draft_ids", "logp", "logq", "accept", "beta", "entropy", "top1", "top2",
+                                  *(SIBLING_COLUMNS if siblings else ()))},
                   "features": storage.encode(result.states[kept])}
         if result.markov is not None:
             values["markov_features"] = storage.encode(result.markov[kept])

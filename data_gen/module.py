@@ -130,7 +130,7 @@ class LabellingModule(L.LightningModule):
         `label_drafter_batch`."""
         if isinstance(self.draft, FeatureDrafter):
             return label_drafter_batch(self.target, self.draft, items, responses, self.transform, self.seed,
-                                       self.tokenizer.pad_token_id, self.device, self.storage)
+                                       self.tokenizer.pad_token_id, self.device, self.storage, self.siblings)
         return label_batch(self.target, self.draft, items, responses, self.transform, self.seed,
                            self.tokenizer.pad_token_id, self.chunk, self.store_features, self.device,
                            self.state_layer, self.storage, self.target_states, self.siblings)

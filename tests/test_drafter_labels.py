@@ -136,6 +136,43 @@ def test_gen_labels_every_position_as_the_drafter_drafts_it_at_its_depth(labelle
     assert checked == set(range(1, depth + 1))  # every depth of a round was checked
 
 
+def test_gen_labels_a_trees_second_child_with_an_eagle3_drafter_from_the_state_its_first_shares(
+        labelled, tiny_model, prompts_file, tmp_path):
+    """`--sibling-labels true` with an EAGLE-3 drafter: each position's second child x₂ is drawn from the same q
+    without the drafted candidate and labelled min(1, p₂(x₂)/q₂(x₂)), p₂ = norm(max(0, p − q)), from its own stream:
+    every other column is the data's without it."""
+    target, made = labelled
+    plain, folder = made["eagle3"]
+    out = tmp_path / "siblings"
+    assert main(drafter_args(tiny_model, prompts_file, out, "eagle3", folder, "--mixing.target_ratio", "0.3",
+                             "--drafter.depth", "3", "--sibling-labels", "true")) == 0
+    from specheads.pair.eagle3 import load_drafter
+
+    drafter = load_drafter(folder, target)
+    rows, before = load_labelled(out).with_format("numpy"), load_labelled(plain).with_format("numpy")
+    transform, seconds = SamplingTransform(1.0), 0
+    for row, old in zip(rows.select(range(3)), before.select(range(3))):
+        for name in ("draft_ids", "accept", "logq", "depth", "features"):
+            assert (row[name] == old[name]).all(), name
+        sequence = row["prompt_ids"].tolist() + row["target_ids"].tolist()
+        for j, d in enumerate(row["depth"].tolist()):
+            log_q, _, _, _, log_p = reference("eagle3", target, drafter, sequence, len(row["prompt_ids"]) + j, d,
+                                              transform)
+            second, first = int(row["sibling_ids"][j]), int(row["draft_ids"][j])
+            if second < 0:
+                continue
+            q, p = log_q.exp(), log_p.exp()
+            q_rest = q.clone()
+            q_rest[first] = 0
+            p_rest = (p - q).clamp(min=0)
+            expected = min(1.0, float(p_rest[second] / p_rest.sum()) / float(q_rest[second] / q_rest.sum()))
+            assert second != first and q[second] > 0
+            assert row["sibling_accept"][j] == pytest.approx(expected, abs=1e-4)
+            assert row["sibling_logq"][j] == pytest.approx(float(log_q[second]), abs=1e-4)
+            seconds += 1
+    assert seconds > 10
+
+
 def test_depths_follow_the_mixs_runs_and_start_a_round_after_k_max():
     is_draft = [True, True, False, True, True, True, True, False]
     assert chain_depths(is_draft, 3) == [1, 2, 3, 1, 2, 3, 1, 2, 1]
