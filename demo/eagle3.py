@@ -9,11 +9,12 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from specheads.artifacts.checkpoint import load_trained
 from specheads.demo.config import DemoConfig
 from specheads.demo.stages import Layout, relative
 from specheads.eval.sweep import modelled_speedup
 from specheads.eval.wall_clock import DrafterBenchmark, benchmark_drafter, stop_head
-from specheads.pair.drafters import check_drafter_folder
+from specheads.pair.drafters import check_drafter_folder, drafter_weights_sha256
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
@@ -48,14 +49,23 @@ def eagle3_line(config: DemoConfig, layout: Layout) -> dict[str, Any]:
     """Decode the line into `eagle3/wall_clock.json` of the demo folder (kept, and reused, while its settings are the
     same) and return it."""
     settings = benchmark_settings(config)
+    identity = line_identity(settings)
     path = layout.root / "eagle3" / "wall_clock.json"
     if path.is_file():
         kept = json.loads(path.read_text())
-        if kept.get("settings") == asdict(settings):
+        if {key: kept.get(key) for key in identity} == identity:
             return kept
-    result = {"settings": asdict(settings), **benchmark_drafter(settings, "eagle3")}
+    result = {**identity, **benchmark_drafter(settings, "eagle3")}
     write_json_atomic(path, result)
     return result
+
+
+def line_identity(settings: DrafterBenchmark) -> dict[str, Any]:
+    """What a kept line must match to be reused: its settings, the drafter's files and the head's weights (a drafter
+    or head trained again into the same folder decodes again)."""
+    head = load_trained(settings.head).head.weights_digest() if settings.head else None
+    return {"settings": asdict(settings), "drafter_sha256": drafter_weights_sha256(settings.drafter),
+            "head_weights_digest": head}
 
 
 def modelled(row: dict[str, Any]) -> float | None:

@@ -37,7 +37,7 @@ def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
              f"(mean acceptance {data['mean_accept']:.3f}; fingerprint `{data['fingerprint']}`). Finished in "
              f"{duration(summary['seconds']['total'])}.", "", *summary_table(summary), "",
              "## What ran", "", "Each stage is a `specheads` command; run one alone to change it.", ""]
-    keys = [key for key in summary["seconds"] if key != "total"]
+    keys = [key for key in summary["seconds"] if key not in ("total", "eagle3_wall_clock")]
     lines += [f"{n}. `{command}` ({duration(summary['seconds'][key])})"
               for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
     lines.append("")

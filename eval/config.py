@@ -126,7 +126,8 @@ class EvalConfig:
             `goodput`, `dcut`, `vllm_adaptive`; on request, the same planner fed vLLM's merged estimator, its margin
             revision, each request's history or the expected-acceptance head calibrated while serving:
             `vllm_current_adaptive`, `vllm_margin_adaptive`, `vllm_history_adaptive`, `goodput_online`; with a DSpark
-            drafter's confidence head, `dspark_adaptive`, which --dspark adds).
+            drafter's confidence head, `dspark_adaptive` and, through the temperatures eval fits, `dspark_adaptive_ts`,
+            which --dspark adds).
         prompt_cache_mb: keep the decode prompts' keys and values (on the decoding device) up to this many MiB, so
             that each setting after the first starts without prefill forwards (`specheads.decoding.prompt_cache`);
             0 turns it off; default 2048, and off with --eagle3 or --dspark (their drafts run without one). Counted
@@ -141,8 +142,9 @@ class EvalConfig:
         dspark: a DSpark drafter folder (speculators' format), as --eagle3, drafting a block per forward (each round
             counted and priced as one forward over its block); with its confidence head, the sweep adds
             `dspark_confidence` (llama.cpp's p_min on it, at --head-thresholds) and the serving table
-            `dspark_adaptive` (the goodput planner fed it), beside the head's stop rule (a paired interval) and its
-            verify budget where the head was trained on this drafter's data.
+            `dspark_adaptive` (the goodput planner fed it), each also through per-position temperatures fitted on
+            the head's calibration prompts (`dspark_confidence_ts`, `dspark_adaptive_ts`), beside the head's stop
+            rule (a paired interval) and its verify budget where the head was trained on this drafter's data.
         tree_budgets: also decode tree drafts (`specheads.decoding.tree`, a batch's trees verified together) with at
             most N nodes per target forward, for each N given: the head-valued tree (an on-time or expected-acceptance
             head) and the confidence-valued tree (EAGLE-2's values), each at the floor tuned on dev prompts like the other

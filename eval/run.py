@@ -482,6 +482,20 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     return DecodePlan(prompts, left_out, context, tuning, reused, trees, trees_left_out, head_cost, draft, head_left_out)
 
 
+def refuse_unfitted_temperatures(config: EvalConfig, scored: bool, how: str | None) -> None:
+    """Refuse, before any decoding run, the rules given by name that read the drafter's confidence through its
+    temperatures where none were fitted: the data stores no drafter score (`scored` false), or the head's
+    calibration prompts held no drafted token (`how` says which)."""
+    named = sorted({"dspark_confidence_ts", "dspark_adaptive_ts"} & {*(config.fixed_thresholds or {}),
+                                                                     *config.serving_batch_policies})
+    if not named or (scored and how and not how.startswith("not fitted")):
+        return
+    why = (f"{(how or '').removeprefix('not fitted: ')}; train the head with more calibration prompts" if scored else
+           f"{config.data} stores no drafter score to fit them on; label it with `specheads gen --drafter.kind dspark`")
+    raise UsageError(f"{' and '.join(named)} read the drafter's confidence through temperatures, which were not "
+                     f"fitted: {why}, or drop them")
+
+
 def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform: SamplingTransform,
            table: TokenTable, plan: DecodePlan, device: torch.device, checked: Checked,
            companion: Companion | None = None) -> Decoding:
@@ -765,6 +779,9 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     if table.drafter_score is not None:  # a DSpark drafter's own confidence head: scored with and without them
         table.drafter_temperatures, temperatures = drafter_temperatures(trained, data, pair.draft if pair else None,
                                                                         config.max_draft)
+    if plan is not None and hasattr(plan.draft, "score_temperatures"):  # decoded as SGLang applies them, beside raw
+        plan.draft.score_temperatures = table.drafter_temperatures
+        refuse_unfitted_temperatures(config, table.drafter_score is not None, temperatures)
     companion = None
     if companion_model is not None:
         table.sv_companion, bins = sv_companion_scores(pair.draft, companion_model, transform, data.splits["train"],
@@ -777,13 +794,6 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     "held_out": "the prompts the head did not train (or calibrate) on",
                     "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
                     "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
-    if plan is not None and hasattr(plan.draft, "score_temperatures"):  # decoded as SGLang applies them, beside raw
-        plan.draft.score_temperatures = table.drafter_temperatures
-        scaled = {"dspark_confidence_ts", "dspark_adaptive_ts"} & {*(config.fixed_thresholds or {}),
-                                                                   *config.serving_batch_policies}
-        if scaled and table.drafter_temperatures is None:
-            raise UsageError(f"{' and '.join(sorted(scaled))} read the drafter's confidence through its temperatures, "
-                             f"which were {temperatures}; train the head with calibration prompts, or drop them")
     if temperatures is not None:
         data_section["dspark_temperatures"] = {
             "temperatures": None if table.drafter_temperatures is None else

@@ -119,8 +119,13 @@ def stop_head(args: DrafterBenchmark, kind: str) -> AcceptanceHead | None:
     """The head that `head:h` and `head_cost:c` rules read (None when no rule reads one), loaded and checked before any model: refused
     without `--head`, with `--head` and no rule reading it, or with a head that is no stop head or trained on data
     another draft labelled (it reads the state of the draft that labelled its data)."""
-    reading = [rule for rule in args.rules if not rule.startswith("tree:")
-               and make_policy(rule.split(":")[0], float(rule.split(":")[1]), args.max_draft).reads_head]
+    policies = {rule: make_policy(rule.split(":")[0], float(rule.split(":")[1]), args.max_draft)
+                for rule in args.rules if not rule.startswith("tree:")}
+    scaled = [rule for rule, policy in policies.items() if policy.reads_drafter_temperatures]
+    if scaled:
+        raise UsageError(f"{scaled[0]} reads the drafter's confidence through fitted temperatures, which this benchmark "
+                         "does not fit; use its raw form (dspark_confidence), or eval --dspark for the scaled one")
+    reading = [rule for rule, policy in policies.items() if policy.reads_head]
     if not reading:
         if args.head:
             raise UsageError(f"--head {args.head} is given but no rule reads it; add a `head:h` rule, e.g. head:0.6, "
@@ -137,6 +142,8 @@ def stop_head(args: DrafterBenchmark, kind: str) -> AcceptanceHead | None:
                          f"{DRAFTER_KINDS[kind]} drafter {args.drafter}, whose state its rule would read; train one on "
                          f"`specheads gen --drafter.kind {kind} --drafter.path {args.drafter}` data")
     check_decodable_head(trained.head)
+    for rule in reading:
+        policies[rule].check_head(trained.head)
     return trained.head.eval()
 
 

@@ -97,7 +97,8 @@ def fit_position_temperatures(logits: np.ndarray, accept: np.ndarray, row: np.nd
 
 
 def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept: np.ndarray, row: np.ndarray,
-                            position: np.ndarray, max_positions: int) -> PositionCalibration:
+                            position: np.ndarray, max_positions: int, depth: np.ndarray | None = None
+                            ) -> PositionCalibration:
     """Per-depth maps for a head of a tree's second children (`data.children: second`), fitted on drafted positions
     sorted by (row, position): `logits` are its corrected logits of the second children, `accept` their labels
     min(1, p₂/q₂) and `first_accept` the first children's min(1, p/q) there.
@@ -105,7 +106,8 @@ def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept
     A tree checks the second child at depth k of a path only when the first children at depths 1..k−1 were accepted
     and the one at depth k was rejected; so the map of depth k is fitted on every run of k drafted positions with
     weight Π_{j<k} first_accept_j · (1 − first_accept_k), the chance the tree gets there. A depth with no run (or no
-    weight) keeps the previous map."""
+    weight) keeps the previous map. `depth`, a feature drafter's data's depth of each position in its round, makes
+    the runs rounds (`fitted_maps`), as the chain head's fit reads them."""
     def fit(k: int, index: np.ndarray, maps: list[Map]) -> Map | None:
         last = index[:, -1]
         weight = first_accept[index[:, :-1]].prod(axis=1) * (1 - first_accept[last])
@@ -113,4 +115,4 @@ def fit_sibling_calibration(logits: np.ndarray, accept: np.ndarray, first_accept
             return None
         return minimised(product_cross_entropy, maps, np.ones(len(last)), logits[last], accept[last], weight)
 
-    return fitted_maps(row, position, max_positions, fit)
+    return fitted_maps(row, position, max_positions, fit, depth)

@@ -76,7 +76,9 @@ def test_the_demos_eagle3_line_reads_the_wall_clock_beside_the_modelled_speedup_
     config = DemoConfig(out=str(tmp_path / "demo"), eagle3="runs/eagle3/drafter", eagle3_head="head.ckpt")
     settings = eagle3.benchmark_settings(config)
     assert settings.rules == ["constant_k:1", "transformers:0.4", "head_cost:0.086"] and settings.head == "head.ckpt"
-    result = {"settings": vars(settings), "prompts": 16, "max_new_tokens": 32, "target_alone_tokens_per_s": 34.5,
+    identity = {"settings": vars(settings), "drafter_sha256": "d1", "head_weights_digest": "h1"}
+    monkeypatch.setattr(eagle3, "line_identity", lambda settings: dict(identity))
+    result = {**identity, "prompts": 16, "max_new_tokens": 32, "target_alone_tokens_per_s": 34.5,
               "rules": {"constant_k:1": wall_clock_row(1.06, 0.1),
                         "head_cost:0.086": wall_clock_row(1.02, 0.1, head_forwards_per_target_call=0.5,
                                                           timed_head_cost_ratio=0.02)}}
@@ -92,6 +94,12 @@ def test_the_demos_eagle3_line_reads_the_wall_clock_beside_the_modelled_speedup_
     assert lines[2].endswith("1.17×")  # 1.3 / (1 + 0.1 · 1.0 + 0.02 · 0.5) = 1.171…: the head priced
     assert eagle3.modelled(kept["rules"]["head_cost:0.086"]) == pytest.approx(1.3 / 1.11)
     assert "specheads train drafter --config eagle3-smollm2" in eagle3.eagle3_lines(None)[0]
+    # the drafter trained again into the same folder: decoded again, not reused
+    identity["drafter_sha256"] = "d2"
+    monkeypatch.setattr(eagle3, "benchmark_drafter", lambda *_: {"prompts": 1, "rules": {}})
+    again = eagle3.eagle3_line(config, Layout(tmp_path / "demo"))
+    assert again["drafter_sha256"] == "d2" and again["prompts"] == 1
+    assert json.loads((folder / "wall_clock.json").read_text()) == again
 
 
 def numbers(text: str) -> set[str]:

@@ -364,6 +364,9 @@ def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_tha
     assert alone["rules"]["head_cost:0.5"]["head_seconds"] > 0  # the rule read from the costs loads the head too
     capsys.readouterr()
     missing = str(tmp_path / "no-target")  # refused before the target is looked for
+    scaled = bench.DrafterBenchmark(drafter=str(folder), target=missing, rules=["dspark_confidence_ts:0.5"])
+    with pytest.raises(UsageError, match="does not fit"):  # its temperatures are fitted by eval, not here
+        bench.benchmark_drafter(scaled, "eagle3")
     for head, fix in ((None, "give --head CHECKPOINT"), (str(dspark_head), "whose state its rule would read")):
         refused = bench.DrafterBenchmark(drafter=str(folder), target=missing, rules=["head:0.5"], head=head)
         with pytest.raises(UsageError, match=fix) as raised:

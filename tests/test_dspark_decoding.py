@@ -19,6 +19,7 @@ pytest.importorskip("speculators.models.dspark")
 from specheads.decoding import RoundEngine, make_policy  # noqa: E402
 from specheads.decoding.costs import CostCurve, ServingCosts, round_seconds  # noqa: E402
 from specheads.decoding.dspark import DSparkModel, block_forward, candidate_logits, dspark_decode  # noqa: E402
+from specheads.decoding.planners import DSparkScaledSignal, DSparkSignal  # noqa: E402
 from specheads.decoding.rules import StopPolicy  # noqa: E402
 from specheads.decoding.tree import TreeRule, decode_tree  # noqa: E402
 from specheads.heads.calibration import PositionCalibration  # noqa: E402
@@ -134,17 +135,28 @@ def test_the_drafters_confidence_as_a_free_rule_stays_exact(tiny_dspark, rule):
     costs = ServingCosts(CostCurve((1, 64), (0.05, 0.1)), CostCurve((1, 64), (1.0, 1.6)))
     runs, log = 800, []
     policy = make_policy(rule, 0.7 if "confidence" in rule else 3, max_draft=3)
-    seen = []
-    original = type(policy).stop
+    decisions, planned = [], []
+    original, signals = type(policy).stop, (DSparkSignal, DSparkScaledSignal)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(policy), "stop", lambda self, d: seen.append(d) or original(self, d))
+        patch.setattr(type(policy), "stop", lambda self, d: decisions.append((d, original(self, d))) or decisions[-1][1])
+        for signal in signals:  # which of the two signals the planner reads
+            patch.setattr(signal, "acceptance", lambda self, d, read=signal.acceptance: planned.append(self.name)
+                          or read(self, d))
         results = engine.decode([PROMPT] * runs, policy, LENGTH, list(range(runs)), batch_size=8, costs=costs, log=log)
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
-    raw = [(d.index, d.drafter_score, d.drafter_score_scaled) for d in seen]
+    raw = [(d.index, d.drafter_score, d.drafter_score_scaled) for d, _ in decisions]
     if scaled:  # candidate k's confidence z reaches the rule as σ(scale_k · z)
         assert all(s == pytest.approx(1 / (1 + (p / (1 - p)) ** -(4.0, 0.25, 2.0)[k - 1]), abs=1e-6) for k, p, s in raw)
     else:
         assert all(s is None for _, _, s in raw)
+    if "confidence" in rule:  # where the raw and the scaled score disagree about p_min, the rule follows its own
+        split = [(d, stopped) for d, stopped in decisions if d.index < 3
+                 and (d.drafter_score < 0.7) != (d.drafter_score_scaled is not None and d.drafter_score_scaled < 0.7)]
+        read = (lambda d: d.drafter_score_scaled) if scaled else (lambda d: d.drafter_score)
+        assert not scaled or split
+        assert all(stopped == (read(d) < 0.7) for d, stopped in split)
+    else:
+        assert set(planned) == {"dspark_confidence_ts" if scaled else "dspark_confidence"}
     checked = [(v, d) for record in log for v, d in zip(record.verified, record.drafted) if d]
     if "confidence" in rule:  # a candidate whose confidence was below p_min ended its round unchecked
         assert any(v == d - 1 for v, d in checked) and any(v == d for v, d in checked)

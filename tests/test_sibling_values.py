@@ -122,6 +122,19 @@ def test_the_sibling_calibration_of_depth_k_is_the_weighted_fit_of_the_second_ch
         assert calibration.scale[k - 1] == pytest.approx(fit.coef_[0, 0], abs=2e-3)
         assert calibration.bias[k - 1] == pytest.approx(fit.intercept_[0], abs=2e-3)
     assert calibration.bias[0] != pytest.approx(calibration.bias[2], abs=0.05)  # deeper, the tree's reach differs
+    # a feature drafter's data: the runs are its rounds (depths 1..k), not any k drafted positions in a row
+    depth = np.tile([1, 2, 3, 1, 2, 3], rows)
+    rounds = fit_sibling_calibration(logits, accept, first, row, position, 3, depth)
+    for k in (2, 3):
+        last = np.flatnonzero(depth == k)
+        weight = (1 - first[last]) * np.prod([first[last - j] for j in range(1, k)], axis=0)
+        x = np.concatenate([logits[last], logits[last]])[:, None]
+        fit = LogisticRegression(C=1e6, tol=1e-10, max_iter=1000).fit(
+            x, np.concatenate([np.ones(len(last)), np.zeros(len(last))]),
+            sample_weight=np.concatenate([weight * accept[last], weight * (1 - accept[last])]))
+        assert rounds.scale[k - 1] == pytest.approx(fit.coef_[0, 0], abs=2e-3)
+        assert rounds.bias[k - 1] == pytest.approx(fit.intercept_[0], abs=2e-3)
+        assert rounds.bias[k - 1] != pytest.approx(calibration.bias[k - 1], abs=1e-3)
 
 
 def test_a_sibling_head_trains_records_its_children_and_is_refused_as_a_chain_head(sibling_data, tiny_model, tmp_path,

@@ -387,10 +387,10 @@ class AcceptanceModule(L.LightningModule):
             positions.append(position.cpu())
             offset += len(mask)
         columns = [torch.cat(part).numpy() for part in (logits, accept, rows, positions)]
+        depth = torch.cat(depths).numpy() if depths else None
         calibration = (fit_sibling_calibration(*columns[:2], torch.cat(first).numpy(), *columns[2:],
-                                               self.hparams.calibrate_positions) if first else
-                       fit_position_calibration(*columns, self.hparams.calibrate_positions,
-                                                torch.cat(depths).numpy() if depths else None))
+                                               self.hparams.calibrate_positions, depth) if first else
+                       fit_position_calibration(*columns, self.hparams.calibrate_positions, depth))
         self.head.set_calibration(calibration)
         self.hparams.head_args = {**(self.hparams.head_args or {}), "calibration": calibration.as_dict()}
 

@@ -500,7 +500,8 @@ class RoundEngine:
                                entropy=candidate.signals["entropy"], acceptance=this.acceptance, score=score,
                                ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"],
                                margin=candidate.signals["margin"], drafter_score=draft.drafter_score(row),
-                               drafter_score_scaled=draft.drafter_score_scaled(row))
+                               drafter_score_scaled=draft.drafter_score_scaled(row) if rule.reads_drafter_temperatures
+                               else None)
                 this.seen.append(seen)
                 if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
                     del pending[row]
