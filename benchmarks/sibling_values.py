@@ -1,6 +1,7 @@
 """Sibling-aware tree values offline (issue 51): how well a tree's later siblings are scored on held-out prompts.
 
-On the second children of data labelled with `specheads gen --sibling_labels true`, at the prompts neither head trained
+On the second children of data labelled with `specheads gen --sibling_labels true` (by a derived draft or a feature
+drafter, whose rounds its `depth` gives), at the prompts neither head trained
 or calibrated on, three scores of the same second child x₂ (drawn from q without the drafted candidate):
 - the chain head (the on-time head of drafted candidates, which a head-valued tree uses for every child),
 - the sibling head (`configs/train/sibling-ontime.yaml`: trained on second children, `data.children: second`),
@@ -106,7 +107,7 @@ def collect(config: Config) -> dict[str, Any]:
     assert np.array_equal(table.label, tables["chain"].label) and len(first) == len(table.label)
     return {"heads": {"chain": chain.head, "sibling": sibling.head}, "logits": {k: t.logit for k, t in tables.items()},
             "label": table.label, "confidence": np.exp(table.logq), "first": first, "group": table.group,
-            "row": table.row, "position": table.position, "prompts": table.prompts}
+            "row": table.row, "position": table.position, "depth": table.depth, "prompts": table.prompts}
 
 
 def compare(tokens: dict[str, Any], config: Config) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def compare(tokens: dict[str, Any], config: Config) -> dict[str, Any]:
     differences against the others."""
     from specheads.heads.calibration import round_windows, sigmoid
 
-    windows = round_windows(tokens["row"], tokens["position"], config.depths)
+    windows = round_windows(tokens["row"], tokens["position"], config.depths, tokens.get("depth"))  # a drafter's rounds
     rng = np.random.default_rng(config.seed)
     results = []
     for k, index in enumerate(windows, start=1):

@@ -239,3 +239,26 @@ def test_a_sibling_head_is_refused_where_it_cannot_score():
     other.set_role("sibling")
     with pytest.raises(UsageError, match="reads the draft's state at layer 1"):
         decode_tree(engine, [PROMPT], TreeRule("head", 0.1, 4), 4, [0], at_draft_head(), sibling_head=other)
+
+
+def test_the_offline_sibling_comparison_reads_a_feature_drafters_rounds_from_depth():
+    """benchmarks/sibling_values.py on a drafter's data: depth k's second children are the ends of rounds at depths
+    1..k (`depth`), not of any k drafted positions in a row, as the trees and the calibration read them."""
+    from types import SimpleNamespace
+
+    from conftest import load_benchmark
+
+    bench = load_benchmark("sibling_values")
+    rng = np.random.default_rng(1)
+    rows, length = 40, 6
+    n = rows * length
+    head = SimpleNamespace(calibration=None)
+    tokens = {"heads": {"chain": head, "sibling": head}, "logits": {"chain": rng.normal(size=n), "sibling": rng.normal(size=n)},
+              "label": rng.uniform(size=n), "confidence": rng.uniform(size=n), "first": rng.uniform(size=n),
+              "group": np.repeat(np.arange(rows) // 4, length), "row": np.repeat(np.arange(rows), length),
+              "position": np.tile(np.arange(length), rows), "depth": np.tile([1, 2, 1, 2, 3, 1], rows), "prompts": 10}
+    config = bench.Config(data="d", head="h", sibling_head="s", depths=3, resamples=20)
+    rounds = bench.compare(tokens, config)["depths"]
+    assert [row["second_children"] for row in rounds] == [3 * rows, 2 * rows, rows]  # the positions at depth k
+    rows_anywhere = bench.compare({**tokens, "depth": None}, config)["depths"]
+    assert [row["second_children"] for row in rows_anywhere] == [n, 5 * rows, 4 * rows]
