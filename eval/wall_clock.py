@@ -2,7 +2,8 @@
 intervals over prompts: what benchmarks/eagle3_decode.py and benchmarks/dspark_decode.py share.
 
 Each prompt is decoded by the target alone (one cached forward a token) and, for each rule, by the round engine with
-the drafter as the draft at B = 1, every run with the prompt's seed. A rule is `name:threshold` (a chain rule of
+the drafter as the draft at B = 1, every run with the prompt's seed, back to back (`decode_interleaved`: a drift of
+the machine's speed falls on every rule alike). A rule is `name:threshold` (a chain rule of
 `specheads.decoding.rules`, K_max `max_draft`; `head:h` and `head_cost:c` are the stop rules of the trained head
 `--head`, which must have trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of
 `tree_budget` nodes, EAGLE-2's).
@@ -213,6 +214,26 @@ def head_timing(seconds: list[float], calls: int, target_time: float) -> dict[st
             "timed_head_cost_ratio": sum(seconds) / len(seconds) / target_time if target_time else None}
 
 
+def decode_interleaved(engine: RoundEngine, prompts: list[list[int]], args: DrafterBenchmark,
+                       transform: SamplingTransform, stops: set[int], head: AcceptanceHead | None
+                       ) -> tuple[dict[int, tuple[list[int], float]], dict[str, dict[int, DecodeResult]],
+                                  dict[str, list[float]]]:
+    """Each prompt decoded by the target alone and then under every rule, back to back, so that a drift of the
+    machine's speed over the run (another job, the clock) falls on every rule alike and the paired ratios see it
+    as noise, not as a bias between rules run at different times: (the target alone's tokens and seconds per prompt,
+    each rule's results per prompt, each rule's head forwards' seconds)."""
+    alone: dict[int, tuple[list[int], float]] = {}
+    results: dict[str, dict[int, DecodeResult]] = {rule: {} for rule in args.rules}
+    head_seconds: dict[str, list[float]] = {rule: [] for rule in args.rules}
+    for seed, prompt in enumerate(prompts):
+        alone[seed] = target_alone(engine.target, prompt, transform, args.max_new_tokens, seed, stops)
+        for rule in args.rules:
+            with timed_forwards(head) as seconds:
+                results[rule][seed] = run_rule(engine, rule, prompt, args, seed, head)
+            head_seconds[rule] += seconds
+    return alone, results, head_seconds
+
+
 def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     """Decode `args.prompts` prompts by the target alone and under each rule with the `kind` drafter of
     `args.drafter` (`specheads.decoding.drafters`), print each rule's line and write `args.out`; the report."""
@@ -225,8 +246,7 @@ def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     packed = [pack_linear_weights(model) for model in (target, draft)] if args.packed_weights else [0, 0]
     engine = RoundEngine(target, draft, transform, sorted(stops))
     prompts = [encode_prompt(tokenizer, prompt) for prompt in load_prompts(args.prompt_file, limit=args.prompts)]
-    alone = {seed: target_alone(target, prompt, transform, args.max_new_tokens, seed, stops)
-             for seed, prompt in enumerate(prompts)}
+    alone, results, head_seconds = decode_interleaved(engine, prompts, args, transform, stops, head)
     baseline = {seed: [len(tokens), seconds] for seed, (tokens, seconds) in alone.items()}
     alone_rate = sum(t for t, _ in baseline.values()) / sum(s for _, s in baseline.values())
     report: dict[str, Any] = {"drafter": args.drafter, "kind": kind, "prompts": len(prompts),
@@ -240,9 +260,8 @@ def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     if head is not None:
         report["head"] = args.head
     for rule in args.rules:
-        with timed_forwards(head) as head_seconds:
-            results = {seed: run_rule(engine, rule, prompt, args, seed, head) for seed, prompt in enumerate(prompts)}
-        row = report["rules"][rule] = rule_row(rule, results, baseline, alone_rate, args.resamples, head_seconds, greedy)
+        row = report["rules"][rule] = rule_row(rule, results[rule], baseline, alone_rate, args.resamples,
+                                               head_seconds[rule], greedy)
         interval = row["speedup_interval"]
         print(f"{rule}: {row['tokens_per_s']:.1f} tokens/s, {row['speedup']:.2f}x the target alone"
               + (f" [{1 + interval[0]:.2f}, {1 + interval[1]:.2f}]" if interval else "")
