@@ -486,8 +486,8 @@ def refuse_unfitted_temperatures(config: EvalConfig, scored: bool, how: str | No
     """Refuse, before any decoding run, the rules given by name that read the drafter's confidence through its
     temperatures where none were fitted: the data stores no drafter score (`scored` false), or the head's
     calibration prompts held no drafted token (`how` says which)."""
-    named = sorted({"dspark_confidence_ts", "dspark_adaptive_ts"} & {*(config.fixed_thresholds or {}),
-                                                                     *config.serving_batch_policies})
+    named = sorted({name for name, rule in RULES.items() if rule.reads_drafter_temperatures}
+                   & {*(config.fixed_thresholds or {}), *config.serving_batch_policies})
     if not named or (scored and how and not how.startswith("not fitted")):
         return
     why = (f"{(how or '').removeprefix('not fitted: ')}; train the head with more calibration prompts" if scored else

@@ -29,7 +29,6 @@ and SV's companion do not run with this draft yet.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +48,10 @@ from specheads.decoding.features import (
     chain_decode,
     place_logits,
 )
+from specheads.decoding.online import drawn_logit
 from specheads.decoding.rules import StopPolicy, make_policy
 from specheads.decoding.sampler import draw
-from specheads.heads.calibration import PositionCalibration
+from specheads.heads.calibration import PositionCalibration, sigmoid
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows
 from specheads.pair.dspark import block_candidates
@@ -252,9 +252,8 @@ class DSparkBatchCache(BatchCache):
         calibration, score = self.model.score_temperatures, self.scores[row]
         if calibration is None or score is None:
             return None
-        clipped = min(max(score, 1e-7), 1 - 1e-7)
-        scaled = calibration.logits(np.array([math.log(clipped / (1 - clipped))]), np.array([len(self.blocks[row].previous)]))
-        return float(1 / (1 + np.exp(-scaled[0])))
+        scaled = calibration.logits(np.array([drawn_logit(score)]), np.array([len(self.blocks[row].previous)]))
+        return float(sigmoid(scaled)[0])  # the logit the temperatures were fitted on (eval.offline.logits)
 
     def markov_embedding(self, row: int) -> torch.Tensor | None:
         """The Markov head's embedding of the token before the row's last candidate (`block.previous`'s last)."""
