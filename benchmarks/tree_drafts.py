@@ -4,7 +4,9 @@ and, at N = 8, EAGLE-2's own construction (q's best tokens as fixed children, va
 run with growth read from the costs (`TreeRule(cost_ratio=c)`, floor 0, nothing tuned; docs/method.md "Trees whose
 growth weighs their costs"): `tree_head_cost` against `tree_confidence_cost` is the same growth rule with two value
 sources. With `--sibling_head` (a head trained on second children, configs/train/sibling-ontime.yaml) the cost-grown
-head tree also runs with it scoring the second children (`tree_sibling_cost`, sibling-aware values).
+head tree also runs with it scoring the second children (`tree_sibling_cost`, sibling-aware values). With `--eagle3
+DIR` an EAGLE-3 drafter (speculators' format, `specheads train drafter --config eagle3-smollm2`) drafts instead of the
+self-speculative draft; the heads must then be trained on data it labelled (`specheads gen --config smollm2-eagle3`).
 
 Three steps, each resumable (a setting whose records exist is not decoded again); `--shard i/n` splits a step's
 settings between processes (two on the 2-core machine, one torch thread each):
@@ -72,6 +74,8 @@ class Config:
             need no tune step.
         sibling_head: a head of second children (`data.children: second`): adds `tree_sibling_cost`, the cost-grown
             head tree whose later siblings it scores.
+        eagle3: an EAGLE-3 drafter's folder: it drafts instead of the self-speculative draft (the target without
+            layers 20–21); --head and --sibling_head must read its state.
         resamples: bootstrap resamples of the paired intervals.
     """
 
@@ -97,6 +101,7 @@ class Config:
     cost_ratio: float = 0.2
     kinds: list[str] | None = None
     sibling_head: str | None = None
+    eagle3: str | None = None
     resamples: int = 2000
 
 
@@ -141,25 +146,41 @@ def tuned_floors(folder: Path) -> dict[str, float]:
             for kind, (_, _, costs) in TREE_KINDS.items() if not costs and any(r["kind"] == kind for r in rows)}
 
 
+def round_engine(config: Config, heads: list[Any]) -> tuple[Any, Any]:
+    """The round engine at T = 1 over the embedded target and its tokenizer: the self-speculative draft, or the
+    --eagle3 drafter; refuses (one line, before the drafter loads) a head that read the other draft's state."""
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
+
+    kind = DRAFTER_KINDS["eagle3"]
+    for trained in heads:
+        if (config.eagle3 is not None) != str(trained.draft or "").startswith(kind):
+            raise SystemExit(f"tree_drafts.py: {trained.source} read the state of {trained.draft}; "
+                             + ("give heads trained on data the --eagle3 drafter labelled" if config.eagle3 else
+                                f"give --eagle3 with the {kind} drafter it read, or a head of the self-speculative draft"))
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    draft = pair.draft if config.eagle3 is None else load_feature_draft("eagle3", config.eagle3, pair.target)
+    return RoundEngine(pair.target, draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer)), pair.tokenizer
+
+
 def siblings(config: Config) -> None:
     """siblings.json and a table: per place among siblings, the checked children's mean head score, how often they
     were accepted and a 95 % interval over prompts (head tree, tuned floor, N = tune_budget, dev prompts)."""
     from specheads.artifacts.checkpoint import load_trained
     from specheads.dataset.prompts import encode_prompt, load_prompts
-    from specheads.decoding import RoundEngine
     from specheads.decoding.tree import TreeRule, decode_tree
-    from specheads.model_outputs.sampling import SamplingTransform
-    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
     out = Path(config.out)
-    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
-    head = load_trained(config.head).head
-    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    trained = load_trained(config.head)
+    head = trained.head
+    engine, tokenizer = round_engine(config, [trained])
     rule = TreeRule("head", tuned_floors(out)["tree_head"], config.tune_budget, config.width, config.expand)
     by_prompt = []
     for index, prompt in enumerate(load_prompts(config.dev_file)[::2][: config.dev_prompts]):
         checked: list[tuple[int, float, bool]] = []
-        decode_tree(engine, [encode_prompt(pair.tokenizer, prompt)], rule, config.max_new_tokens, [index], head,
+        decode_tree(engine, [encode_prompt(tokenizer, prompt)], rule, config.max_new_tokens, [index], head,
                            checked=checked)
         by_prompt.append(checked)
     rows = []
@@ -186,10 +207,8 @@ def decode(config: Config, step: str) -> None:
 
     from specheads.artifacts.checkpoint import load_trained
     from specheads.dataset.prompts import encode_prompt, load_prompts
-    from specheads.decoding import RoundEngine, make_policy
+    from specheads.decoding import make_policy
     from specheads.decoding.tree import TreeRule, decode_tree
-    from specheads.model_outputs.sampling import SamplingTransform
-    from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -200,7 +219,6 @@ def decode(config: Config, step: str) -> None:
             and not (out / step / f"{setting_name(s)}.json").exists() and (config.kinds is None or s["kind"] in config.kinds)]
     if not todo:
         return
-    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
     chain = load_trained(config.head)
     sibling = load_trained(config.sibling_head) if config.sibling_head else None
     if chain.children != "first" or (sibling is not None and sibling.children != "second"):
@@ -218,9 +236,9 @@ def decode(config: Config, step: str) -> None:
                              "head, or another --out")
     source = load_prompts(config.dev_file)[::2][: config.dev_prompts] if step == "tune" else \
         load_prompts(config.test_file)[: config.test_prompts]
-    prompts = [encode_prompt(pair.tokenizer, p) for p in source]
+    engine, tokenizer = round_engine(config, [chain] + ([] if sibling is None else [sibling]))
+    prompts = [encode_prompt(tokenizer, p) for p in source]
     seeds = list(range(len(prompts)))
-    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
     for setting in todo:
         if setting["kind"] == "chain":
             rule = make_policy("head", setting["knob"], max_draft=setting["budget"])

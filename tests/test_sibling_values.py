@@ -262,3 +262,18 @@ def test_the_offline_sibling_comparison_reads_a_feature_drafters_rounds_from_dep
     assert [row["second_children"] for row in rounds] == [3 * rows, 2 * rows, rows]  # the positions at depth k
     rows_anywhere = bench.compare({**tokens, "depth": None}, config)["depths"]
     assert [row["second_children"] for row in rows_anywhere] == [n, 5 * rows, 4 * rows]
+
+
+@pytest.mark.parametrize("eagle3, draft", [("runs/eagle3/drafter", "target without layers [20, 21]"),
+                                           (None, "EAGLE-3 runs/eagle3/drafter")])
+def test_tree_drafts_refuse_a_head_of_the_other_draft_before_loading_a_model(eagle3, draft):
+    """benchmarks/tree_drafts.py drafts with the self-speculative draft or --eagle3's drafter; a head that read the
+    other one's state is refused in one line before any model loads (no model exists at these paths)."""
+    from types import SimpleNamespace
+
+    from conftest import load_benchmark
+
+    bench = load_benchmark("tree_drafts")
+    config = bench.Config(step="confirm", head="h.ckpt", eagle3=eagle3)
+    with pytest.raises(SystemExit, match="tree_drafts.py: h.ckpt read the state of " + draft.replace("[", r"\[")):
+        bench.round_engine(config, [SimpleNamespace(source="h.ckpt", draft=draft)])
