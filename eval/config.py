@@ -252,9 +252,6 @@ class EvalConfig:
                             (self.prompt_cache_mb, "--prompt-cache-mb (a prompt cache)")):
             if given:
                 raise UsageError(f"{option} drafts without {what} for now; drop it, or drop {option}")
-        if self.budget_head:
-            raise UsageError(f"{option} leaves out the rules that read a head (it was trained on the data's draft's "
-                             f"state, not the drafter's), so --budget-head would plan nothing; drop it, or drop {option}")
 
     def check_bounds(self) -> None:
         """Refuse a count beyond its bound in BOUNDS, naming what it counts."""

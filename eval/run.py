@@ -307,6 +307,9 @@ def check_before_models(config: EvalConfig, trained: TrainedHead, manifest: dict
         checked.tuning = given_tuning(config.fixed_thresholds, own_rule(trained), config.max_draft)
         check_given_rules(config, trained, checked.tuning, "--fixed-thresholds", checked.head_left_out)
     if config.serving_batch_sizes:
+        if config.budget_head and checked.head_left_out:
+            raise UsageError(f"--budget-head would plan nothing: {checked.head_left_out}; give heads trained on data "
+                             f"the --{config.drafter[0]} drafter labelled, or drop --budget-head")
         checked.budget_head, checked.budget_left_out = expected_head(config, trained)
         if checked.budget_head is trained.head:
             checked.budget_digest = checked.head.weights_digest

@@ -400,7 +400,8 @@ def test_eval_decodes_the_heads_rules_with_the_eagle3_drafter_that_labelled_its_
                                                                                      capsys):
     """With --eagle3 naming the drafter that labelled the data, the head read that drafter's state: its stop rule
     decodes beside the free rules with paired intervals, its forward counted against the drafter's weights (not the
-    data's config's unused draft); decoding the drafter's data without --eagle3 is refused in one line."""
+    data's config's unused draft), and an expected-acceptance head trained on the same data plans the serving table's
+    goodput planner (`--budget-head`); decoding the drafter's data without --eagle3 is refused in one line."""
     from test_eval import eval_args
 
     from specheads.artifacts.checkpoint import load_trained
@@ -409,11 +410,17 @@ def test_eval_decodes_the_heads_rules_with_the_eagle3_drafter_that_labelled_its_
 
     target, made = labelled
     data, folder = made["eagle3"]
+    assert main(train_args("expected-acceptance.yaml", data, tmp_path / "expected")) == 0
     report = tmp_path / "with"
-    assert main(eval_args(eagle3_head, data, report, "--eagle3", str(folder))) == 0
+    assert main(eval_args(eagle3_head, data, report, "--eagle3", str(folder), "--serving-batch-sizes", "[2]",
+                          "--test-samples", "2", "--serving-batch-policies", "[goodput]", "--serving-costs",
+                          "h100-llama3.1-8b-llama3.2-1b", "--budget-head",
+                          str(tmp_path / "expected" / "checkpoints" / "last.ckpt"))) == 0
     decoding = json.loads((report / "metrics.json").read_text())["decoding"]
     assert decoding["head_left_out"] is None
     assert {"head", "head_cost", "confidence", "svip", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
+    assert "goodput" in {row["policy"] for row in decoding["serving"]["rows"]}
+    assert "budget" not in decoding["serving"].get("left_out", {})
     assert {"confidence", "svip", "constant_k"} <= set(decoding["gain_intervals"])
     drafter = load_feature_draft("eagle3", folder, target)
     assert decoding["head_forward_cost"] == pytest.approx(head_forward_cost(load_trained(str(eagle3_head)).head, drafter))

@@ -103,6 +103,9 @@ def test_what_a_feature_drafter_cannot_do_is_refused_in_one_line_before_any_forw
         (["--serving-batch-sizes", "[1]", "--serving-batch-policies", "[dspark_adaptive]"], "give --dspark DIR"),
         (["--dspark", str(plain), "--serving-batch-sizes", "[1]", "--serving-batch-policies", "[dspark_adaptive]"],
          "reads a DSpark drafter's confidence head, which this draft does not have"),
+        # the head and so its --budget-head twin read the data's draft, not the drafter's: the budget could not plan
+        (["--dspark", str(dspark_folder), "--serving-batch-sizes", "[1]", "--budget-head", str(head)],
+         "--budget-head would plan nothing: the head read the state of the data's draft"),
     ]
     import specheads.eval.run as run
 
