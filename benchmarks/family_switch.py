@@ -20,7 +20,8 @@ the mean of the family's last two windows (none where the family spans fewer tha
     python benchmarks/family_switch.py --head EXPECTED_HEAD --out runs/family-switch
 
 The defaults (32 prompts × 8 samples a family, 96 tokens, B = 32) give each family about 300 rounds: three refits of
-an estimate refitted every 100 rounds, as vLLM's is.
+an estimate refitted every 100 rounds, as vLLM's is. With `--eagle3 DIR` an EAGLE-3 drafter drafts instead of the
+self-speculative draft (`--head` then trained on data it labelled: `specheads gen --config smollm2-eagle3`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Config:
         refit_every: rounds between the online estimates' refits (vLLM's 100; fewer only for a smoke run).
         threads: torch CPU threads (0: torch's default).
         device: where the models run (cpu, cuda).
+        eagle3: an EAGLE-3 drafter's folder: it drafts instead of the self-speculative draft (the target without
+            layers 20–21); --head must read its state.
     """
 
     head: str | None = None
@@ -89,6 +92,7 @@ class Config:
     refit_every: int = 100
     threads: int = 0
     device: str = "cpu"
+    eagle3: str | None = None
 
 
 class RecordedSignal(Signal):
@@ -236,6 +240,7 @@ def main() -> None:
     from specheads.dataset.prompts import encode_prompt, load_prompts
     from specheads.decoding import RoundEngine
     from specheads.decoding.cost_table import read_cost_table
+    from specheads.decoding.drafters import head_draft_refusal, load_feature_draft
     from specheads.model_outputs.sampling import SamplingTransform
     from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
@@ -244,14 +249,19 @@ def main() -> None:
     costs = read_cost_table(config.costs, "--costs").at_batch_size(config.batch_size)
     rows = [json.loads(line) for line in Path(config.prompts).read_text().splitlines() if line.strip()]
     queue = family_queue(rows, config.families, config.per_family, config.samples)
+    trained = load_trained(config.head) if config.head else None
+    refusal = trained and head_draft_refusal(trained.draft, None if config.eagle3 is None else "eagle3")
+    if refusal:
+        raise SystemExit(f"family_switch.py: --head {config.head}: {refusal}")
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
     device = torch.device(config.device)
     pair.target.to(device)
-    pair.draft.to(device)
-    head = load_trained(config.head).head.to(device).eval() if config.head else None
+    draft = pair.draft if config.eagle3 is None else load_feature_draft("eagle3", config.eagle3, pair.target)
+    draft.to(device)
+    head = trained.head.to(device).eval() if trained else None
     by_id = {p.id: p for p in load_prompts(config.prompts)}
     prompts = [encode_prompt(pair.tokenizer, by_id[row["id"]]) for row in queue]
-    engine = RoundEngine(pair.target, pair.draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
+    engine = RoundEngine(pair.target, draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer))
     family_of = [row["category"] for row in queue]
     results = []
     for policy in config.policies:

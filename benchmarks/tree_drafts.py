@@ -150,16 +150,14 @@ def round_engine(config: Config, heads: list[Any]) -> tuple[Any, Any]:
     """The round engine at T = 1 over the embedded target and its tokenizer: the self-speculative draft, or the
     --eagle3 drafter; refuses (one line, before the drafter loads) a head that read the other draft's state."""
     from specheads.decoding import RoundEngine
-    from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
+    from specheads.decoding.drafters import head_draft_refusal, load_feature_draft
     from specheads.model_outputs.sampling import SamplingTransform
     from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
-    kind = DRAFTER_KINDS["eagle3"]
     for trained in heads:
-        if (config.eagle3 is not None) != str(trained.draft or "").startswith(kind):
-            raise SystemExit(f"tree_drafts.py: {trained.source} read the state of {trained.draft}; "
-                             + ("give heads trained on data the --eagle3 drafter labelled" if config.eagle3 else
-                                f"give --eagle3 with the {kind} drafter it read, or a head of the self-speculative draft"))
+        refusal = head_draft_refusal(trained.draft, None if config.eagle3 is None else "eagle3")
+        if refusal:
+            raise SystemExit(f"tree_drafts.py: {trained.source}: {refusal}")
     pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
     draft = pair.draft if config.eagle3 is None else load_feature_draft("eagle3", config.eagle3, pair.target)
     return RoundEngine(pair.target, draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer)), pair.tokenizer

@@ -67,3 +67,18 @@ def test_the_queue_switches_family_and_every_policy_serves_it_exactly_as_without
                       log=plain, planner=planner)
         assert [(r.requests, r.drafted, r.verified, r.emitted) for r in plain] == \
             [(r.requests, r.drafted, r.verified, r.emitted) for r in recorded], policy
+
+
+@pytest.mark.parametrize("head_draft, kind, refused", [
+    ("EAGLE-3 runs/eagle3/drafter", "eagle3", False), ("target minus layers 20–21", None, False),
+    ("EAGLE-3 runs/eagle3/drafter", None, True), ("target minus layers 20–21", "eagle3", True),
+    ("DSpark runs/dspark/drafter", "eagle3", True), ("DSpark runs/dspark/drafter", "dspark", False)])
+def test_a_head_of_another_draft_than_the_run_drafts_with_is_named_with_the_fix(head_draft, kind, refused):
+    """The benchmarks that take --eagle3 (family_switch.py, tree_drafts.py) refuse a head that read the state of
+    another draft than the one they draft with, before loading a model."""
+    from specheads.decoding.drafters import head_draft_refusal
+
+    refusal = head_draft_refusal(head_draft, kind)
+    assert (refusal is not None) == refused
+    if refused:
+        assert head_draft in refusal and "give a head trained on data" in refusal

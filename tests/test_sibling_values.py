@@ -275,5 +275,5 @@ def test_tree_drafts_refuse_a_head_of_the_other_draft_before_loading_a_model(eag
 
     bench = load_benchmark("tree_drafts")
     config = bench.Config(step="confirm", head="h.ckpt", eagle3=eagle3)
-    with pytest.raises(SystemExit, match="tree_drafts.py: h.ckpt read the state of " + draft.replace("[", r"\[")):
+    with pytest.raises(SystemExit, match="tree_drafts.py: h.ckpt: it read the state of " + draft.replace("[", r"\[")):
         bench.round_engine(config, [SimpleNamespace(source="h.ckpt", draft=draft)])

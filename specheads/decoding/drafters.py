@@ -24,3 +24,15 @@ def load_feature_draft(kind: str, folder: str, target: Any) -> FeatureDraft:
     from specheads.pair.dspark import load_drafter as load_dspark
 
     return DSparkModel(load_dspark(folder, target), target)
+
+
+def head_draft_refusal(head_draft: str | None, kind: str | None) -> str | None:
+    """Why a head whose checkpoint names `head_draft` (the draft of the data it trained on) cannot score what the
+    `kind` feature drafter drafts (`kind` None: the pair's own draft model), or None when it can. Data a feature
+    drafter labelled names it `<EAGLE-3|DSpark> <folder>` (gen's `ModelPair.draft_name`)."""
+    read = next((name for name in DRAFTER_KINDS.values() if str(head_draft or "").startswith(f"{name} ")), None)
+    wanted = None if kind is None else DRAFTER_KINDS[kind]
+    if read == wanted:
+        return None
+    return (f"it read the state of {head_draft}, not of the {wanted or 'draft model'} this run drafts with; give a head "
+            f"trained on data {'that drafter' if wanted else 'the draft model'} labelled")
