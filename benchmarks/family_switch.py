@@ -250,10 +250,13 @@ def main() -> None:
     rows = [json.loads(line) for line in Path(config.prompts).read_text().splitlines() if line.strip()]
     queue = family_queue(rows, config.families, config.per_family, config.samples)
     trained = load_trained(config.head) if config.head else None
-    refusal = trained and head_draft_refusal(trained.draft, None if config.eagle3 is None else "eagle3")
+    draft_spec = ModelSpec(path=None, skip_layers=[20, 21])
+    refusal = trained and head_draft_refusal(trained.draft, trained.data_identity,
+                                             None if config.eagle3 is None else ("eagle3", config.eagle3),
+                                             draft_spec.describe())
     if refusal:
         raise SystemExit(f"family_switch.py: --head {config.head}: {refusal}")
-    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), draft_spec)
     device = torch.device(config.device)
     pair.target.to(device)
     draft = pair.draft if config.eagle3 is None else load_feature_draft("eagle3", config.eagle3, pair.target)

@@ -146,6 +146,21 @@ def tuned_floors(folder: Path) -> dict[str, float]:
             for kind, (_, _, costs) in TREE_KINDS.items() if not costs and any(r["kind"] == kind for r in rows)}
 
 
+def drafter_of(config: Config) -> tuple[str, str] | None:
+    """The feature drafter the runs draft with (kind, folder), None for the self-speculative draft."""
+    return None if config.eagle3 is None else ("eagle3", config.eagle3)
+
+
+def drafted_by(config: Config) -> dict[str, Any]:
+    """What drafted a setting's records, as its file records it: the self-speculative draft, or the --eagle3
+    drafter's folder and files (a folder decoded by another draft is refused, not mixed into the report)."""
+    if config.eagle3 is None:
+        return {"kind": None}
+    from specheads.pair.drafters import drafter_weights_sha256
+
+    return {"kind": "eagle3", "folder": config.eagle3, "weights_sha256": drafter_weights_sha256(config.eagle3)}
+
+
 def round_engine(config: Config, heads: list[Any]) -> tuple[Any, Any]:
     """The round engine at T = 1 over the embedded target and its tokenizer: the self-speculative draft, or the
     --eagle3 drafter; refuses (one line, before the drafter loads) a head that read the other draft's state."""
@@ -154,11 +169,12 @@ def round_engine(config: Config, heads: list[Any]) -> tuple[Any, Any]:
     from specheads.model_outputs.sampling import SamplingTransform
     from specheads.pair.models import ModelSpec, load_pair, stop_token_ids
 
+    draft_spec = ModelSpec(path=None, skip_layers=[20, 21])
     for trained in heads:
-        refusal = head_draft_refusal(trained.draft, None if config.eagle3 is None else "eagle3")
+        refusal = head_draft_refusal(trained.draft, trained.data_identity, drafter_of(config), draft_spec.describe())
         if refusal:
             raise SystemExit(f"tree_drafts.py: {trained.source}: {refusal}")
-    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(path=None, skip_layers=[20, 21]))
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), draft_spec)
     draft = pair.draft if config.eagle3 is None else load_feature_draft("eagle3", config.eagle3, pair.target)
     return RoundEngine(pair.target, draft, SamplingTransform(1.0), stop_token_ids(pair.target, pair.tokenizer)), pair.tokenizer
 
@@ -232,6 +248,11 @@ def decode(config: Config, step: str) -> None:
         if made_with != digest:
             raise SystemExit(f"tree_drafts.py: {path} was decoded with another sibling head ({made_with}); give that "
                              "head, or another --out")
+    drafter = drafted_by(config)
+    for path in (out / "tune").glob("*.json") if step == "confirm" else ():  # its floors decide this step's trees
+        check_drafted_by(path, drafter)
+    for path in (out / step).glob("*.json"):
+        check_drafted_by(path, drafter)
     source = load_prompts(config.dev_file)[::2][: config.dev_prompts] if step == "tune" else \
         load_prompts(config.test_file)[: config.test_prompts]
     engine, tokenizer = round_engine(config, [chain] + ([] if sibling is None else [sibling]))
@@ -252,11 +273,20 @@ def decode(config: Config, step: str) -> None:
         records = [{"prompt": p.id, "emitted": r.emitted, "accepted": r.accepted, "drafted": r.drafted,
                     "draft_forwards": r.draft_forwards, "head_forwards": r.head_forwards,
                     "target_calls": r.target_calls} for p, r in zip(source, results)]
-        payload = {"setting": setting, "records": records}
+        payload = {"setting": setting, "records": records, "drafted_by": drafter}
         if setting["kind"] == "tree_sibling_cost":
             payload["sibling_head_digest"] = digest
         write_json_atomic(out / step / f"{setting_name(setting)}.json", payload)
         print(setting_name(setting), summary(records, config.cost_ratio), flush=True)
+
+
+def check_drafted_by(path: Path, drafter: dict[str, Any]) -> None:
+    """Stop where `path`'s records were drafted by another draft than `drafter` (`drafted_by`; records written before
+    the field count as the self-speculative draft's)."""
+    made_with = json.loads(path.read_text()).get("drafted_by", {"kind": None})
+    if made_with != drafter:
+        raise SystemExit(f"tree_drafts.py: {path} was drafted by {made_with}, not {drafter}; give the same draft "
+                         "(--eagle3), or another --out")
 
 
 def totals(records: list[dict[str, Any]]) -> np.ndarray:

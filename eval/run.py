@@ -21,7 +21,7 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.companion import Companion, forward_cost, head_forward_cost
 from specheads.decoding.cost_table import PRESET_NAMES, CostTable, read_cost_table
 from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
-from specheads.decoding.drafters import DRAFTER_KINDS, load_feature_draft
+from specheads.decoding.drafters import DRAFTER_KINDS, head_draft_refusal, load_feature_draft
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.features import FeatureDraft, draft_block, refuse_for_draft
 from specheads.decoding.prompt_cache import PromptCache
@@ -700,7 +700,11 @@ def expected_head(config: EvalConfig, trained: TrainedHead) -> tuple[Any, dict[s
                                 "configs/train/expected-acceptance.yaml)"}
     other = load_trained(config.budget_head)
     other.check_role((EXPECTED_ACCEPTANCE,), "--budget-head")  # it must decide before the draw to stay exact
-    if other.draft != trained.draft or other.sampling != trained.sampling:
+    if config.drafter:  # the drafter's files decide, as they do for the evaluated head (`head_rules_left_out`)
+        refusal = head_draft_refusal(other.draft, other.data_identity, config.drafter)
+        if refusal:
+            raise UsageError(f"--budget-head {config.budget_head}: {refusal}")
+    if (not config.drafter and other.draft != trained.draft) or other.sampling != trained.sampling:
         raise UsageError(f"--budget-head {config.budget_head} was trained for draft {other.draft!r} with sampling "
                          f"{other.sampling}, not the evaluated head's {trained.draft!r} with {trained.sampling}; "
                          "give a head trained on data from the same pair and sampling")

@@ -421,6 +421,15 @@ def test_eval_decodes_the_heads_rules_with_the_eagle3_drafter_that_labelled_its_
     assert {"head", "head_cost", "confidence", "svip", "constant_k"} <= {row["policy"] for row in decoding["policies"]}
     assert "goodput" in {row["policy"] for row in decoding["serving"]["rows"]}
     assert "budget" not in decoding["serving"].get("left_out", {})
+    # an expected-acceptance head of another drafter's data cannot plan these rounds: refused before any model loads
+    assert main(train_args("expected-acceptance.yaml", made["dspark"][0], tmp_path / "other")) == 0
+    capsys.readouterr()
+    assert main(eval_args(eagle3_head, data, tmp_path / "other-report", "--eagle3", str(folder), "--serving-batch-sizes",
+                          "[2]", "--test-samples", "2", "--budget-head",
+                          str(tmp_path / "other" / "checkpoints" / "last.ckpt"))) == 2
+    error = capsys.readouterr().err.strip()
+    assert "it read the state of DSpark" in error and "not of the EAGLE-3 drafter" in error and "\n" not in error
+    assert not (tmp_path / "other-report").exists()
     assert {"confidence", "svip", "constant_k"} <= set(decoding["gain_intervals"])
     drafter = load_feature_draft("eagle3", folder, target)
     assert decoding["head_forward_cost"] == pytest.approx(head_forward_cost(load_trained(str(eagle3_head)).head, drafter))

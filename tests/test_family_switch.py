@@ -69,16 +69,49 @@ def test_the_queue_switches_family_and_every_policy_serves_it_exactly_as_without
             [(r.requests, r.drafted, r.verified, r.emitted) for r in recorded], policy
 
 
-@pytest.mark.parametrize("head_draft, kind, refused", [
-    ("EAGLE-3 runs/eagle3/drafter", "eagle3", False), ("target minus layers 20–21", None, False),
-    ("EAGLE-3 runs/eagle3/drafter", None, True), ("target minus layers 20–21", "eagle3", True),
-    ("DSpark runs/dspark/drafter", "eagle3", True), ("DSpark runs/dspark/drafter", "dspark", False)])
-def test_a_head_of_another_draft_than_the_run_drafts_with_is_named_with_the_fix(head_draft, kind, refused):
-    """The benchmarks that take --eagle3 (family_switch.py, tree_drafts.py) refuse a head that read the state of
-    another draft than the one they draft with, before loading a model."""
+@pytest.mark.parametrize("head, drafter, refused", [
+    (("EAGLE-3 runs/eagle3/drafter", {"kind": "eagle3", "weights_sha256": "x"}), ("eagle3", "runs/eagle3/drafter"), True),
+    (("EAGLE-3 runs/eagle3/drafter", {"kind": "eagle3"}), None, True),
+    (("target minus layers 20-21", {"derived_from_target": True}), None, False),
+    (("target minus layers 18-21", {"derived_from_target": True}), None, True),
+    (("target minus layers 20-21", {"derived_from_target": True}), ("eagle3", "runs/eagle3/drafter"), True),
+    (("DSpark runs/dspark/drafter", {"kind": "dspark"}), ("eagle3", "runs/eagle3/drafter"), True)])
+def test_a_head_of_another_draft_than_the_run_drafts_with_is_named_with_the_fix(head, drafter, refused):
+    """A head is refused unless its data's draft is the run's: the same feature drafter's kind and files, or the
+    same draft model by name (the drafter's files at a folder that does not exist here never match)."""
     from specheads.decoding.drafters import head_draft_refusal
 
-    refusal = head_draft_refusal(head_draft, kind)
+    refusal = head_draft_refusal(head[0], {"draft": head[1]}, drafter, "target minus layers 20-21")
     assert (refusal is not None) == refused
     if refused:
-        assert head_draft in refusal and "give a head trained on data" in refusal
+        assert f"it read the state of {head[0]}" in refusal and "give a head trained on" in refusal
+
+
+def test_a_drafters_own_data_passes_by_its_files(tmp_path):
+    from pathlib import Path
+
+    from specheads.decoding.drafters import head_draft_refusal
+    from specheads.pair.drafters import drafter_weights_sha256
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    identity = {"draft": {"kind": "eagle3", "weights_sha256": drafter_weights_sha256(folder)}}
+    assert head_draft_refusal(f"EAGLE-3 {folder}", identity, ("eagle3", str(Path(folder)))) is None
+    (folder / "model.safetensors").write_bytes(b"retrained")  # the same folder, other files
+    assert "other files" in head_draft_refusal(f"EAGLE-3 {folder}", identity, ("eagle3", str(folder)))
+
+
+def test_the_family_switch_refuses_a_head_of_another_draft_before_loading_a_model(family_switch, monkeypatch):
+    from types import SimpleNamespace
+
+    import specheads.artifacts.checkpoint as checkpoint
+    import specheads.pair.models as models
+
+    head = SimpleNamespace(draft="EAGLE-3 runs/eagle3/drafter", data_identity={"draft": {"kind": "eagle3"}})
+    monkeypatch.setattr(checkpoint, "load_trained", lambda path: head)
+    monkeypatch.setattr(models, "load_pair", lambda *args: pytest.fail("a model loaded"))
+    monkeypatch.setattr("sys.argv", ["family_switch.py", "--head", "h.ckpt"])
+    with pytest.raises(SystemExit, match="family_switch.py: --head h.ckpt: it read the state of EAGLE-3"):
+        family_switch.main()

@@ -264,9 +264,14 @@ def test_the_offline_sibling_comparison_reads_a_feature_drafters_rounds_from_dep
     assert [row["second_children"] for row in rows_anywhere] == [n, 5 * rows, 4 * rows]
 
 
-@pytest.mark.parametrize("eagle3, draft", [("runs/eagle3/drafter", "target without layers [20, 21]"),
-                                           (None, "EAGLE-3 runs/eagle3/drafter")])
-def test_tree_drafts_refuse_a_head_of_the_other_draft_before_loading_a_model(eagle3, draft):
+SELF_SPECULATIVE = ("target minus layers 20-21", {"draft": {"derived_from_target": True, "skip_layers": [20, 21]}})
+EAGLE3 = ("EAGLE-3 runs/eagle3/drafter", {"draft": {"kind": "eagle3", "folder": "runs/eagle3/drafter"}})
+
+
+@pytest.mark.parametrize("eagle3, head, refused", [
+    ("runs/eagle3/drafter", SELF_SPECULATIVE, "not of the EAGLE-3 drafter in runs/eagle3/drafter"),
+    (None, EAGLE3, "not of the draft model target minus layers 20-21")])
+def test_tree_drafts_refuse_a_head_of_the_other_draft_before_loading_a_model(eagle3, head, refused):
     """benchmarks/tree_drafts.py drafts with the self-speculative draft or --eagle3's drafter; a head that read the
     other one's state is refused in one line before any model loads (no model exists at these paths)."""
     from types import SimpleNamespace
@@ -275,5 +280,20 @@ def test_tree_drafts_refuse_a_head_of_the_other_draft_before_loading_a_model(eag
 
     bench = load_benchmark("tree_drafts")
     config = bench.Config(step="confirm", head="h.ckpt", eagle3=eagle3)
-    with pytest.raises(SystemExit, match="tree_drafts.py: h.ckpt: it read the state of " + draft.replace("[", r"\[")):
-        bench.round_engine(config, [SimpleNamespace(source="h.ckpt", draft=draft)])
+    with pytest.raises(SystemExit, match=f"tree_drafts.py: h.ckpt: it read the state of {head[0]}, {refused}"):
+        bench.round_engine(config, [SimpleNamespace(source="h.ckpt", draft=head[0], data_identity=head[1])])
+
+
+def test_tree_drafts_refuse_to_mix_records_of_another_draft_into_a_folder(tmp_path):
+    """A folder whose records another draft decoded is refused before decoding more into it (records written
+    before the field count as the self-speculative draft's)."""
+    import json
+
+    from conftest import load_benchmark
+
+    bench = load_benchmark("tree_drafts")
+    (tmp_path / "old.json").write_text(json.dumps({"setting": {}, "records": []}))
+    bench.check_drafted_by(tmp_path / "old.json", bench.drafted_by(bench.Config()))
+    eagle3 = {"kind": "eagle3", "folder": "d", "weights_sha256": "0" * 16}
+    with pytest.raises(SystemExit, match="old.json was drafted by {'kind': None}"):
+        bench.check_drafted_by(tmp_path / "old.json", eagle3)

@@ -26,13 +26,23 @@ def load_feature_draft(kind: str, folder: str, target: Any) -> FeatureDraft:
     return DSparkModel(load_dspark(folder, target), target)
 
 
-def head_draft_refusal(head_draft: str | None, kind: str | None) -> str | None:
-    """Why a head whose checkpoint names `head_draft` (the draft of the data it trained on) cannot score what the
-    `kind` feature drafter drafts (`kind` None: the pair's own draft model), or None when it can. Data a feature
-    drafter labelled names it `<EAGLE-3|DSpark> <folder>` (gen's `ModelPair.draft_name`)."""
-    read = next((name for name in DRAFTER_KINDS.values() if str(head_draft or "").startswith(f"{name} ")), None)
-    wanted = None if kind is None else DRAFTER_KINDS[kind]
-    if read == wanted:
+
+def head_draft_refusal(head_draft: str | None, data_identity: dict[str, Any] | None, drafter: tuple[str, str] | None,
+                       draft_name: str | None = None) -> str | None:
+    """Why a head trained on data whose manifest names `head_draft` and records `data_identity` cannot score what a
+    run drafts, or None when it can. `drafter` (kind, folder): the run drafts with that feature drafter, and the data
+    must have been labelled by it (the same kind and files, `labelled_by_drafter`); None: it drafts with a draft model
+    named `draft_name` (as `ModelSpec.describe` names it), and the data's draft must be that one."""
+    from specheads.pair.drafters import labelled_by_drafter
+
+    labelled = (data_identity or {}).get("draft") or {}
+    if drafter is not None:
+        kind, folder = drafter
+        if labelled_by_drafter(labelled, kind, folder):
+            return None
+        return (f"it read the state of {head_draft or 'an unrecorded draft'}, not of the {DRAFTER_KINDS[kind]} drafter "
+                f"in {folder} (another kind, or other files); give a head trained on data that drafter labelled")
+    if not labelled.get("kind") and (draft_name is None or head_draft == draft_name):
         return None
-    return (f"it read the state of {head_draft}, not of the {wanted or 'draft model'} this run drafts with; give a head "
-            f"trained on data {'that drafter' if wanted else 'the draft model'} labelled")
+    return (f"it read the state of {head_draft or 'an unrecorded draft'}, not of the draft model {draft_name} this run "
+            f"drafts with; give a head trained on that draft's data, or the feature drafter's option")
