@@ -76,11 +76,17 @@ def test_the_queue_switches_family_and_every_policy_serves_it_exactly_as_without
     (("target minus layers 18-21", {"derived_from_target": True}), None, True),
     (("target minus layers 20-21", {"derived_from_target": True}), ("eagle3", "runs/eagle3/drafter"), True),
     (("DSpark runs/dspark/drafter", {"kind": "dspark"}), ("eagle3", "runs/eagle3/drafter"), True)])
-def test_a_head_of_another_draft_than_the_run_drafts_with_is_named_with_the_fix(head, drafter, refused):
-    """A head is refused unless its data's draft is the run's: the same feature drafter's kind and files, or the
-    same draft model by name (the drafter's files at a folder that does not exist here never match)."""
+def test_a_head_of_another_draft_than_the_run_drafts_with_is_named_with_the_fix(head, drafter, refused, tmp_path):
+    """A head is refused unless its data's draft is the run's: the same feature drafter's kind and files (a digest
+    "x" never matches), or the same draft model by name; a drafter folder that does not exist is named."""
     from specheads.decoding.drafters import head_draft_refusal
 
+    if drafter is not None:
+        folder = tmp_path / "drafter"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
+        assert "there is no EAGLE-3 drafter folder at runs/none" in head_draft_refusal(*head, ("eagle3", "runs/none"))
+        drafter = (drafter[0], str(folder))
     refusal = head_draft_refusal(head[0], {"draft": head[1]}, drafter, "target minus layers 20-21")
     assert (refusal is not None) == refused
     if refused:

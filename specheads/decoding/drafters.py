@@ -4,6 +4,7 @@ one algorithm behind the face they share (`specheads.decoding.features.FeatureDr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from specheads.decoding.features import FeatureDraft
@@ -38,6 +39,8 @@ def head_draft_refusal(head_draft: str | None, data_identity: dict[str, Any] | N
     labelled = (data_identity or {}).get("draft") or {}
     if drafter is not None:
         kind, folder = drafter
+        if not Path(folder).is_dir():
+            return f"there is no {DRAFTER_KINDS[kind]} drafter folder at {folder}; give the folder the drafter was saved to"
         if labelled_by_drafter(labelled, kind, folder):
             return None
         return (f"it read the state of {head_draft or 'an unrecorded draft'}, not of the {DRAFTER_KINDS[kind]} drafter "
