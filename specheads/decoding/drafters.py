@@ -27,7 +27,6 @@ def load_feature_draft(kind: str, folder: str, target: Any) -> FeatureDraft:
     return DSparkModel(load_dspark(folder, target), target)
 
 
-
 def head_draft_refusal(head_draft: str | None, data_identity: dict[str, Any] | None, drafter: tuple[str, str] | None,
                        draft_name: str | None = None) -> str | None:
     """Why a head trained on data whose manifest names `head_draft` and records `data_identity` cannot score what a
