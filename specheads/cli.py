@@ -67,6 +67,15 @@ def torch_out_of_memory() -> type[BaseException]:
     return getattr(torch, "OutOfMemoryError", MemoryError) if torch else MemoryError
 
 
+def end_process_group() -> None:
+    """Destroy this rank's process group, where a run set one up. Lightning does so at exit for NCCL only; a gloo
+    group left to the interpreter's exit aborts its process now and then ("terminate called without an active
+    exception", SIGABRT) when another rank ends first, and torchrun then fails the finished run."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `specheads SUBCOMMAND ...`; returns the process exit code.
 
@@ -107,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)
         return 1
+    finally:
+        end_process_group()
 
 
 if __name__ == "__main__":
