@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)
         return 1
     finally:
-        end_process_group()
+        with contextlib.suppress(Exception):  # a finished run is not failed by its teardown
+            end_process_group()
 
 
 if __name__ == "__main__":
