@@ -71,3 +71,41 @@ def test_a_gradient_or_another_dtype_takes_the_layers_own_path():
         torch.testing.assert_close(layer(inputs), inputs @ layer.weight.T + layer.bias)
         doubled = layer.double()
         assert doubled(inputs.double()).dtype == torch.float64
+
+
+def stock_forward(model: torch.nn.Sequential, inputs: torch.Tensor) -> torch.Tensor:
+    """The layers' products from their weights as they are now, without the packed copies."""
+    for layer in model:
+        inputs = torch.nn.functional.linear(inputs, layer.weight, layer.bias)
+    return inputs
+
+
+@pytest.mark.parametrize("change", ["data_mul", "half_float", "alias_kept", "data_assigned", "state_dict_assign"])
+def test_a_packed_layer_serves_its_weights_as_they_are_now(change):
+    """Writes the weight's own version counter does not see (issue 70: logits off by 0.79 from the stale copy)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    pack_linear_weights(model)
+    inputs = torch.randn(3, 64)
+    with torch.no_grad():
+        before = model(inputs)
+        alias = model[0].weight.data  # taken before the forward that packs, written after it
+        model(inputs)
+        if change == "data_mul":
+            model[0].weight.data.mul_(2.0)
+        elif change == "half_float":  # the float weights' new storage may reuse the old address: no stale copy kept
+            model.half()
+            assert model[0].packed is None and model[1].packed is None
+            model.float()
+        elif change == "alias_kept":
+            alias[:, :8].mul_(-3.0)
+        elif change == "data_assigned":
+            model[0].weight.data = model[0].weight.detach() * 2.0
+        else:
+            state = {key: value * 2.0 for key, value in model.state_dict().items()}
+            model.load_state_dict(state, assign=True)
+        after = model(inputs)
+        assert isinstance(model[0], PackedLinear) and model[0].packed is not None  # still served packed
+        torch.testing.assert_close(after, stock_forward(model, inputs), rtol=1e-5, atol=1e-5)
+        if change != "half_float":
+            assert (after - before).abs().max() > 0.1
