@@ -8,12 +8,16 @@ from typing import Any
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.dspark import DSparkConfidenceHead
 from specheads.heads.linear import LinearVerifier
+from specheads.heads.lookup import TokenHeadModel
 from specheads.heads.resnet import ExpectedAcceptanceHead, OnTimeAcceptanceHead, ResNetAcceptanceHead
+from specheads.lookup.token_head import HEAD_TYPES
 from specheads.plumbing.errors import UsageError
 
 HEADS: dict[str, type[AcceptanceHead]] = {cls.head_type: cls for cls in (ResNetAcceptanceHead, OnTimeAcceptanceHead,
                                                                           ExpectedAcceptanceHead, LinearVerifier,
                                                                           DSparkConfidenceHead)}
+TOKEN_HEADS: dict[str, type[TokenHeadModel]] = {name: TokenHeadModel for name in HEAD_TYPES}
+"""The token-only heads of free drafts (`heads.lookup`): they read token features, not a draft's state."""
 
 
 def head_class(name: str) -> type[AcceptanceHead]:

@@ -138,14 +138,16 @@ PARSER_KWARGS = {"prog": "specheads train", "description": "Fit an acceptance he
                  "--help` lists the options)."}
 
 
-def build_cli(argv: list[str], callbacks: Sequence[Callback] = (), run_folder: RunFolder | None = None) -> TrainCLI:
+def build_cli(argv: list[str], callbacks: Sequence[Callback] = (), run_folder: RunFolder | None = None,
+              classes: tuple[type, type] = (AcceptanceModule, AcceptanceDataModule)) -> TrainCLI:
     """Parse `argv` as `specheads train` does and run its subcommand; `callbacks` are added to the trainer's, and
-    `run_folder` notes what the run folder held before the run."""
+    `run_folder` notes what the run folder held before the run; `classes` are the module and data module (a free
+    draft's token head: `train.lookup`)."""
     defaults = {**TRAINER_DEFAULTS, "callbacks": list(callbacks)} if callbacks else TRAINER_DEFAULTS
     with warnings.catch_warnings():
         # Lightning warns whenever the process has argv beside `args`: `specheads train` hands it its own on purpose
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        return TrainCLI(AcceptanceModule, AcceptanceDataModule, args=argv, trainer_defaults=defaults, parser_kwargs=PARSER_KWARGS,
+        return TrainCLI(*classes, args=argv, trainer_defaults=defaults, parser_kwargs=PARSER_KWARGS,
                         save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
                         run_folder=run_folder)
 
@@ -153,17 +155,39 @@ def build_cli(argv: list[str], callbacks: Sequence[Callback] = (), run_folder: R
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
+def resume_argv(argv: list[str]) -> list[str]:
+    """The arguments that resume an interrupted `specheads train ARGV` (`specheads.cli.resume_command`): a fit from its
+    folder's newest checkpoint (`--ckpt_path last` in place of any other), anything else as it was given."""
+    if "fit" not in argv[:2]:
+        return argv
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--ckpt_path="):
+            skip = False
+            continue
+        if arg == "--ckpt_path":
+            skip = True
+            continue
+        kept.append(arg)
+    return [*kept, "--ckpt_path", "last"]
+
+
 def main(argv: list[str]) -> int:
     """Entry point for `specheads train`. A run stopped by SIGTERM (a scheduler's preemption) exits 143, never 0; a
     refused run leaves nothing it made in the run folder. `specheads train drafter` trains an EAGLE-3 or DSpark drafter instead
-    (`specheads.train.drafter`)."""
+    (`specheads.train.drafter`); `specheads train lookup fit` a free draft's token head (`specheads.train.lookup`)."""
     if argv[:1] == ["drafter"]:
         from specheads.train.drafter import main as drafter_main
 
         return drafter_main(argv[1:])
+    classes: tuple[type, type] = (AcceptanceModule, AcceptanceDataModule)
+    if argv[:1] == ["lookup"]:  # a free draft's token head on lookup labels
+        from specheads.train.lookup import LookupDataModule, LookupHeadModule
+
+        argv, classes = argv[1:], (LookupHeadModule, LookupDataModule)
     run_folder = RunFolder()
     try:
-        build_cli(argv, run_folder=run_folder)
+        build_cli(argv, run_folder=run_folder, classes=classes)
     except (UsageError, pickle.UnpicklingError):  # refused: the input, or a checkpoint that pickles code
         run_folder.undo()
         raise
