@@ -88,19 +88,24 @@ class GenerationOptions:
 @dataclass
 class DrafterOption:
     """A feature drafter as the draft (`data_gen.drafter_labels`): an EAGLE-3 or DSpark drafter in speculators' format,
-    made for the target (`specheads train drafter`, or speculators). It replaces `draft`.
+    made for the target (`specheads train drafter`, or speculators). It replaces `draft`. Or a free draft
+    (`data_gen.lookup_labels`): `lookup` (prompt lookup / n-gram) or `suffix` (a suffix tree), which loads no model.
 
     Args:
-        kind: `eagle3` or `dspark`; a folder of the other kind, or made for another target, is refused.
-        path: the drafter's folder (config.json + model.safetensors).
+        kind: `eagle3` or `dspark` (a folder of the other kind, or made for another target, is refused); `lookup` or
+            `suffix`.
+        path: the drafter's folder (config.json + model.safetensors); none for a free draft.
         depth: K_max, the deepest position of a round its chains draft (the mix's runs of drafted positions are
             rounds); default: the drafter's own (EAGLE-3: the speculative tokens its config proposes; DSpark: its
-            block's candidates, the most it may be).
+            block's candidates, the most it may be). A free draft's most tokens per proposal (default 8).
+        max_ngram, min_ngram: the n-grams prompt lookup matches, longest first (`lookup` only).
     """
 
-    kind: Literal["eagle3", "dspark"]
-    path: str
+    kind: Literal["eagle3", "dspark", "lookup", "suffix"]
+    path: str | None = None
     depth: PositiveInt | None = None
+    max_ngram: PositiveInt = 3
+    min_ngram: PositiveInt = 1
 
 
 @dataclass
@@ -230,6 +235,12 @@ class GenConfig:
         """Refuse, with `drafter`, what a feature drafter's data cannot hold (docs/data.md "Feature drafters")."""
         if self.drafter is None:
             return
+        if self.drafter.kind in ("lookup", "suffix"):
+            self.check_free_draft()
+            return
+        if self.drafter.path is None:
+            raise UsageError(f"--drafter.kind {self.drafter.kind} drafts with a trained drafter: give its folder with "
+                             "--drafter.path DIR")
         given = [name for name, on in (("--draft", self.draft != GenConfig().draft), ("--state-layer", self.state_layer),
                                        ("--target-states", self.target_states)) if on]
         if given:
@@ -239,6 +250,20 @@ class GenConfig:
             raise UsageError("a feature drafter's data stores the state that produced each q, which only gen can "
                              "compute (no online training) and no state that has read the candidate: set "
                              "store_features true and features_at all, drafted or drafted_context")
+
+    def check_free_draft(self) -> None:
+        """Refuse, with a free draft (`--drafter.kind lookup|suffix`), what its labels cannot use."""
+        option = self.drafter
+        given = [name for name, on in (("--drafter.path", option.path is not None),
+                                       ("--draft", self.draft != GenConfig().draft), ("--responses", self.responses),
+                                       ("--responses-engine vllm", self.responses_engine == "vllm"),
+                                       ("--devices/--num-nodes", self.devices * self.num_nodes > 1)) if on]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot go with --drafter.kind {option.kind} (a free draft reads its "
+                             "proposals from the context and gen labels it in one process); drop them")
+        if option.min_ngram > option.max_ngram:
+            raise UsageError(f"--drafter.min_ngram {option.min_ngram} is above --drafter.max_ngram {option.max_ngram}; "
+                             "give min_ngram <= max_ngram")
 
     def check_generation(self) -> None:
         """Refuse generation settings that cannot work together."""

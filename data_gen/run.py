@@ -32,6 +32,7 @@ from specheads.data_gen.drafter_labels import (
 )
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import LABELLER, SIBLING_COLUMNS
+from specheads.data_gen.lookup_labels import LOOKUP_KINDS, run_lookup
 from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
@@ -284,6 +285,8 @@ def run(config: GenConfig) -> Summary | None:
     """Run `specheads gen` with a validated config; every check happens before anything is written. Returns the
     summary on rank 0, None on the other ranks."""
     config.validate()
+    if config.drafter is not None and config.drafter.kind in LOOKUP_KINDS:  # a free draft: no draft model, one process
+        return run_lookup(config)
     if config.responses_engine == "vllm":
         require_vllm()
     out = Path(config.out)

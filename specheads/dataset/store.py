@@ -104,15 +104,16 @@ def read_manifest(out: Path) -> dict | None:
         raise UsageError(f"{path} is not valid JSON ({error.msg}); remove the folder or pass --overwrite") from error
 
 
-def load_labelled(out: str | os.PathLike, require_complete: bool = True) -> datasets.Dataset:
+def load_labelled(out: str | os.PathLike, require_complete: bool = True, format: str = FORMAT) -> datasets.Dataset:
     """The labelled rows of a finished `specheads gen` folder, memory-mapped (nothing is read into RAM).
 
     Each shard is checked against the manifest's record of it (present, size, rows, the run that wrote it, and the
     sha256 of its bytes, hashed once per file version: ~1.1 GB/s, about 60 ms for the demo's 70 MB) and its values
-    are range-checked once per file version; a bad shard is refused by name with the command that relabels it."""
+    are range-checked once per file version; a bad shard is refused by name with the command that relabels it.
+    `format` is the manifest's (free drafts' lookup labels have their own: `data_gen.lookup_labels`)."""
     out = Path(out)
     manifest = read_manifest(out)
-    if manifest is None or manifest.get("format") != FORMAT:
+    if manifest is None or manifest.get("format") != format:
         raise UsageError(f"{out} holds no specheads labelled dataset (no {MANIFEST}); run `specheads gen --out {out}` first")
     if require_complete and not manifest.get("complete"):
         raise UsageError(f"{out} holds an unfinished run; run the same `specheads gen` command again to finish it")
