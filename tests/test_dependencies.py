@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 NOT_IMPORTED = {"gguf", "accelerate", "tensorboard"}  # transformers loads GGUF with them; Lightning logs to tensorboard
-EXTRAS = {"vllm": "vllm"}  # imported only when asked for (module -> the extra of pyproject.toml that declares it)
+EXTRAS = {"vllm": "vllm", "arctic_inference": "suffix"}  # imported only when asked for (module -> the extra of
+# pyproject.toml that declares it)
 NO_DEPS_EXTRAS = {"speculators": "eagle3"}  # the same, installed with --no-deps beside the extra of its dependencies
 
 
@@ -23,7 +24,7 @@ def test_every_third_party_import_is_declared_and_every_declared_package_is_used
                     imported.add(node.module.split(".")[0])
     third_party = {name for name in imported if name not in sys.stdlib_module_names and name not in ("specheads",)}
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert all(re.search(rf'^{extra} = \[.*"{name}', pyproject, re.M) for name, extra in EXTRAS.items())
+    assert all(re.search(rf'^{extra} = \[.*"{name.replace("_", "-")}', pyproject, re.M) for name, extra in EXTRAS.items())
     third_party -= set(EXTRAS)
     for name, extra in NO_DEPS_EXTRAS.items():
         assert re.search(rf"^{extra} = \[", pyproject, re.M) and f"--no-deps {name}==" in pyproject
