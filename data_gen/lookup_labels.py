@@ -131,7 +131,7 @@ def label_row(target: Any, prompt_ids: list[int], response: list[int], inputs: l
             scored = [last_logits[None]]
             if len(tokens) > 1:
                 extra, _ = target_step(target, tokens[:-1], cache, device)
-                cache.crop(len(prompt_ids) + start)
+                cache.crop(-(len(tokens) - 1))
                 scored.append(extra)
             log_probs = transform.log_probs(torch.cat(scored))
             picked = log_probs.gather(-1, torch.tensor(tokens, device=log_probs.device)[:, None]).squeeze(-1)
