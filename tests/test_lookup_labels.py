@@ -20,6 +20,7 @@ from specheads.data_gen.lookup_labels import (
 )
 from specheads.dataset.store import read_manifest
 from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
+from specheads.lookup.proposers import suffix_available
 from specheads.lookup.token_head import TokenHead
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.models import ModelSpec, load_model
@@ -129,6 +130,7 @@ def test_gen_writes_resumes_and_trains(tiny_model, prompts_file, tmp_path, capsy
     tokens = flat_tokens(rows, with_states=True)
     assert set(np.unique(tokens["label"])) <= {0.0, 1.0} and len(tokens["label"]) > 10
     assert tokens["features"].shape[1] == len(FEATURE_NAMES) and tokens["target_state"].shape[1] == 32
+    assert_greedy_consistent(rows)
     # a killed run's shard is labelled again, the rest kept: the rows come back identical
     before = list(rows)
     (out / "shards" / "shard-00001.arrow").unlink()
@@ -140,6 +142,33 @@ def test_gen_writes_resumes_and_trains(tiny_model, prompts_file, tmp_path, capsy
                  "--trainer.enable_progress_bar", "false"]) == 0
     head = TokenHead.load(root / "head", draft_kind="lookup", target_state_size=32)
     assert head.config["training_data"]["fingerprint"] == manifest["fingerprint"]
+
+
+def assert_greedy_consistent(rows) -> None:
+    """At T = 0 a proposed token whose earlier tokens all continued the greedy response is accepted exactly when it
+    continues it too."""
+    reached = 0
+    for row in rows:
+        response, survived = row["target_ids"], True
+        for start, position, token, label in zip(row["start"], row["position"], row["token"], row["label"]):
+            survived = True if position == 1 else survived
+            index = start + position - 1
+            if survived and index < len(response):
+                assert label == float(token == response[index]), (row["prompt_id"], start, position)
+                reached += 1
+            survived = survived and label == 1.0
+    assert reached > 10
+
+
+@pytest.mark.skipif(not suffix_available(), reason="arctic-inference is not installed (the `suffix` extra)")
+def test_suffix_drafts_are_labelled(tiny_model, prompts_file, tmp_path):
+    out = tmp_path / "suffix"
+    assert main(lookup_args(tiny_model, prompts_file, out, "--temperature", "0", "--drafter.kind", "suffix")) == 0
+    assert read_manifest(out)["identity"]["draft"] == {"kind": "suffix", "depth": 8}
+    rows = load_lookup(out)
+    assert_greedy_consistent(rows)
+    tokens = flat_tokens(rows, with_states=False)
+    assert (tokens["features"][:, FEATURE_NAMES.index("score")] > 0).all()
 
 
 def test_refusals_of_a_free_draft(tiny_model, prompts_file, tmp_path, capsys):
