@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from specheads.data_gen.labels import SIBLING_COLUMNS, PositionLabels, labels_from_log_probs, mix_tokens, mixing_draws
+from specheads.data_gen.labels import (
+    SIBLING_COLUMNS,
+    PositionLabels,
+    labels_from_log_probs,
+    mix_tokens,
+    mixing_draws,
+    refuse_bad_labels,
+)
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import FeatureStorage
 from specheads.dataset.store import DrafterColumns
@@ -334,6 +341,7 @@ def label_drafter_batch(target: Any, drafter: FeatureDrafter, items: list[WorkIt
             values["markov_features"] = storage.encode(result.markov[kept])
         if result.scores is not None:
             values["drafter_score"] = result.scores
+        refuse_bad_labels(values, item)
         for name, value in values.items():
             columns.setdefault(name, []).append(value)
     return columns

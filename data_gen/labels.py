@@ -7,17 +7,21 @@ is bounded by one batch of hidden states plus a few [chunk, vocab] tensors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specheads.data_gen.plan import WorkItem, row_seed
+from specheads.dataset.shards import LIMITS
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
-from specheads.decoding.sampler import residual
+from specheads.decoding.sampler import NON_FINITE_CAUSE, residual
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
 from specheads.model_outputs.signals import output_logits, signal_log_probs, signal_statistics
 from specheads.model_outputs.states import decoder_states, mixed_states
+from specheads.plumbing.errors import UsageError
 
 
 @dataclass
@@ -93,6 +97,29 @@ def labels_from_log_probs(
     )
 
 
+LABEL_COLUMNS = ("logp", "logq", "accept", "beta", "entropy", "top1", "top2", "sibling_accept", "sibling_beta",
+                 "sibling_logq", "drafter_score")
+"""The computed labels checked before a row is kept (`refuse_bad_labels`), by the limits a shard's reader holds them to."""
+
+
+def refuse_bad_labels(values: Mapping[str, Any], item: WorkItem) -> None:
+    """Refuse a row whose labels break the limits a shard's reader checks (`specheads.dataset.shards.LIMITS`: NaN
+    breaks every one), before its batch is written: one line naming the prompt, the column and the response position.
+    Such labels come from non-finite logits (NaN weights, a float16 overflow), which would otherwise be written and
+    gen exit 0."""
+    for name in LABEL_COLUMNS:
+        if name not in values or values[name] is None:
+            continue
+        array = np.asarray(values[name], dtype=np.float64)
+        valid, what = LIMITS[name]
+        bad = np.flatnonzero(~valid(array))
+        if len(bad):
+            position = int(bad[0])
+            raise UsageError(f"prompt {item.prompt_id!r} (sample {item.sample_index}): its {name} label at response "
+                             f"position {position} is {array[position]:g}, {what}: the target's or the draft's logits are "
+                             f"not finite; {NON_FINITE_CAUSE}, then run gen again (finished shards are kept)")
+
+
 def label_row(
     target: Any, draft: Any, target_states: torch.Tensor, draft_states: torch.Tensor,
     prompt_length: int, response_length: int, transform: SamplingTransform,
@@ -156,6 +183,7 @@ def label_batch(
                              if siblings else None)
         labels = label_row(target, draft, target_states[row], draft_states[row], len(item.prompt_ids),
                            len(response), transform, generator, chunk, sibling_generator)
+        refuse_bad_labels({name: getattr(labels, name) for name in LABEL_COLUMNS if hasattr(labels, name)}, item)
         target_ids = torch.tensor(response)
         mixed_ids, is_draft = mix_tokens(target_ids, labels.draft_ids, item.target_ratio,
                                          mixing_draws(global_seed, item, len(response)))

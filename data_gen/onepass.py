@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specheads.data_gen.labels import SIBLING_COLUMNS, labels_from_log_probs, mix_tokens, mixing_draws
+from specheads.data_gen.labels import SIBLING_COLUMNS, labels_from_log_probs, mix_tokens, mixing_draws, refuse_bad_labels
 from specheads.data_gen.plan import WorkItem, row_seed
 from specheads.dataset.storage import DEFAULT_STORAGE, FeatureStorage
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, row_generator, uniforms
@@ -473,6 +473,8 @@ class Record:
         columns["is_draft"] = [self.flags[:n, row].tolist() for row, n in enumerate(lengths)]
         for name, values in self.values.items():
             columns[name] = [values[:n, row].numpy() for row, n in enumerate(lengths)]
+        for row, item in enumerate(items):
+            refuse_bad_labels({name: columns[name][row] for name in self.values}, item)
         if self.features is not None:
             states = [self.features[: n + 1, row] for row, n in enumerate(lengths)]
             if storage.at != "all":

@@ -414,6 +414,20 @@ def recorded_role(folder: Path, config: dict[str, Any], cls: type[AcceptanceHead
     return recorded, True
 
 
+def check_finite_tensors(folder: Path, head: AcceptanceHead) -> None:
+    """Refuse a head whose weights or statistics hold NaN or inf, or a standard deviation of zero or less (its
+    inputs are divided by it), naming the tensor: it would score every candidate NaN, and the rules would decide on it."""
+    for name, tensor in head.state_dict().items():
+        if not tensor.is_floating_point():
+            continue
+        finite = bool(torch.isfinite(tensor).all())
+        if not finite or (name.endswith("_std") and bool((tensor <= 0).any())):
+            problem = "NaN or inf" if not finite else "a standard deviation of zero or less"
+            raise UsageError(f"{folder / WEIGHTS_FILE}: {name} holds {problem} (a training run that diverged, statistics "
+                             "of a constant input, or a float16 overflow at export); retrain the head, or export it "
+                             "again in float32")
+
+
 def load_head(path_or_repo_id: str, revision: str | None = None,
               expect_draft: str | dict[str, Any] | None = None) -> tuple[AcceptanceHead, DecisionRule]:
     """A ready head (eval mode) and its decision rule from a shipped head's name (`shipped_heads`: `smollm2-ontime`,
@@ -449,6 +463,7 @@ def load_head(path_or_repo_id: str, revision: str | None = None,
         reason = " ".join(str(error).split())[:200]
         raise UsageError(f"{folder}: the weights do not fit config.json (depth {config.get('depth')}): {reason}; the "
                          "files do not belong together, re-export the head") from None
+    check_finite_tensors(folder, head)
     head.eval()
     head.set_role(role)
     head.trained_for = {"draft": trained_for, "sampling": config.get("sampling"), "purpose": cls.purpose,

@@ -55,7 +55,7 @@ from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.rules import Drafted, StopPolicy
-from specheads.decoding.sampler import draw, verify
+from specheads.decoding.sampler import draw, refuse_non_finite, verify
 from specheads.heads import AcceptanceHead, with_derived_signals
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import (
@@ -398,8 +398,8 @@ class RoundEngine:
             for row in live:
                 this = rounds[row]
                 if row in logits:
-                    accepted, new_token = verify(logits[row][0], this.candidates, this.logq_rows, checks[row], rule.bonus,
-                                                 self.transform, batch.generators[row])
+                    accepted, new_token = verify(refuse_non_finite(logits[row][0], "the target"), this.candidates,
+                                                 this.logq_rows, checks[row], rule.bonus, self.transform, batch.generators[row])
                 else:  # every candidate passed unverified
                     accepted, new_token = len(this.candidates), None
                 verified[row] = len(this.candidates) - checks[row] if row in logits else 0
@@ -513,7 +513,7 @@ class RoundEngine:
         """Each fed row's candidate from its last draft logits, drawn with the row's own generator."""
         drawn = {}
         for row, (logits, states) in outputs.items():
-            fitted = fit_vocabulary(logits[-1], self.vocabulary)
+            fitted = fit_vocabulary(refuse_non_finite(logits[-1], "the draft"), self.vocabulary)
             logq_all = self.transform.log_probs(fitted)
             token = draw(logq_all, generators[row])
             drawn[row] = Drawn(token, candidate_signals(fitted, logq_all, token, self.transform), logq_all, states[-1])

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
-from specheads.decoding.sampler import draw, verify
+from specheads.decoding.sampler import draw, refuse_non_finite, verify
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafters import draft_rows, streams_captured
 from specheads.plumbing.errors import UsageError
@@ -77,7 +77,7 @@ class FeatureTarget:
         fused = torch.cat([captured[index] for index in self.layer_ids], dim=-1)[0]
         self.features = fused if self.features is None else torch.cat([self.features, fused])
         self.calls += 1
-        return output.logits[0].float()
+        return refuse_non_finite(output.logits[0].float(), "the target")
 
     def crop(self, length: int) -> None:
         """Keep positions 0..length − 1 (cache and features)."""
@@ -121,6 +121,8 @@ def chain_decode(target: Any, layer_ids: list[int], draft: Proposer, prompt: lis
         drafting = min(max_draft, max_new_tokens - len(result.tokens) - 1)
         candidates, log_qs, scores = draft.propose(verifier, tokens, drafting, transform, generator) if drafting > 0 else (
             [], [], [])
+        if log_qs:  # the drafter's forwards of this round, checked at once
+            refuse_non_finite(torch.stack(log_qs), "the drafter")
         stood, new = verify(verifier.feed([tokens[-1], *candidates]), candidates, log_qs, 0, True, transform, generator)
         result.count_round(drafting, stood)
         if scores:

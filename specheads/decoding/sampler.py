@@ -4,6 +4,9 @@ Candidate ŷ_i drawn from q is accepted with probability min(1, p(ŷ_i)/q(ŷ_i))
 by a draw from norm(max(0, p − q)); when every checked candidate is accepted, a bonus token may be drawn from p at
 the next position. The output then follows the target's distribution (SpecDec++ Appendix, the deep dive's proof).
 Every draw uses the row's own generator, in the order the loop makes them.
+
+A NaN would make every test pass (min(1, exp(log p − NaN)) is 1 in Python): non-finite logits are refused at the forward
+that made them (`refuse_non_finite`), and `accepts` refuses a NaN ratio whichever path reached it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,19 @@ import math
 import torch
 
 from specheads.model_outputs.sampling import SamplingTransform, draw_from_log_probs, uniforms
+from specheads.plumbing.errors import UsageError
+
+NON_FINITE_CAUSE = ("its weights hold NaN or inf, or its dtype overflowed (float16); give it finite weights, or load "
+                    "it in float32 or bfloat16")
+"""The likely cause of non-finite logits and the fix, for the messages that refuse them."""
+
+
+def refuse_non_finite(logits: torch.Tensor, model: str) -> torch.Tensor:
+    """`logits` when none is NaN or +inf (−inf rules a token out: q = 0 off a draft's vocabulary); otherwise a
+    UsageError naming `model` ("the draft", "the target"). One reduction over the forward's output."""
+    if not bool((logits < math.inf).all()):
+        raise UsageError(f"{model}'s logits hold NaN or +inf at this forward: {NON_FINITE_CAUSE}")
+    return logits
 
 
 def draw(log_probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -21,8 +37,12 @@ def draw(log_probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def accepts(logp: float, logq: float, generator: torch.Generator) -> bool:
-    """The p/q test: True with probability min(1, p/q)."""
-    return float(uniforms(generator, 1)[0]) <= min(1.0, math.exp(logp - logq))
+    """The p/q test: True with probability min(1, p/q); a NaN p or q is refused, never accepted."""
+    ratio = logp - logq
+    if math.isnan(ratio):
+        raise UsageError(f"a candidate's log p ({logp}) or log q ({logq}) is NaN: the target's or the draft's logits "
+                         f"are not finite; {NON_FINITE_CAUSE}")
+    return float(uniforms(generator, 1)[0]) <= min(1.0, math.exp(ratio))
 
 
 def residual(probs: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
