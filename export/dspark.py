@@ -31,6 +31,16 @@ from specheads import __version__
 from specheads.artifacts.checkpoint import TrainedHead
 from specheads.export.card import metrics_rows
 from specheads.export.config import ExportConfig
+from specheads.export.identity import check_drafter, lineage_sha256
+from specheads.export.safety import (
+    LOCK_NAMES,
+    check_empty,
+    check_finite,
+    check_not_holding,
+    check_tree,
+    export_lock,
+    inside,
+)
 from specheads.heads.calibration import METHOD, PositionCalibration
 from specheads.heads.dspark import DSparkConfidenceHead
 from specheads.heads.roles import EXPECTED_ACCEPTANCE
@@ -99,8 +109,11 @@ def weight_map(folder: Path) -> dict[str, str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UsageError(f"{folder / INDEX_FILE} is no safetensors index (no weight_map); give the folder "
                              "speculators wrote") from None
-        return {name: shard for shard in sorted(set(shards.values()))
-                for name in header(folder / shard) if shards.get(name) == shard}
+        if not isinstance(shards, dict):
+            raise UsageError(f"{folder / INDEX_FILE}'s weight_map is no map of tensor names to files; give the folder "
+                             "speculators wrote")
+        return {name: shard for shard in sorted(set(shards.values()), key=str)
+                for name in header(inside(folder, shard, str(folder / INDEX_FILE))) if shards.get(name) == shard}
     if not (folder / SINGLE_FILE).is_file():
         raise UsageError(f"{folder} holds no {SINGLE_FILE} (nor {INDEX_FILE}); a DSpark checkpoint in speculators' "
                          "format keeps its weights in safetensors")
@@ -112,6 +125,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise UsageError(f"--into-dspark {folder} is not a folder; give a DSpark checkpoint folder (config.json and "
                          "safetensors, speculators' format)")
+    check_tree(folder, "--into-dspark")  # before any file is read: a FIFO or a link to a device would never end
     try:
         config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -148,11 +162,17 @@ def read_checkpoint(path: str | Path) -> DSparkCheckpoint:
         raise UsageError(f"{where}: confidence_head_with_markov is true but the drafter has no Markov head; the "
                          "folder's config and weights do not belong together")
     block = int(config.get("block_size", 8))
+    stored = next((name for name in (WEIGHT, MARKOV, NORM) if name in shapes), None)
+    dtype = shapes[stored][0] if stored else "F32"
+    if dtype not in DTYPES:
+        raise UsageError(f"{folder}: {stored} is stored as {dtype}, and export writes the head in the checkpoint's own "
+                         f"dtype, one of {', '.join(DTYPES)}; give a checkpoint in one of those (a quantised drafter "
+                         "is not one)")
     checkpoint = DSparkCheckpoint(
         folder=folder, config=config, hidden_size=hidden, markov_rank=rank, with_markov=with_markov,
         had_head=had_head, drafted_positions=block if config.get("sample_from_anchor", True) else block - 1,
         shard=files.get(WEIGHT) or files.get(MARKOV) or sorted(set(files.values()))[-1],
-        dtype=DTYPES.get((shapes.get(WEIGHT) or shapes.get(MARKOV) or shapes.get(NORM) or ("F32",))[0], torch.float32))
+        dtype=DTYPES[dtype])
     expected = {WEIGHT: (1, checkpoint.width), BIAS: (1,)}
     wrong = [f"{name} {list(shapes[name][1])} (expected {list(shape)})" for name, shape in expected.items()
              if name in shapes and shapes[name][1] != shape]
@@ -240,8 +260,19 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return sha.hexdigest()[:16]
 
 
-def write_weights(staging: Path, checkpoint: DSparkCheckpoint, engine: EngineHead) -> tuple[str | None, str]:
-    """Replace (or add) the confidence head in its safetensors file in `staging`, in the checkpoint's dtype, every
+def stored_tensors(engine: EngineHead, checkpoint: DSparkCheckpoint) -> dict[str, torch.Tensor]:
+    """The head's weight and bias as the checkpoint will store them (its dtype), refused when any is not finite
+    (a zero input deviation, a value beyond the dtype's range)."""
+    stored = {WEIGHT: engine.weight.to(checkpoint.dtype).contiguous(), BIAS: engine.bias.to(checkpoint.dtype).contiguous()}
+    check_finite(stored, f"the head as {checkpoint.folder} stores it ({str(checkpoint.dtype).removeprefix('torch.')})")
+    if engine.temperatures is not None and not all(math.isfinite(t) and t > 0 for t in engine.temperatures):
+        raise UsageError(f"the head's calibration gives SGLang temperatures {list(engine.temperatures)}, not all finite "
+                         "and positive; refit the calibration")
+    return stored
+
+
+def write_weights(staging: Path, checkpoint: DSparkCheckpoint, written: dict[str, torch.Tensor]) -> tuple[str | None, str]:
+    """Replace (or add) the confidence head (`written`, `stored_tensors`) in its safetensors file in `staging`, every
     other tensor and the file's metadata as they were; keep a shard index's map and size right. Returns the digests of
     the replaced head (None: there was none) and of the written one."""
     path = checkpoint.folder / checkpoint.shard
@@ -249,7 +280,6 @@ def write_weights(staging: Path, checkpoint: DSparkCheckpoint, engine: EngineHea
     with safe_open(str(path), framework="pt") as weights:
         metadata = weights.metadata()
     before = digest({name: tensors[name] for name in (WEIGHT, BIAS)}) if checkpoint.had_head else None
-    written = {WEIGHT: engine.weight.to(checkpoint.dtype).contiguous(), BIAS: engine.bias.to(checkpoint.dtype).contiguous()}
     save_file({**tensors, **written}, str(staging / checkpoint.shard), metadata=metadata)
     if not checkpoint.had_head and (checkpoint.folder / INDEX_FILE).is_file():
         index = json.loads((checkpoint.folder / INDEX_FILE).read_text())
@@ -295,31 +325,42 @@ def updated_card(folder: Path, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + section + "\n"
 
 
-def write_folder(out: Path, checkpoint: DSparkCheckpoint, engine: EngineHead, provenance: dict[str, Any],
-                 metrics: dict[str, Any]) -> None:
-    """Copy the checkpoint beside `out`, write the head, config, table, provenance and card into the copy, and move
-    it into place in one rename (nothing half-written)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        shutil.copytree(checkpoint.folder, staging, dirs_exist_ok=True)
-        before, after = write_weights(staging, checkpoint, engine)
-        provenance["replaced"].update(before=before, after=after)
-        config = {**checkpoint.config, "enable_confidence_head": True,
-                  "confidence_head_with_markov": checkpoint.with_markov}
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (staging / STS_FILE).unlink(missing_ok=True)  # a table of an earlier export describes another head
-        if engine.temperatures is not None:
-            table = {"temperatures": list(engine.temperatures), "dataset": provenance["head"]["data_fingerprint"] or ""}
-            (staging / STS_FILE).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
-        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
-        (staging / "README.md").write_text(updated_card(checkpoint.folder, card_section(provenance, metrics)),
-                                           encoding="utf-8")
-        usual_permissions(staging)
-        replace_folder(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+def write_folder(out: Path, checkpoint: DSparkCheckpoint, head: tuple[EngineHead, dict[str, torch.Tensor]],
+                 provenance: dict[str, Any], metrics: dict[str, Any], overwrite: bool) -> None:
+    """Copy the checkpoint beside `out`, write the head (`head`: as engines run it, and its tensors as stored), config,
+    table, provenance and card into the copy, and move it into place in one rename (nothing half-written), holding
+    `out`'s export lock throughout; the copy is removed however the export ends."""
+    engine, written = head
+    with export_lock(out):
+        check_empty(out, overwrite)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            shutil.copytree(checkpoint.folder, staging, dirs_exist_ok=True, ignore=lambda *_: LOCK_NAMES)
+            before, after = write_weights(staging, checkpoint, written)
+            provenance["replaced"].update(before=before, after=after)
+            write_files(staging, checkpoint, engine, provenance, metrics)
+            usual_permissions(staging)
+            replace_folder(staging, out)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+
+
+def write_files(staging: Path, checkpoint: DSparkCheckpoint, engine: EngineHead, provenance: dict[str, Any],
+                metrics: dict[str, Any]) -> None:
+    """config.json, SGLang's table, the card and the provenance (which records the digest of the folder so written,
+    `identity.lineage_sha256`) into `staging`."""
+    config = {**checkpoint.config, "enable_confidence_head": True, "confidence_head_with_markov": checkpoint.with_markov}
+    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (staging / STS_FILE).unlink(missing_ok=True)  # a table of an earlier export describes another head
+    if engine.temperatures is not None:
+        table = {"temperatures": list(engine.temperatures), "dataset": provenance["head"]["data_fingerprint"] or ""}
+        (staging / STS_FILE).write_text(json.dumps(table, indent=2) + "\n", encoding="utf-8")
+    (staging / "README.md").write_text(updated_card(checkpoint.folder, card_section(provenance, metrics)),
+                                       encoding="utf-8")
+    (staging / PROVENANCE_FILE).write_text("", encoding="utf-8")  # its content is left out of the digest, not its name
+    provenance["drafter"]["folder_sha256"] = lineage_sha256(staging, PROVENANCE_FILE, cached=False)
+    (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
 
 
 def check_destination(config: ExportConfig) -> Path:
@@ -329,11 +370,10 @@ def check_destination(config: ExportConfig) -> Path:
         raise UsageError(f"--weights-dtype {config.weights_dtype} does not apply with --into-dspark: the head is stored "
                          "in the checkpoint's own dtype; drop the flag")
     check_output_folder(out, replaced=True)
-    if out.resolve() != source.resolve() and out.resolve().is_relative_to(source.resolve()):
-        raise UsageError(f"--out {out} lies inside --into-dspark {source}, which is copied whole; write elsewhere, or "
-                         "give the checkpoint itself with --overwrite to replace it")
-    if out.exists() and any(out.iterdir()) and not config.overwrite:
-        raise UsageError(f"{out} already holds files; choose another --out or pass --overwrite")
+    check_not_holding(out, [("--into-dspark", source), ("--ckpt", config.ckpt), ("--report", config.report)])
+    if out.resolve().is_relative_to(source.resolve()):
+        raise UsageError(f"--out {out} lies inside --into-dspark {source}, which is copied whole; write elsewhere")
+    check_empty(out, config.overwrite)
     return out
 
 
@@ -343,7 +383,9 @@ def export_into_dspark(config: ExportConfig, out: Path, checkpoint: DSparkCheckp
     cannot run it there; `metrics` (the head's eval headline, may be empty) go into the card. Returns the provenance
     written beside the weights."""
     head = check_form(trained, checkpoint)
+    drafter = check_drafter(trained, checkpoint.folder, PROVENANCE_FILE)
     engine = engine_head(head, checkpoint)
+    written = stored_tensors(engine, checkpoint)
     command = (f"specheads export --ckpt {config.ckpt} --into-dspark {config.into_dspark} --out {config.out}"
                + (f" --report {config.report}" if config.report else ""))
     provenance = {
@@ -357,7 +399,7 @@ def export_into_dspark(config: ExportConfig, out: Path, checkpoint: DSparkCheckp
         "sglang_sts_file": STS_FILE if engine.temperatures is not None else None,
         "replaced": {"names": [WEIGHT, BIAS], "dtype": str(checkpoint.dtype).removeprefix("torch."),
                      "width": checkpoint.width, "file": checkpoint.shard},
-        "metrics": metrics,
+        "metrics": metrics, "drafter": drafter,
     }
-    write_folder(out, checkpoint, engine, provenance, metrics)
+    write_folder(out, checkpoint, (engine, written), provenance, metrics, config.overwrite)
     return {**provenance, "into_dspark": str(checkpoint.folder), "out": str(out)}

@@ -19,6 +19,7 @@ from specheads.artifacts.report_file import Report, read_report
 from specheads.export.card import render_card
 from specheads.export.config import ExportConfig
 from specheads.export.dspark import check_destination, export_into_dspark, read_checkpoint
+from specheads.export.safety import check_empty, check_finite, check_not_holding, export_lock, regular_file
 from specheads.heads import AcceptanceHead
 from specheads.heads.loading import (
     COST_RULE,
@@ -52,8 +53,7 @@ def report_of_this_head(folder: Path, trained: TrainedHead) -> tuple[Report, Pat
         raise UsageError(f"the report in {folder} evaluated another head ({found}, from {evaluated.source}) than "
                          f"{trained.source} (weights {digest}); give the report of this head, or run "
                          f"`specheads eval --head {trained.source}` for one")
-    roc = folder / "roc.png"
-    return report, roc if roc.is_file() else None
+    return report, regular_file(folder / "roc.png", "--report")
 
 
 def default_rule(trained: TrainedHead, report: Report) -> tuple[DecisionRule, dict[str, Any]]:
@@ -134,24 +134,26 @@ def stored_head(head: AcceptanceHead, weights_dtype: str) -> AcceptanceHead:
 def write_folder(out: Path, trained: TrainedHead, config_json: dict[str, Any], card_commands: list[str],
                  roc: Path | None, overwrite: bool, code: dict[str, str], weights_dtype: str = "float32") -> None:
     """Build the folder beside `out` (with the `custom_generate_files` in `code`, the weight matrices stored in
-    `weights_dtype`) and move it into place in one rename (nothing half-written)."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"{out} already holds files; choose another --out or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        stored_head(trained.head, weights_dtype).save_pretrained(staging, config=config_json)
-        if roc is not None:
-            shutil.copyfile(roc, staging / "roc.png")
-        for name, text in code.items():
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_text(text)
-        render_card(config_json, card_commands, roc is not None, bool(code)).save(staging / "README.md")
-        usual_permissions(staging)
-        replace_folder(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+    `weights_dtype`, refused when not finite so) and move it into place in one rename (nothing half-written), holding
+    `out`'s export lock throughout; the folder being built is removed however the export ends."""
+    stored = stored_head(trained.head, weights_dtype)
+    check_finite(stored.state_dict(), f"the head as --weights-dtype {weights_dtype} stores it")
+    with export_lock(out):
+        check_empty(out, overwrite)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            stored.save_pretrained(staging, config=config_json)
+            if roc is not None:
+                shutil.copyfile(roc, staging / "roc.png")
+            for name, text in code.items():
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                (staging / name).write_text(text)
+            render_card(config_json, card_commands, roc is not None, bool(code)).save(staging / "README.md")
+            usual_permissions(staging)
+            replace_folder(staging, out)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
 
 
 def push(out: Path, repo_id: str, private: bool, revision: str | None, message: str) -> str:
@@ -210,6 +212,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
     if config.into_dspark:
         return export_dspark(config)
     check_output_folder(Path(config.out), replaced=True)  # the new folder is renamed into its place
+    check_not_holding(Path(config.out), [("--ckpt", config.ckpt), ("--report", config.report)])
     trained = load_trained(config.ckpt)
     trained.check_role((*CHAIN_HEADS, VERIFIER), "specheads export (a head folder carries a chain or SPRINTER rule)")
     report, roc = report_of_this_head(Path(config.report), trained) if config.report else (None, None)

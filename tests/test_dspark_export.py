@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from specheads.cli import main
 from specheads.export.dspark import BIAS, STS_FILE, WEIGHT
 from specheads.heads import PositionCalibration, build_head
+from specheads.pair.drafters import drafter_weights_sha256
 
 dspark = pytest.importorskip("speculators.models.dspark")
 
@@ -50,9 +51,15 @@ def checkpoint(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("dspark") / "drafter")
 
 
-def head_checkpoint(path: Path, head) -> Path:
-    """`head` as `specheads train` saves it: a Lightning checkpoint of its hyperparameters and weights."""
-    hparams = {"head": head.head_type, "hidden_size": head.hidden_size, "extra_features": [],
+def labelled_by(folder: Path) -> dict:
+    """The data identity `specheads gen --drafter.kind dspark --drafter.path FOLDER` records of the drafter."""
+    return {"draft": {"kind": "dspark", "folder": str(folder), "weights_sha256": drafter_weights_sha256(folder)}}
+
+
+def head_checkpoint(path: Path, head, identity: dict | None = None) -> Path:
+    """`head` as `specheads train` saves it: a Lightning checkpoint of its hyperparameters and weights, trained on
+    data of `identity` (`labelled_by`)."""
+    hparams = {"data_identity": identity, "head": head.head_type, "hidden_size": head.hidden_size, "extra_features": [],
                "head_args": {key: head.config[key] for key in ("markov_rank", "calibration", "depth") if key in head.config},
                "draft": "tiny dspark drafter", "data_fingerprint": "0123abcd", "role": head.role,
                "data_sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}}
@@ -74,10 +81,12 @@ def random_head(markov_rank: int = RANK, calibration: PositionCalibration | None
     return head.eval()
 
 
-def export(tmp_path: Path, head, source: Path, *extra: str) -> tuple[int, Path]:
+def export(tmp_path: Path, head, source: Path, *extra: str, identity: dict | None = None) -> tuple[int, Path]:
+    """`specheads export --into-dspark source --out tmp_path/out` of `head` trained on data of `identity` (default:
+    labelled by `source`'s drafter)."""
     out = tmp_path / "out"
-    code = main(["export", "--ckpt", str(head_checkpoint(tmp_path / "head.ckpt", head)), "--into-dspark", str(source),
-                 "--out", str(out), *extra])
+    checkpoint = head_checkpoint(tmp_path / "head.ckpt", head, labelled_by(source) if identity is None else identity)
+    code = main(["export", "--ckpt", str(checkpoint), "--into-dspark", str(source), "--out", str(out), *extra])
     return code, out
 
 
