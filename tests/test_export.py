@@ -1,6 +1,7 @@
 """`specheads export` and `heads.load_head`: round trip, Hub upload/download faked at the client, refusals, card."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -178,6 +179,24 @@ def test_a_push_without_the_network_ends_in_one_line_and_is_retried_without_over
     written = (pushed / "model.safetensors").stat().st_mtime_ns
     assert main(command) == 0  # back online: the same command pushes the folder it wrote, no --overwrite needed
     assert uploads == [str(pushed)] and (pushed / "model.safetensors").stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_report_whose_plot_is_a_link_or_a_special_file_is_refused(exported, tmp_path, capsys, kind):
+    checkpoint, _, report = exported
+    linked = tmp_path / "report"
+    shutil.copytree(report, linked)
+    (linked / "roc.png").unlink()
+    if kind == "link":
+        (tmp_path / "private.txt").write_text("not to be published")
+        (linked / "roc.png").symlink_to(tmp_path / "private.txt")
+    else:
+        os.mkfifo(linked / "roc.png")
+    out = tmp_path / "head"
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(out), "--report", str(linked)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "roc.png is a " in error and "not a regular file" in error, error
+    assert not out.exists() and not list(tmp_path.glob(".head.*"))
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
