@@ -7,7 +7,8 @@ proposed token gets
 
 - its label: the acceptance probability of a point-mass draft, p(x_k | context, x_<k) under the decoding transform
   (1[x_k = the target's argmax] at T = 0), conditional on the earlier proposed tokens: one target forward over
-  x_1..x_{K-1} on top of the verified context gives all of them;
+  x_1..x_{K-1} on top of the verified context gives all of them (packed: all positions' proposals in a few forwards
+  on top of one read of the response, each seeing only its own context);
 - its token-only inputs (`specheads.lookup.features`), known before the verify: the proposal's statistics and the
   outcomes of the rounds before i of a decode that verifies every full proposal (`round_start` marks that decode's
   round starts). Because a point-mass draft is accepted exactly when the output token equals it, that decode's rounds
@@ -104,42 +105,76 @@ def proposal_inputs(prompt_ids: list[int], response: list[int], propose: Any) ->
     return inputs
 
 
-def target_step(target: Any, tokens: list[int], cache: DynamicCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [L, V] float32, last-layer states after the final norm [L, h]) of `tokens` read on top of `cache`."""
-    ids = torch.tensor([tokens], device=device)
-    _, states = decoder_forward(target, None, input_ids=ids, use_cache=True, **{cache_argument(target): cache})
+PACKED_TOKENS = 512
+"""Proposal tokens read in one target forward on top of the response (bounds the attention's memory)."""
+
+
+def decoder_read(target: Any, tokens: list[int], cache: DynamicCache, device: torch.device,
+                 mask: torch.Tensor | None = None, positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [L, V] float32, last-layer states after the final norm [L, h]) of `tokens` read on top of `cache`;
+    `mask` [L, cached + L] (True: attends) and `positions` place them where a packed read needs them."""
+    inputs: dict[str, Any] = {"input_ids": torch.tensor([tokens], device=device), "use_cache": True,
+                              cache_argument(target): cache}
+    if mask is not None:
+        inputs |= {"attention_mask": mask[None, None].to(device), "position_ids": torch.tensor([positions], device=device)}
+    _, states = decoder_forward(target, None, **inputs)
     return output_logits(target, states[0]), states[0]
+
+
+def packed_mask(blocks: list[tuple[int, int]], before: int) -> torch.Tensor:
+    """The attention of proposal blocks packed after `before` cached positions: a block (cached positions it sees, its
+    length) sees those and its own earlier tokens, never another block. [packed, before + packed], True: attends."""
+    total = sum(length for _, length in blocks)
+    mask = torch.zeros(total, before + total, dtype=torch.bool)
+    row = 0
+    for seen, length in blocks:
+        mask[row: row + length, :seen] = True
+        mask[row: row + length, before + row: before + row + length] = torch.ones(length, length, dtype=torch.bool).tril()
+        row += length
+    return mask
+
+
+def packed_groups(inputs: list[ProposalInput]) -> Iterator[list[ProposalInput]]:
+    """The inputs whose proposals need a forward (two tokens or more), in groups of about PACKED_TOKENS tokens."""
+    group: list[ProposalInput] = []
+    for item in inputs:
+        if len(item.proposal.tokens) < 2:
+            continue
+        group.append(item)
+        if sum(len(x.proposal.tokens) - 1 for x in group) >= PACKED_TOKENS:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 @torch.no_grad()
 def label_row(target: Any, prompt_ids: list[int], response: list[int], inputs: list[ProposalInput],
               transform: SamplingTransform, device: torch.device) -> tuple[list[np.ndarray], torch.Tensor]:
-    """(each input's labels [K], the target's states [n, h]: row i at the last verified position before y_i). The
-    verified context grows one response token at a time in one KV cache; each proposal is read on top of it and cut
-    off again."""
+    """(each input's labels [K], the target's states [n, h]: row i at the last verified position before y_i). One
+    forward reads the prompt and the response; the proposals' tokens (all but their last) are then read on top of it,
+    packed, each block seeing only its own verified context and its earlier tokens (`packed_mask`)."""
     cache = DynamicCache(config=target.config)
-    logits, states = target_step(target, list(prompt_ids), cache, device)
-    last_logits, last_state = logits[-1], states[-1]
-    by_start = {item.start: item for item in inputs}
-    labels: list[np.ndarray] = []
-    rows: list[torch.Tensor] = []
-    for start in range(len(response)):
-        rows.append(last_state)
-        item = by_start.get(start)
-        if item is not None:
-            tokens = list(item.proposal.tokens)
-            scored = [last_logits[None]]
-            if len(tokens) > 1:
-                extra, _ = target_step(target, tokens[:-1], cache, device)
-                cache.crop(-(len(tokens) - 1))
-                scored.append(extra)
-            log_probs = transform.log_probs(torch.cat(scored))
-            picked = log_probs.gather(-1, torch.tensor(tokens, device=log_probs.device)[:, None]).squeeze(-1)
-            labels.append(picked.exp().cpu().numpy().astype(np.float32))
-        if start + 1 < len(response):
-            logits, states = target_step(target, [response[start]], cache, device)
-            last_logits, last_state = logits[-1], states[-1]
-    return labels, torch.stack(rows).float().cpu() if rows else torch.zeros(0, states.shape[-1])
+    verified = [*prompt_ids, *response[:-1]]
+    logits, states = decoder_read(target, verified, cache, device)
+    first = len(prompt_ids) - 1  # the position that predicts y_1
+    scored = {item.start: [logits[first + item.start][None]] for item in inputs}
+    for group in packed_groups(inputs):
+        blocks = [(len(prompt_ids) + x.start, len(x.proposal.tokens) - 1) for x in group]
+        tokens = [t for x in group for t in x.proposal.tokens[:-1]]
+        positions = [seen + j for seen, length in blocks for j in range(length)]
+        extra, _ = decoder_read(target, tokens, cache, device, packed_mask(blocks, len(verified)), positions)
+        cache.crop(-len(tokens))
+        row = 0
+        for item, (_, length) in zip(group, blocks):
+            scored[item.start].append(extra[row: row + length])
+            row += length
+    labels = []
+    for item in inputs:
+        log_probs = transform.log_probs(torch.cat(scored[item.start]))
+        picked = log_probs.gather(-1, torch.tensor(item.proposal.tokens, device=log_probs.device)[:, None]).squeeze(-1)
+        labels.append(picked.exp().cpu().numpy().astype(np.float32))
+    return labels, states[first: first + len(response)].float().cpu()
 
 
 def row_schema(target_hidden_size: int | None) -> datasets.Features:
