@@ -44,11 +44,16 @@ def proposal_products(labels: np.ndarray, positions: np.ndarray) -> tuple[np.nda
     return reach, survival
 
 
+TOKEN_COLUMNS = ("label", "position", "start", "round_start", "token_features")
+
+
 def flat_tokens(rows: Any, with_states: bool) -> dict[str, np.ndarray]:
     """Every labelled proposed token of lookup rows (a datasets.Dataset or dicts), flat: `features` [N, F], `label`,
     `reach`, `survival`, `position`, `start`, `round_start`, `row` (its row's index), and with `with_states` the
     target's state at the last verified position `target_state` [N, h]."""
     parts: dict[str, list[np.ndarray]] = {}
+    if hasattr(rows, "select_columns"):  # a dataset: decode only what is read (the states are the bulk of a row)
+        rows = rows.select_columns([*TOKEN_COLUMNS, *(["target_features"] if with_states else [])]).with_format("numpy")
     for index, row in enumerate(rows):
         count = len(row["label"])
         if not count:
