@@ -14,13 +14,17 @@ from specheads.demo.config import DemoConfig
 from specheads.demo.stages import Layout, relative
 from specheads.eval.sweep import modelled_speedup
 from specheads.eval.wall_clock import DrafterBenchmark, benchmark_drafter, stop_head
-from specheads.pair.drafters import check_drafter_folder, drafter_weights_sha256
+from specheads.pair.drafter_checks import check_drafter_for
+from specheads.pair.drafters import drafter_weights_sha256
+from specheads.pair.model_spec import ModelSpec
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
 
 RULES = {"constant_k:1": "constant K = 1", "transformers:0.4": "transformers' default (confidence 0.4, ROC-tuned)"}
 """The rules the line decodes, none tuned here: constant K = 1, the fastest constant K at B = 1 on the project's CPU,
 and transformers' default, the strongest free rule of the EAGLE-3 pair's counted table (docs/results.md)."""
+DEMO_TARGET = "embedded:smollm2"
+"""The target the line decodes for: the demo's."""
 HOW_TO = ("`specheads train drafter --config eagle3-smollm2` trains one for the embedded target (about 2.7 h on 2 CPU "
           "cores), then `specheads demo --eagle3 runs/eagle3/drafter` adds this line")
 
@@ -29,19 +33,20 @@ def benchmark_settings(config: DemoConfig) -> DrafterBenchmark:
     """What the line decodes: a few held-out confirmation prompts (3 × 16 tokens with --quick, else 16 × 32), K_max 4,
     and the head's stop rule read from the costs at `config.eagle3_cost_ratio` where `--eagle3-head` names a head."""
     rules = [*RULES, *([f"head_cost:{config.eagle3_cost_ratio:g}"] if config.eagle3_head else [])]
-    return DrafterBenchmark(drafter=str(config.eagle3), prompts=3 if config.quick else 16,
+    return DrafterBenchmark(drafter=str(config.eagle3), target=DEMO_TARGET, prompts=3 if config.quick else 16,
                             max_new_tokens=16 if config.quick else 32, rules=rules, max_draft=4, head=config.eagle3_head,
                             resamples=200 if config.quick else 1000)
 
 
 def check_eagle3(config: DemoConfig) -> None:
-    """Before any stage: `--eagle3` names an EAGLE-3 drafter folder and `--eagle3-head`, if given, a stop head trained
-    on data that drafter labelled; `--eagle3-head` without `--eagle3` is refused."""
+    """Before any stage: `--eagle3` names an EAGLE-3 drafter folder made for the demo's target (its files against the
+    target's config, `specheads.pair.drafter_checks`) and `--eagle3-head`, if given, a stop head trained on data that
+    drafter labelled; `--eagle3-head` without `--eagle3` is refused."""
     if not config.eagle3:
         if config.eagle3_head:
             raise UsageError("--eagle3-head is decoded with the drafter of --eagle3; give --eagle3 DIR too")
         return
-    check_drafter_folder(config.eagle3, "eagle3")
+    check_drafter_for(config.eagle3, "eagle3", ModelSpec(path=DEMO_TARGET))
     stop_head(benchmark_settings(config), "eagle3")
 
 

@@ -27,6 +27,32 @@ def load_feature_draft(kind: str, folder: str, target: Any) -> FeatureDraft:
     return DSparkModel(load_dspark(folder, target), target)
 
 
+def feature_drafter_of(draft: Any) -> tuple[str, str | None] | None:
+    """(kind, folder) of a feature draft (`FeatureDraft`): its algorithm (`DRAFTER_KINDS`) and the folder its drafter
+    was loaded from (`specheads.pair.drafter_checks.loaded_from`; None for one built in memory); None for any other
+    draft."""
+    if not isinstance(draft, FeatureDraft):
+        return None
+    folder = getattr(draft.drafter, "loaded_from", None)
+    return draft.drafter.config.speculators_model_type, None if folder is None else str(folder)
+
+
+def generate_draft_refusal(head_draft: dict[str, Any], draft: Any) -> str | None:
+    """Why a head whose config.json records `head_draft` (its `draft`: name and the identity of the data's draft,
+    `weights`) cannot score what `draft` drafts in `speculative_generate`, or None: `head_draft_refusal` where the
+    draft is a feature drafter loaded from its folder, or a draft model; for a drafter built in memory, whose files
+    are unknown, only a head trained on another kind of draft is refused."""
+    name, identity = head_draft.get("name"), {"draft": head_draft.get("weights") or {}}
+    kind, drafter = identity["draft"].get("kind"), feature_drafter_of(draft)
+    if drafter is not None and drafter[1] is not None:
+        return head_draft_refusal(name, identity, (drafter[0], drafter[1]))
+    if kind == (drafter or (None,))[0]:
+        return None
+    drafting = "a draft model" if drafter is None else f"the {DRAFTER_KINDS[drafter[0]]} drafter built in memory"
+    return (f"it read the state of {name or 'an unrecorded draft'}{f' (labelled by the {DRAFTER_KINDS[kind]} drafter)' if kind else ''}, "
+            f"not of {drafting}; give a head trained on data this draft labelled")
+
+
 def head_draft_refusal(head_draft: str | None, data_identity: dict[str, Any] | None, drafter: tuple[str, str] | None,
                        draft_name: str | None = None) -> str | None:
     """Why a head trained on data whose manifest names `head_draft` and records `data_identity` cannot score what a

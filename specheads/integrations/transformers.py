@@ -70,6 +70,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve
+from specheads.decoding.drafters import generate_draft_refusal
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.features import FeatureDraft
 from specheads.decoding.result import DecodeResult
@@ -333,6 +334,16 @@ def check_trained_for(head: AcceptanceHead, draft: Any, target: Any) -> None:
                          "(and its target), or train a head for this one")
 
 
+def check_drafter_for(head: AcceptanceHead, draft: Any) -> None:
+    """Refuse a loaded head trained on data another draft labelled than this one, a feature drafter's above all: an
+    EAGLE-3 or DSpark drafter of other files, another kind of draft, or a draft model
+    (`specheads.decoding.drafters.generate_draft_refusal`). A head built in memory records nothing and passes."""
+    recorded = getattr(head, "trained_for", None)
+    refusal = None if recorded is None else generate_draft_refusal(recorded.get("draft") or {}, draft)
+    if refusal:
+        raise UsageError(f"this head cannot score this draft's candidates: {refusal}")
+
+
 def generate_argument(name: str, accept: Callable[[Any], bool] | None = None) -> tuple[bool, Any]:
     """(found, value) of the argument `name` of the innermost running `generate` call (whose value `accept` takes,
     when given): what transformers 5.x does not hand a custom_generate callable can only be read off generate's
@@ -439,6 +450,7 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
         check_pair(module, draft, transform)
         check_decodable_head(module)
         check_trained_for(module, draft, model)
+        check_drafter_for(module, draft)
     if token_streamer is not None and input_ids.shape[0] > 1:
         raise UsageError("token_streamer streams one sequence; generate one prompt at a time to stream")
     prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))

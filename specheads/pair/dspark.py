@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from specheads.pair.drafter_checks import check_drafter_files, check_state_fits, loaded_from, target_shape
 from specheads.pair.drafters import default_layer_ids, speculators_models
 from specheads.pair.drafters import load_drafter as load_speculators_drafter
 from specheads.plumbing.errors import UsageError
@@ -150,12 +151,15 @@ def check_drafter(config: Any, folder: Path) -> None:
 
 def load_drafter(folder: str | Path, target: torch.nn.Module, attention: str = "eager") -> torch.nn.Module:
     """The DSpark drafter saved in `folder` (speculators' format), completed with `target`'s weights, in eval mode,
-    frozen, in the target's dtype and on its device (`specheads.pair.drafters.load_drafter`); one it cannot draft with
-    is refused in one line (`check_drafter`)."""
+    frozen, in the target's dtype and on its device (`specheads.pair.drafters.load_drafter`); one made for another
+    target (`specheads.pair.drafter_checks`) or that it cannot draft with (`check_drafter`) is refused in one line."""
+    shapes = check_drafter_files(folder, "dspark", target_shape(target))
 
     def build(config: Any) -> torch.nn.Module:
         check_drafter(config, Path(folder))
         config.transformer_layer_config._attn_implementation = attention
-        return new_drafter(config)
+        drafter = new_drafter(config)
+        check_state_fits(drafter, shapes, folder)
+        return drafter
 
-    return load_speculators_drafter(folder, target, "dspark", "DSparkSpeculatorConfig", build)
+    return loaded_from(load_speculators_drafter, folder, target, "dspark", "DSparkSpeculatorConfig", build)

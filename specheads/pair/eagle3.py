@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from specheads.pair.drafter_checks import check_drafter_files, check_state_fits, loaded_from, target_shape
 from specheads.pair.drafters import default_layer_ids, speculators_models
 from specheads.pair.drafters import load_drafter as load_speculators_drafter
 from specheads.plumbing.errors import UsageError
@@ -60,13 +61,17 @@ def build_drafter(target_config: Any, layer_ids: list[int], draft_vocab_size: in
 
 def load_drafter(folder: str | Path, target: torch.nn.Module, attention: str = "eager") -> torch.nn.Module:
     """The EAGLE-3 drafter saved in `folder` (speculators' format), completed with `target`'s weights, in eval mode,
-    frozen, in the target's dtype and on its device (`specheads.pair.drafters.load_drafter`)."""
+    frozen, in the target's dtype and on its device (`specheads.pair.drafters.load_drafter`); a folder made for
+    another target, or one it cannot draft with, is refused in one line first (`specheads.pair.drafter_checks`)."""
+    shapes = check_drafter_files(folder, "eagle3", target_shape(target))
 
     def build(config: Any) -> torch.nn.Module:
         config.transformer_layer_config._attn_implementation = attention
-        return speculators_eagle3().Eagle3DraftModel(config)
+        drafter = speculators_eagle3().Eagle3DraftModel(config)
+        check_state_fits(drafter, shapes, folder)
+        return drafter
 
-    return load_speculators_drafter(folder, target, "eagle3", "Eagle3SpeculatorConfig", build)
+    return loaded_from(load_speculators_drafter, folder, target, "eagle3", "Eagle3SpeculatorConfig", build)
 
 
 def drafter_forward(drafter: torch.nn.Module, input_ids: torch.Tensor, features: torch.Tensor,
