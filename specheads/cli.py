@@ -7,6 +7,7 @@ import errno
 import importlib
 import os
 import pickle
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from specheads import __version__
 from specheads.plumbing.config_files import with_configs_resolved
 from specheads.plumbing.errors import UsageError
+from specheads.plumbing.interrupts import Interrupted, raising, signals_raise
 from specheads.plumbing.noise import third_party_quiet
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -76,12 +78,27 @@ def end_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes an interrupted `specheads ARGV`: the same one, or what the subcommand's own
+    `resume_argv` makes of it (`specheads train fit` adds `--ckpt_path last`)."""
+    module = sys.modules.get(SUBCOMMANDS[argv[0]][0])
+    resumed = argv[:1] + module.resume_argv(argv[1:]) if hasattr(module, "resume_argv") else argv
+    return shlex.join(["specheads", *resumed])
+
+
+def interrupted_line(argv: list[str], signal_name: str) -> str:
+    """The one line an interrupted run ends with: the signal, what is kept, the command that resumes it."""
+    return (f"specheads {argv[0]}: stopped by {signal_name} before the run finished; finished work is kept; resume "
+            f"with: {resume_command(argv)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `specheads SUBCOMMAND ...`; returns the process exit code.
 
-    A failure prints one line and exits non-zero: 2 for bad input (UsageError), 1 for anything else, 130 when
-    interrupted. `--debug` (anywhere) or SPECHEADS_DEBUG=1 lets the traceback through instead, and with it the
-    third-party output (framework tips, warnings, loading bars) that is otherwise kept quiet."""
+    A failure prints one line and exits non-zero: 2 for bad input (UsageError), 1 for anything else, 130 on SIGINT
+    (Ctrl-C) and 143 on SIGTERM, with the command that resumes the run (`specheads.plumbing.interrupts`). `--debug`
+    (anywhere) or SPECHEADS_DEBUG=1 lets the traceback through instead, and with it the third-party output (framework
+    tips, warnings, loading bars) that is otherwise kept quiet."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
@@ -93,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--version":
         print(__version__)
         return 0
-    name = argv[0]
+    name, nested = argv[0], raising()  # nested: run by another command (the demo's stages), which reports a stop
     if name not in SUBCOMMANDS:
         print(f"specheads: error: unknown subcommand {name!r}; known: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     try:
-        with contextlib.nullcontext() if debug else third_party_quiet():
+        with signals_raise(), contextlib.nullcontext() if debug else third_party_quiet():
             module = importlib.import_module(SUBCOMMANDS[name][0])
             return int(module.main(with_configs_resolved(argv[1:], name)) or 0)
     except UsageError as error:
@@ -106,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"specheads {name}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if debug:
+    except (Interrupted, KeyboardInterrupt) as stop:
+        if debug or nested:
             raise
-        print(f"specheads {name}: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+        signal_name = stop.name if isinstance(stop, Interrupted) else "SIGINT"
+        print(interrupted_line(argv, signal_name), file=sys.stderr)
+        return stop.exit_code if isinstance(stop, Interrupted) else 130
     except Exception as error:  # the last resort: one line instead of a traceback
         if debug:
             raise

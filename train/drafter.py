@@ -46,7 +46,9 @@ from specheads.pair.models import ModelSpec, load_model, load_tokenizer, resolve
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder, write_json_atomic
+from specheads.plumbing.lock import folder_lock
 from specheads.train.drafter_data import DTYPES, check_manifest, chunk_seconds, data_digest, read_sequences, write_chunks
+from specheads.train.drafter_settings import check_resumed_settings, check_sizes, check_split, held_out
 
 
 @dataclass
@@ -103,7 +105,7 @@ class DrafterConfig:
     samples_per_prompt: PositiveInt = 2
     max_new_tokens: PositiveInt = 192
     temperature: NonNegativeFloat = 1.0
-    seed: int = 0
+    seed: NonNegativeInt = 0
     val_fraction: OpenUnitInterval = 0.05
     chunk_prompts: PositiveInt = 16
     features_dtype: Literal["float16", "bfloat16"] = "bfloat16"
@@ -111,7 +113,7 @@ class DrafterConfig:
     draft_vocab_size: PositiveInt = 8192
     num_layers: PositiveInt = 1
     ttt_steps: PositiveInt = 3
-    ttt_step_loss_decay: float = 1.0
+    ttt_step_loss_decay: NonNegativeFloat = 1.0
     block_size: PositiveInt = 8
     mask_token_id: NonNegativeInt | None = None
     sample_from_anchor: bool = True
@@ -121,14 +123,14 @@ class DrafterConfig:
     confidence_head_alpha: NonNegativeFloat = 1.0
     max_anchors: PositiveInt = 64
     loss_decay_gamma: PositiveFloat = 4.0
-    lr: float = 3e-4
-    warmup_steps: int = 50
+    lr: PositiveFloat = 3e-4
+    warmup_steps: NonNegativeInt = 50
     max_steps: PositiveInt = 2000
     tokens_per_batch: PositiveInt = 1024
     val_every: PositiveInt = 200
     checkpoint_every: PositiveInt = 50
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
-    precision: str = "32-true"
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = "32-true"
 
     def check_algorithm(self) -> None:
         """Refuse a setting of the other algorithm (it would be silently ignored)."""
@@ -151,11 +153,6 @@ class DrafterConfig:
 EAGLE3_ONLY = ("ttt_steps", "ttt_step_loss_decay")
 DSPARK_ONLY = ("block_size", "mask_token_id", "sample_from_anchor", "markov_rank", "markov_head_type", "confidence_head",
                "confidence_head_alpha", "max_anchors", "loss_decay_gamma")
-
-
-def held_out(prompt_id: str, fraction: float) -> bool:
-    """Whether a prompt is held out: a hash of its id, so the split never depends on order or count."""
-    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) < fraction * 16**8
 
 
 def pack(sequences: list[Any], tokens: int, seed: int | None) -> list[list[int]]:
@@ -235,6 +232,10 @@ class SpeculatorsModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, metrics = self.run(batch)
+        if not torch.isfinite(loss):
+            raise UsageError(f"the training loss became {float(loss.detach())} at step {self.global_step} (--lr "
+                             f"{self.hparams.lr:.2e}), so the run stopped and no drafter was saved; likely a learning "
+                             "rate too high: lower --lr and train into a new --out")
         self.log("train/loss", loss.detach(), prog_bar=True)
         for name, value in self.train_metrics(metrics).items():
             self.log(f"train/{name}", value)
@@ -517,8 +518,21 @@ def make_module(config: DrafterConfig, target_config: Any, layer_ids: list[int],
                         loss_decay_gamma=float(config.loss_decay_gamma), **schedule)
 
 
-def run(config: DrafterConfig) -> dict[str, Any]:
-    """The whole recipe (see the module docstring); returns the fingerprint."""
+@dataclass
+class Recipe:
+    """What `prepare` found for a run, once its settings are known good."""
+
+    out: Path
+    device: torch.device
+    prompts: list[Any]
+    target_config: Any
+    tokenizer: Any
+    mask_token_id: int | None
+    layer_ids: list[int]
+
+
+def prepare(config: DrafterConfig) -> Recipe:
+    """Every check of the settings that needs no model's weights: refused in one line before anything is written."""
     from transformers import AutoConfig
 
     out = Path(config.out)
@@ -531,38 +545,78 @@ def run(config: DrafterConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(config.target)
     mask_token_id = mask_token(config, tokenizer)
     layer_ids = check_recipe(config, target_config, mask_token_id)
-    say = logger_to(out / "recipe.log")  # the first thing written, once the input is known good
-    block = f", blocks of {config.block_size} (mask token {mask_token_id})" if config.algorithm == "dspark" else ""
-    say(f"recipe: {config.algorithm} drafter, {len(prompts)} prompts × {config.samples_per_prompt} responses at "
-        f"T={config.temperature}, layers {layer_ids}, draft vocabulary {config.draft_vocab_size}{block}, "
-        f"{config.max_steps} steps, on {device}")
+    check_sizes(config, target_config, tokenizer, prompts)
+    check_split(prompts, config.val_fraction)
+    return Recipe(out, device, prompts, target_config, tokenizer, mask_token_id, layer_ids)
 
-    target = load_model(config.target).to(device)
+
+def run(config: DrafterConfig) -> dict[str, Any]:
+    """The whole recipe (see the module docstring), one run at a time in `--out`; returns the fingerprint."""
+    recipe = prepare(config)
+    with folder_lock(recipe.out, "train drafter"):
+        check_resumed_settings(recipe.out, config)
+        return run_recipe(config, recipe)
+
+
+def run_recipe(config: DrafterConfig, recipe: Recipe) -> dict[str, Any]:
+    """The data step, the training and the drafter folder, for settings `prepare` checked."""
+    out, target_config = recipe.out, recipe.target_config
+    say = logger_to(out / "recipe.log")  # the first thing written, once the input is known good
+    block = f", blocks of {config.block_size} (mask token {recipe.mask_token_id})" if config.algorithm == "dspark" else ""
+    say(f"recipe: {config.algorithm} drafter, {len(recipe.prompts)} prompts × {config.samples_per_prompt} responses at "
+        f"T={config.temperature}, layers {recipe.layer_ids}, draft vocabulary {config.draft_vocab_size}{block}, "
+        f"{config.max_steps} steps, on {recipe.device}")
+
+    target = load_model(config.target).to(recipe.device)
     data = out / "data"
-    prompts_digest = hashlib.sha256(json.dumps([[p.id, p.messages] for p in prompts]).encode()).hexdigest()[:16]
-    check_manifest(data, config.data_settings(prompts_digest, weights_identity(config.target, target), layer_ids))
-    paths = write_chunks(data, target, tokenizer, prompts, config.chunk_prompts, config.samples_per_prompt,
-                         config.max_new_tokens, config.temperature, config.seed, layer_ids, DTYPES[config.features_dtype], say)
+    prompts_digest = hashlib.sha256(json.dumps([[p.id, p.messages] for p in recipe.prompts]).encode()).hexdigest()[:16]
+    check_manifest(data, config.data_settings(prompts_digest, weights_identity(config.target, target), recipe.layer_ids))
+    paths = write_chunks(data, target, recipe.tokenizer, recipe.prompts, config.chunk_prompts, config.samples_per_prompt,
+                         config.max_new_tokens, config.temperature, config.seed, recipe.layer_ids,
+                         DTYPES[config.features_dtype], say)
     sequences = [sequence for path in paths for sequence in read_sequences(path)]
-    train = [s for s in sequences if not held_out(prompts[s.prompt_index].id, config.val_fraction)]
-    val = [s for s in sequences if held_out(prompts[s.prompt_index].id, config.val_fraction)]
-    if not train or not val:
-        raise UsageError(f"{len(prompts)} prompts leave {len(train)} training and {len(val)} held-out sequences at "
-                         f"--val-fraction {config.val_fraction}; give more prompts or another fraction")
+    train = [s for s in sequences if not held_out(recipe.prompts[s.prompt_index].id, config.val_fraction)]
+    val = [s for s in sequences if held_out(recipe.prompts[s.prompt_index].id, config.val_fraction)]
     d2t, t2d = vocabulary(data, train, config.draft_vocab_size, target_config.vocab_size)
     say(f"data: {len(train)} training and {len(val)} held-out sequences, "
         f"{sum(int(s.loss_mask.sum()) for s in train)} training response tokens")
 
     L.seed_everything(config.seed, verbose=False)
-    module = make_module(config, target_config, layer_ids, mask_token_id)
+    module = make_module(config, target_config, recipe.layer_ids, recipe.mask_token_id)
     fill_from_target(module.drafter, target.to("cpu"), d2t, t2d)
     del target
+    trainer, held = fit(config, module, train, val, recipe.device, say)
+    check_finite(module.drafter, config.lr)
+    save_drafter(module.drafter.cpu(), out / "drafter")
+    for stray in (out / "drafter").glob("*.py"):  # transformers copies the config class's source: never needed
+        stray.unlink()
+    fingerprint = {
+        "command": "specheads train drafter", "algorithm": config.algorithm, "config": asdict(config),
+        "config_digest": hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode()).hexdigest()[:16],
+        "data_digest": data_digest(paths), "data_seconds": round(chunk_seconds(paths), 1),
+        "train_seconds": round(module.train_seconds, 1), "steps": trainer.global_step, "layer_ids": recipe.layer_ids,
+        "mask_token_id": recipe.mask_token_id,
+        "train_sequences": len(train), "held_out_sequences": len(val), "held_out": held,
+        "device": str(recipe.device) if recipe.device.type == "cpu" else torch.cuda.get_device_name(),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    write_json_atomic(out / "fingerprint.json", fingerprint)
+    say(f"done: drafter in {out / 'drafter'}; held out {held}; fingerprint {out / 'fingerprint.json'}")
+    return fingerprint
+
+
+def fit(config: DrafterConfig, module: SpeculatorsModule, train: list[Any], val: list[Any], device: torch.device,
+        say: Any) -> tuple[L.Trainer, dict[str, float]]:
+    """Train `module` on `device` (resuming `train/checkpoints/last.ckpt` where there is one); the trainer and the held-out
+    metrics at the end."""
+    out = Path(config.out)
     last = out / "train" / "checkpoints" / "last.ckpt"
     trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=config.precision,
-        max_steps=config.max_steps, max_epochs=-1, val_check_interval=config.val_every, check_val_every_n_epoch=None,
-        default_root_dir=str(out / "train"), enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
-        num_sanity_val_steps=0, logger=L.pytorch.loggers.CSVLogger(str(out / "train"), name="", version=""),
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        precision=config.precision, max_steps=config.max_steps, max_epochs=-1, val_check_interval=config.val_every,
+        check_val_every_n_epoch=None, default_root_dir=str(out / "train"), enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0,
+        logger=L.pytorch.loggers.CSVLogger(str(out / "train"), name="", version=""),
         callbacks=[ProgressLine(say),
                    L.pytorch.callbacks.ModelCheckpoint(dirpath=str(last.parent), filename="last", monitor=None, save_top_k=1,
                                                        every_n_train_steps=config.checkpoint_every,
@@ -577,23 +631,19 @@ def run(config: DrafterConfig) -> dict[str, Any]:
     trainer.fit(module, train_data, val_data, ckpt_path=str(last) if last.is_file() else None)
     trainer.save_checkpoint(str(last))
     held = {key: float(value) for key, value in trainer.validate(module, val_data, verbose=False)[0].items()}
+    return trainer, held
 
-    save_drafter(module.drafter.cpu(), out / "drafter")
-    for stray in (out / "drafter").glob("*.py"):  # transformers copies the config class's source: never needed
-        stray.unlink()
-    fingerprint = {
-        "command": "specheads train drafter", "algorithm": config.algorithm, "config": asdict(config),
-        "config_digest": hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode()).hexdigest()[:16],
-        "data_digest": data_digest(paths), "data_seconds": round(chunk_seconds(paths), 1),
-        "train_seconds": round(module.train_seconds, 1), "steps": trainer.global_step, "layer_ids": layer_ids,
-        "mask_token_id": mask_token_id,
-        "train_sequences": len(train), "held_out_sequences": len(val), "held_out": held,
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(),
-        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    write_json_atomic(out / "fingerprint.json", fingerprint)
-    say(f"done: drafter in {out / 'drafter'}; held out {held}; fingerprint {out / 'fingerprint.json'}")
-    return fingerprint
+
+def check_finite(drafter: torch.nn.Module, lr: float, dtype: torch.dtype = torch.float16) -> None:
+    """Refuse to save a drafter with a weight that is NaN or infinite in `dtype`, the one its folder stores (every
+    candidate it drafted would be accepted)."""
+    left_out = not_saved(drafter)
+    bad = next((name for name, tensor in drafter.state_dict().items() if name not in left_out
+                and tensor.is_floating_point() and not torch.isfinite(tensor.to(dtype)).all()), None)
+    if bad is not None:
+        raise UsageError(f"the trained drafter's {bad} is NaN or infinite in {str(dtype).removeprefix('torch.')} (the "
+                         f"dtype its folder stores), so no drafter was saved; likely a learning rate too high (--lr "
+                         f"{lr:.2e}): lower --lr and train into a new --out")
 
 
 def main(argv: list[str]) -> int:

@@ -22,8 +22,9 @@ from specheads.plumbing.errors import UsageError
 
 
 def lock_files(command: str) -> tuple[str, str]:
-    """The names of `command`'s lock file and of the file naming its holder."""
-    return f".specheads-{command}.lock", f".specheads-{command}.holder"
+    """The names of `command`'s lock file and of the file naming its holder (`train drafter`: `train-drafter`)."""
+    name = command.replace(" ", "-")
+    return f".specheads-{name}.lock", f".specheads-{name}.holder"
 
 
 @contextmanager

@@ -1,0 +1,77 @@
+"""SIGINT (Ctrl-C) and SIGTERM (a scheduler's stop) as one exception, `Interrupted`, raised in the main thread, so
+that every command stops the same way: its `finally` blocks and Lightning's teardown run, and `specheads.cli.main`
+exits 130 or 143 with one line saying how to resume.
+
+Lightning 2.6 keeps a SIGTERM handler of its own while a Trainer runs: it records the signal (and forwards it to the
+ranks it launched) and, after a training batch, raises `SIGTERMException`, a `SystemExit` that would read as success
+(exit 0). It calls the handler it found installed after its own, so ours still raises at once, in the fit, in
+`predict` (which never looks at the record) and outside any Trainer alike. On Ctrl-C Lightning catches
+`KeyboardInterrupt` and exits 1; `Interrupted` is not one, so it passes through Lightning's teardown unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_depth = [0]  # how many `signals_raise` blocks this process is inside
+
+
+def raising() -> bool:
+    """Whether this process is inside a `signals_raise` block already (a command run by another, as the demo runs
+    its stages): the outer one then reports the interruption."""
+    return _depth[0] > 0
+
+
+class Interrupted(BaseException):
+    """The run was stopped by `signum` (SIGINT or SIGTERM). A BaseException, as KeyboardInterrupt is: no
+    `except Exception` takes it for a failure of its own."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def name(self) -> str:
+        """The signal's name, `SIGINT` or `SIGTERM`."""
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a process ended by the signal: 128 + its number (130, 143)."""
+        return 128 + self.signum
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """For the block, SIGINT and SIGTERM raise `Interrupted` in this process's main thread; a second one ends the
+    process at once, by the signal (the shell then reads the same code). Forked children (DataLoader workers) keep
+    Python's own behaviour. The handlers found are put back after the block; off the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner, raised = os.getpid(), []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner or raised:
+            if signum == signal.SIGINT and os.getpid() != owner:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raised.append(signum)
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    _depth[0] += 1
+    try:
+        yield
+    finally:
+        _depth[0] -= 1
+        for signum, before in previous.items():
+            signal.signal(signum, before if before is not None else signal.SIG_DFL)

@@ -1,0 +1,97 @@
+"""Ctrl-C (SIGINT) and a scheduler's stop (SIGTERM) end `train drafter`, `gen` and `train fit` alike (issue 70): exit
+130 or 143, one line on stderr saying the run was stopped and the exact command that resumes it, and nothing reported
+as done. Each command runs in its own process on the tiny fixtures; the signal comes once its work has begun."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import tiny_args
+from test_eagle3 import recipe_args
+
+from specheads.cli import main
+from specheads.plumbing.interrupts import Interrupted, signals_raise
+
+
+def stopped(args: list[str], ready: Callable[[], bool], signum: int, timeout: float = 300) -> tuple[int, str]:
+    """Start `specheads ARGS`, send it `signum` once `ready()` holds, and return (its exit code, its stderr)."""
+    process = subprocess.Popen([sys.executable, "-m", "specheads", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None and not ready():
+        time.sleep(0.05)
+    assert process.poll() is None, f"the command must still be working when the signal comes: {process.stderr.read()}"
+    os.kill(process.pid, signum)
+    _, err = process.communicate(timeout=timeout)
+    return process.returncode, err
+
+
+def assert_interrupted(code: int, err: str, signum: int, resume: list[str]) -> None:
+    """Exit 128 + signum, and one line naming the signal and the command that resumes the run."""
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    assert f"stopped by {name}" in lines[0] and lines[0].endswith("resume with: " + shlex.join(["specheads", *resume]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_drafter_training_exits_with_the_signal_and_the_resume_command(tiny_model, prompts_file,
+                                                                                      tmp_path, signum):
+    pytest.importorskip("speculators.models.eagle3")
+    out = tmp_path / "run"
+    args = recipe_args(tiny_model, prompts_file, out, "--max-steps", "100000", "--checkpoint-every", "1")
+    code, err = stopped(args, lambda: (out / "train" / "checkpoints" / "last.ckpt").is_file(), signum)
+    assert_interrupted(code, err, signum, args)
+    assert not (out / "drafter").exists() and not (out / "fingerprint.json").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_gen_exits_with_the_signal_and_the_resume_command(tiny_model, prompts_file, tmp_path, signum):
+    # Lightning's predict loop never looks at the SIGTERM it records: gen labelled on to exit 0
+    out = tmp_path / "gen"
+    args = tiny_args(tiny_model, prompts_file, out, "--samples-per-prompt", "4", "--max-new-tokens", "24")
+    code, err = stopped(args, lambda: (out / "manifest.json").is_file(), signum)
+    assert_interrupted(code, err, signum, args)
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+
+
+@pytest.fixture(scope="module")
+def labelled(tiny_model, prompts_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("interrupts") / "gen"
+    assert main(tiny_args(tiny_model, prompts_file, out)) == 0
+    return out
+
+
+def test_ctrl_c_in_train_fit_exits_130_with_the_command_that_resumes_from_the_last_checkpoint(labelled, tmp_path):
+    configs = Path(__file__).parents[1] / "configs" / "train"
+    root = tmp_path / "fit"
+    args = ["train", "fit", "--config", str(configs / "specdecpp.yaml"), "--data.path", str(labelled),
+            "--data.val_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "100000"]
+    code, err = stopped(args, lambda: (root / "checkpoints" / "last.ckpt").is_file(), signal.SIGINT)
+    assert_interrupted(code, err, signal.SIGINT, [*args, "--ckpt_path", "last"])
+
+
+def test_a_command_another_runs_in_process_leaves_the_stop_to_it(monkeypatch, capsys):
+    # the demo runs its stages through `main`: a stop must end the demo (its own line, its exit), not one stage
+    import specheads.eval.profile as profile
+
+    def interrupted_at_once(argv: list[str]) -> int:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the signal's exception ends this at once
+        return 0
+
+    monkeypatch.setattr(profile, "main", interrupted_at_once)
+    with pytest.raises(Interrupted), signals_raise():
+        main(["profile", "--out", "costs.json"])
+    assert capsys.readouterr().err == ""
+    assert main(["profile", "--out", "costs.json"]) == 130
+    assert capsys.readouterr().err.strip().endswith("resume with: specheads profile --out costs.json")
