@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from specheads.artifacts.metrics import binary_kl, expected_calibration_error, soft_auc
-from specheads.data_gen.lookup_labels import load_lookup
+from specheads.dataset.lookup import load_lookup
 from specheads.lookup.features import FEATURE_NAMES
 from specheads.lookup.token_head import TokenHead, conditional_estimates
 from specheads.plumbing.files import write_json_atomic

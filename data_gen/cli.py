@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.data_gen.config import GenConfig
+from specheads.data_gen.config import FREE_DRAFTS, GenConfig
 from specheads.plumbing.dataclass_cli import parse_dataclass
 
 SHORTHANDS = {f"--{name}": f"--sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
@@ -16,9 +16,11 @@ def parse_config(argv: list[str]) -> GenConfig:
 
 def main(argv: list[str]) -> int:
     """Entry point for `specheads gen`."""
-    from specheads.data_gen.run import run
-
     config = parse_config(argv)
+    if config.drafter is not None and config.drafter.kind in FREE_DRAFTS:  # a free draft: no draft model, one process
+        from specheads.data_gen.lookup_labels import run_lookup as run
+    else:
+        from specheads.data_gen.run import run
     summary = run(config)
     if summary is not None:
         print(summary.text())

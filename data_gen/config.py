@@ -85,6 +85,10 @@ class GenerationOptions:
     vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
+FREE_DRAFTS = ("lookup", "suffix")
+"""The drafter kinds that load no model: their proposals are read from the context (`data_gen.lookup_labels`)."""
+
+
 @dataclass
 class DrafterOption:
     """A feature drafter as the draft (`data_gen.drafter_labels`): an EAGLE-3 or DSpark drafter in speculators' format,
@@ -235,7 +239,7 @@ class GenConfig:
         """Refuse, with `drafter`, what a feature drafter's data cannot hold (docs/data.md "Feature drafters")."""
         if self.drafter is None:
             return
-        if self.drafter.kind in ("lookup", "suffix"):
+        if self.drafter.kind in FREE_DRAFTS:
             self.check_free_draft()
             return
         if self.drafter.path is None:

@@ -37,18 +37,37 @@ from transformers import DynamicCache
 
 from specheads import __version__
 from specheads.data_gen.config import GenConfig
+from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
+from specheads.data_gen.run import (
+    Summary,
+    arithmetic,
+    fingerprint_of,
+    prepare_output,
+    refuse_foreign_folder,
+    select_items,
+    threads_kept,
+)
+from specheads.dataset.lookup import LOOKUP_FORMAT
+from specheads.dataset.prompts import load_prompts, prompts_hash
 from specheads.dataset.shards import read_record, shard_path, shard_problem
-from specheads.dataset.store import FORMAT_VERSION, MANIFEST, read_manifest, write_shard
+from specheads.dataset.store import FORMAT_VERSION, MANIFEST, write_shard
 from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import output_logits
 from specheads.model_outputs.states import cache_argument, decoder_forward
-from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import write_json_atomic
+from specheads.pair.models import (
+    chat_template_hash,
+    context_length,
+    load_model,
+    load_tokenizer,
+    tokenizer_hash,
+    weights_identity,
+)
+from specheads.pair.placement import rank_devices
+from specheads.plumbing.files import check_output_folder, write_json_atomic
+from specheads.plumbing.lock import folder_lock
 
-LOOKUP_FORMAT = "specheads-lookup-labels"
-LOOKUP_KINDS = ("lookup", "suffix")
 LABELLER = 1
 """How the rows are made; raised when that changes, so older data is not resumed into."""
 
@@ -247,10 +266,6 @@ def suffix_proposer(cls: Any, prompt_length: int, depth: int) -> Any:
 def lookup_identity(config: GenConfig, target: Any, tokenizer: Any, prompts: list[Any], device: torch.device) -> dict:
     """What defines a lookup dataset: the target, the free draft and its settings, the transform, the prompts, the
     inputs' names and the arithmetic (gen's `data_identity` for a draft model)."""
-    from specheads.data_gen.run import arithmetic
-    from specheads.dataset.prompts import prompts_hash
-    from specheads.pair.models import chat_template_hash, tokenizer_hash, weights_identity
-
     option = config.drafter
     draft = {"kind": option.kind, "depth": option.depth or DEFAULT_DEPTH}
     if option.kind == "lookup":
@@ -304,17 +319,10 @@ def pending_shards(out: Path, shards: list[Shard], fingerprint: str) -> Iterator
     return (shard for shard in shards if shard_problem(out, shard.index, fingerprint, None, deep=False) is not None)
 
 
-def run_lookup(config: GenConfig) -> Any:
+def run_lookup(config: GenConfig) -> Summary:
     """`specheads gen` with a free draft (`--drafter.kind lookup|suffix`): one process, every check before anything is
     written, resumable shard by shard; returns gen's Summary."""
-    from specheads.data_gen.engines import BuiltinEngine
-    from specheads.data_gen.run import Summary, fingerprint_of, prepare_output, refuse_foreign_folder, select_items, threads_kept
-    from specheads.dataset.prompts import load_prompts
-    from specheads.pair.models import context_length, load_model, load_tokenizer
-    from specheads.pair.placement import rank_devices
-    from specheads.plumbing.files import check_output_folder
-    from specheads.plumbing.lock import folder_lock
-
+    config.validate()
     out = Path(config.out)
     check_output_folder(out)
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column, column_flag="--prompts-column")
@@ -362,12 +370,3 @@ def run_lookup(config: GenConfig) -> Any:
     return Summary(out, stats["rows"], stats["labelled_tokens"], stats["mean_label"],
                    written / seconds if written else None, skipped_prompts=len(selection.skipped))
 
-
-def load_lookup(out: str | Path) -> datasets.Dataset:
-    """The rows of a finished lookup-label folder (gen's checks of every shard: `store.load_labelled`)."""
-    from specheads.dataset.store import load_labelled
-
-    manifest = read_manifest(Path(out))
-    if manifest is None or manifest.get("format") != LOOKUP_FORMAT:
-        raise UsageError(f"{out} holds no lookup labels; make them with `specheads gen --drafter.kind lookup --out {out}`")
-    return load_labelled(out, format=LOOKUP_FORMAT)

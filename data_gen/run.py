@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from specheads import __version__
 from specheads.data_gen.card import dataset_card
-from specheads.data_gen.config import GenConfig
+from specheads.data_gen.config import FREE_DRAFTS, GenConfig
 from specheads.data_gen.drafter_labels import (
     FeatureDrafter,
     check_prompts,
@@ -32,7 +32,6 @@ from specheads.data_gen.drafter_labels import (
 )
 from specheads.data_gen.engines import BuiltinEngine
 from specheads.data_gen.labels import LABELLER, SIBLING_COLUMNS
-from specheads.data_gen.lookup_labels import LOOKUP_KINDS, run_lookup
 from specheads.data_gen.module import LabellingModule, ShardWriter
 from specheads.data_gen.placement import check_visible_gpus, trainer_devices
 from specheads.data_gen.plan import Shard, WorkItem, build_plan
@@ -285,8 +284,9 @@ def run(config: GenConfig) -> Summary | None:
     """Run `specheads gen` with a validated config; every check happens before anything is written. Returns the
     summary on rank 0, None on the other ranks."""
     config.validate()
-    if config.drafter is not None and config.drafter.kind in LOOKUP_KINDS:  # a free draft: no draft model, one process
-        return run_lookup(config)
+    if config.drafter is not None and config.drafter.kind in FREE_DRAFTS:
+        raise UsageError(f"--drafter.kind {config.drafter.kind} is labelled by data_gen.lookup_labels.run_lookup "
+                         "(`specheads gen` runs it); call that")
     if config.responses_engine == "vllm":
         require_vllm()
     out = Path(config.out)

@@ -14,10 +14,10 @@ from specheads.cli import main
 from specheads.data_gen.lookup_labels import (
     ProposalInput,
     label_row,
-    load_lookup,
     ngram_proposer,
     proposal_inputs,
 )
+from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
 from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
 from specheads.lookup.proposers import suffix_available

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from specheads.artifacts.metrics import binary_kl, expected_calibration_error, soft_auc
-from specheads.data_gen.lookup_labels import load_lookup
 from specheads.dataset.datamodule import prompt_split
+from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
 from specheads.heads.lookup import TokenHeadModel
 from specheads.lookup.token_head import EXPECTED, HEAD_TYPES
