@@ -335,7 +335,7 @@ def write_folder(out: Path, checkpoint: DSparkCheckpoint, head: tuple[EngineHead
         check_empty(out, overwrite)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            shutil.copytree(checkpoint.folder, staging, dirs_exist_ok=True, ignore=lambda *_: LOCK_NAMES)
+            shutil.copytree(checkpoint.folder, staging, symlinks=True, dirs_exist_ok=True, ignore=lambda *_: LOCK_NAMES)
             before, after = write_weights(staging, checkpoint, written)
             provenance["replaced"].update(before=before, after=after)
             write_files(staging, checkpoint, engine, provenance, metrics)
