@@ -1,10 +1,12 @@
-"""The demo's report.md / report.html: the summary, the commands that ran, and each head's eval report."""
+"""The demo's report.md / report.html: a figure of each pair's speedup by rule first, then the summary table, the
+commands that ran, and each head's eval report."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from specheads.artifacts.report_file import Report
+from specheads.demo.figure import write_figure
 from specheads.demo.stages import TITLES, Layout
 from specheads.demo.summary import decoding_line, duration, serving_line
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
@@ -28,10 +30,22 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
-    """The whole demo report as markdown (plots linked into each head's eval folder)."""
+def figure_lines(summary: dict[str, Any], figure: str | None) -> list[str]:
+    """The report's first element: the speedup figure and what it shows (or why there is none)."""
+    if figure is None:
+        return ["No pair decoded, so there is no speedup figure: the heads' offline figures are below.", ""]
+    scale = " The quick demo is a smoke run, too small to rank anything." if summary["size"] == "quick" else ""
+    return [f"![Speedup by rule for each pair the demo ran]({figure})", "",
+            "Speedup by rule for each pair the demo ran, on test prompts nothing was tuned on: a square is a rule's "
+            "speedup; a whisker is a 95 % interval (on the self-speculative pair, the head's, paired against that "
+            f"rule: wholly right of the rule's square, the head wins; wholly left, it loses).{scale}", ""]
+
+
+def demo_markdown(summary: dict[str, Any], reports: dict[str, Report], figure: str | None = None) -> str:
+    """The whole demo report as markdown: the figure (`figure`, a file in the demo folder) first, then the summary
+    table, the commands and each head's report (plots linked into each head's eval folder)."""
     data, pair = summary["data"], summary["pair"]
-    lines = ["# specheads demo", "",
+    lines = ["# specheads demo", "", *figure_lines(summary, figure),
              f"Target `{pair['target']}`, draft `{pair['draft']}`, temperature {pair['sampling']['temperature']:g}. "
              f"{data['labelled_tokens']:,} labelled tokens in {data['rows']} rows from {data['prompts']} built-in prompts "
              f"(mean acceptance {data['mean_accept']:.3f}; fingerprint `{data['fingerprint']}`). Finished in "
@@ -47,5 +61,6 @@ def demo_markdown(summary: dict[str, Any], reports: dict[str, Report]) -> str:
 
 
 def write_demo_report(summary: dict[str, Any], reports: dict[str, Report], layout: Layout) -> None:
-    """report.md and report.html in the demo folder."""
-    write_markdown(demo_markdown(summary, reports), layout.root, "specheads demo report")
+    """speedup.png, report.md and report.html in the demo folder."""
+    figure = write_figure(summary, layout.root)
+    write_markdown(demo_markdown(summary, reports, figure), layout.root, "specheads demo report")

@@ -212,6 +212,8 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     assert manifest["complete"] and summary["data"]["labelled_tokens"] == manifest["counts"]["labelled_tokens"] > 500
     assert set(summary["heads"]) == {*EVALUATED, SHIPPED}
     report = (out / "report.html").read_text()
+    # the report opens on the figure of speedup by rule, then the table (tests/test_demo_report_browser.py renders it)
+    assert (out / "speedup.png").is_file() and report.index('src="speedup.png"') < report.index("<table")
     for head in HEADS:
         assert (out / "train" / head / "checkpoints" / "last.ckpt").is_file()
     module, _ = load_head(str(out / "heads" / "expected"))
