@@ -137,10 +137,11 @@ def test_a_candidate_the_head_scores_costs_c_times_one_plus_h_in_the_stop_and_in
 
 
 def test_a_round_the_cap_ends_is_counted_at_its_drafted_length():
-    """The cap ends a round without asking the planner: the cost it records is that of the candidates drafted."""
+    """The cap ends a round after the planner has seen its last candidate (and let it pass): the cost it records is
+    that of the candidates drafted, not one more."""
     planner = CostPlanner(0.25)
     planner.admit(0)
-    for index in (1, 2):
+    for index in (1, 2, 3):
         assert not planner.stops(0, Drafted(index=index, prob=0.9, entropy=0.1, acceptance=0.99, score=0.99))
     planner.observe({0: [Outcome(1, 0.9, True), Outcome(2, 0.9, True), Outcome(3, 0.9, False)]})
     state = planner.requests[0]
@@ -164,6 +165,22 @@ def test_the_cost_rule_needs_a_head_that_scores_each_candidate_when_drafted(tiny
 @pytest.fixture(scope="module")
 def tiny_pair():
     return tiny_lm(seed=1), tiny_lm(seed=2)
+
+
+def test_the_planner_sees_the_score_of_the_candidate_the_cap_ends_a_round_on(tiny_pair):
+    """At c = 0.001 the rule drafts to the cap of 2: every drafted candidate, the capped one too, reaches the
+    planner (its mean acceptance reads the deepest scores), and each round is charged its drafted candidates."""
+    target, draft = tiny_pair
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
+    torch.manual_seed(11)
+    head = OnTimeAcceptanceHead(16, depth=1, extra_features=["logq", "q"], candidate_embedding_size=16).eval()
+    rule = make_policy("head_cost", 0.001, max_draft=2)
+    planner = rule.planner(None)
+    result = engine.decode([PROMPT], rule, 12, [0], head, planner=planner)[0]
+    state = planner.requests[0]
+    assert 2 in result.drafted_per_round and state.scored == result.drafted
+    charge = 0.001 * (1 + planner.head_cost)
+    assert state.cost == pytest.approx(sum(charge * drafted + 1 for drafted in result.drafted_per_round))
 
 
 def test_the_cost_rule_samples_the_target_distribution_at_batch_10(tiny_pair):

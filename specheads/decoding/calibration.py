@@ -324,9 +324,7 @@ class CalibratedCostPlanner(SignalReader, CostPlanner):
         assert self.signal is not None
         acceptance, survival = self.read(row, drafted)
         stop = super().stops(row, replace(drafted, acceptance=survival, score=acceptance))
-        if not self.signal.ready:  # a full-width round: it drafts on to the cap
-            self.requests[row].drafted = drafted.index + 1
-        return stop and self.signal.ready
+        return stop and self.signal.ready  # not ready: a full-width round, drafting on to the cap
 
 
 for name, factory in (("vllm_current", vllm_signal), ("vllm_margin", margin_signal), ("history", HistorySignal),

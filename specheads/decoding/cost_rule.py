@@ -119,8 +119,7 @@ class CostPlanner(PassivePlanner):
         state.scored += 1
         stop = not worth_drafting(drafted.acceptance, state.mean_acceptance(drafted.score), state.rate(),
                                   self.candidate_cost, verify_step(self.curve, drafted.index))
-        # a round the cap ends after a candidate the rule let pass drafted one more
-        state.drafted = drafted.index if stop else drafted.index + 1
+        state.drafted = drafted.index  # the engine shows every candidate, the one the cap ends a round on too
         return stop
 
     def observe(self, outcomes: Mapping[int, list[Outcome]]) -> None:

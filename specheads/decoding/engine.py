@@ -503,7 +503,8 @@ class RoundEngine:
                                drafter_score_scaled=draft.drafter_score_scaled(row) if rule.reads_drafter_temperatures
                                else None)
                 this.seen.append(seen)
-                if len(this.candidates) >= this.cap or rule.stop(seen) or (planner is not None and planner.stops(row, seen)):
+                planned = planner is not None and planner.stops(row, seen)  # the capped candidate's score too
+                if planned or len(this.candidates) >= this.cap or rule.stop(seen):
                     del pending[row]
                 else:
                     pending[row], this.previous = [candidate.token], candidate.signals
