@@ -4,12 +4,14 @@ intervals, the configs and weights as vLLM must read the embedded pair, and the 
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import load_benchmark
+from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +74,71 @@ def test_the_expand_stand_in_writes_each_requests_value_over_its_tokens_at_the_c
     top_k = torch.empty(3, dtype=torch.int32)
     anchor.expand_at_dtype(top_k, torch.tensor([50, 0], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 0, 0)
     assert top_k.tolist() == [50, 0, 0] and top_k.dtype == torch.int32
+
+
+def folders(tmp_path, drafter_config=None):
+    """A target folder, a drafter folder and a prompt file as the anchor reads them (files only, no weights)."""
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    for folder, config in ((target, {"model_type": "llama", "eos_token_id": 2}),
+                           (drafter, drafter_config or {"speculators_model_type": "eagle3"})):
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config))
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(drafter / "model.safetensors"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(5)) + "\n")
+    return ["--target", str(target), "--drafter", str(drafter), "--prompt-file", str(prompts)]
+
+
+def test_a_row_is_skipped_only_where_everything_that_changes_it_is_the_same(anchor, tmp_path):
+    """The cache key holds the drafter's and target's files, the prompt file and max new tokens beside K, T and B:
+    another drafter in the same folder, another max_new_tokens or another prompt file reruns the row."""
+    paths = folders(tmp_path)
+    args = anchor.parse_args([*paths, "--k", "2", "--prompts", "40"])
+    identity = anchor.run_identity(args)
+    assert identity["prompts"] == 5  # the prompts the file holds, as the row records them
+    out = tmp_path / "anchor.jsonl"
+    out.write_text(json.dumps({**identity, "temperature": 1.0, "batch": 8, "tokens": 10}) + "\n")
+    assert anchor.row_key({**identity, "temperature": 1.0, "batch": 8}) in anchor.done_rows(out)
+    assert anchor.row_key({**identity, "temperature": 1.0, "batch": 1}) not in anchor.done_rows(out)
+    longer = anchor.run_identity(anchor.parse_args([*paths, "--k", "2", "--max-new-tokens", "128"]))
+    assert anchor.row_key({**longer, "temperature": 1.0, "batch": 8}) not in anchor.done_rows(out)
+    save_file({"fc.weight": torch.ones(2, 2)}, str(tmp_path / "drafter" / "model.safetensors"))
+    retrained = anchor.run_identity(args)
+    assert anchor.row_key({**retrained, "temperature": 1.0, "batch": 8}) not in anchor.done_rows(out)
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "other"}) + "\n")
+    assert anchor.run_identity(args)["prompt_file_sha256"] != retrained["prompt_file_sha256"]
+
+
+def test_another_drafter_never_finds_the_copy_made_for_an_earlier_one(anchor, tmp_path):
+    paths = folders(tmp_path, {"speculators_model_type": "eagle3", "draft_vocab_size": 64})
+    args = anchor.parse_args([*paths, "--k", "2"])
+    work = tmp_path / "work"
+    first = anchor.serving_copy(tmp_path / "drafter", work, "drafter", anchor.run_identity(args)["drafter_sha256"])
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3",
+                                                                  "draft_vocab_size": 128}))
+    second = anchor.serving_copy(tmp_path / "drafter", work, "drafter", anchor.run_identity(args)["drafter_sha256"])
+    assert first != second and json.loads((second / "config.json").read_text())["draft_vocab_size"] == 128
+    assert sorted(p.name for p in work.iterdir()) == sorted([first.name, second.name])  # no staging folder left
+
+
+def test_the_stop_ids_are_ours_the_generation_configs_else_the_tokenizers(anchor, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert anchor.stop_ids(target, 7) == [2]  # transformers derives the generation config from config.json
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert anchor.stop_ids(target, 7) == [2, 0]
+    (target / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    assert anchor.stop_ids(target, 7) == [7]
+
+
+@pytest.mark.parametrize("flags, problem", [(["--k", "-1"], "--k -1 must be at least 0"),
+                                            (["--k", "2", "--batches", "0", "8"], "--batches [0, 8] must be at least 1"),
+                                            (["--k", "2", "--temperatures", "nan"], "must be finite"),
+                                            (["--k", "2", "--max-new-tokens", "0"], "--max-new-tokens 0 must be"),
+                                            (["--k", "2", "--drafter", "/nonexistent"], "--drafter /nonexistent holds no")])
+def test_bad_flags_end_in_one_line_before_vllm_is_imported(anchor, tmp_path, flags, problem):
+    with pytest.raises(SystemExit) as ended:
+        anchor.main([*folders(tmp_path), *flags])
+    message = str(ended.value)
+    assert problem in message and "\n" not in message and message.startswith("vllm_anchor.py: error:")
