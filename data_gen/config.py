@@ -103,6 +103,9 @@ class DrafterOption:
             rounds); default: the drafter's own (EAGLE-3: the speculative tokens its config proposes; DSpark: its
             block's candidates, the most it may be). A free draft's most tokens per proposal (default 8).
         max_ngram, min_ngram: the n-grams prompt lookup matches, longest first (`lookup` only).
+        labels: a free draft's labels: `all` proposed tokens (one packed target forward reads the proposals), or only
+            those a decode can reach, up to the first that departs from the response (no forward beyond the
+            response's own; at T = 0 exactly the tokens a decode reaches).
     """
 
     kind: Literal["eagle3", "dspark", "lookup", "suffix"]
@@ -110,6 +113,7 @@ class DrafterOption:
     depth: PositiveInt | None = None
     max_ngram: PositiveInt = 3
     min_ngram: PositiveInt = 1
+    labels: Literal["all", "reached"] = "all"
 
 
 @dataclass
@@ -242,6 +246,8 @@ class GenConfig:
         if self.drafter.kind in FREE_DRAFTS:
             self.check_free_draft()
             return
+        if self.drafter.labels != "all":
+            raise UsageError(f"--drafter.labels {self.drafter.labels} applies to free drafts (lookup, suffix); drop it")
         if self.drafter.path is None:
             raise UsageError(f"--drafter.kind {self.drafter.kind} drafts with a trained drafter: give its folder with "
                              "--drafter.path DIR")

@@ -167,18 +167,31 @@ def packed_groups(inputs: list[ProposalInput]) -> Iterator[list[ProposalInput]]:
         yield group
 
 
+def reached_length(item: ProposalInput, response: list[int]) -> int:
+    """How many of the proposal's tokens a decode can reach when the output is `response`: those that continue it and
+    the first that departs from it (within the response)."""
+    tokens = item.proposal.tokens
+    return min(accepted_prefix(tokens, response[item.start:]) + 1, len(tokens), len(response) - item.start)
+
+
 @torch.no_grad()
 def label_row(target: Any, prompt_ids: list[int], response: list[int], inputs: list[ProposalInput],
-              transform: SamplingTransform, device: torch.device) -> tuple[list[np.ndarray], torch.Tensor]:
+              transform: SamplingTransform, device: torch.device,
+              reached_only: bool = False) -> tuple[list[np.ndarray], torch.Tensor]:
     """(each input's labels [K], the target's states [n, h]: row i at the last verified position before y_i). One
     forward reads the prompt and the response; the proposals' tokens (all but their last) are then read on top of it,
-    packed, each block seeing only its own verified context and its earlier tokens (`packed_mask`)."""
+    packed, each block seeing only its own verified context and its earlier tokens (`packed_mask`). With
+    `reached_only` each proposal is labelled up to its first token that departs from the response
+    (`reached_length`), all read off the response's own forward: at T = 0 no decode reaches a later token."""
     cache = DynamicCache(config=target.config)
     verified = [*prompt_ids, *response[:-1]]
     logits, states = decoder_read(target, verified, cache, device)
     first = len(prompt_ids) - 1  # the position that predicts y_1
-    scored = {item.start: [logits[first + item.start][None]] for item in inputs}
-    for group in packed_groups(inputs):
+    if reached_only:
+        scored = {x.start: [logits[first + x.start: first + x.start + reached_length(x, response)]] for x in inputs}
+    else:
+        scored = {item.start: [logits[first + item.start][None]] for item in inputs}
+    for group in [] if reached_only else packed_groups(inputs):
         blocks = [(len(prompt_ids) + x.start, len(x.proposal.tokens) - 1) for x in group]
         tokens = [t for x in group for t in x.proposal.tokens[:-1]]
         positions = [seen + j for seen, length in blocks for j in range(length)]
@@ -191,7 +204,8 @@ def label_row(target: Any, prompt_ids: list[int], response: list[int], inputs: l
     labels = []
     for item in inputs:
         log_probs = transform.log_probs(torch.cat(scored[item.start]))
-        picked = log_probs.gather(-1, torch.tensor(item.proposal.tokens, device=log_probs.device)[:, None]).squeeze(-1)
+        tokens = item.proposal.tokens[: len(log_probs)]  # all of them, or those reached
+        picked = log_probs.gather(-1, torch.tensor(tokens, device=log_probs.device)[:, None]).squeeze(-1)
         labels.append(picked.exp().cpu().numpy().astype(np.float32))
     return labels, states[first: first + len(response)].float().cpu()
 
@@ -214,17 +228,17 @@ def row_schema(target_hidden_size: int | None) -> datasets.Features:
 
 def row_columns(item: WorkItem, response: list[int], inputs: list[ProposalInput], labels: list[np.ndarray],
                 states: torch.Tensor | None) -> dict[str, Any]:
-    """One row's values, by column."""
+    """One row's values, by column: a proposed token for each label (`labels` may stop short of a proposal's end)."""
     width = len(FEATURE_NAMES)
     row: dict[str, Any] = {
         "prompt_id": item.prompt_id, "sample_index": item.sample_index, "prompt_ids": list(item.prompt_ids),
         "target_ids": response,
-        "start": [x.start for x in inputs for _ in x.proposal.tokens],
-        "position": [k for x in inputs for k in range(1, len(x.proposal.tokens) + 1)],
-        "token": [int(t) for x in inputs for t in x.proposal.tokens],
+        "start": [x.start for x, kept in zip(inputs, labels) for _ in kept],
+        "position": [k for kept in labels for k in range(1, len(kept) + 1)],
+        "token": [int(t) for x, kept in zip(inputs, labels) for t in x.proposal.tokens[: len(kept)]],
         "label": np.concatenate(labels).tolist() if labels else [],
-        "round_start": [x.round_start for x in inputs for _ in x.proposal.tokens],
-        "token_features": (np.concatenate([x.features for x in inputs]) if inputs
+        "round_start": [x.round_start for x, kept in zip(inputs, labels) for _ in kept],
+        "token_features": (np.concatenate([x.features[: len(kept)] for x, kept in zip(inputs, labels)]) if inputs
                            else np.zeros((0, width), np.float32)),
     }
     if states is not None:
@@ -270,6 +284,8 @@ def lookup_identity(config: GenConfig, target: Any, tokenizer: Any, prompts: lis
     draft = {"kind": option.kind, "depth": option.depth or DEFAULT_DEPTH}
     if option.kind == "lookup":
         draft |= {"max_ngram": option.max_ngram, "min_ngram": option.min_ngram}
+    if option.labels != "all":
+        draft["labels"] = option.labels
     return {
         "target": weights_identity(config.target, target), "draft": draft,
         "tokenizer_hash": tokenizer_hash(tokenizer), "chat_template_hash": chat_template_hash(tokenizer),
@@ -294,7 +310,8 @@ def label_shard(config: GenConfig, target: Any, engine: Any, shard: Shard, devic
         for item, response in zip(batch, engine.responses(target, batch, device, config.batch_size)):
             prompt = list(item.prompt_ids)
             inputs = proposal_inputs(prompt, response, request_proposer(config, len(prompt)))
-            labels, states = label_row(target, prompt, response, inputs, transform, device)
+            labels, states = label_row(target, prompt, response, inputs, transform, device,
+                                       config.drafter.labels == "reached")
             row = row_columns(item, response, inputs, labels, states if config.target_states else None)
             for name, value in row.items():
                 columns.setdefault(name, []).append(value)

@@ -16,6 +16,7 @@ from specheads.data_gen.lookup_labels import (
     label_row,
     ngram_proposer,
     proposal_inputs,
+    reached_length,
 )
 from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
@@ -72,6 +73,11 @@ def test_every_label_equals_a_separate_target_forward(tiny_model, temperature):
             assert row[k] == pytest.approx(expected, abs=1e-5), (item.start, k)
             checked.append(expected)
     assert len(checked) > 20
+    reached, _ = label_row(target, PROMPT, response, inputs, transform, torch.device("cpu"), reached_only=True)
+    lengths = [len(kept) for kept in reached]
+    assert lengths == [reached_length(item, response) for item in inputs] and sum(lengths) < len(checked)
+    for kept, full in zip(reached, labels):  # the response's own forward gives what the packed read gives
+        assert kept == pytest.approx(full[: len(kept)], abs=1e-5)
     if temperature == 0:
         assert set(checked) == {0.0, 1.0}
     for start in (0, 4, len(response) - 1):
