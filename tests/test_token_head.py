@@ -153,3 +153,14 @@ def test_the_token_head_learns_a_planted_signal(tmp_path):
     short = val["features"][:, FEATURE_NAMES.index("match_length")] < 3
     assert scores[short].mean() < 0.25 and scores[~short].mean() > 0.75
     assert trainer.callback_metrics["val/auc"] > 0.85
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("lookup-*.yaml")), ids=lambda p: p.stem)
+def test_lookup_train_configs_are_valid(config, capsys):
+    from specheads.cli import main
+
+    assert main(["train", "lookup", "fit", "--config", str(config), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["head"] in (STOP, EXPECTED)
+    assert printed["model"]["target_state"] == printed["data"]["target_state"]
+    LookupHeadModule(**yaml.safe_load(config.read_text())["model"])  # the constructor accepts it

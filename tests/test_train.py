@@ -240,7 +240,9 @@ def test_a_run_stopped_by_sigterm_exits_non_zero(labelled, tmp_path):
 
 DRAFTER_RECIPES = ("eagle3", "dspark")
 """eagle3-*, dspark-*: `train drafter` recipes, validated in tests/test_eagle3.py and tests/test_dspark.py."""
-HEAD_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.stem.startswith(DRAFTER_RECIPES))
+LOOKUP_RECIPES = ("lookup",)
+"""lookup-*: `train lookup fit` recipes of free drafts' token heads, validated in tests/test_token_head.py."""
+HEAD_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.stem.startswith(DRAFTER_RECIPES + LOOKUP_RECIPES))
 
 
 @pytest.mark.parametrize("config", HEAD_CONFIGS, ids=lambda p: p.stem)
