@@ -58,6 +58,14 @@ class Config:
     threads: int = 0
     out: str | None = None
 
+    def check(self) -> None:
+        """Refuse, before any model loads (`parse_script`), a threshold no rule takes (`make_policy`: finite, >= 0)."""
+        from specheads.decoding import make_policy
+
+        for name, values in (("confidence", self.confidence), ("svip", self.svip), ("head", self.head_thresholds)):
+            for value in values:
+                make_policy(name, value, self.max_draft)
+
 
 def main() -> None:
     from specheads.artifacts.checkpoint import load_trained

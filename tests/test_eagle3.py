@@ -140,3 +140,30 @@ def test_profile_refuses_an_eagle3_folder_that_is_not_a_drafter_before_loading_a
     assert main(["profile", "--eagle3", str(tmp_path / "empty"), "--out", str(tmp_path / "costs.json")]) == 2
     error = capsys.readouterr().err.strip()
     assert "give the folder of a drafter" in error and error.count("\n") == 0 and not (tmp_path / "costs.json").exists()
+
+
+@pytest.mark.parametrize("script, flags, problem", [
+    ("eagle3_decode", ["--rules", '["confidence:nan"]'], "the confidence rule's threshold must be a finite number >= 0"),
+    ("eagle3_decode", ["--rules", '["confidence:-0.3"]'], "got -0.3"),
+    ("eagle3_decode", ["--rules", '["tree:nan"]'], "the tree's floor is a probability"),
+    ("eagle3_decode", ["--rules", '["confidence"]'], "is not name:threshold"),
+    ("eagle3_decode", ["--prompts", "0"], "--prompts 0 must be at least 1"),
+    ("dspark_decode", ["--rules", '["bogus:1"]'], "unknown decoding rule 'bogus'"),
+    ("dspark_decode", ["--temperature", "1e999"], "--temperature holds inf"),  # YAML reads it as infinity
+    ("decode_speed", ["--confidence", "[0.1, .nan]"], "--confidence holds nan"),
+    ("decode_speed", ["--svip", "[-1.0]"], "the svip rule's threshold must be a finite number >= 0"),
+])
+def test_a_benchmarks_bad_flags_end_in_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys, script, flags,
+                                                                       problem):
+    """The check every benchmark's flags get in the shared parser (`parse_script`): the target named here does not
+    exist, so a refusal naming the flag comes before any model is looked for."""
+    from conftest import load_benchmark
+
+    module = load_benchmark(script)
+    drafter = ["--drafter", str(tmp_path / "drafter")] if script != "decode_speed" else []
+    monkeypatch.setattr(sys, "argv", [script, *drafter, "--target", str(tmp_path / "no-target"), *flags]
+                        if script != "decode_speed" else [script, *flags])
+    with pytest.raises(SystemExit) as ended:
+        module.main()
+    message = str(ended.value)
+    assert problem in message and "\n" not in message and message.startswith(f"{script}.py: error:")

@@ -274,4 +274,6 @@ def make_policy(name: str, threshold: float, max_draft: int = 8) -> StopPolicy:
     known ones."""
     if name not in RULES:
         raise UsageError(f"unknown decoding rule {name!r}; known: {', '.join(RULES)}")
+    if not math.isfinite(threshold) or threshold < 0:  # every rule's value is a probability, entropy, K, c or count
+        raise UsageError(f"the {name} rule's threshold must be a finite number >= 0, got {threshold}")
     return RULES[name].make(threshold, max_draft)

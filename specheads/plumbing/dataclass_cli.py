@@ -107,11 +107,36 @@ def parse_error_line(message: str) -> str:
 
 
 def parse_script(cls: type[Config], prog: str, description: str, argv: list[str] | None = None) -> Config:
-    """`parse_dataclass` for a script's own `main` (the benchmarks): a bad flag ends the process in one line."""
+    """`parse_dataclass` for a script's own `main` (the benchmarks), checked before the script loads anything
+    (`check_script_config`): a bad flag ends the process in one line."""
     try:
-        return parse_dataclass(cls, sys.argv[1:] if argv is None else argv, prog, description)
+        config = parse_dataclass(cls, sys.argv[1:] if argv is None else argv, prog, description)
+        check_script_config(config)
+        return config
     except UsageError as error:
         raise SystemExit(f"{prog}: error: {error}") from None
+
+
+def check_script_config(config: Any, prefix: str = "") -> None:
+    """The check every script's flags get before any model loads: no number anywhere in them (nested settings,
+    lists, pairs) is NaN or infinite; then the config's own `check()`, where its class has one (a benchmark's
+    rules, counts and files)."""
+    import dataclasses
+    import math
+
+    def finite(value: Any, flag: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{dashed(flag)} holds {value}; give a finite number")
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                finite(item, flag)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_script_config(value, f"{flag}.")
+
+    for item in fields(config):
+        finite(getattr(config, item.name), f"--{prefix}{item.name}")
+    if not prefix and callable(getattr(config, "check", None)):
+        config.check()
 
 
 def parse_dataclass(cls: type[Config], argv: list[str], prog: str, description: str,
