@@ -223,8 +223,10 @@ def vllm_signal(positions: int) -> EstimatorSignal:
 
 
 def margin_signal(positions: int) -> EstimatorSignal:
-    """The PR's earlier revision as issue 62 describes it: the top-2 margin, its cold start, full blocks verified until
-    the third refit."""
+    """The top-2 margin with the PR's earlier revision's cold start and warm-up (full blocks verified until the third
+    refit), fitted as the merged estimator fits (one damped slope shared across positions, refitted every window
+    whatever its count), not as that revision did (a slope and an intercept per position, an undamped 2 × 2 Newton
+    step, only with 50 observations): its feature, start and warm-up beside the merged estimator's, not a replica."""
     fit = OnlineLogistic(positions, MARGIN_REVISION_START[:1], MARGIN_REVISION_START[1],
                          warmup_refits=MARGIN_REVISION_WARMUP)
     return EstimatorSignal(fit, "margin")
@@ -356,8 +358,9 @@ class VllmCurrent(SignalStopRule):
 @register
 @dataclass(frozen=True)
 class VllmMargin(SignalStopRule):
-    """vLLM's estimator on the top-2 logit margin with the three-refit warm-up (`margin_signal`, the PR's earlier
-    revision) as a stop rule; it drafts to the cap until its third refit."""
+    """vLLM's merged estimator's fit on the top-2 logit margin with the earlier revision's start and three-refit
+    warm-up (`margin_signal`: that revision's feature, start and warm-up, not its per-position undamped fit gated at
+    50 observations) as a stop rule; it drafts to the cap until its third refit."""
 
     name: ClassVar[str] = "vllm_margin"
     signal: ClassVar[str] = "vllm_margin"
