@@ -325,13 +325,14 @@ def tiny_pair():
 
 
 @torch.no_grad()
-def sequence_probabilities(model, transform: SamplingTransform, length: int = LENGTH) -> dict[tuple[int, ...], float]:
-    """The exact distribution of `length` tokens after PROMPT, by enumeration."""
+def sequence_probabilities(model, transform: SamplingTransform, length: int = LENGTH, prompt: list[int] = PROMPT,
+                           vocab: int = VOCAB) -> dict[tuple[int, ...], float]:
+    """The exact distribution of `length` tokens after `prompt`, by enumeration over a `vocab`-token vocabulary."""
     result = {}
-    for tail in itertools.product(range(VOCAB), repeat=length):
-        logits = model(torch.tensor([PROMPT + list(tail)])).logits[0]
+    for tail in itertools.product(range(vocab), repeat=length):
+        logits = model(torch.tensor([prompt + list(tail)])).logits[0]
         log_probs = transform.log_probs(logits)
-        result[tail] = float(np.prod([log_probs[len(PROMPT) - 1 + i, t].exp().item() for i, t in enumerate(tail)]))
+        result[tail] = float(np.prod([log_probs[len(prompt) - 1 + i, t].exp().item() for i, t in enumerate(tail)]))
     return result
 
 

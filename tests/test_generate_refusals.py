@@ -32,7 +32,7 @@ def generate(target, draft, head, **options):
 @pytest.mark.parametrize("options, message", [
     ({"penalty_alpha": 0.6, "top_k": 2}, "penalty_alpha asks for contrastive search"),
     ({"dola_layers": "high"}, "dola_layers asks for dola generation"),
-    ({"prompt_lookup_num_tokens": 2}, "prompt_lookup_num_tokens asks for assisted generation"),
+    ({"prompt_lookup_num_tokens": 2}, "prompt_lookup_num_tokens drafts from the context, not with a draft model"),
     ({"mm_encoder_outputs": torch.zeros(1, 4)}, "cannot honour mm_encoder_outputs"),
 ])
 def test_options_generate_would_drop_silently_are_refused_in_one_line(pair, options, message):

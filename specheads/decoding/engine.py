@@ -51,6 +51,7 @@ from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts, hindsight_forwards
 from specheads.decoding.features import draft_block, refuse_for_draft, round_caches
+from specheads.decoding.free_draft import plan_free_round, round_proposal
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.result import DecodeResult
@@ -383,6 +384,8 @@ class RoundEngine:
             if planner is not None:
                 most = planner.round_cap(len(live), max(caps.values()))
                 caps = {row: min(cap, most) for row, cap in caps.items()}
+            # a free draft: each row's proposal, read from its verified context, and its verify length from the rule
+            caps = plan_free_round(draft, rule, planner, {row: batch.tokens[row] for row in live}, caps)
             rounds = {row: RowRound(cap=caps[row], unread=batch.unread(row)) for row in live}
             self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
             lengths = planner.verify_lengths({row: rounds[row].seen for row in live}) if planner else None
@@ -450,6 +453,8 @@ class RoundEngine:
         models = {"draft": self.draft, "target": self.target,
                   **({"companion": self.companion.model} if self.companion is not None else {})}
         for name, model in models.items():
+            if getattr(model, "free", False):  # a free draft holds no keys and values
+                continue
             todo = list(dict.fromkeys(tuple(p[:-1]) for p in prompts if len(p) > 1))
             todo = [prefix for prefix in todo if not self.prompt_cache.holds(name, model, prefix)]
             for start in range(0, len(todo), batch_size):
@@ -501,7 +506,7 @@ class RoundEngine:
                                ends_output=candidate.token in self.stop_ids, top1=candidate.signals["top1"],
                                margin=candidate.signals["margin"], drafter_score=draft.drafter_score(row),
                                drafter_score_scaled=draft.drafter_score_scaled(row) if rule.reads_drafter_temperatures
-                               else None)
+                               else None, proposal=round_proposal(draft, row))
                 this.seen.append(seen)
                 planned = planner is not None and planner.stops(row, seen)  # the capped candidate's score too
                 if planned or len(this.candidates) >= this.cap or rule.stop(seen):

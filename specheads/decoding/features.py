@@ -19,8 +19,10 @@ import torch
 from transformers import DynamicCache
 
 from specheads.decoding.cache import BatchCache
+from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.sampler import draw, refuse_non_finite, verify
 from specheads.model_outputs.sampling import SamplingTransform
+from specheads.model_outputs.signals import output_width
 from specheads.pair.drafters import draft_rows, streams_captured
 from specheads.plumbing.errors import UsageError
 
@@ -270,12 +272,17 @@ def round_caches(target: Any, draft: Any, rows: int, state_layer: int | None) ->
     if isinstance(draft, FeatureDraft):
         target_cache = StreamBatchCache(target, rows, draft.layer_ids)
         return draft.draft_cache(target_cache, rows, state_layer), target_cache
+    if isinstance(draft, LookupDraft):
+        return draft.draft_cache(rows, output_width(target)), BatchCache(target, rows)
     return BatchCache(draft, rows, state_layer), BatchCache(target, rows)
 
 
 def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[BatchCache, Any]:
     """(the shared target cache of a tree decode, a maker of each request's own draft cache: (target row, state layer)
     -> cache), plain or a feature draft's."""
+    if isinstance(engine_draft, LookupDraft):
+        raise UsageError("tree drafts need a draft model or a feature drafter; a free draft (prompt lookup, suffix) "
+                         "proposes one chain: decode it without a tree")
     if isinstance(engine_draft, FeatureDraft):
         target = StreamBatchCache(engine_target, rows, engine_draft.layer_ids)
         return target, lambda row, state_layer: engine_draft.draft_cache(target, 1, state_layer, target_row=row)
@@ -299,3 +306,5 @@ def refuse_for_draft(draft: Any, rule: Any, prompt_cache: Any, companion: Any) -
                          "calibration prompts) or use dspark_confidence / dspark_adaptive")
     if isinstance(draft, FeatureDraft):
         draft.refuse(rule, prompt_cache, companion)
+    if isinstance(draft, LookupDraft):
+        draft.refuse(rule, companion)

@@ -27,6 +27,7 @@ registered in `RULES`; the round engine (`specheads.decoding.engine`) runs any o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -54,6 +55,9 @@ class Drafted:
     # confidence head, `BatchCache.drafter_score`): known before the draw; None for a draft that makes none
     drafter_score_scaled: float | None = None  # the same through the drafter's per-position temperatures, as SGLang
     # applies them (`BatchCache.drafter_score_scaled`); None where the draft was given none
+    proposal: Any = None  # a free draft's proposal this round (`specheads.lookup.proposers.Proposal`: its tokens,
+    # the match's length, count and distance, the per-token scores, the source), known before the round drafts; the
+    # candidate is its token number `index`. None under a draft model
 
 
 RULES: dict[str, type[StopPolicy]] = {}
@@ -104,6 +108,15 @@ class StopPolicy:
     def verify_from(self, round_: list[Drafted]) -> int | None:
         """The first of the round's candidates (0-based) the target checks; None: no target call this round."""
         return 0
+
+    def proposal_length(self, proposal: Any, estimates: Sequence[float] | None) -> int:
+        """How many of a free draft's proposed tokens this round verifies (a prefix; 0: a plain target step), read
+        from the whole proposal before any of it is drafted: its tokens and match statistics
+        (`specheads.lookup.proposers.Proposal`) and, where the rule's planner keeps them, the conditional acceptance
+        estimate â_k of each proposed token (`specheads.decoding.free_draft.FreePlanner.estimates`). Exact whatever it
+        reads: every proposed token is a function of the verified context (docs/method.md, "Free drafts"). A rule
+        without a choice of its own takes all of it (its cap and `stop` still end the round)."""
+        return len(proposal.tokens)
 
     def planner(self, costs: ServingCosts | None) -> Any:
         """The planner that keeps the rule's state over a decode (the hooks of

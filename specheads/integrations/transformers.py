@@ -30,6 +30,16 @@ tree each round in place of the chain and verifies it in one target forward, exa
 EAGLE-2's) needs no head. Neither does a chain drafted by a DSpark drafter (`draft=DSparkModel(drafter, target)`,
 `specheads.decoding.dspark`) without `head=`: it drafts its whole block each round, as vLLM serves it.
 
+Prompt lookup: `prompt_lookup_num_tokens=K` (transformers' own argument, `max_matching_ngram_size` too) drafts from
+the context instead of a draft model (`specheads.decoding.free_draft`: the last n-gram's earliest earlier occurrence,
+as transformers' `PromptLookupCandidateGenerator` finds it) and verifies each proposed token exactly, as a point-mass
+draft (accepted with p(x), a rejection resampled from p without x), so `draft=` is not needed; sampling gives the
+target's distribution, greedy decoding what `target.generate(do_sample=False)` gives, in batches too (transformers'
+own prompt lookup takes one prompt). Without `head=` a round verifies the whole proposal up to K, as transformers does;
+with a token-only head (`specheads.lookup.token_head.TokenHead.load(folder)`) the verify length is the one that
+maximises the tokens a round emits over what its verify costs (`lookup_plan`). `draft=LookupDraft("suffix")` drafts
+SuffixDecoding's suffix trees instead.
+
 What transformers 5.x does not hand a `custom_generate` callable, and how to pass it instead:
 - `assistant_model` is dropped: pass the draft as `draft=`.
 - `streamer` is dropped (generate puts only the prompt into it, then calls the callable without it): pass the
@@ -44,7 +54,7 @@ their probability under p (the residual draw can give them), the draft's extra r
 
 Refused with one line each: a logits processor other than temperature, top-k and top-p (repetition penalty, min
 length, suppressed tokens ... change p with the text and are not what the head was trained on), beam search and the
-other decoding modes (contrastive search's `penalty_alpha`, DoLa's `dola_layers`, prompt lookup ...), inputs other
+other decoding modes (contrastive search's `penalty_alpha`, DoLa's `dola_layers`, an early-exit assistant ...), inputs other
 than the prompt's ids (pixel values, encoder outputs, inputs_embeds), return_dict_in_generate and the output_*
 switches, a prefilled cache, a head of a role other than a chain stop or expected-acceptance head (a SPRINTER
 verifier: approximate by design; a sibling head, trained on a tree's second children), a loaded head whose
@@ -73,11 +83,14 @@ from specheads.decoding.costs import CostCurve
 from specheads.decoding.drafters import generate_draft_refusal
 from specheads.decoding.engine import check_decodable_head
 from specheads.decoding.features import FeatureDraft
+from specheads.decoding.free_draft import LookupDraft
+from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.tree import TreeRule, decode_tree
 from specheads.heads import AcceptanceHead, load_head
 from specheads.heads.loading import COST_RULE, STOP_RULES, DecisionRule, is_number
 from specheads.heads.roles import CHAIN_HEADS, check_role
+from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.embedded import EMBEDDED_NAME
 from specheads.pair.models import ModelSpec, derived_layers, resolve_source, weights_identity, whole_file_weights_sha256
@@ -366,6 +379,47 @@ def generate_streamer() -> Any:
     return generate_argument("streamer")[1]
 
 
+def prompt_lookup(generation_config: Any) -> int | None:
+    """transformers' `prompt_lookup_num_tokens` (K), or None where it is not set."""
+    tokens = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    return int(tokens) if tokens else None
+
+
+def free_draft_of(generation_config: Any, draft: Any, tree: Any) -> LookupDraft | None:
+    """With `prompt_lookup_num_tokens=K`: the free draft to decode with, transformers' prompt lookup (its
+    `max_matching_ngram_size`, 2 by default) or the `LookupDraft` given as draft= (a suffix draft); None without it."""
+    if prompt_lookup(generation_config) is None:
+        if isinstance(draft, LookupDraft):
+            raise UsageError("a free draft drafts at most prompt_lookup_num_tokens tokens a round: give "
+                             "prompt_lookup_num_tokens=K")
+        return None
+    if draft is not None and not isinstance(draft, LookupDraft):
+        raise UsageError("prompt_lookup_num_tokens drafts from the context, not with a draft model: drop draft= (or "
+                         "pass a LookupDraft, specheads.decoding.free_draft)")
+    if tree is not None:
+        raise UsageError("prompt lookup proposes one chain a round; drop tree=")
+    ngram = getattr(generation_config, "max_matching_ngram_size", None) or 2
+    return draft if draft is not None else LookupDraft("ngram", max_ngram=int(ngram))
+
+
+def free_rule(generation_config: Any, estimator: Any) -> Any:
+    """The rule of a free draft: its whole proposal up to K (transformers' prompt lookup) without head=; with one,
+    an estimator of each proposed token's acceptance (a token-only head, `specheads.lookup.token_head.TokenHead`),
+    the verify length that maximises the tokens a round emits over what its verify costs (`lookup_plan`, on this
+    CPU's prepacked cost line)."""
+    tokens = prompt_lookup(generation_config)
+    if estimator is None:
+        return make_policy("constant_k", tokens)
+    if not callable(getattr(estimator, "estimates", None)):
+        raise UsageError("with prompt_lookup_num_tokens, head= estimates each proposed token's acceptance from the "
+                         "proposal (a token-only head: specheads.lookup.token_head.TokenHead.load(folder)); got "
+                         f"{type(estimator).__name__}")
+    if getattr(estimator, "target_state_size", 0):
+        raise UsageError("this token head reads the target's state at the last verified position, which generate does "
+                         "not feed it; use a token-only head trained without the target's state")
+    return EstimatorPlanned(threshold=PACKED_CPU_TOKEN_COST, max_draft=tokens, estimator=estimator)
+
+
 def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_gpus: bool, streamer: Any = None) -> None:
     """Refuse the generate options a speculative round cannot honour, one line each."""
     if streamer is not None:
@@ -374,9 +428,11 @@ def check_options(generation_config: Any, model_kwargs: dict[str, Any], synced_g
     if getattr(generation_config, "num_beams", 1) > 1:
         raise UsageError("speculative_generate does not support beam search (num_beams > 1); use num_beams=1")
     mode = generation_config.get_generation_mode()
+    if mode == GenerationMode.ASSISTED_GENERATION and prompt_lookup(generation_config):
+        mode = GenerationMode.SAMPLE  # prompt lookup: drafted here, by `free_draft_of`
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         options = [name for name in ("penalty_alpha", "dola_layers", "constraints", "force_words_ids",
-                                     "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+                                     "assistant_early_exit", "use_mtp")
                    if getattr(generation_config, name, None) not in (None, False, 0)]
         many = len(options) != 1
         raise UsageError(f"speculative_generate decodes by greedy search or sampling; {', '.join(options) or 'your options'} "
@@ -439,8 +495,11 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     `tree`: tree drafts under that `TreeRule` (or dict of its fields) in place of the head's chain rule."""
     check_cost_ratio(cost_ratio)
     rule_of_tree = tree_rule(tree, cost_ratio)
+    free = free_draft_of(generation_config, draft, rule_of_tree)
     module, policy = None, own_rule(draft) if head is None and rule_of_tree is None else None
-    if policy is None and (head is not None or rule_of_tree is None or rule_of_tree.reads_head):
+    if free is not None:
+        draft, policy = free, free_rule(generation_config, head)
+    elif policy is None and (head is not None or rule_of_tree is None or rule_of_tree.reads_head):
         module, rule = resolve_head(head)
         policy = rule_policy(rule, cost_ratio) if rule_of_tree is None else None
     check_options(generation_config, model_kwargs, synced_gpus, streamer if streamer is not None else generate_streamer())
