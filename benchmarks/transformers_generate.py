@@ -9,10 +9,12 @@ torch seed per prompt, one after the other in one process:
 - `heuristic`: the older default (`num_assistant_tokens=5`, schedule `heuristic`, no confidence threshold);
 - `head`: `generate(custom_generate=speculative_generate, draft=draft, head=load_head(--head))`.
 
-Forwards are counted by hooks on the two models' decoders (the prompt's prefill included, for every method), tokens up to and
-including EOS. Per method: target and draft forwards per token, wall-clock tokens/s, and the modelled speedup over the
-target alone at c = t_draft/t_target from the counted forwards, tokens / (c · draft forwards + target forwards), with a
-95 % paired bootstrap interval over prompts for the head against each transformers method.
+Forwards are counted by hooks on the two models' decoders (the prompt's prefill included, for every method), tokens up
+to and including EOS. One short untimed `generate` runs before the first timed call (a warm-up); generate's prefill
+computes the last position's logits only (`logits_to_keep=1`), as the round engine's does. Per method: target and draft
+forwards per token, wall-clock tokens/s, and the modelled speedup over the target alone at c = t_draft/t_target from
+the counted forwards, tokens / (c · draft forwards + target forwards), with a 95 % paired bootstrap interval over
+prompts for the head against each transformers method.
 
     python benchmarks/transformers_generate.py --head runs/ontime/head --prompts 40 --max-new-tokens 48 --out bench.json
 """
@@ -107,6 +109,9 @@ def main() -> None:
                "heuristic": lambda: assistant(5, "heuristic", 0.0),
                "head": lambda: {"custom_generate": speculative_generate, "draft": draft, "head": head, "stats": stats}}
     rows: dict[str, list[tuple[int, int, int, float]]] = {name: [] for name in methods}
+    # untimed and uncounted: a first forward allocates and picks kernels, which would fall on the first timed prompt
+    target.generate(torch.tensor([prompts[0]]), attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
+                    **{**common, "max_new_tokens": 2})
     for name, extra in methods.items():
         options = extra()  # once per method; transformers copies the assistant's config per call (state is per call)
         for number, prompt in enumerate(prompts):

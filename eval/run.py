@@ -23,7 +23,7 @@ from specheads.decoding.cost_table import PRESET_NAMES, CostTable, read_cost_tab
 from specheads.decoding.costs import COUNTED, ServingCosts, measure_cost_curve, measure_head_curve
 from specheads.decoding.drafters import DRAFTER_KINDS, head_draft_refusal, load_feature_draft
 from specheads.decoding.engine import check_decodable_head
-from specheads.decoding.features import FeatureDraft, draft_block, refuse_for_draft
+from specheads.decoding.features import FeatureDraft, draft_block, draft_candidate_cost, refuse_for_draft
 from specheads.decoding.prompt_cache import PromptCache
 from specheads.decoding.rules import BASELINES, DRAFTER_BASELINES, RULES
 from specheads.eval.companion import sv_companion_scores
@@ -464,8 +464,9 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
     identity = manifest["identity"]
     context = decoding_context({k: identity[k] for k in MODEL_KEYS}, {k: getattr(transform, k) for k in TRANSFORM_KEYS},
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
-    if config.drafter:
-        context["drafter"] = drafter_context(*config.drafter)
+    if config.drafter:  # with what each candidate costs after its forward: runs counted without it are not reused
+        context["drafter"] = {**drafter_context(*config.drafter),
+                              "candidate_cost": round(draft_candidate_cost(pair.draft), 6)}
     head_left_out = checked.head_left_out
     if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)

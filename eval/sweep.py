@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from specheads.decoding import DecodeResult, RoundEngine, make_policy
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.costs import hindsight_forwards, hindsight_widths
-from specheads.decoding.features import draft_block
+from specheads.decoding.features import draft_block, draft_candidate_cost
 from specheads.decoding.online import ADAEDL_GAMMA, SGLANG_START
 from specheads.decoding.rules import ONLINE_POLICIES
 from specheads.decoding.tree import TreeRule, child_values_refusal, decode_tree
@@ -182,14 +182,15 @@ def default_settings(purpose: str, signal_grid: dict[str, list[float]], max_draf
     return settings
 
 
-def as_oracle(record: RunRecord, block: int | None = None) -> RunRecord:
+def as_oracle(record: RunRecord, block: int | None = None, candidate_cost: float = 0.0) -> RunRecord:
     """The hindsight oracle's accounting of a constant-K_max run (the same tokens): it drafts only the candidates the
     target accepts, one draft forward each (the first reading the run's catch-up), or one block a round that keeps
-    any for a draft of forward shape `block` (`specheads.decoding.costs.hindsight_forwards`), and calls the target as
-    often."""
+    any for a draft of forward shape `block` (`specheads.decoding.costs.hindsight_forwards`), with `candidate_cost` for
+    each kept candidate (a DSpark drafter's Markov bias), and calls the target as often."""
     widths = hindsight_widths(record.draft_widths_per_round, record.accepted_per_round, block)
     return replace(record, policy="oracle", drafted=record.accepted, drafted_per_round=list(record.accepted_per_round),
-                   draft_forwards=hindsight_forwards(record.accepted_per_round, block), draft_widths_per_round=widths)
+                   draft_forwards=hindsight_forwards(record.accepted_per_round, block, candidate_cost),
+                   draft_widths_per_round=widths)
 
 
 def record_of(setting: Setting, prompt: DecodePrompt, result: DecodeResult, logprob: float) -> RunRecord:
@@ -291,7 +292,7 @@ def run_sweep(engine: RoundEngine, prompts: list[DecodePrompt], settings: list[S
             record = replace(earlier[number], split=prompt.split) if earlier[number] is not None else decoded[number]
             records.append(record)
             if oracle_wanted and setting == Setting("constant_k", float(max_draft)):
-                records.append(as_oracle(record, draft_block(engine.draft)))
+                records.append(as_oracle(record, draft_block(engine.draft), draft_candidate_cost(engine.draft)))
     bar.close()
     return records
 

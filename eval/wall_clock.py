@@ -1,17 +1,19 @@
 """Wall clock of a feature drafter (EAGLE-3, DSpark) against the target alone at B = 1, rule by rule, with paired
 intervals over prompts: what benchmarks/eagle3_decode.py and benchmarks/dspark_decode.py share.
 
-Each prompt is decoded by the target alone (one cached forward a token) and, for each rule, by the round engine with
-the drafter as the draft at B = 1, every run with the prompt's seed, back to back (`decode_interleaved`: a drift of
-the machine's speed falls on every rule alike). A rule is `name:threshold` (a chain rule of
-`specheads.decoding.rules`, K_max `max_draft`; `head:h` and `head_cost:c` are the stop rules of the trained head
-`--head`, which must have trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of
+Each prompt is decoded by the target alone (one cached forward a token, its prefill computing the last position's
+logits only, as the engine's does) and, for each rule, by the round engine with the drafter as the draft at B = 1,
+every run with the prompt's seed, back to back (`decode_interleaved`: a drift of the machine's speed falls on every
+rule alike), after one short untimed run of each on the first prompt (`warm_up`). A rule is `name:threshold` (a chain
+rule of `specheads.decoding.rules`, K_max `max_draft`; `head:h` and `head_cost:c` are the stop rules of the trained
+head `--head`, which must have trained on data this drafter labelled), or `tree:floor` (a confidence-valued tree of
 `tree_budget` nodes, EAGLE-2's).
 Per rule: tokens/s, the speedup over the target alone with its 95 % interval over prompts, tokens and draft forwards a
-target call (a DSpark block is one forward), the acceptance per drafted position (chains), c = t_draft/t_target as the
-runs timed it, for the head's rule its forwards' seconds timed as they ran against the target's and, at T = 0, the
-share of prompts whose tokens are the target alone's. The JSON keeps each prompt's (tokens, seconds) per rule and for
-the target alone, so a subset (a test half) can be judged afterwards.
+target call (a DSpark block is one forward, each candidate drawn its Markov bias's share of one,
+`FeatureDraft.candidate_cost`), the acceptance per drafted position (chains), c = t_draft/t_target as the runs timed
+it, for the head's rule its forwards' seconds timed as they ran against the target's and, at T = 0, the share of
+prompts whose tokens are the target alone's. The JSON keeps each prompt's (tokens, seconds) per rule and for the target
+alone, so a subset (a test half) can be judged afterwards.
 
 Both models' linear layers read weights prepacked once (`specheads.pair.packed`, `packed_weights`), the target
 alone's too: without, a verify of K + 1 tokens costs 1.7–1.9 one-token forwards on one CPU thread.
@@ -19,10 +21,11 @@ alone's too: without, a verify of K + 1 tokens costs 1.7–1.9 one-token forward
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +116,22 @@ class DrafterBenchmark:
                 make_policy(name, threshold, self.max_draft)
 
 
+def last_row_only(target: torch.nn.Module) -> dict[str, int]:
+    """The forward option that makes `target` compute the logits of its last position only (`logits_to_keep=1`, as
+    transformers' `generate` and the round engine do; empty for a model without it)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
 @torch.no_grad()
 def target_alone(target: torch.nn.Module, prompt: list[int], transform: SamplingTransform, max_new_tokens: int, seed: int,
                  stops: set[int]) -> tuple[list[int], float]:
-    """The target's own decoding, one cached forward a token: (tokens, seconds)."""
+    """The target's own decoding, one cached forward a token, the prompt's prefill computing its last position's
+    logits only (`last_row_only`), as the round engine's does: (tokens, seconds)."""
     began = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     cache = DynamicCache(config=target.config)
-    logits = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+    logits = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
+                    **last_row_only(target)).logits[0, -1]
     tokens: list[int] = []
     while True:
         tokens.append(draw(transform.log_probs(logits.float()), generator))
@@ -238,6 +249,20 @@ def head_timing(seconds: list[float], calls: int, target_time: float) -> dict[st
             "timed_head_cost_ratio": sum(seconds) / len(seconds) / target_time if target_time else None}
 
 
+WARM_UP_TOKENS = 4
+"""Tokens of each untimed warm-up run (`warm_up`)."""
+
+
+def warm_up(engine: RoundEngine, prompt: list[int], args: DrafterBenchmark, transform: SamplingTransform,
+            stops: set[int], head: AcceptanceHead | None) -> None:
+    """One short untimed run of the target alone and of every rule on `prompt` before the first timed one: a first
+    forward allocates and picks kernels, which would otherwise fall on the first prompt's target-alone time."""
+    short = replace(args, max_new_tokens=min(WARM_UP_TOKENS, args.max_new_tokens))
+    target_alone(engine.target, prompt, transform, short.max_new_tokens, 0, stops)
+    for rule in args.rules:
+        run_rule(engine, rule, prompt, short, 0, head)
+
+
 def decode_interleaved(engine: RoundEngine, prompts: list[list[int]], args: DrafterBenchmark,
                        transform: SamplingTransform, stops: set[int], head: AcceptanceHead | None
                        ) -> tuple[dict[int, tuple[list[int], float]], dict[str, dict[int, DecodeResult]],
@@ -249,6 +274,7 @@ def decode_interleaved(engine: RoundEngine, prompts: list[list[int]], args: Draf
     alone: dict[int, tuple[list[int], float]] = {}
     results: dict[str, dict[int, DecodeResult]] = {rule: {} for rule in args.rules}
     head_seconds: dict[str, list[float]] = {rule: [] for rule in args.rules}
+    warm_up(engine, prompts[0], args, transform, stops, head)
     for seed, prompt in enumerate(prompts):
         alone[seed] = target_alone(engine.target, prompt, transform, args.max_new_tokens, seed, stops)
         for rule in args.rules:

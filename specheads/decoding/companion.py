@@ -91,7 +91,11 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def weights_read_per_token(model: torch.nn.Module) -> int:
     """The parameters one forward multiplies for each token it reads: all of `model`'s but its lookup tables (the input
     embedding, a position embedding), a tied output head counted once, as the output head. An acceptance head's are all
-    of its parameters."""
+    of its parameters. A feature drafter says its own (`FeatureDraft.forward_weights`: the modules its forward runs,
+    not those only its training reads)."""
+    own = getattr(model, "forward_weights", None)
+    if callable(own):
+        return int(own())
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kept = getattr(output, "weight", None)
     lookups = {id(module.weight) for module in model.modules()

@@ -92,12 +92,15 @@ class CostPlanner(PassivePlanner):
     requests: dict[int, RequestState] = field(default_factory=dict)
     head_cost: float = 0.0  # h: the head's forward over one candidate in draft forwards (`price_head`)
     block: bool = False  # a block drafter: one draft forward a round that drafts, however many candidates (`price_draft`)
+    candidate: float = 0.0  # m: what the draft computes for each candidate after its forward (a DSpark drafter's Markov
+    # bias), in draft forwards (`price_draft`)
 
     @property
     def candidate_cost(self) -> float:
-        """What one more candidate costs, in target forwards, once the round drafts: c·(1 + h), its draft forward and
-        the head's that scores it; c·h for a block drafter, which drew it from the block's one forward."""
-        return self.cost_ratio * (self.head_cost + (0.0 if self.block else 1.0))
+        """What one more candidate costs, in target forwards, once the round drafts: c·(1 + h + m), its draft forward,
+        the head's that scores it and what the draft computes for it after its forward; c·(h + m) for a block drafter,
+        which drew it from the block's one forward."""
+        return self.cost_ratio * (self.head_cost + self.candidate + (0.0 if self.block else 1.0))
 
     def drafting_cost(self, drafted: int) -> float:
         """What a round's `drafted` candidates cost in draft and head forwards, in target forwards: each its
@@ -110,8 +113,8 @@ class CostPlanner(PassivePlanner):
     def price_head(self, head_cost: float) -> None:
         self.head_cost = head_cost
 
-    def price_draft(self, block: int | None) -> None:
-        self.block = block is not None
+    def price_draft(self, block: int | None, candidate: float = 0.0) -> None:
+        self.block, self.candidate = block is not None, candidate
 
     def stops(self, row: int, drafted: Drafted) -> bool:
         state = self.requests.setdefault(row, RequestState())

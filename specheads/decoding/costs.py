@@ -17,8 +17,11 @@ accepted them all, and one more for each round of plain decoding (K = 0) since t
 last term is the acceptance head's forwards, where a rule reads one: at each draft step one head forward over the
 tokens the rows' heads scored there, on the head's own curve (`ServingCosts.head`: measured by `measure_head_curve`)
 or, without one, at the head's share of the draft's weights (`RoundRecord.head_cost`, `head_forward_cost`) times the
-draft's curve. A rule reading free signals (the draft's confidence or entropy) has no such term. The planners read
-the same prices to choose how much to draft and verify (`specheads.decoding.planners`).
+draft's curve. A rule reading free signals (the draft's confidence or entropy) has no such term. A draft that computes something more for
+each candidate after its forward (a DSpark drafter's Markov bias and confidence head) adds, at each draft step, that
+work over the candidates the rows drew there, at its share of the draft's weights (`RoundRecord.candidate_cost`,
+`specheads.decoding.features.FeatureDraft.candidate_cost`) times the draft's curve (`candidate_seconds`). The planners
+read the same prices to choose how much to draft and verify (`specheads.decoding.planners`).
 
 A block drafter (DSpark) drafts a round's candidates from one forward over its block of slots, reading as context the
 tokens emitted since it last ran: its rounds record that one forward (`BatchCache.round_widths`), the planners plan on
@@ -190,17 +193,20 @@ class ServingCosts:
     target: CostCurve
     head: CostCurve | None = None
     block: int | None = None
+    candidate: float = 0.0  # what the draft computes for each candidate after its forward (a DSpark drafter's Markov
+    # bias), in draft forwards (`candidate_cost`)
 
-    def shaped(self, block: int | None) -> ServingCosts:
-        """The same curves for a draft of forward shape `block` (class docstring)."""
-        return replace(self, block=block)
+    def shaped(self, block: int | None, candidate: float = 0.0) -> ServingCosts:
+        """The same curves for a draft of forward shape `block` that computes `candidate` draft forwards' worth for
+        each candidate it draws (class docstring)."""
+        return replace(self, block=block, candidate=candidate)
 
     def scaled_draft(self, ratio: float) -> ServingCosts:
         """The same target with a draft `ratio` times as costly as the target at every token count (a 7B/70B view); a
         head measured beside the real draft does not carry over: the head is priced at its share of the draft's
         weights."""
         return ServingCosts(CostCurve(self.target.tokens, tuple(ratio * s for s in self.target.seconds)), self.target,
-                            block=self.block)
+                            block=self.block, candidate=self.candidate)
 
     def catch_up(self, rows: int) -> float:
         """What one more token in each of `rows` rows adds to the draft's next forward: the cost a round defers when
@@ -219,7 +225,7 @@ class ServingCosts:
         over the rows' blocks (none at k = 0); the catch-up is priced apart (`catch_up`)."""
         if k <= 0:
             return 0.0
-        scoring = k * self.scoring(rows, head_cost)
+        scoring = k * (self.scoring(rows, head_cost) + self.candidates(rows))
         if self.block is not None:
             return self.draft.price(rows * self.block, rows) + scoring
         return k * self.draft.price(rows, rows) + scoring
@@ -228,7 +234,8 @@ class ServingCosts:
         """What one row's next candidate adds to a round of `rows` rows that already drafts (its draft forward over
         one more token, and the head's where one scores it); a block drafter drew it from the block it holds, so only
         the head's forward is left."""
-        scoring = self.scoring(rows, head_cost) - self.scoring(rows - 1, head_cost)
+        scoring = (self.scoring(rows, head_cost) - self.scoring(rows - 1, head_cost)
+                   + self.candidates(rows) - self.candidates(rows - 1))
         if self.block is not None:
             return scoring
         return self.draft.price(rows, rows) - self.draft.price(rows - 1, rows - 1) + scoring
@@ -251,6 +258,11 @@ class ServingCosts:
             return 0.0
         return self.head(tokens) if self.head is not None else head_cost * self.draft.price(tokens, tokens)
 
+    def candidates(self, tokens: int) -> float:
+        """Seconds of what the draft computes after its forward for `tokens` candidates drawn at one draft step (a
+        DSpark drafter's Markov bias): `candidate` times the draft's forward over them (`candidate_seconds`)."""
+        return candidate_seconds(tokens, self.candidate, self.draft)
+
 
 @dataclass
 class RoundRecord:
@@ -268,6 +280,8 @@ class RoundRecord:
     # of its draft forwards; empty when no head scored
     head_cost: float = 0.0  # a head forward over one token in draft forwards (`head_forward_cost`): its price without a
     # measured head curve
+    candidate_cost: float = 0.0  # what the draft computes for each candidate after its forward, in draft forwards (a
+    # DSpark drafter's Markov bias: `FeatureDraft.candidate_cost`)
 
 
 def chain_widths(drafted: list[int]) -> list[list[int]]:
@@ -275,12 +289,15 @@ def chain_widths(drafted: list[int]) -> list[list[int]]:
     return [[1] * k for k in drafted]
 
 
-def hindsight_forwards(accepted_per_round: list[int], block: int | None) -> int:
+def hindsight_forwards(accepted_per_round: list[int], block: int | None, candidate_cost: float = 0.0) -> float:
     """The draft forwards the hindsight oracle is counted, drafting only the candidates the target accepts: one a
-    candidate, or, for a draft of forward shape `block` (`ServingCosts.block`), one a round that keeps any."""
+    candidate, or, for a draft of forward shape `block` (`ServingCosts.block`), one a round that keeps any; and
+    `candidate_cost` a candidate for what the draft computes for each after its forward (a DSpark drafter's Markov
+    bias)."""
+    extra = candidate_cost * sum(accepted_per_round)
     if block is not None:
-        return sum(1 for accepted in accepted_per_round if accepted)
-    return sum(accepted_per_round)
+        return sum(1 for accepted in accepted_per_round if accepted) + extra
+    return sum(accepted_per_round) + extra
 
 
 def hindsight_widths(widths_per_round: list[list[int]], accepted_per_round: list[int],
@@ -296,7 +313,8 @@ def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
     """The modelled seconds of one round (module docstring): the draft's s-th forward reads every drafting row's s-th
     step (its catch-up first, then one token a row for a chain, the nodes a tree reads together), then one target
     forward over the round's rows checks every row's candidates and its own token; each forward priced on its tokens
-    and its rows (`CostCurve.price`); and the head's forwards, where a head scored (`head_seconds`)."""
+    and its rows (`CostCurve.price`); the head's forwards, where a head scored (`head_seconds`); and what the draft
+    computes for each candidate after its forward, at each step over the rows that drew one (`candidate_seconds`)."""
     if not record.drafted:
         return 0.0
     widths = record.draft_widths or chain_widths(record.drafted)
@@ -304,7 +322,19 @@ def round_seconds(record: RoundRecord, costs: ServingCosts) -> float:
     draft = sum(costs.draft.price(sum(row[s] for row in widths if len(row) > s), sum(len(row) > s for row in widths))
                 for s in range(steps))
     target = costs.target.price(sum(v + 1 for v in record.verified), len(record.verified))
-    return draft + target + head_seconds(record, costs)
+    steps = max(record.drafted, default=0)
+    candidates = sum(candidate_seconds(sum(k > s for k in record.drafted), record.candidate_cost, costs.draft)
+                     for s in range(steps))
+    return draft + target + head_seconds(record, costs) + candidates
+
+
+def candidate_seconds(tokens: int, candidate_cost: float, draft: CostCurve) -> float:
+    """Seconds of what a draft computes for `tokens` candidates drawn at one draft step after its forward (a DSpark
+    drafter's Markov bias, at `candidate_cost` draft forwards a candidate): `candidate_cost` times the draft's forward
+    over that many tokens (the weight convention a head's forward is priced by, `ServingCosts.scoring`)."""
+    if candidate_cost <= 0 or tokens <= 0:
+        return 0.0
+    return candidate_cost * draft.price(tokens, tokens)
 
 
 def head_seconds(record: RoundRecord, costs: ServingCosts) -> float:

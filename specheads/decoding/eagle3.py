@@ -141,8 +141,9 @@ class Eagle3Decoder(torch.nn.Module):
 
         drafter, cache = self.drafter, past_key_values if past_key_values is not None else DynamicCache()
         dtype = drafter.embed_tokens.weight.dtype
-        # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): zeros cost the same
-        features = (torch.zeros(*input_ids.shape, drafter.embed_tokens.embedding_dim, dtype=dtype, device=input_ids.device)
+        # no features set: a plain `BatchCache` timing the drafter's forward (`specheads profile`): every token read as
+        # a catch-up's are, its target streams (zeros cost the same) through the fusion layer `fc`
+        features = (drafter.fc(torch.zeros(*input_ids.shape, drafter.fc.in_features, dtype=dtype, device=input_ids.device))
                     if self.features is None else self.features)
         mask = additive_mask(attention_mask, input_ids.shape[1], dtype)
         normed, self.own = drafter_forward(drafter, input_ids, features, mask, position_ids, cache)

@@ -50,7 +50,7 @@ import torch
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.companion import Companion, head_forward_cost
 from specheads.decoding.costs import RoundRecord, ServingCosts, hindsight_forwards
-from specheads.decoding.features import draft_block, refuse_for_draft, round_caches
+from specheads.decoding.features import draft_block, draft_candidate_cost, refuse_for_draft, round_caches
 from specheads.decoding.free_draft import plan_free_round, round_proposal
 from specheads.decoding.online import Outcome
 from specheads.decoding.prompt_cache import PromptCache
@@ -192,10 +192,12 @@ class ServedBatch:
 
     def __init__(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, draft: BatchCache,
                  target: BatchCache, companion: BatchCache | None = None, prompt_cache: PromptCache | None = None,
-                 companion_cost: float = 1.0, hindsight: bool = False, block: int | None = None):
+                 companion_cost: float = 1.0, hindsight: bool = False, block: int | None = None,
+                 candidate_cost: float = 0.0):
         self.prompts, self.seeds, self.max_new_tokens = prompts, seeds, max_new_tokens
         self.hindsight = hindsight  # the oracle: it counts the draft forwards of the candidates it keeps
         self.block = block  # the draft's forward shape (`ServingCosts.block`)
+        self.candidate_cost = candidate_cost  # what the draft computes for each candidate after its forwards
         self.draft, self.target, self.companion, self.companion_cost = draft, target, companion, companion_cost
         self.prompt_cache = prompt_cache
         self.results = [DecodeResult(tokens=[]) for _ in prompts]
@@ -309,6 +311,7 @@ class ServedBatch:
                 result.draft_forwards += result.companion_forwards * self.companion_cost
             if self.hindsight:  # it would have drafted only the candidates the target accepts
                 result.draft_forwards = hindsight_forwards(result.accepted_per_round, self.block)
+            result.draft_forwards += self.candidate_cost * result.drafted  # a DSpark drafter's Markov bias
             self.finished.append(row)
 
     def refill(self) -> None:
@@ -363,12 +366,12 @@ class RoundEngine:
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
         draft, target = round_caches(self.target, self.draft, slots, head.state_layer if rule.reads_head else None)
         companion = BatchCache(self.companion.model, slots) if rule.reads_companion else None
-        block = draft_block(self.draft)
+        block, candidate_cost = draft_block(self.draft), draft_candidate_cost(self.draft)
         batch = ServedBatch(prompts, seeds, max_new_tokens, draft, target, companion, self.prompt_cache,
-                            self.companion.cost if companion is not None else 1.0, rule.hindsight, block)
+                            self.companion.cost if companion is not None else 1.0, rule.hindsight, block, candidate_cost)
         planner = rule.planner(costs) if planner is None else planner
         if planner is not None:
-            planner.price_draft(block)  # the planner prices the draft's forwards as they run: one a candidate, or a block
+            planner.price_draft(block, candidate_cost)  # the draft's forwards as they run: one a candidate, or a block
             for row in batch.live:
                 planner.admit(row)
             batch.on_admit = planner.admit
@@ -396,7 +399,7 @@ class RoundEngine:
             logits = target.feed({row: batch.tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
                                   for row in called},
                                  {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
-            record = RoundRecord(head_cost=head_cost)
+            record = RoundRecord(head_cost=head_cost, candidate_cost=candidate_cost)
             verified, outcomes = {}, {}
             for row in live:
                 this = rounds[row]

@@ -23,7 +23,7 @@ from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.sampler import draw, refuse_non_finite, verify
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import output_width
-from specheads.pair.drafters import draft_rows, streams_captured
+from specheads.pair.drafters import candidate_weights, draft_rows, forward_weights, streams_captured
 from specheads.plumbing.errors import UsageError
 
 
@@ -238,6 +238,17 @@ class FeatureDraft(torch.nn.Module):
         self.embeddings = drafter.embed_tokens
         self.head = FullVocabularyHead(drafter.lm_head, draft_rows(drafter), target.config.vocab_size)
 
+    def forward_weights(self) -> int:
+        """The weights one drafter forward multiplies per token it reads (`specheads.pair.drafters.forward_weights`):
+        what a draft forward and a head's share of it are priced by."""
+        return forward_weights(self.drafter)
+
+    @property
+    def candidate_cost(self) -> float:
+        """Each candidate drawn after the forward (a DSpark drafter's Markov bias and confidence head), in draft
+        forwards: its weights over a forward's (`specheads.pair.drafters.candidate_weights`); 0 for EAGLE-3."""
+        return candidate_weights(self.drafter) / self.forward_weights()
+
     def get_decoder(self) -> torch.nn.Module:
         return self.decoder
 
@@ -292,6 +303,12 @@ def tree_caches(engine_target: Any, engine_draft: Any, rows: int) -> tuple[Batch
 def draft_block(draft: Any) -> int | None:
     """The forward shape of `draft` (`FeatureDraft.block`): None for a draft of one forward a candidate."""
     return draft.block if isinstance(draft, FeatureDraft) else None
+
+
+def draft_candidate_cost(draft: Any) -> float:
+    """What `draft` computes for each candidate after its forward, in draft forwards (`FeatureDraft.candidate_cost`: a
+    DSpark drafter's Markov bias); 0 for a causal LM, whose forward gives the candidate's q."""
+    return draft.candidate_cost if isinstance(draft, FeatureDraft) else 0.0
 
 
 def refuse_for_draft(draft: Any, rule: Any, prompt_cache: Any, companion: Any) -> None:

@@ -96,10 +96,11 @@ class PassivePlanner:
         a decode, before its first round, and only where a head scores. Planners that plan on costs add its forwards
         to a candidate's price; the rest, and every planner of a free signal, pay nothing."""
 
-    def price_draft(self, block: int | None) -> None:
+    def price_draft(self, block: int | None, candidate: float = 0.0) -> None:
         """The draft's forward shape (`specheads.decoding.costs.ServingCosts.block`): None, one forward a candidate; n,
-        one forward over a block of n slots a round, however many of its candidates are used. Told once a decode,
-        before its first round; the planners that plan on the draft's costs price its forwards so."""
+        one forward over a block of n slots a round, however many of its candidates are used; and `candidate`, what it
+        computes for each candidate after its forward in draft forwards (a DSpark drafter's Markov bias). Told once a
+        decode, before its first round; the planners that plan on the draft's costs price its forwards so."""
 
     def round_cap(self, rows: int, cap: int) -> int:
         return cap

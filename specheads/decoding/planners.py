@@ -54,8 +54,8 @@ class PlansOnCosts(PassivePlanner):
 
     costs: ServingCosts
 
-    def price_draft(self, block: int | None) -> None:
-        self.costs = self.costs.shaped(block)
+    def price_draft(self, block: int | None, candidate: float = 0.0) -> None:
+        self.costs = self.costs.shaped(block, candidate)
 
 
 def goodput_verify_lengths(survival: Mapping[int, list[float]], target: CostCurve) -> tuple[dict[int, int], float]:

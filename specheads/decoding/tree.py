@@ -76,7 +76,7 @@ from specheads.decoding.engine import (
     count_round,
     unread_tokens,
 )
-from specheads.decoding.features import draft_block, tree_caches
+from specheads.decoding.features import draft_block, draft_candidate_cost, tree_caches
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.sampler import draw, verify_siblings
 from specheads.heads import AcceptanceHead
@@ -246,6 +246,8 @@ class TreeCosts:
     head_cost: float = 0.0  # h: the head's forward over one node in draft forwards (0: no head scores)
     sibling_cost: float | None = None  # the sibling head's h, where one scores the second children
     block: bool = False  # a block drafter: the tree's nodes are read from the round's block, without a forward
+    candidate: float = 0.0  # m: what the draft computes for each node it reads after its forward, in draft forwards (a
+    # DSpark drafter's Markov bias giving the node's children's q)
 
     def scoring_cost(self, place: int) -> float:
         """c·h: what scoring a node at `place` among its siblings adds, in target forwards (its scorer's h: the
@@ -276,8 +278,9 @@ class TreeCosts:
     def read_gain(self, value: float, nodes: int) -> float:
         """What reading a node of `value` in a draft forward of its own adds, counting the first child it opens:
         v·μ_1 − ρ·(c + c·h + Δv), c·h the first child's scoring; a block drafter reads it from the round's block,
-        without a forward: v·μ_1 − ρ·(c·h + Δv)."""
-        forward = 0.0 if self.block else self.cost_ratio
+        without a forward: v·μ_1 − ρ·(c·h + Δv); c·m more where the draft computes more for the node after its forward
+        (a DSpark drafter's Markov bias)."""
+        forward = (0.0 if self.block else self.cost_ratio) + self.cost_ratio * self.candidate
         return drafting_gain(value, self.expected_score(1), self.request.rate(), forward + self.scoring_cost(1),
                              verify_step(self.curve, nodes))
 
@@ -308,7 +311,7 @@ class TreeDrafter:
         self.costs = None if rule.cost_ratio is None else TreeCosts(
             rule.cost_ratio, rule.curve, head_cost=self.head_costs.get(id(head), 0.0),
             sibling_cost=None if sibling_head is None else self.head_costs[id(sibling_head)],
-            block=draft_block(engine.draft) is not None)
+            block=draft_block(engine.draft) is not None, candidate=draft_candidate_cost(engine.draft))
 
     def grow(self, draft: BatchCache, tail: list[int], depth_cap: int, priced: int = 1) -> DraftTree:
         """The tree after the context's `tail` (tokens the draft has not read; it reads them and holds them), with
@@ -564,6 +567,10 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
             trees[row] = request.drafter.grow(request.draft, tail, depth_cap,
                                               unread_tokens(request.tokens, request.draft.length(0), request.generated))
             forwards[row] = request.draft.forwards[0] - before
+            # a DSpark drafter's Markov bias: one for each node read (the root too), giving its children's q
+            markov = draft_candidate_cost(engine.draft) * len(trees[row].opened)
+            forwards[row] += markov
+            request.result.draft_forwards += markov
         tested: dict[int, list[tuple[int, bool]]] = {}
         done: list[int] = []
         seconds, passes = target.forward_seconds, target.passes
@@ -613,7 +620,7 @@ def finished(request: TreeRequest) -> DecodeResult:
     of each batched target forward it took part in (so that shares over the requests add up to the decode's)."""
     result = request.result
     result.tokens, result.emitted = request.generated, len(request.generated)
-    result.draft_forwards = request.draft.forwards[0]
+    result.draft_forwards += request.draft.forwards[0]  # and what was counted round by round after the forwards
     result.seconds = request.seconds
     result.time_forwards(request.draft, request.target)
     return result

@@ -27,6 +27,15 @@ INSTALL_HINT = ("install the eagle3 extra and speculators without its dependenci
                 "`pip install \"specheads[eagle3]\" && pip install --no-deps speculators==0.9.0`")
 NOT_SAVED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 """The target's own weights inside a drafter: filled from the target, never written to the drafter's folder."""
+FORWARD_MODULES = ("fc", "hidden_norm", "layers", "norm", "lm_head")
+"""The drafter's modules one of its forwards runs on the tokens it reads, EAGLE-3's and DSpark's (the decoding core's
+`specheads.decoding.eagle3` and `.dspark`): the fusion layer on the target's streams (and DSpark's norm after it), the
+decoder layers, the final norm, the LM head. `verifier_lm_head` and `verifier_norm` (the target's, read only by
+training's loss) and `embed_tokens` (a lookup) multiply nothing at decoding."""
+CANDIDATE_MODULES = ("markov_head", "confidence_head")
+"""A DSpark drafter's modules that run once per candidate drawn, after the block's forward: the Markov head's bias
+(`markov_w2` over the draft vocabulary, its gate or recurrent projection) and the confidence head."""
+
 
 
 def speculators_models(algorithm: str) -> Any:
@@ -89,6 +98,33 @@ def fill_from_target(drafter: torch.nn.Module, target: torch.nn.Module, d2t: tor
     for module in (drafter.embed_tokens, drafter.verifier_lm_head, drafter.verifier_norm, drafter.lm_head):
         module.weight.requires_grad_(False)
     return drafter
+
+
+def weights_run(drafter: torch.nn.Module, modules: tuple[str, ...]) -> int:
+    """The weights the drafter's `modules` (those it has) multiply per token they read: their parameters but lookup
+    tables (an `Embedding`'s, the Markov head's `markov_w1`)."""
+    count = 0
+    for name in modules:
+        module = getattr(drafter, name, None)
+        if module is None:
+            continue
+        lookups = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+        count += sum(p.numel() for p in module.parameters() if id(p) not in lookups)
+    return count
+
+
+def forward_weights(drafter: torch.nn.Module) -> int:
+    """The weights one drafter forward multiplies per token it reads (`FORWARD_MODULES`): what its draft forward is
+    priced by. For SmolLM2-135M's EAGLE-3 drafter (one layer, 8192 draft tokens) 9.81 M; counting every parameter but
+    the embedding would add the training-only `verifier_lm_head`'s 4.72 M."""
+    return weights_run(drafter, FORWARD_MODULES)
+
+
+def candidate_weights(drafter: torch.nn.Module) -> int:
+    """The weights a DSpark drafter multiplies for each candidate it draws after its block's forward
+    (`CANDIDATE_MODULES`: the Markov bias, 2.1 M at rank 256 over 8192 draft tokens, and the confidence head); none
+    for a drafter without them (EAGLE-3)."""
+    return weights_run(drafter, CANDIDATE_MODULES)
 
 
 def not_saved(drafter: torch.nn.Module) -> set[str]:
