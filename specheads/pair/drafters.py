@@ -144,17 +144,10 @@ def save_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype = to
 
 def check_drafter_folder(folder: str | Path, algorithm: str) -> None:
     """Refuse in one line a folder that holds no `algorithm` drafter in speculators' format (config.json naming it and
-    model.safetensors); reads config.json only."""
-    import json
+    model.safetensors); reads config.json only (`specheads.pair.drafter_checks.read_config`)."""
+    from specheads.pair.drafter_checks import read_config
 
-    folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise UsageError(f"{folder} is not a drafter folder (config.json and model.safetensors); give the folder "
-                         "`specheads train drafter` or speculators wrote")
-    kind = json.loads((folder / "config.json").read_text()).get("speculators_model_type")
-    if kind != algorithm:
-        raise UsageError(f"{folder}/config.json names speculators_model_type {kind!r}, not {algorithm!r}; give the folder "
-                         f"of a {algorithm} drafter")
+    read_config(folder, algorithm)
 
 
 def load_drafter(folder: str | Path, target: torch.nn.Module, algorithm: str, config_class: str,
