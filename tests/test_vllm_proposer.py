@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from heads.lookup import TokenHeadModel
+from specheads.heads.lookup import TokenHeadModel
 from specheads.integrations.vllm import LookupHeadProposer, ProposerSettings
 from specheads.lookup.features import RoundHistory
 from specheads.lookup.planning import goodput_length, linear_cost
@@ -60,6 +60,7 @@ class Runner:
         self.drafts: dict[int, list[int]] = {}
         self.made: dict[int, int] = {}  # output tokens each request has
         self.calls: list[tuple[int, list[int], list[int]]] = []  # (request, context, draft) of every proposed row
+        self.steps: dict[int, list[tuple[int, int]]] = {}  # per request, (drafted, accepted) of each verified draft
 
     def admit(self, max_reqs: int) -> dict[int, list[int]]:
         """New requests prefill in free rows: each samples its first token."""
@@ -87,7 +88,10 @@ class Runner:
         for request in self.rows:
             draft, response = self.drafts[request], self.responses[request][self.made[request]:]
             accepted = next((i for i, (d, r) in enumerate(zip(draft, response)) if d != r), min(len(draft), len(response)))
-            sampled[request] = self.emit(request, min(accepted, len(response) - 1))
+            accepted = min(accepted, len(response) - 1)
+            if draft:  # vLLM's per-request metrics: the steps that carried a draft
+                self.steps.setdefault(request, []).append((len(draft), accepted))
+            sampled[request] = self.emit(request, accepted)
         sampled |= self.admit(max_reqs)
         for row, request in enumerate(self.rows):  # _bookkeeping_sync
             start = self.counts[row]

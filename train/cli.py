@@ -181,7 +181,12 @@ def main(argv: list[str]) -> int:
 
         return drafter_main(argv[1:])
     classes: tuple[type, type] = (AcceptanceModule, AcceptanceDataModule)
-    if argv[:1] == ["lookup"]:  # a free draft's token head on lookup labels
+    if argv[:2] == ["lookup", "from-logs"]:  # a free draft's token head from what a server recorded
+        from specheads.train.lookup import LookupHeadModule
+        from specheads.train.lookup_logs import LogDataModule
+
+        argv, classes = argv[2:], (LookupHeadModule, LogDataModule)
+    elif argv[:1] == ["lookup"]:  # a free draft's token head on lookup labels
         from specheads.train.lookup import LookupDataModule, LookupHeadModule
 
         argv, classes = argv[1:], (LookupHeadModule, LookupDataModule)

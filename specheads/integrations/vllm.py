@@ -184,6 +184,10 @@ class LookupHeadProposer:
                                          max_spec_factor=spec.suffix_decoding_max_spec_factor,
                                          min_token_prob=spec.suffix_decoding_min_token_prob)
         self.tracker = RequestTracker()
+        self.session = f"{os.getpid()}-{id(self):x}"  # several engines may append to one log
+        self.write({"event": "settings", "k": self.k, "draft": self.settings.draft, "max_ngram": self.settings.max_ngram,
+                    "min_ngram": self.settings.min_ngram, "max_model_len": self.max_model_len,
+                    "head": self.settings.head})
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load: the draft is read from the context."""
@@ -248,4 +252,4 @@ class LookupHeadProposer:
         """Append `record` to the log, where one is set."""
         if self.settings.log:
             with open(self.settings.log, "a", encoding="utf-8") as log:
-                log.write(json.dumps(record) + "\n")
+                log.write(json.dumps({**record, "session": self.session}) + "\n")
