@@ -159,12 +159,13 @@ class LookupCache(BatchCache):
 
     def crop_row(self, row: int, length: int) -> None:
         """Keep the row's first `length` tokens; 0 ends its request (a suffix draft's output stays in its global
-        tree)."""
-        del self.slots[row][length:]
+        tree, with the candidates its last round accepted; the target's last token never reaches it)."""
         if length == 0 and self.request[row] is not None:
             if self.draft.suffix is not None:
+                self.draft.suffix.extend(self.request[row], self.slots[row][self.told[row]:])
                 self.draft.suffix.stop(self.request[row])
             self.request[row] = None
+        del self.slots[row][length:]
 
     def trim(self) -> None:
         """Nothing to crop: a context is a list."""
