@@ -51,8 +51,8 @@ class Estimator(Protocol):
 
 @dataclass
 class LookupDraft:
-    """A free draft of `kind` "ngram" (prompt lookup: `max_ngram`, `min_ngram`, `match`, as `ngram_propose` takes
-    them) or "suffix" (SuffixDecoding's trees, which persist from one decode to the next as SuffixDecoding keeps
+    """A free draft of `kind` "ngram" (prompt lookup, also called "lookup": `max_ngram`, `min_ngram`, `match`, as
+    `ngram_propose` takes them) or "suffix" (SuffixDecoding's trees, which persist from one decode to the next as SuffixDecoding keeps
     earlier requests' outputs: `max_tree_depth`, `max_spec_factor`, `min_token_prob`)."""
 
     kind: Literal["ngram", "suffix"] = "ngram"
@@ -68,6 +68,8 @@ class LookupDraft:
     cost = 0.0  # a draft forward's cost against the target's: c = 0
 
     def __post_init__(self) -> None:
+        if self.kind == "lookup":  # gen's and the token heads' name for prompt lookup
+            self.kind = "ngram"
         if self.kind not in DRAFT_KINDS:
             raise UsageError(f"a free draft is one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
         if self.min_ngram < 1 or self.max_ngram < self.min_ngram:
