@@ -87,3 +87,34 @@ def test_prompt_lookup_refusals(model):
     with pytest.raises(UsageError, match="prompt_lookup_num_tokens=K"):
         model.generate(ids, max_new_tokens=3, custom_generate=speculative_generate, draft=LookupDraft())
     assert VOCAB == 3
+
+
+@pytest.mark.integration
+def test_prompt_lookup_on_the_embedded_target_is_its_own_greedy_and_copies_several_tokens_a_round():
+    """SmolLM2 asked to repeat a function: generate's prompt lookup (ours and transformers' own) gives the target's
+    greedy tokens, and rounds accept several proposed tokens; so does a suffix draft through the round engine."""
+    from specheads.decoding import RoundEngine, make_policy
+    from specheads.lookup.proposers import suffix_available
+    from specheads.model_outputs.sampling import SamplingTransform
+    from specheads.pair.models import ModelSpec, load_pair
+
+    pair = load_pair(ModelSpec(path="embedded:smollm2"), ModelSpec(skip_layers=[20, 21]))
+    code = "def add(first, second):\n    total = first + second\n    return total\n"
+    messages = [{"role": "user", "content": f"Repeat this code exactly, then stop:\n{code}"}]
+    prompt = pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor([list(prompt)])
+    mask = torch.ones_like(ids)
+    own = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24).tolist()
+    stats: list = []
+    ours = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24,
+                                custom_generate=speculative_generate, prompt_lookup_num_tokens=8, stats=stats)
+    theirs = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24,
+                                  prompt_lookup_num_tokens=8)
+    assert ours.tolist() == own == theirs.tolist()
+    assert max(stats[0].accepted_per_round) > 2 and stats[0].target_calls < stats[0].emitted
+    if suffix_available():
+        eos = pair.target.generation_config.eos_token_id
+        engine = RoundEngine(pair.target, LookupDraft("suffix"), SamplingTransform(0.0),
+                             stop_ids=eos if isinstance(eos, list) else [eos])
+        result = engine.decode_one(list(prompt), make_policy("suffix_own", 0.1, max_draft=8), 24, 0)
+        assert result.tokens == own[0][len(prompt):] and max(result.accepted_per_round) > 2
