@@ -466,7 +466,7 @@ def plan_decoding(config: EvalConfig, pair: ModelPair, trained: TrainedHead, tra
                                prompts, config.max_new_tokens, config.max_draft, config.seed, device.type)
     if config.drafter:  # with what each candidate costs after its forward: runs counted without it are not reused
         context["drafter"] = {**drafter_context(*config.drafter),
-                              "candidate_cost": round(draft_candidate_cost(pair.draft), 6)}
+                              "candidate_cost": round(draft_candidate_cost(draft), 6)}
     head_left_out = checked.head_left_out
     if companion_cost is not None:  # SV's rule decodes with it, and its forwards are counted at its cost
         context["sv_companion"] = companion_context(config.sv_companion_skip_layers, companion_cost)
