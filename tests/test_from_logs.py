@@ -151,7 +151,7 @@ class Planted(LogDataModule):
     """The data module on planted positions (what `log_tokens` gives from real logs)."""
 
     def __init__(self, tokens: dict[str, np.ndarray], unobserved: str) -> None:
-        super().__init__(["planted"], unobserved, val_fraction=0.2, batch_size=256)
+        super().__init__(["planted"], unobserved, val_fraction=0.2, batch_size=512)
         self.planted = tokens
 
     @property
@@ -164,16 +164,16 @@ class Planted(LogDataModule):
 
 def fit(tokens, unobserved: str, tmp_path) -> TokenHead:
     torch.manual_seed(0)
-    module = LookupHeadModule(width=16, depth=1, lr=1e-2, export=str(tmp_path / unobserved))
-    trainer = L.Trainer(max_epochs=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    module = LookupHeadModule(width=16, depth=1, lr=2e-2, export=str(tmp_path / unobserved))
+    trainer = L.Trainer(max_epochs=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path))
     trainer.fit(module, datamodule=Planted(tokens, unobserved))
     return TokenHead.load(tmp_path / unobserved)
 
 
 def test_unverified_positions_read_as_rejections_bias_the_head_low_and_the_survival_head_is_not(tmp_path):
-    tokens, _ = planted(0, 3000, rule=True)
-    held, truth = planted(1, 1500, rule=False)
+    tokens, _ = planted(0, 2000, rule=True)
+    held, truth = planted(1, 1000, rule=False)
     reached = ~np.isnan(held["label"])
     scores = {}
     for unobserved in ("skip", "reject"):

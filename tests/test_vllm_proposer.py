@@ -265,7 +265,7 @@ def test_vllm_serves_the_proposer_token_identical_to_no_speculation(tiny_model, 
                            str(folder), str(tmp_path / "log.jsonl")], capture_output=True, text=True, env=env,
                           timeout=900, cwd=tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["identical"] == [True] * result["prompts"]
     assert result["ngram_equal"]  # our proposer without a head drafts what vLLM's NgramProposer drafts
     assert result["drafted"] > 0 and 0 < result["accepted"] <= result["drafted"]

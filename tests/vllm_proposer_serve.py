@@ -1,7 +1,7 @@
 """Run in vLLM's environment by tests/test_vllm_proposer.py: (1) on repetitive contexts, our proposer without a head
 drafts what vLLM's own NgramProposer drafts; (2) vLLM serves a tiny random Llama (the test's tokenizer, a head width
 vLLM's CPU attention takes) at T = 0 without speculation and with `LookupHeadProposer` cutting drafts with a head, and
-the outputs are compared token for token. Prints one JSON line.
+the outputs are compared token for token. Writes result.json beside LOG_FILE.
 
 Usage: vllm_proposer_serve.py TINY_MODEL_FOLDER HEAD_FOLDER LOG_FILE
 """
@@ -89,4 +89,5 @@ if __name__ == "__main__":
     tiny, head, log = (Path(a) for a in sys.argv[1:4])
     result = {"ngram_equal": ngram_equal()}
     result |= serve(tiny_for_vllm(tiny, log.parent / "tiny-vllm"), head, log)
-    print(json.dumps(result))
+    (log.parent / "result.json").write_text(json.dumps(result))  # vLLM prints after this script's last line
+    print(json.dumps(result), flush=True)
