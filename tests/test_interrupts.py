@@ -17,7 +17,6 @@ from conftest import tiny_args
 from test_eagle3 import recipe_args
 
 from specheads.cli import main
-from specheads.plumbing.interrupts import Interrupted, signals_raise
 
 
 def stopped(args: list[str], ready: Callable[[], bool], signum: int, timeout: float = 300) -> tuple[int, str]:
@@ -83,6 +82,7 @@ def test_ctrl_c_in_train_fit_exits_130_with_the_command_that_resumes_from_the_la
 def test_a_command_another_runs_in_process_leaves_the_stop_to_it(monkeypatch, capsys):
     # the demo runs its stages through `main`: a stop must end the demo (its own line, its exit), not one stage
     import specheads.eval.profile as profile
+    from specheads.plumbing.interrupts import Interrupted, signals_raise
 
     def interrupted_at_once(argv: list[str]) -> int:
         os.kill(os.getpid(), signal.SIGINT)
