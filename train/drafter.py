@@ -13,7 +13,9 @@ exp(−k/γ)) and, jointly, its confidence head's BCE on the analytical acceptan
 and DeepSpec train it. The finished drafter is `drafter/` in speculators' format (what vLLM serves and
 `specheads.pair.eagle3.load_drafter` / `specheads.pair.dspark.load_drafter` read), and `fingerprint.json` records the
 settings, the data's digest, the time each step took and the held-out metrics. Lightning picks the accelerator: the
-same code runs on a CPU or a GPU.
+same code runs on a CPU or a GPU. Settings are checked before the data step (`specheads.train.drafter_settings`); a
+rerun resumes only under the settings in `settings.json`, one run at a time per `--out` (a lock), and a loss or a
+weight that turns non-finite stops the run before any drafter is written.
 """
 
 from __future__ import annotations
