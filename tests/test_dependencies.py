@@ -8,8 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 NOT_IMPORTED = {"gguf", "accelerate", "tensorboard"}  # transformers loads GGUF with them; Lightning logs to tensorboard
-EXTRAS = {"vllm": "vllm", "arctic_inference": "suffix"}  # imported only when asked for (module -> the extra of
-# pyproject.toml that declares it)
+EXTRAS = {"vllm": "vllm", "arctic_inference": "suffix", "pydantic": "eagle3"}  # imported only when asked for (module -> the extra of
+# pyproject.toml that declares it; pydantic: speculators' config errors, caught where a drafter loads)
 NO_DEPS_EXTRAS = {"speculators": "eagle3"}  # the same, installed with --no-deps beside the extra of its dependencies
 
 
