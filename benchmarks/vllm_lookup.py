@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm import LLM
+    from vllm.platforms import current_platform
 
     identity = vllm_anchor.files_sha256([Path(args.target), Path(args.prompt_file)]
                                         + ([Path(args.head)] if args.head else []))[:16] + f"-{args.max_new_tokens}"
@@ -146,9 +147,13 @@ def run(args: argparse.Namespace) -> None:
     done = done_keys(out)
     target = vllm_anchor.serving_copy(Path(args.target), Path(args.work), "target",
                                       vllm_anchor.files_sha256([Path(args.target)]))
-    engines = {method: LLM(model=str(target), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
-                           enforce_eager=True, generation_config="vllm", **engine_kwargs(method, args))
-               for method in args.methods}
+    engines = {}
+    for method in args.methods:
+        engines[method] = LLM(model=str(target), dtype="float32", max_model_len=2048, max_num_seqs=args.batch, seed=0,
+                              enforce_eager=True, generation_config="vllm", **engine_kwargs(method, args))
+        # the CPU platform's kernel overrides are registered once a process: a second registration fails on the
+        # wrappers the first left (vLLM 0.32.0, triton_utils/dispatcher.py)
+        current_platform.register_triton_kernel_overrides = lambda *args, **kwargs: None
     tokenizer = engines["plain"].get_tokenizer()
     prompts = vllm_anchor.load_prompt_ids(tokenizer, args.prompt_file, args.prompts)
     stops = vllm_anchor.stop_ids(Path(args.target), tokenizer.eos_token_id)
