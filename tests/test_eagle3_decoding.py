@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import target_greedy, vocabulary_maps
 from test_eval import LENGTH, PROMPT, chi_square_p, sequence_probabilities, tiny_lm
+from test_exactness_power import exactness_p
 
 from specheads.model_outputs.sampling import SamplingTransform
 
@@ -153,13 +154,14 @@ def test_the_round_engine_with_an_eagle3_draft_samples_the_target_distribution_i
 
     target, drafter = tiny_eagle
     transform = SamplingTransform(1.0)
-    exact = sequence_probabilities(target, transform)
+    length = LENGTH + 1  # a first round of two candidates: a residual draw at either
+    exact = sequence_probabilities(target, transform, length)
     engine = RoundEngine(target, Eagle3Model(drafter, target), transform, stop_ids=[])
-    runs = 600
+    runs = 1200
     for name, threshold in (("constant_k", 2), ("confidence", 0.5)):
-        results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), LENGTH, list(range(runs)),
-                                batch_size=8)  # continuous batching: a finished row takes the next request
-        assert chi_square_p([tuple(result.tokens) for result in results], exact) > 1e-3, name
+        results = engine.decode([PROMPT] * runs, make_policy(name, threshold, max_draft=3), length, list(range(runs)),
+                                batch_size=64)  # continuous batching: a finished row takes the next request
+        assert exactness_p([tuple(result.tokens) for result in results], exact) > 1e-3, name
         assert 0 < sum(result.accepted for result in results) < sum(result.drafted for result in results)
 
 
