@@ -375,12 +375,15 @@ def test_the_wall_clock_benchmark_decodes_a_heads_stop_rule_with_the_drafter_tha
 
 
 def test_the_demo_refuses_an_eagle3_line_it_could_not_decode_before_any_stage(labelled, eagle3_head, dspark_head,
-                                                                               tmp_path):
-    """`specheads demo --eagle3 DIR [--eagle3-head CKPT]` checks before gen starts: the folder holds an EAGLE-3 drafter,
-    the head trained on data that drafter labelled, and --eagle3-head comes with --eagle3; each refusal is one line
-    and the demo folder is not made."""
+                                                                               tmp_path, tiny_model, monkeypatch):
+    """`specheads demo --eagle3 DIR [--eagle3-head CKPT]` checks before gen starts: the folder holds an EAGLE-3 drafter
+    (made for the demo's target: the tiny one here, whose drafters these are), the head trained on data that drafter
+    labelled, and --eagle3-head comes with --eagle3; each refusal is one line and the demo folder is not made."""
+    from specheads.demo import eagle3 as demo_eagle3
     from specheads.demo.config import DemoConfig
     from specheads.demo.eagle3 import check_eagle3
+
+    monkeypatch.setattr(demo_eagle3, "DEMO_TARGET", str(tiny_model))
 
     eagle3_folder, dspark_folder = labelled[1]["eagle3"][1], labelled[1]["dspark"][1]
     check_eagle3(DemoConfig(eagle3=str(eagle3_folder), eagle3_head=str(eagle3_head)))  # a line it can decode

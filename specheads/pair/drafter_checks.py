@@ -180,6 +180,7 @@ def check_drafter_for(folder: str | Path, algorithm: str, target_spec: Any) -> N
 
     from specheads.pair.models import resolve_source
 
+    read_config(folder, algorithm)  # a folder that is no drafter is refused without looking for the target
     source = resolve_source(target_spec)
     try:
         config = AutoConfig.from_pretrained(source.location, revision=source.revision, gguf_file=source.gguf_file)
