@@ -85,6 +85,15 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def prompt_ids(tokenizer: Any, prompt_file: str, limit: int) -> list[list[int]]:
+    """The first `limit` prompts as token ids with the chat template and the assistant turn opened, as
+    specheads.dataset.prompts gives them (a record's `messages`, else its `prompt` as one user turn)."""
+    rows = [json.loads(line) for line in Path(prompt_file).read_text().splitlines() if line.strip()][:limit]
+    chats = [row.get("messages") or [{"role": "user", "content": row["prompt"]}] for row in rows]
+    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+
+
 def engine_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """The LLM arguments of a method (beyond the target's)."""
     name, _, k = method.partition(":")
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
         # wrappers the first left (vLLM 0.32.0, triton_utils/dispatcher.py)
         current_platform.register_triton_kernel_overrides = lambda *args, **kwargs: None
     tokenizer = engines["plain"].get_tokenizer()
-    prompts = vllm_anchor.load_prompt_ids(tokenizer, args.prompt_file, args.prompts)
+    prompts = prompt_ids(tokenizer, args.prompt_file, args.prompts)
     stops = vllm_anchor.stop_ids(Path(args.target), tokenizer.eos_token_id)
     for llm in engines.values():
         serve_batch(llm, prompts[:1], argparse.Namespace(max_new_tokens=4), stops)  # warm-up, untimed
