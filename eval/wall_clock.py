@@ -45,7 +45,6 @@ from specheads.heads import STOP_PURPOSES
 from specheads.heads.base import AcceptanceHead
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.pair.drafter_checks import check_drafter_for
-from specheads.pair.drafter_checks import check_drafter_for
 from specheads.pair.drafters import labelled_by_drafter
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
 from specheads.pair.packed import pack_linear_weights
@@ -106,38 +105,20 @@ class DrafterBenchmark:
         if not Path(self.prompt_file).is_file():
             raise UsageError(f"--prompt-file {self.prompt_file} does not exist; give a JSONL of prompts")
         for rule in self.rules:
-            name, _, value = rule.partition(":")
-            try:
-                threshold = float(value)
-            except ValueError:
-                raise UsageError(f"--rules: {rule!r} is not name:threshold (e.g. confidence:0.3, tree:0.1)") from None
+            name, threshold = split_rule(rule, "confidence:0.3, tree:0.1")
             if name == "tree":
                 TreeRule(values="confidence", floor=threshold, budget=self.tree_budget)
             else:
                 make_policy(name, threshold, self.max_draft)
 
-    def check(self) -> None:
-        """Refuse, before any model loads (`specheads.plumbing.dataclass_cli.parse_script`), counts below 1, a
-        negative temperature, a missing prompt file and a rule that is not `name:threshold` with a finite threshold
-        >= 0 of a known rule (`make_policy`), or `tree:floor`."""
-        for flag, value in (("prompts", self.prompts), ("max_new_tokens", self.max_new_tokens),
-                            ("max_draft", self.max_draft), ("tree_budget", self.tree_budget), ("resamples", self.resamples)):
-            if value < 1:
-                raise UsageError(f"--{flag.replace('_', '-')} {value} must be at least 1")
-        if self.temperature < 0:
-            raise UsageError(f"--temperature {self.temperature} must be at least 0 (0: greedy)")
-        if not Path(self.prompt_file).is_file():
-            raise UsageError(f"--prompt-file {self.prompt_file} does not exist; give a JSONL of prompts")
-        for rule in self.rules:
-            name, _, value = rule.partition(":")
-            try:
-                threshold = float(value)
-            except ValueError:
-                raise UsageError(f"--rules: {rule!r} is not name:threshold (e.g. confidence:0.3, tree:0.1)") from None
-            if name == "tree":
-                TreeRule(values="confidence", floor=threshold, budget=self.tree_budget)
-            else:
-                make_policy(name, threshold, self.max_draft)
+
+def split_rule(rule: str, examples: str) -> tuple[str, float]:
+    """`name:value` as (name, value), refused in one line naming `examples` when the value is not a number."""
+    name, _, value = rule.partition(":")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise UsageError(f"--rules: {rule!r} is not name:threshold (e.g. {examples})") from None
 
 
 def last_row_only(target: torch.nn.Module) -> dict[str, int]:
@@ -311,7 +292,6 @@ def decode_interleaved(engine: RoundEngine, prompts: list[list[int]], args: Draf
 def benchmark_drafter(args: DrafterBenchmark, kind: str) -> dict[str, Any]:
     """Decode `args.prompts` prompts by the target alone and under each rule with the `kind` drafter of
     `args.drafter` (`specheads.decoding.drafters`), print each rule's line and write `args.out`; the report."""
-    check_drafter_for(args.drafter, kind, ModelSpec(path=args.target))  # from the target's config: before it loads
     head = stop_head(args, kind)
     check_drafter_for(args.drafter, kind, ModelSpec(path=args.target))  # from the target's config: before it loads
     spec = ModelSpec(path=args.target)

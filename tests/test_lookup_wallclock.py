@@ -1,0 +1,104 @@
+"""benchmarks/lookup_decode.py on the tiny target: every rule timed as it runs and paired prompt by prompt with the
+target alone, resumable, refusals before any model loads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_benchmark
+from safetensors.torch import save_file
+
+from specheads.lookup.features import FEATURE_NAMES
+from specheads.lookup.token_head import CONFIG, FORMAT, STOP, WEIGHTS, expected_shapes
+from specheads.plumbing.errors import UsageError
+
+TEXT = "def add(a, b): return a + b. def add(a, b): return a + b. def add(a, b):"
+RULES = ["constant_k:3", "transformers:3", "lookup_table:0.043", "lookup_gate:0.043", "lookup_plan:0.043"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("lookup_decode")
+
+
+@pytest.fixture(scope="module")
+def head_folder(tmp_path_factory):
+    """A token-only stop head with random weights, exported as `specheads train lookup fit` exports one."""
+    config = {"format": FORMAT, "head_type": STOP, "purpose": "stop", "inputs": list(FEATURE_NAMES), "width": 8,
+              "depth": 1, "target_state_size": 0, "draft_kind": "lookup"}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape in expected_shapes(config).items()}
+    tensors["feature_mean"].zero_()
+    tensors["feature_std"].fill_(1.0)
+    folder = tmp_path_factory.mktemp("token-head")
+    (folder / CONFIG).write_text(json.dumps(config))
+    save_file(tensors, str(folder / WEIGHTS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_prompts(tmp_path_factory):
+    """Four prompts in two families, each repeating itself (prompt lookup finds matches)."""
+    path = tmp_path_factory.mktemp("lookup-prompts") / "prompts.jsonl"
+    rows = [{"id": f"q{i}", "category": ("copy", "chat")[i % 2], "prompt": TEXT * (1 + i % 2) + f" {i}"}
+            for i in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_every_rule_is_timed_and_paired_with_the_target_alone_and_resumes(bench, tiny_model, family_prompts,
+                                                                          head_folder, tmp_path):
+    out = tmp_path / "results.json"
+    args = bench.LookupBenchmark(target=str(tiny_model), prompt_file=str(family_prompts), per_family=1,
+                                 max_new_tokens=8, temperature=0.0, rules=RULES, head=str(head_folder),
+                                 compare=["lookup_plan:0.043:constant_k:3"], resamples=50, out=str(out))
+    args.check()
+    results = bench.benchmark(args)
+    runs = results["runs"]
+    assert sorted(runs) == ["q0", "q1"]
+    for run in runs.values():
+        alone = run["alone"]
+        for rule in RULES:
+            record = run[rule]
+            assert record["output"] == alone["output"], rule  # T = 0: every rule gives the target's greedy tokens
+            assert 0 < record["target_seconds"] < record["seconds"], rule  # its target forwards inside its seconds
+            assert record["target_calls"] >= 1
+        assert run["constant_k:3"]["drafted"] > 0 and alone["target_calls"] == alone["tokens"]  # prefill + 1 a token
+        assert 0 < run["lookup_plan:0.043"]["head_seconds"] < run["lookup_plan:0.043"]["seconds"]
+        assert run["lookup_plan:0.043"]["head_calls"] > 0
+    for rule in RULES:  # the summary's speedup is the geometric mean of the per-prompt paired rate ratios
+        ratios = [(run[rule]["tokens"] / run[rule]["seconds"]) / (run["alone"]["tokens"] / run["alone"]["seconds"])
+                  for run in runs.values()]
+        row = results["summary"][rule]["all"]
+        assert row["speedup"] == pytest.approx(math.exp(np.mean(np.log(ratios))))
+        assert row["interval"][0] <= row["speedup"] <= row["interval"][1]
+        assert row["same_as_target"] == 1.0
+        assert set(results["summary"][rule]) >= {"copy", "chat"}
+    pair = [run["lookup_plan:0.043"]["seconds"] / run["constant_k:3"]["seconds"] for run in runs.values()]
+    assert results["paired"]["lookup_plan:0.043:constant_k:3"]["all"]["ratio"] == pytest.approx(
+        1 / math.exp(np.mean(np.log(pair))))  # same tokens at T = 0: the rate ratio is the inverse time ratio
+    counted = [(run["constant_k:3"]["tokens"] / (run["constant_k:3"]["target_calls"] + 0.043 * run["constant_k:3"][
+        "drafted"])) / (run["alone"]["tokens"] / run["alone"]["target_calls"]) for run in runs.values()]
+    assert results["summary"]["constant_k:3"]["all"]["counted_speedup"] == pytest.approx(math.exp(np.mean(np.log(counted))))
+    assert results["summary"]["transformers:3"]["all"]["counted_speedup"] is None  # its drafted count is unknown
+    before = json.loads(out.read_text())["runs"]
+    assert bench.benchmark(args)["runs"] == before  # resumed: every (rule, prompt) finished, none run again
+
+
+def test_refusals_before_any_model_loads(bench, family_prompts, head_folder, tmp_path):
+    base = {"prompt_file": str(family_prompts), "out": str(tmp_path / "r.json")}
+    for bad, message in ((dict(rules=["lookup_plan:0.043"]), "--head"),
+                         (dict(rules=["transformers:2.5"]), "whole number"),
+                         (dict(rules=["constant_k:3", "constant_k:3"]), "twice"),
+                         (dict(rules=["constant_k:x"]), "name:threshold"),
+                         (dict(compare=["constant_k:3:lookup_table:0.043"]), "--compare"),
+                         (dict(temperature=math.nan), "--temperature")):
+        with pytest.raises(UsageError, match=message):
+            bench.LookupBenchmark(**{**base, **bad}).check()
+    (tmp_path / "r.json").write_text(json.dumps({"settings": {"temperature": 1.0}, "runs": {}}))
+    with pytest.raises(UsageError, match="another"):
+        bench.load_results(bench.LookupBenchmark(**base))
