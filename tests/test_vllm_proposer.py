@@ -269,3 +269,31 @@ def test_vllm_serves_the_proposer_token_identical_to_no_speculation(tiny_model, 
     assert result["identical"] == [True] * result["prompts"]
     assert result["ngram_equal"]  # our proposer without a head drafts what vLLM's NgramProposer drafts
     assert result["drafted"] > 0 and 0 < result["accepted"] <= result["drafted"]
+
+
+def test_a_new_request_is_not_taken_for_a_finished_one_whose_tokens_it_repeats(tmp_path):
+    """At T = 0 a warm-up of a prompt's first tokens, then the same prompt in full: once the second reaches the
+    first's tokens it must keep its own history (vLLM's runner gives no request ids)."""
+    prompts, responses = copy_heavy(5, 2)
+    warm = list(range(1, 9))  # warm-ups of 1..8 tokens: the full request passes through their lengths
+    prompts, responses = [prompts[0]] * (len(warm) + 1) + [prompts[1]], [responses[0][:n] for n in warm] + responses
+    folder = planted_head(tmp_path / "head")
+    log = tmp_path / "log.jsonl"
+    proposer = LookupHeadProposer(vllm_config(5, 128, {"specheads": {"head": str(folder), "token_cost": 0.2,
+                                                                     "log": str(log)}}))
+    runner = Runner(proposer, prompts, responses, 1, 128)
+    while runner.step(1):
+        pass
+    expected = reference(runner.calls, prompts, responses, TokenHead.load(folder), 5, 128, 0.2)
+    assert [draft for _, _, draft in runner.calls] == expected
+    # each request's rounds stay under its own id (the log from-logs reads): at T = 0 a stale request's history
+    # equals the new one's, so only the record shows a wrong match
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    rounds: dict[int, list[int]] = {}
+    for record in records:
+        if record["event"] == "round":
+            rounds.setdefault(record["request"], []).append(record["verified"])
+    calls: dict[int, list[int]] = {}
+    for request, _, draft in runner.calls:
+        calls.setdefault(request, []).append(len(draft))
+    assert list(rounds.values()) == list(calls.values())

@@ -103,9 +103,24 @@ def vllm_traces(records: list[dict[str, Any]]) -> list[Trace]:
         if not candidates:
             raise UsageError(f"output record {number} has no proposer request of its prompt; give the proposer's log of "
                              "the same run")
-        key = candidates.pop(0)
-        traces.append(placed(f"output {number}", record, rounds[key]))
+        traces.append(paired(f"output {number}", record, candidates, rounds))
     return traces
+
+
+def paired(name: str, record: dict[str, Any], candidates: list[tuple[str, int]],
+           rounds: dict[tuple[str, int], list[dict[str, Any]]]) -> Trace:
+    """The trace of the first proposer request of the output's prompt whose verified rounds are vLLM's (`placed`),
+    taken from `candidates` (a warm-up or a repeated prompt has a request of the same prompt); refused if none."""
+    problem = None
+    for index, key in enumerate(candidates):
+        try:
+            trace = placed(name, record, rounds[key])
+        except UsageError as error:
+            problem = problem or error
+            continue
+        del candidates[index]
+        return trace
+    raise problem
 
 
 def placed(name: str, record: dict[str, Any], rounds: list[dict[str, Any]]) -> Trace:
@@ -173,7 +188,8 @@ def rebuild(trace: Trace, settings: dict[str, Any]) -> dict[str, np.ndarray]:
         proposal = ngram_propose(context, int(settings["k"]), len(trace.prompt), int(settings["max_ngram"]),
                                  int(settings["min_ngram"]))
         proposed = len(proposal.tokens) if proposed is None else proposed
-        if len(proposal.tokens) < proposed or list(proposal.tokens[:accepted]) != trace.output[start: start + accepted]:
+        shown = trace.output[start: start + accepted]  # vLLM counts accepted tokens its max_tokens then cut
+        if len(proposal.tokens) < proposed or list(proposal.tokens[: len(shown)]) != shown:
             raise UsageError(f"{trace.name}: the proposal read again at output token {start} is not the one the log "
                              "verified; give the logs with the draft settings they were made with")
         if proposed:

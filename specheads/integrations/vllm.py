@@ -144,17 +144,24 @@ class RequestTracker:
 
     def __init__(self) -> None:
         self.followed: dict[int, Followed] = {}
+        self.rows: dict[int, int] = {}  # the request each batch row held at the last step
         self.ids = itertools.count()
 
-    def match(self, row: np.ndarray, count: int, sampled: int) -> tuple[Followed, bool]:
+    def match(self, index: int, row: np.ndarray, count: int, sampled: int, claimed: set[int]) -> tuple[Followed, bool]:
         """The followed request whose tokens at the last step equal the row's first `count - sampled` tokens (and
-        False), or a new one whose prompt they are (and True)."""
+        False), or a new one whose prompt they are (and True). The request this row held at the last step is tried
+        first, then those seen most recently: at T = 0 a finished request's tokens may equal a new one's prefix.
+        A request another row `claimed` this step is not matched again."""
         before = count - sampled
-        for state in self.followed.values():
-            if len(state.tokens) == before and np.array_equal(state.tokens, row[:before]):
+        owner = self.followed.get(self.rows.get(index, -1))
+        for state in ([owner] if owner else []) + sorted(self.followed.values(), key=lambda s: s.absent):
+            if (state.request not in claimed and len(state.tokens) == before
+                    and np.array_equal(state.tokens, row[:before])):
+                self.rows[index] = state.request
                 return state, False
         state = Followed(next(self.ids), before, np.empty(0, dtype=np.int64))
         self.followed[state.request] = state
+        self.rows[index] = state.request
         return state, True
 
     def age(self, seen: set[int]) -> list[Followed]:
@@ -204,7 +211,7 @@ class LookupHeadProposer:
                 drafts.append([])
                 continue
             row = token_ids_cpu[index, :count]
-            state, new = self.tracker.match(token_ids_cpu[index], count, len(sampled))
+            state, new = self.tracker.match(index, token_ids_cpu[index], count, len(sampled), seen)
             seen.add(state.request)
             self.advance(state, new, row, len(sampled))
             drafts.append(self.draft(state, row, count))
