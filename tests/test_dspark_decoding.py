@@ -83,14 +83,17 @@ def test_dspark_blocks_sample_the_target_distribution(tiny_dspark):
 def test_the_round_engine_with_a_dspark_draft_samples_the_target_distribution_in_batches(pair, request):
     target, drafter = request.getfixturevalue(pair)
     transform = SamplingTransform(1.0)
-    engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
+    draft = DSparkModel(drafter, target)
+    engine = RoundEngine(target, draft, transform, stop_ids=[])
     runs = 800
     results = engine.decode([PROMPT] * runs, make_policy("constant_k", 3, max_draft=3), LENGTH, list(range(runs)),
                             batch_size=8)  # continuous batching: a finished row takes the next request
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
     assert 0 < sum(r.accepted for r in results) < sum(r.drafted for r in results)
     assert max(r.drafted_per_round[1] for r in results) == 2  # two candidates from one block
-    assert all(r.draft_forwards == sum(1 for drafted in r.drafted_per_round if drafted) for r in results)
+    # one block a round that drafts, and each candidate's Markov bias at its share of one
+    assert all(r.draft_forwards == pytest.approx(sum(1 for drafted in r.drafted_per_round if drafted)
+                                                 + draft.candidate_cost * r.drafted) for r in results)
 
 
 class ConfidenceStop(StopPolicy):
@@ -248,11 +251,13 @@ def test_the_round_engine_decodes_as_the_b1_dspark_loop_and_greedy_as_the_target
     target, drafter = request.getfixturevalue(pair)
     for temperature in (1.0, 0.0):
         transform = SamplingTransform(temperature)
-        engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
+        draft = DSparkModel(drafter, target)
+        engine = RoundEngine(target, draft, transform, stop_ids=[])
         batched = engine.decode(prompts, make_policy("constant_k", 4, max_draft=4), 14, [0, 1, 2], batch_size=2)
         for seed, (prompt, result) in enumerate(zip(prompts, batched)):
-            alone = dspark_decode(target, drafter, prompt, transform, 4, 14, seed)
-            assert result.tokens == alone.tokens and result.draft_forwards == alone.draft_forwards, (temperature, seed)
+            alone = dspark_decode(target, drafter, prompt, transform, 4, 14, seed)  # its blocks, the Markov bias apart
+            assert result.tokens == alone.tokens, (temperature, seed)
+            assert result.draft_forwards == pytest.approx(alone.draft_forwards + draft.candidate_cost * result.drafted)
             if temperature == 0:
                 assert result.tokens == target_greedy(target, prompt, 14)
 
@@ -316,9 +321,11 @@ def test_a_dspark_decode_is_counted_and_planned_at_one_block_forward_a_round(tin
     target's cost, a flat target: its prior a = 0.7 picks K = 1 for a chain); the served rounds' prices read one
     forward a round."""
     target, drafter = tiny_dspark
-    engine = RoundEngine(target, DSparkModel(drafter, target), SamplingTransform(1.0), stop_ids=[])
+    draft = DSparkModel(drafter, target)
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     results = engine.decode([PROMPT] * 60, make_policy("oracle", 3, max_draft=3), 12, list(range(60)), batch_size=8)
-    assert all(r.draft_forwards == sum(1 for a in r.accepted_per_round if a) for r in results)
+    assert all(r.draft_forwards == pytest.approx(sum(1 for a in r.accepted_per_round if a)
+                                                 + draft.candidate_cost * r.accepted) for r in results)
     assert any(a > 1 for r in results for a in r.accepted_per_round)  # rounds that keep several candidates of a block
     costs = ServingCosts(CostCurve((1, 64), (0.5, 0.5)), CostCurve((1, 64), (1.0, 1.0)))
     log = []
@@ -328,7 +335,8 @@ def test_a_dspark_decode_is_counted_and_planned_at_one_block_forward_a_round(tin
     assert planner.costs.block == 3 and result.drafted_per_round[1] == 3  # round 1 reads the prompt: it drafts none
     # one forward: the first token read as context (the prompt's prefill is not priced) and the block's three slots
     assert [widths for record in log for widths in record.draft_widths][1] == [1 + 3]
-    assert round_seconds(log[1], costs.shaped(3)) == pytest.approx(0.5 + 1.0)
+    # and each of the three candidates' Markov bias at its share of a forward (0.5 s at any tokens)
+    assert round_seconds(log[1], costs.shaped(3)) == pytest.approx(0.5 + 1.0 + 3 * draft.candidate_cost * 0.5)
 
 
 def test_greedy_dspark_trees_give_the_targets_greedy_tokens(wide_dspark):
@@ -435,7 +443,8 @@ def test_the_wall_clock_benchmark_decodes_each_rule_with_a_dspark_drafter(wide_d
     assert json.loads((tmp_path / "out.json").read_text()) == json.loads(json.dumps(report))
     assert report["kind"] == "dspark" and set(report["rules"]) == set(args.rules)
     for rule, row in report["rules"].items():
-        assert row["tokens_per_s"] > 0 and 0 < row["draft_forwards_per_target_call"] <= 1, rule
+        markov = DSparkModel(wide_dspark[1], wide_dspark[0]).candidate_cost * args.max_draft  # a round's Markov biases
+        assert row["tokens_per_s"] > 0 and 0 < row["draft_forwards_per_target_call"] <= 1 + markov, rule
         assert (row["acceptance_per_position"] is None) == rule.startswith("tree:")
         assert len(row["speedup_interval"]) == 2
         if counts := row["acceptance_counts"]:  # a chain's: position k is reached only where k - 1 accepted

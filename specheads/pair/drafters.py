@@ -37,7 +37,6 @@ CANDIDATE_MODULES = ("markov_head", "confidence_head")
 (`markov_w2` over the draft vocabulary, its gate or recurrent projection) and the confidence head."""
 
 
-
 def speculators_models(algorithm: str) -> Any:
     """speculators' module of `algorithm` (`speculators.models.eagle3`, `.dspark`), or a UsageError with the install
     line."""
