@@ -51,7 +51,7 @@ def test_an_interrupted_eval_resumes_without_decoding_a_finished_run_twice(train
     killed = CountingDecoder(stop_at=5)
     monkeypatch.setattr(sweep, "decode_runs", killed)
     assert main(eval_args(head, data, out)) == 130
-    assert "run the same command again to resume" in capsys.readouterr().err
+    assert "finished work is kept; resume with: specheads eval" in capsys.readouterr().err
     assert not (out / "runs.json").exists() and len(read_journal(out / JOURNAL_FILE)[1]) == 5
     journal = out / JOURNAL_FILE  # a kill in the middle of the fifth append: that batch is not finished
     journal.write_bytes(journal.read_bytes()[:-60])

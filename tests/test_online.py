@@ -285,8 +285,9 @@ def test_every_rule_is_registered_for_a_process_that_imports_only_the_rules_modu
     import subprocess
     import sys
 
-    code = ("from specheads.decoding.rules import BASELINES, BATCH_POLICIES, ONLINE_POLICIES, RULES, STOP_POLICIES\n"
-            "named = {*BASELINES, *BATCH_POLICIES, *ONLINE_POLICIES, *STOP_POLICIES, 'sprinter'}\n"
+    code = ("from specheads.decoding.rules import BASELINES, BATCH_POLICIES, FREE_DRAFT_RULES, ONLINE_POLICIES, RULES, "
+            "STOP_POLICIES\n"
+            "named = {*BASELINES, *BATCH_POLICIES, *FREE_DRAFT_RULES, *ONLINE_POLICIES, *STOP_POLICIES, 'sprinter'}\n"
             "print(sorted(named - set(RULES)), sorted(set(RULES) - named))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip() == "[] []", done.stdout + done.stderr
