@@ -30,13 +30,11 @@ import numpy as np
 
 from specheads.artifacts.metrics import binary_kl, expected_calibration_error, soft_auc
 from specheads.dataset.lookup import load_lookup
+from specheads.decoding.free_rules import length_bucket
 from specheads.lookup.features import FEATURE_NAMES
 from specheads.lookup.token_head import TokenHead, conditional_estimates
 from specheads.plumbing.files import write_json_atomic
 from specheads.train.lookup import flat_tokens
-
-BUCKETS = (1, 2, 3, 4)
-"""vLLM's match-length buckets here: 1, 2, 3 and 4 or more."""
 
 
 def column(tokens: dict[str, np.ndarray], name: str) -> np.ndarray:
@@ -45,8 +43,9 @@ def column(tokens: dict[str, np.ndarray], name: str) -> np.ndarray:
 
 
 def table_keys(tokens: dict[str, np.ndarray]) -> np.ndarray:
-    """(source, match-length bucket, position) of every token, as rows of ints."""
-    bucket = np.minimum(column(tokens, "match_length"), BUCKETS[-1]).astype(np.int64)
+    """(source, match-length bucket, position) of every token, as rows of ints: vLLM's buckets, as the online
+    table's (`specheads.decoding.free_rules.length_bucket`)."""
+    bucket = np.array([length_bucket(int(n)) for n in column(tokens, "match_length")], dtype=np.int64)
     return np.stack([column(tokens, "from_output").astype(np.int64), bucket, tokens["position"]], axis=1)
 
 
