@@ -7,8 +7,9 @@ A round, for every row still generating:
    masked pad and are not counted;
 2. **verify**: one target forward over every row's tokens it has not seen and the candidates the rule sends
    (`rule.verify_from`), then the p/q test of each checked candidate (`specheads.decoding.sampler`);
-3. **emit**: the standing candidates and the target's token, ended at the first stop token and at max_new_tokens;
-   both caches are cropped to what stands; counts of forwards, calls and tokens per row.
+3. **accept**: the standing candidates and the target's token, ended at the first stop token and at max_new_tokens;
+4. **account**: both caches are cropped to what stands; counts of forwards, calls and tokens per row.
+`RoundEngine._round` runs them in that order, each a method of its name, after `_plan_round` has capped every row.
 
 With a prompt cache (`specheads.decoding.prompt_cache`) a row whose prompt was read before starts from the stored keys
 and values instead of a prefill; the forwards counted per request are the same either way.
@@ -322,6 +323,37 @@ class ServedBatch:
         self.finished = []
 
 
+@dataclass
+class DecodeRun:
+    """One decode in progress: its requests and the rows serving them (with their caches), the rule and the head it
+    reads (at `head_cost` draft forwards a scored token), what the draft computes after each forward
+    (`candidate_cost`), the planner, and where each round's output goes."""
+
+    batch: ServedBatch
+    rule: StopPolicy
+    head: AcceptanceHead | None
+    head_cost: float
+    candidate_cost: float
+    planner: Any
+    stop_check: StopCheck | None
+    on_emit: Callable[[int, list[int]], None] | None
+    log: list[RoundRecord] | None
+
+
+@dataclass
+class Accepted:
+    """What a row's round leaves: the candidates that stand, the tokens it emits, whether its request ended, the
+    candidates the target checked, whether the target was called, and the checked candidates' outcomes (for a
+    planner)."""
+
+    standing: int
+    emitted: list[int]
+    ended: bool
+    verified: int
+    called: bool
+    outcomes: list[Outcome]
+
+
 class RoundEngine:
     """A draft/target pair and the sampling transform, ready to decode prompts under any rule."""
 
@@ -356,12 +388,7 @@ class RoundEngine:
         adapting rule's state from an earlier decode (`rule.planner(costs)` gives a fresh one). `stop_check(request,
         generated)` ends a request after the first token at which it holds (stop strings, a caller's stopping
         criteria), as a stop token does; `on_emit(request, tokens)` receives each round's new tokens (a streamer)."""
-        refuse_for_draft(self.draft, rule, self.prompt_cache, self.companion)
-        rule.check_head(head)
-        check_decodable_head(head if rule.reads_head else None, self.draft)
-        if rule.reads_companion and self.companion is None:
-            raise UsageError(f"the {rule.name} rule reads SV's companion predictor; build the engine with a companion "
-                             "(eval: --sv-companion-skip-layers)")
+        self._check_rule(rule, head)
         start = time.perf_counter()
         slots = len(prompts) if batch_size is None else max(1, min(batch_size, len(prompts)))
         draft, target = round_caches(self.target, self.draft, slots, head.state_layer if rule.reads_head else None)
@@ -379,71 +406,121 @@ class RoundEngine:
         head_cost = head_forward_cost(head, self.draft) if head is not None else 0.0
         if planner is not None and head is not None:  # the planner prices the head's forwards as the counts do
             planner.price_head(head_cost)
+        run = DecodeRun(batch, rule, head, head_cost, candidate_cost, planner, stop_check, on_emit, log)
         while batch.live:
-            live = batch.live
-            caps = {row: rule.cap(batch.room(row)) if draft.can_draft(row) else 0 for row in live}
-            if draft.draft_limit() is not None:  # a block drafter drafts at most its block
-                caps = {row: min(cap, draft.draft_limit()) for row, cap in caps.items()}
-            if planner is not None:
-                most = planner.round_cap(len(live), max(caps.values()))
-                caps = {row: min(cap, most) for row, cap in caps.items()}
-            # a free draft: each row's proposal, read from its verified context, and its verify length from the rule
-            caps = plan_free_round(draft, rule, planner, {row: batch.tokens[row] for row in live}, caps)
-            rounds = {row: RowRound(cap=caps[row], unread=batch.unread(row)) for row in live}
-            self._draft(rounds, batch.tokens, draft, rule, head, batch.generators, planner, companion)
-            lengths = planner.verify_lengths({row: rounds[row].seen for row in live}) if planner else None
-            for row, length in (lengths or {}).items():
-                rounds[row].keep(length)
-            checks = {row: rule.verify_from(rounds[row].seen) if rounds[row].seen else 0 for row in live}
-            called = [row for row in live if checks[row] is not None]
-            logits = target.feed({row: batch.tokens[row][target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
-                                  for row in called},
-                                 {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called}) if called else {}
-            record = RoundRecord(head_cost=head_cost, candidate_cost=candidate_cost)
-            verified, outcomes = {}, {}
-            for row in live:
-                this = rounds[row]
-                if row in logits:
-                    accepted, new_token = verify(refuse_non_finite(logits[row][0], "the target"), this.candidates,
-                                                 this.logq_rows, checks[row], rule.bonus, self.transform, batch.generators[row])
-                else:  # every candidate passed unverified
-                    accepted, new_token = len(this.candidates), None
-                verified[row] = len(this.candidates) - checks[row] if row in logits else 0
-                check = None if stop_check is None else (
-                    lambda tokens, request=batch.request[row], before=batch.generated[row]: stop_check(request, before + tokens))
-                checked = accepted
-                accepted, emitted, ended = self.round_output(this.candidates, checked, new_token, batch.room(row), check)
-                # the checked candidates up to the first rejection, none past the token that ended the request
-                observed = min(checked + 1, len(emitted)) if ended else checked + 1
-                outcomes[row] = [Outcome(d.index, d.prob, i < checked, d.entropy)
-                                 for i, d in enumerate(this.seen[checks[row]: observed], start=checks[row])] if row in logits else []
-                result = batch.result(row)
-                count_round(result, this.drafted, accepted, row in logits, rule.hindsight)
-                if head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
-                    count_head(result, this.scored, sum(this.scored) * head_cost, row in logits)
-                    record.head_widths.append(list(this.scored))
-                widths = draft.round_widths(this.unread, accepted if rule.hindsight else this.drafted)
-                if row in logits:
-                    result.draft_widths_per_round.append(widths)
-                record.requests.append(batch.request[row])
-                record.drafted.append(accepted if rule.hindsight else this.drafted)
-                record.verified.append(accepted if rule.hindsight else verified[row])
-                record.emitted.append(len(emitted))
-                record.draft_widths.append(widths)
-                for cache in batch.caches:
-                    cache.crop_row(row, len(batch.tokens[row]) + accepted)
-                batch.remember_prompt(row)
-                if on_emit is not None and emitted:
-                    on_emit(batch.request[row], emitted)
-                batch.emit(row, emitted, ended)
-            if planner is not None:
-                planner.observe(outcomes)
-            batch.refill()  # after `observe`: a new request's history starts empty
-            if log is not None:
-                log.append(record)
-            for cache in batch.caches:
-                cache.trim()
+            self._round(run)
         return self._finish(batch.results, start, draft, target)
+
+    def _check_rule(self, rule: StopPolicy, head: AcceptanceHead | None) -> None:
+        """Refuse, before any forward, a rule this pair cannot decode or a head the rule cannot read."""
+        refuse_for_draft(self.draft, rule, self.prompt_cache, self.companion)
+        rule.check_head(head)
+        check_decodable_head(head if rule.reads_head else None, self.draft)
+        if rule.reads_companion and self.companion is None:
+            raise UsageError(f"the {rule.name} rule reads SV's companion predictor; build the engine with a companion "
+                             "(eval: --sv-companion-skip-layers)")
+
+    def _round(self, run: DecodeRun) -> None:
+        """One round for every live row (module docstring): plan its caps, draft, verify, then accept and account row
+        by row; the planner observes the checked candidates before finished rows take new requests."""
+        batch = run.batch
+        rounds = self._plan_round(run)
+        self._draft(rounds, batch.tokens, batch.draft, run.rule, run.head, batch.generators, run.planner, batch.companion)
+        checks, logits = self._verify(run, rounds)
+        record = RoundRecord(head_cost=run.head_cost, candidate_cost=run.candidate_cost)
+        outcomes = {}
+        for row, this in rounds.items():
+            accepted = self._accept(run, row, this, checks[row], logits.get(row))
+            outcomes[row] = accepted.outcomes
+            self._account(run, row, this, accepted, record)
+        if run.planner is not None:
+            run.planner.observe(outcomes)
+        batch.refill()  # after `observe`: a new request's history starts empty
+        if run.log is not None:
+            run.log.append(record)
+        for cache in batch.caches:
+            cache.trim()
+
+    @staticmethod
+    def _plan_round(run: DecodeRun) -> dict[int, RowRound]:
+        """Each live row's round, capped by the rule (none for a row its draft cannot draft for yet), by a block
+        drafter's block and by the planner; a free draft's proposal is read from the row's verified context."""
+        batch, draft, rule, planner = run.batch, run.batch.draft, run.rule, run.planner
+        live = batch.live
+        caps = {row: rule.cap(batch.room(row)) if draft.can_draft(row) else 0 for row in live}
+        if draft.draft_limit() is not None:  # a block drafter drafts at most its block
+            caps = {row: min(cap, draft.draft_limit()) for row, cap in caps.items()}
+        if planner is not None:
+            most = planner.round_cap(len(live), max(caps.values()))
+            caps = {row: min(cap, most) for row, cap in caps.items()}
+        # a free draft: each row's proposal, read from its verified context, and its verify length from the rule
+        caps = plan_free_round(draft, rule, planner, {row: batch.tokens[row] for row in live}, caps)
+        return {row: RowRound(cap=caps[row], unread=batch.unread(row)) for row in live}
+
+    def _verify(self, run: DecodeRun, rounds: dict[int, RowRound]) -> tuple[dict[int, int | None], dict[int, Any]]:
+        """The candidates each row sends to the target (the planner's verify length, then `rule.verify_from`: the
+        first checked one, None for a row that calls no target) and one target forward over the rows that call it;
+        per row, the first checked candidate, and per calling row, the target's logits."""
+        batch, rule, planner = run.batch, run.rule, run.planner
+        lengths = planner.verify_lengths({row: this.seen for row, this in rounds.items()}) if planner else None
+        for row, length in (lengths or {}).items():
+            rounds[row].keep(length)
+        checks = {row: rule.verify_from(this.seen) if this.seen else 0 for row, this in rounds.items()}
+        called = [row for row in rounds if checks[row] is not None]
+        if not called:
+            return checks, {}
+        return checks, batch.target.feed(
+            {row: batch.tokens[row][batch.target.length(row):] + rounds[row].candidates[: self._fed(rule, rounds[row])]
+             for row in called},
+            {row: len(rounds[row].candidates) - checks[row] + rule.bonus for row in called})
+
+    def _accept(self, run: DecodeRun, row: int, this: RowRound, check_from: int | None,
+                logits: Any) -> Accepted:
+        """The row's p/q test of its checked candidates (`logits`: the target's, None when no target was called: every
+        candidate stands unverified), then what stands: ended at a stop token, a stop check or max_new_tokens."""
+        batch, rule = run.batch, run.rule
+        called = logits is not None
+        if called:
+            accepted, new_token = verify(refuse_non_finite(logits[0], "the target"), this.candidates, this.logq_rows,
+                                         check_from, rule.bonus, self.transform, batch.generators[row])
+        else:  # every candidate passed unverified
+            accepted, new_token = len(this.candidates), None
+        check = None if run.stop_check is None else (
+            lambda tokens, request=batch.request[row], before=batch.generated[row]: run.stop_check(request, before + tokens))
+        checked = accepted
+        standing, emitted, ended = self.round_output(this.candidates, checked, new_token, batch.room(row), check)
+        if not called:
+            return Accepted(standing, emitted, ended, 0, False, [])
+        # the checked candidates up to the first rejection, none past the token that ended the request
+        observed = min(checked + 1, len(emitted)) if ended else checked + 1
+        outcomes = [Outcome(d.index, d.prob, i < checked, d.entropy)
+                    for i, d in enumerate(this.seen[check_from: observed], start=check_from)]
+        return Accepted(standing, emitted, ended, len(this.candidates) - check_from, True, outcomes)
+
+    @staticmethod
+    def _account(run: DecodeRun, row: int, this: RowRound, accepted: Accepted, record: RoundRecord) -> None:
+        """The row's round into its request's counts and the round's record; its caches cropped to what stands, its
+        prompt stored, its new tokens streamed and added to its request."""
+        batch, rule = run.batch, run.rule
+        result = batch.result(row)
+        count_round(result, this.drafted, accepted.standing, accepted.called, rule.hindsight)
+        if run.head is not None:  # what the head's forwards cost (SV's companion is counted at `emit`)
+            count_head(result, this.scored, sum(this.scored) * run.head_cost, accepted.called)
+            record.head_widths.append(list(this.scored))
+        widths = batch.draft.round_widths(this.unread, accepted.standing if rule.hindsight else this.drafted)
+        if accepted.called:
+            result.draft_widths_per_round.append(widths)
+        record.requests.append(batch.request[row])
+        record.drafted.append(accepted.standing if rule.hindsight else this.drafted)
+        record.verified.append(accepted.standing if rule.hindsight else accepted.verified)
+        record.emitted.append(len(accepted.emitted))
+        record.draft_widths.append(widths)
+        for cache in batch.caches:
+            cache.crop_row(row, len(batch.tokens[row]) + accepted.standing)
+        batch.remember_prompt(row)
+        if run.on_emit is not None and accepted.emitted:
+            run.on_emit(batch.request[row], accepted.emitted)
+        batch.emit(row, accepted.emitted, accepted.ended)
 
     @torch.no_grad()
     def store_prompts(self, prompts: list[list[int]], batch_size: int) -> None:
