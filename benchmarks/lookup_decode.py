@@ -54,7 +54,6 @@ from specheads.decoding.costs import ServingCosts
 from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
-from specheads.lookup.features import RoundHistory
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
 from specheads.lookup.proposers import Proposal
 from specheads.lookup.token_head import TokenHead
@@ -161,9 +160,9 @@ class TimedEstimator:
         self.head, self.seconds = head, []
         self.target_state_size = head.target_state_size
 
-    def estimates(self, proposal: Proposal, history: RoundHistory) -> list[float]:
+    def estimates(self, proposal: Proposal) -> list[float]:
         began = time.perf_counter()
-        estimates = self.head.estimates(proposal, history)
+        estimates = self.head.estimates(proposal)
         self.seconds.append(time.perf_counter() - began)
         return estimates
 

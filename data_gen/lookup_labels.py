@@ -52,7 +52,7 @@ from specheads.dataset.lookup import LOOKUP_FORMAT
 from specheads.dataset.prompts import load_prompts, prompts_hash
 from specheads.dataset.shards import read_record, shard_path, shard_problem
 from specheads.dataset.store import FORMAT_VERSION, MANIFEST, write_shard
-from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
+from specheads.lookup.features import FEATURE_NAMES, token_features
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import output_logits
 from specheads.model_outputs.states import cache_argument, decoder_forward
@@ -68,7 +68,7 @@ from specheads.pair.placement import rank_devices
 from specheads.plumbing.files import check_output_folder, write_json_atomic
 from specheads.plumbing.lock import folder_lock
 
-LABELLER = 1
+LABELLER = 2
 """How the rows are made; raised when that changes, so older data is not resumed into."""
 
 
@@ -105,22 +105,17 @@ def proposal_inputs(prompt_ids: list[int], response: list[int], propose: Any) ->
     """The proposal and token inputs at every response position (module docstring); `propose(context)` gives a
     proposal from the verified context. Each input depends only on the prompt and y_<start."""
     inputs: list[ProposalInput] = []
-    history, next_round, pending = RoundHistory(), 0, None
+    next_round = 0
     for start in range(len(response)):
-        if pending is not None and start >= pending[0]:  # the round verified before `start` ended: its outcome is known
-            history.record(*pending[1:])
-            pending = None
         proposal = propose([*prompt_ids, *response[:start]])
         is_round = start == next_round
         if is_round:
             if proposal.tokens:
-                accepted = accepted_prefix(proposal.tokens, response[start:])
-                pending = (start + accepted + 1, len(proposal.tokens), accepted)
-                next_round = start + accepted + 1
+                next_round = start + accepted_prefix(proposal.tokens, response[start:]) + 1
             else:
                 next_round = start + 1
         if proposal.tokens:
-            inputs.append(ProposalInput(start, proposal, token_features(proposal, history), is_round))
+            inputs.append(ProposalInput(start, proposal, token_features(proposal), is_round))
     return inputs
 
 

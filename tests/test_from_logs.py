@@ -34,8 +34,7 @@ def served(tmp_path, max_reqs: int = 2, count: int = 6):
                                                                      "log": str(log), "token_cost": 0.2}}))
     read = []
     estimates = proposer.head.estimates
-    proposer.head.estimates = lambda proposal, history: (read.append(token_features(proposal, history)),
-                                                         estimates(proposal, history))[1]
+    proposer.head.estimates = lambda proposal: (read.append(token_features(proposal)), estimates(proposal))[1]
     runner = Runner(proposer, prompts, responses, max_reqs, 128)
     while runner.step(max_reqs):
         pass

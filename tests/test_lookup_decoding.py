@@ -168,11 +168,11 @@ def test_vllm_table_buckets_counts_verified_positions_and_halves():
 
 def test_an_estimator_plans_the_verify_and_a_free_draft_refuses_what_it_cannot_do(target):
     class Sure:
-        def estimates(self, proposal, history):
+        def estimates(self, proposal):
             return [0.99] * len(proposal.tokens)
 
     class Doubtful(Sure):
-        def estimates(self, proposal, history):
+        def estimates(self, proposal):
             return [0.01] * len(proposal.tokens)
 
     engine = RoundEngine(target, LookupDraft(), SamplingTransform(0.0), stop_ids=[])

@@ -20,7 +20,7 @@ from specheads.data_gen.lookup_labels import (
 )
 from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
-from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
+from specheads.lookup.features import FEATURE_NAMES, token_features
 from specheads.lookup.proposers import suffix_available
 from specheads.lookup.token_head import TokenHead
 from specheads.model_outputs.sampling import SamplingTransform
@@ -39,7 +39,7 @@ def scripted(response: list[int], prompt_length: int):
         ahead = response[start: start + 4]
         tokens = tuple(ahead[:2] + [ahead[-1] + 1] + ahead[3:]) if start % 2 == 0 else tuple(t + 1 for t in ahead[:3])
         return SimpleNamespace(tokens=tokens, match_length=1 + start % 3, match_count=1, distance=start,
-                               scores=tuple(0.5 for _ in tokens), source="prompt")
+                               scores=tuple(0.5 for _ in tokens), source="prompt", copy_length=start % 7)
 
     return propose
 
@@ -84,22 +84,20 @@ def test_every_label_equals_a_separate_target_forward(tiny_model, temperature):
         assert torch.allclose(states[start], brute_force_state(target, [*PROMPT, *response[:start]]), atol=1e-5)
 
 
-def test_rounds_of_the_full_verify_decode_and_their_history():
+def test_rounds_of_the_full_verify_decode_and_their_inputs():
     response = [1, 2, 3, 4, 5, 6, 7, 8]
     fixed = {0: (1, 2, 9), 3: (4, 5, 6), 7: (8,)}  # round 0 accepts 2 (ends at 3), round 3 accepts 3 (ends at 7)
 
     def propose(context: list[int]) -> SimpleNamespace:
         tokens = fixed.get(len(context), (99,))
         return SimpleNamespace(tokens=tokens, match_length=2, match_count=1, distance=3, scores=(1.0,) * len(tokens),
-                               source="output")
+                               source="output", copy_length=len(context) % 5)
 
     inputs = proposal_inputs([], response, propose)
     assert [x.start for x in inputs if x.round_start] == [0, 3, 7]
-    history = RoundHistory()
-    for item in inputs:
-        if item.start in (3, 7):
-            history.record(*{3: (3, 2), 7: (3, 3)}[item.start])
-        assert np.array_equal(item.features, token_features(item.proposal, history)), item.start
+    for item in inputs:  # each position's inputs are its own proposal's, whatever the rounds before it did
+        assert np.array_equal(item.features, token_features(item.proposal)), item.start
+        assert item.features[0, FEATURE_NAMES.index("log_copy_length")] == pytest.approx(np.log1p(item.start % 5))
 
 
 def test_inputs_are_known_before_the_verify():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -15,18 +14,13 @@ import yaml
 
 from specheads.artifacts.metrics import soft_auc
 from specheads.heads.lookup import TokenHeadModel
-from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
+from specheads.lookup.features import FEATURE_NAMES, token_features
+from specheads.lookup.proposers import Proposal
 from specheads.lookup.token_head import EXPECTED, STOP, TokenHead, conditional_estimates
 from specheads.plumbing.errors import UsageError
 from specheads.train.lookup import LookupDataModule, LookupHeadModule, proposal_products
 
 CONFIGS = Path(__file__).parents[1] / "configs" / "train"
-
-
-def Proposal(tokens, match_length, match_count, distance, scores, source) -> SimpleNamespace:  # noqa: N802
-    """A proposal as the proposers make it (`specheads.lookup.proposers.Proposal`'s fields)."""
-    return SimpleNamespace(tokens=tokens, match_length=match_length, match_count=match_count, distance=distance,
-                           scores=scores, source=source)
 
 
 def trained_head(head_type: str = STOP, state: int = 0, seed: int = 0) -> TokenHeadModel:
@@ -39,22 +33,17 @@ def trained_head(head_type: str = STOP, state: int = 0, seed: int = 0) -> TokenH
     return model
 
 
-def test_features_follow_the_proposal_and_the_history():
-    proposal = Proposal((5, 6, 7), 2, 3, 10, (0.9, 0.5, 0.8), "output")
-    history = RoundHistory.of_rounds([4, 3], [4, 1])
-    rows = token_features(proposal, history)
+def test_features_follow_the_proposal_alone():
+    proposal = Proposal((5, 6, 7), 2, 3, 10, (0.9, 0.5, 0.8), "output", copy_length=40)
+    rows = token_features(proposal)
     named = [dict(zip(FEATURE_NAMES, row)) for row in rows]
     assert rows.shape == (3, len(FEATURE_NAMES)) and rows.dtype == np.float32
     assert [row["position"] for row in named] == [1, 2, 3]
     assert [row["min_score"] for row in named] == pytest.approx([0.9, 0.5, 0.5])
     assert [row["product_score"] for row in named] == pytest.approx([0.9, 0.45, 0.36])
     assert named[0]["from_output"] == 1 and named[0]["log_match_count"] == pytest.approx(np.log(4))
-    assert named[0]["last_drafted"] == 3 and named[0]["last_accepted"] == 1 and named[0]["last_full"] == 0
-    # two rounds: 0.5 -> 0.7·0.5 + 0.3·1 = 0.65 -> 0.7·0.65 + 0.3/3 = 0.555
-    assert named[0]["mean_rate"] == pytest.approx(0.555) and named[0]["rounds"] == pytest.approx(np.log(3))
-    skipped = history.copy()
-    skipped.record(0, 0)  # a round that verified nothing leaves the means alone
-    assert skipped.mean_rate == history.mean_rate and skipped.last_drafted == 0
+    assert [row["log_copy_length"] for row in named] == pytest.approx([np.log(41)] * 3)
+    assert [row["proposal_length"] for row in named] == [3, 3, 3] and named[2]["match_length"] == 2
 
 
 def test_runtime_equals_the_training_module_bit_for_bit(tmp_path):
@@ -62,8 +51,7 @@ def test_runtime_equals_the_training_module_bit_for_bit(tmp_path):
         model = trained_head(head_type, state)
         folder = model.export(tmp_path / f"{head_type}-{state}")
         head = TokenHead.load(folder, draft_kind="lookup", target_state_size=state)
-        features = token_features(Proposal((1, 2, 3, 4), 3, 2, 40, (1.0, 0.7, 0.7, 0.2), "prompt"),
-                                  RoundHistory.of_rounds([2], [2]))
+        features = token_features(Proposal((1, 2, 3, 4), 3, 2, 40, (1.0, 0.7, 0.7, 0.2), "prompt", 12))
         target = np.random.default_rng(0).normal(size=(4, state)).astype(np.float32) if state else None
         with torch.no_grad():
             module = torch.sigmoid(model(torch.as_tensor(features), None if target is None else torch.as_tensor(target)))
@@ -75,7 +63,7 @@ def test_a_mutated_runtime_weight_changes_the_scores(tmp_path):
     # the equality above is not vacuous: the runtime reads every block
     model = trained_head()
     head = TokenHead.load(model.export(tmp_path / "head"))
-    features = token_features(Proposal((1, 2), 2, 1, 5, (0.5, 0.5), "prompt"), RoundHistory())
+    features = token_features(Proposal((1, 2), 2, 1, 5, (0.5, 0.5), "prompt", 2))
     before = head.probabilities(features)
     head.tensors["blocks.1.weight"] = head.tensors["blocks.1.weight"] + 0.1
     assert not np.array_equal(before, head.probabilities(features))

@@ -18,7 +18,6 @@ import torch
 
 from specheads.heads.lookup import TokenHeadModel
 from specheads.integrations.vllm import LookupHeadProposer, ProposerSettings
-from specheads.lookup.features import RoundHistory
 from specheads.lookup.planning import goodput_length, linear_cost
 from specheads.lookup.proposers import ngram_propose
 from specheads.lookup.token_head import TokenHead
@@ -37,7 +36,7 @@ def vllm_config(k: int, max_len: int, additional: dict | None = None) -> SimpleN
 
 
 def planted_head(folder: Path, seed: int = 0, draft_kind: str = "lookup") -> Path:
-    """A token head with random weights whose estimates vary with every input (history included)."""
+    """A token head with random weights whose estimates vary with every input."""
     torch.manual_seed(seed)
     model = TokenHeadModel("lookup_token_stop", width=16, depth=1, draft_kind=draft_kind)
     with torch.no_grad():
@@ -130,30 +129,20 @@ def copy_heavy(seed: int, count: int) -> tuple[list[list[int]], list[list[int]]]
 
 
 def reference(calls, prompts, responses, head: TokenHead | None, k: int, max_len: int, cost: float):
-    """Every draft as our decoder's rule gives it, from each request's true identity and outcomes: the proposal of
-    its context, the head's estimates with the request's RoundHistory (the prefill a round of nothing verified), the
-    cost-read length."""
-    histories, last = {}, {}
+    """Every draft as our decoder's rule gives it, from each request's true identity: the proposal of its context
+    (its prompt's length read from the request), the head's estimates, the cost-read length."""
     expected = []
     for request, context, _draft in calls:
-        history = histories.setdefault(request, RoundHistory())
-        made = len(context) - len(prompts[request])
-        if request in last:
-            verified, made_before = last[request]
-            history.record(verified, made - made_before - 1 if verified else 0)
-        else:
-            history.record(0, 0)
         proposal = ngram_propose(context, min(k, max_len - len(context)), len(prompts[request]))
         length = len(proposal.tokens)
         if head is not None and length:
-            length = goodput_length(head.estimates(proposal, history), linear_cost(cost))
+            length = goodput_length(head.estimates(proposal), linear_cost(cost))
         expected.append(list(proposal.tokens[:length]))
-        last[request] = (length, made)
     return expected
 
 
 @pytest.mark.parametrize("max_reqs", [1, 3])
-def test_drafts_equal_our_rule_with_each_requests_history_as_vllms_runner_passes_them(tmp_path, max_reqs):
+def test_drafts_equal_our_rule_on_the_arrays_vllms_runner_passes(tmp_path, max_reqs):
     prompts, responses = copy_heavy(0, 7)
     folder = planted_head(tmp_path / "head")
     proposer = LookupHeadProposer(vllm_config(5, 128, {"specheads": {"head": str(folder), "token_cost": 0.2}}))
@@ -166,7 +155,7 @@ def test_drafts_equal_our_rule_with_each_requests_history_as_vllms_runner_passes
     full = reference(runner.calls, prompts, responses, None, 5, 128, 0.2)
     cut = sum(len(a) < len(b) for a, b in zip(expected, full))
     assert 0 < cut < len(full)  # the head cuts some drafts, not all: the test sees its lengths
-    # the requests ended and every one kept its own history (a wrong match would mix two): each was followed once
+    # every request was followed as itself (a wrong match would merge two): each has its own id
     assert len({request for request, _, _ in runner.calls}) == len(prompts)
 
 
@@ -273,7 +262,7 @@ def test_vllm_serves_the_proposer_token_identical_to_no_speculation(tiny_model, 
 
 def test_a_new_request_is_not_taken_for_a_finished_one_whose_tokens_it_repeats(tmp_path):
     """At T = 0 a warm-up of a prompt's first tokens, then the same prompt in full: once the second reaches the
-    first's tokens it must keep its own history (vLLM's runner gives no request ids)."""
+    first's tokens it must keep its own id (vLLM's runner gives no request ids)."""
     prompts, responses = copy_heavy(5, 2)
     warm = list(range(1, 9))  # warm-ups of 1..8 tokens: the full request passes through their lengths
     prompts, responses = [prompts[0]] * (len(warm) + 1) + [prompts[1]], [responses[0][:n] for n in warm] + responses
@@ -286,8 +275,7 @@ def test_a_new_request_is_not_taken_for_a_finished_one_whose_tokens_it_repeats(t
         pass
     expected = reference(runner.calls, prompts, responses, TokenHead.load(folder), 5, 128, 0.2)
     assert [draft for _, _, draft in runner.calls] == expected
-    # each request's rounds stay under its own id (the log from-logs reads): at T = 0 a stale request's history
-    # equals the new one's, so only the record shows a wrong match
+    # each request's rounds stay under its own id (the log from-logs reads): only the record shows a wrong match
     records = [json.loads(line) for line in log.read_text().splitlines()]
     rounds: dict[int, list[int]] = {}
     for record in records:

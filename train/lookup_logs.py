@@ -12,8 +12,8 @@ What it reads (JSON lines, any number of files, told apart by their `event`):
   (`decoder_log_lines`).
 
 Every round's proposal is read again from its verified context (`ngram_propose`: the proposal is a function of it), its
-token inputs rebuilt with the request's `RoundHistory` replayed round by round (`token_features`, so they equal what
-the running head read), and each proposed position labelled: verified and accepted 1, verified and rejected 0,
+token inputs rebuilt from it (`token_features`, functions of the verified context: they equal what the running head
+read), and each proposed position labelled: verified and accepted 1, verified and rejected 0,
 never verified (cut by the running rule's stop, or after a rejection) unobserved. The head trains on the reached
 positions only, so its loss is the survival likelihood: Π â over the accepted prefix times (1 − â) at the first
 rejection; an unreached position contributes nothing (`unobserved: skip`). `unobserved: reject` labels them 0
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from specheads.dataset.datamodule import prompt_split
-from specheads.lookup.features import FEATURE_NAMES, RoundHistory, token_features
+from specheads.lookup.features import FEATURE_NAMES, token_features
 from specheads.lookup.proposers import ngram_propose
 from specheads.plumbing.errors import UsageError
 from specheads.train.lookup import LookupDataModule
@@ -43,14 +43,12 @@ UNOBSERVED = ("skip", "reject")
 @dataclass
 class Trace:
     """One request as a server ran it: prompt, output, and its rounds in order as (output tokens before the round,
-    tokens proposed, tokens verified, tokens accepted); `prefill`: the request's first token came from a step that
-    verified nothing (vLLM's prefill), a round of its history."""
+    tokens proposed, tokens verified, tokens accepted)."""
 
     name: str
     prompt: list[int]
     output: list[int]
     rounds: list[tuple[int, int | None, int, int]] = field(default_factory=list)  # proposed None: all it read
-    prefill: bool = False
 
 
 def read_lines(paths: list[str]) -> list[dict[str, Any]]:
@@ -133,7 +131,7 @@ def placed(name: str, record: dict[str, Any], rounds: list[dict[str, Any]]) -> T
         raise UsageError(f"{name}: vLLM verified drafts of {list(record['per_step_drafted'])} tokens where the proposer "
                          f"drafted {drafted}; give the proposer's log and vLLM's metrics of the same run")
     accepted = iter(record["per_step_accepted"])
-    trace = Trace(name, list(record["prompt_token_ids"]), output, prefill=True)
+    trace = Trace(name, list(record["prompt_token_ids"]), output)
     for r in ran:
         trace.rounds.append((r["start"], r["proposed"], r["verified"], int(next(accepted)) if r["verified"] else 0))
     return trace
@@ -180,9 +178,7 @@ def decoder_log_lines(settings: dict[str, Any], prompts: dict[int, list[int]], o
 def rebuild(trace: Trace, settings: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every proposed position of the trace's rounds: `features` [n, F], `label` (1, 0, NaN unobserved), `position`,
     `start` (module docstring); refused where a proposal read again differs from the log."""
-    history, parts = RoundHistory(), defaultdict(list)
-    if trace.prefill:
-        history.record(0, 0)
+    parts = defaultdict(list)
     for start, proposed, verified, accepted in trace.rounds:
         context = trace.prompt + trace.output[:start]
         proposal = ngram_propose(context, int(settings["k"]), len(trace.prompt), int(settings["max_ngram"]),
@@ -199,11 +195,10 @@ def rebuild(trace: Trace, settings: dict[str, Any]) -> dict[str, np.ndarray]:
             labels[:accepted] = 1.0
             if accepted < verified:
                 labels[accepted] = 0.0
-            parts["features"].append(token_features(cut, history))
+            parts["features"].append(token_features(cut))
             parts["label"].append(labels)
             parts["position"].append(np.arange(1, proposed + 1))
             parts["start"].append(np.full(proposed, start))
-        history.record(verified, accepted)
     if not parts:
         return {"features": np.empty((0, len(FEATURE_NAMES)), np.float32), "label": np.empty(0),
                 "position": np.empty(0, np.int64), "start": np.empty(0, np.int64)}

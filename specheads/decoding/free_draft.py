@@ -32,7 +32,6 @@ import torch
 
 from specheads.decoding.cache import BatchCache
 from specheads.decoding.online import PassivePlanner
-from specheads.lookup.features import RoundHistory
 from specheads.lookup.proposers import NO_PROPOSAL, Proposal, SuffixProposer, ngram_propose, suffix_available
 from specheads.plumbing.errors import UsageError
 
@@ -41,12 +40,11 @@ DRAFT_KINDS = ("ngram", "suffix")
 
 class Estimator(Protocol):
     """A source of per-position acceptance estimates for a free draft's proposal (a token-only head,
-    `specheads.lookup.token_head.TokenHead`, is one): `estimates(proposal, history)` returns â_k for every proposed
-    token k = 1..len(proposal.tokens), the probability that token k is accepted given that tokens 1..k−1 were, from
-    the proposal (`specheads.lookup.proposers.Proposal`) and the request's earlier rounds (`RoundHistory`), both known
-    before the verify."""
+    `specheads.lookup.token_head.TokenHead`, is one): `estimates(proposal)` returns â_k for every proposed token
+    k = 1..len(proposal.tokens), the probability that token k is accepted given that tokens 1..k−1 were, from the
+    proposal (`specheads.lookup.proposers.Proposal`), a function of the verified context known before the verify."""
 
-    def estimates(self, proposal: Proposal, history: RoundHistory) -> list[float]: ...
+    def estimates(self, proposal: Proposal) -> list[float]: ...
 
 
 @dataclass
@@ -174,17 +172,15 @@ class LookupCache(BatchCache):
 
 
 class FreePlanner(PassivePlanner):
-    """The planner of a free rule: per row, the request's `RoundHistory` and the proposal it planned this round;
+    """The planner of a free rule: per row, the proposal it planned this round and how much of it;
     `estimates` gives â_k per proposed token (none here: subclasses keep them: vLLM's table, a head, the proposal's
     own scores)."""
 
     def __init__(self) -> None:
-        self.histories: dict[int, RoundHistory] = {}
         self.planned: dict[int, Proposal] = {}
         self.lengths: dict[int, int] = {}
 
     def admit(self, row: int) -> None:
-        self.histories[row] = RoundHistory()
         self.planned.pop(row, None)
 
     def estimates(self, row: int, proposal: Proposal) -> list[float] | None:
@@ -201,9 +197,6 @@ class FreePlanner(PassivePlanner):
         self.planned[row], self.lengths[row] = proposal, length
 
     def observe(self, outcomes: Mapping[int, list[Any]]) -> None:
-        for row, checked in outcomes.items():
-            if row in self.lengths:
-                self.histories.setdefault(row, RoundHistory()).record(self.lengths[row], sum(o.accepted for o in checked))
         self.lengths = {}
 
 

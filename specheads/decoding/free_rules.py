@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_draft import Estimator, FreePlanner
 from specheads.decoding.rules import StopPolicy, register
-from specheads.lookup.features import RoundHistory
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, goodput_length, linear_cost
 from specheads.lookup.proposers import Proposal
 from specheads.plumbing.errors import UsageError
@@ -147,8 +146,7 @@ class ProposalScores(CostPlanned):
 @register
 @dataclass(frozen=True)
 class EstimatorPlanned(CostPlanned):
-    """The cost-read planner on an `Estimator`'s â_k (a token-only head), given as `estimator=`, read with the
-    request's `RoundHistory`."""
+    """The cost-read planner on an `Estimator`'s â_k (a token-only head), given as `estimator=`."""
 
     estimator: Estimator | None = field(default=None, compare=False)
     name: ClassVar[str] = "lookup_plan"
@@ -161,14 +159,10 @@ class EstimatorPlanned(CostPlanned):
 
 
 class EstimatorPlanner(CostPlanner):
-    """An `Estimator`'s â_k of each row's proposal, with the request's history."""
+    """An `Estimator`'s â_k of each row's proposal."""
 
     def estimates(self, row: int, proposal: Proposal) -> list[float] | None:
-        return list(self.rule.estimator.estimates(proposal, self.histories.setdefault(row, self.history())))
-
-    @staticmethod
-    def history() -> RoundHistory:
-        return RoundHistory()
+        return list(self.rule.estimator.estimates(proposal))
 
 
 @register

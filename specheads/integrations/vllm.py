@@ -19,9 +19,8 @@ vLLM calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_m
 prefill chunk), the row's token count and the persistent batch's token array, its rows already holding the sampled
 tokens; no request ids. So the proposer follows each request by its tokens (`RequestTracker`): a row whose first
 count − sampled tokens equal a request it followed continues it, with `sampled − 1` of its last draft accepted;
-otherwise it is a new request whose prompt is all but the sampled tokens. Each request's `RoundHistory` records every
-step it took part in, the prefill as a round that verified nothing, as our decoder records its rounds, so the head
-reads the same token features (`specheads.lookup.features`).
+otherwise it is a new request whose prompt is all but the sampled tokens. The head reads the token features of each
+proposal (`specheads.lookup.features`), functions of the row's tokens alone, as our decoder and gen compute them.
 
 With `log` set the proposer appends one JSON line per request start and per round (`specheads train lookup from-logs`
 reads them with vLLM's per-request metrics).
@@ -36,13 +35,12 @@ import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specheads.lookup.features import RoundHistory
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, goodput_length, linear_cost
 from specheads.lookup.proposers import NO_PROPOSAL, Proposal, SuffixProposer, ngram_propose
 from specheads.lookup.token_head import TokenHead
@@ -129,13 +127,11 @@ def head_folder(head: str) -> Path:
 
 @dataclass
 class Followed:
-    """A request the proposer follows: its tokens at the last step, prompt length, history and last draft."""
+    """A request the proposer follows: its tokens at the last step, prompt length and last draft."""
 
     request: int
     prompt_length: int
     tokens: np.ndarray
-    history: RoundHistory = field(default_factory=RoundHistory)
-    verified: int = 0  # the tokens of its last draft (what the step just taken verified)
     absent: int = 0  # steps since it was last in the batch
 
 
@@ -213,17 +209,15 @@ class LookupHeadProposer:
             row = token_ids_cpu[index, :count]
             state, new = self.tracker.match(index, token_ids_cpu[index], count, len(sampled), seen)
             seen.add(state.request)
-            self.advance(state, new, row, len(sampled))
+            self.advance(state, new, row)
             drafts.append(self.draft(state, row, count))
         for state in self.tracker.age(seen):
             if self.suffix is not None:
                 self.suffix.stop(state.request)
         return drafts
 
-    def advance(self, state: Followed, new: bool, row: np.ndarray, sampled: int) -> None:
-        """Record the step the request just took (the prefill: a round that verified nothing) and its tokens."""
-        accepted = sampled - 1 if state.verified else 0
-        state.history.record(state.verified, min(accepted, state.verified))
+    def advance(self, state: Followed, new: bool, row: np.ndarray) -> None:
+        """Record the step the request just took and its tokens."""
         if self.suffix is not None:
             if new:
                 self.suffix.start(state.request, row[: state.prompt_length])
@@ -249,8 +243,7 @@ class LookupHeadProposer:
         proposal = self.proposal(state, row, min(self.k, self.max_model_len - count))
         length = len(proposal.tokens)
         if self.head is not None and length:
-            length = goodput_length(self.head.estimates(proposal, state.history), self.cost)
-        state.verified = length
+            length = goodput_length(self.head.estimates(proposal), self.cost)
         self.write({"event": "round", "request": state.request, "start": count - state.prompt_length,
                     "proposed": len(proposal.tokens), "verified": length})
         return [int(t) for t in proposal.tokens[:length]]

@@ -57,13 +57,29 @@ class Proposal:
     # n-gram's earlier occurrences whose continuation agrees with the proposal up to and including that token; for
     # suffix, SuffixDecoding's own probabilities
     source: str  # "prompt" if the match lies in the prompt, else "output" (vLLM's acceptance table keys on it)
+    copy_length: int = 0  # how far back the context's end agrees with the text before the used match, the match
+    # included, up to COPY_CAP (a long verbatim copy in progress); for suffix, the suffix match length
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
+COPY_CAP = 256
+"""The most tokens `copy_length` looks back."""
+
 NO_PROPOSAL = Proposal(tokens=(), match_length=0, match_count=0, distance=0, scores=(), source="output")
 """A context with no match: nothing to verify, the round is a plain target step."""
+
+
+def copy_length(context: np.ndarray, match_start: int, match_length: int, cap: int = COPY_CAP) -> int:
+    """How many tokens the context's last ones agree with those ending at the used match's end (the match's
+    `match_length` tokens included), looking back at most `cap`."""
+    end = len(context)
+    before = context[max(0, match_start - cap + match_length): match_start][::-1]
+    recent = context[max(0, end - match_length - len(before)): end - match_length][::-1]
+    span = min(len(before), len(recent))
+    differs = np.flatnonzero(before[:span] != recent[:span])
+    return min(cap, match_length + (int(differs[0]) if len(differs) else span))
 
 
 def occurrences(context: np.ndarray, pattern: np.ndarray, end: int) -> np.ndarray:
@@ -102,11 +118,13 @@ def ngram_propose(context: Sequence[int], k: int, prompt_length: int, max_ngram:
         starts = occurrences(array, array[length - n:], length - 1)
         if len(starts) == 0:
             continue
-        begin = int(starts[0] if match == "earliest" else starts[-1]) + n
+        used = int(starts[0] if match == "earliest" else starts[-1])
+        begin = used + n
         tokens = array[begin : begin + k]
         return Proposal(tokens=tuple(int(t) for t in tokens), match_length=n, match_count=len(starts),
                         distance=length - begin, scores=agreement_scores(array, starts + n, tokens),
-                        source="prompt" if begin <= prompt_length else "output")
+                        source="prompt" if begin <= prompt_length else "output",
+                        copy_length=copy_length(array, used, n))
     return NO_PROPOSAL
 
 
@@ -179,4 +197,5 @@ class SuffixProposer:
         return Proposal(tokens=tuple(int(t) for t in tokens), match_length=int(draft.match_len),
                         match_count=len(starts),
                         distance=len(array) - int(agreeing[-1]) - len(matched) if len(agreeing) else len(array),
-                        scores=tuple(float(p) for p in draft.probs[:k]), source="prompt" if in_prompt else "output")
+                        scores=tuple(float(p) for p in draft.probs[:k]), source="prompt" if in_prompt else "output",
+                        copy_length=min(int(draft.match_len), COPY_CAP))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specheads.lookup.features import FEATURE_NAMES, ProposalLike, RoundHistory, token_features
+from specheads.lookup.features import FEATURE_NAMES, ProposalLike, token_features
 from specheads.plumbing.errors import UsageError
 
 FORMAT = "specheads-lookup-head"
@@ -151,12 +151,11 @@ class TokenHead:
         logits = head_logits(self.tensors, torch.as_tensor(features, dtype=torch.float32), state)
         return torch.sigmoid(logits).numpy().astype(np.float64)
 
-    def estimates(self, proposal: ProposalLike | Any, history: RoundHistory,
-                  target_state: np.ndarray | None = None) -> list[float]:
+    def estimates(self, proposal: ProposalLike | Any, target_state: np.ndarray | None = None) -> list[float]:
         """The conditional acceptance estimate â_k of every proposed token (the round engine's rule hook); a head
         that reads the target's state takes it at the last verified position ([h])."""
         if not proposal.tokens:
             return []
-        features = token_features(proposal, history)
+        features = token_features(proposal)
         state = None if target_state is None else np.broadcast_to(target_state, (len(features), len(target_state)))
         return conditional_estimates(self.probabilities(features, state), self.head_type).tolist()
