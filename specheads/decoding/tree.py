@@ -17,7 +17,8 @@ A round:
    (`BatchCache.feed_tree`); from the root down, each node's children are checked by recursive rejection sampling
    (`specheads.decoding.sampler.verify_siblings`); an accepted child continues the walk, a leaf earns a bonus draw
    from p, all rejected ends it with a draw from the last residual.
-3. **emit**: the accepted path and that token, ended at a stop token and max_new_tokens; both caches hold the path.
+3. **accept**: the accepted path and that token, ended at a stop token and max_new_tokens; both caches hold the path;
+4. **account**: the round into the request's counts and its growth's history (`TreeDecode.round` runs the four).
 
 Exact (docs/method.md, "Tree drafts"): every drawn child came from its q_i, and whether a slot was filled was settled
 from what was known before its draw (values of earlier nodes, never the child's own token), so each sibling test is
@@ -503,21 +504,116 @@ class TreeRequest:
 
 
 
-@torch.no_grad()
-def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
-                head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None,
-                stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None,
-                batch_size: int = 1, sibling_head: AcceptanceHead | None = None) -> list[DecodeResult]:
-    """`engine.decode` with tree drafts under `rule`: up to `batch_size` requests at once, their trees verified in
-    one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
-    tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
-    `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
-    once; `head_scored`: every node a head valued, one head forward each). `checked`, when given, receives (its place
-    among its siblings, 1-based; its score; accepted) for every node the target checked. `stop_check(request,
-    generated)` ends a request after the first token at which it holds, as a stop token does; `on_emit(request,
-    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children (role
-    `sibling`), scores a head-valued tree's second children (module docstring); `head` must be a chain stop or
-    expected-acceptance head (`specheads.heads.roles`)."""
+@dataclass
+class TreeDecode:
+    """One tree decode in progress: the pair, the rule and the heads that value its nodes (`head_costs`: each one's
+    forward in draft forwards, by id), the target cache the rows share, the maker of each request's own draft cache,
+    and where each round's output goes (`decode_tree`'s arguments of the same names)."""
+
+    engine: RoundEngine
+    rule: TreeRule
+    head: AcceptanceHead | None
+    sibling_head: AcceptanceHead | None
+    head_costs: dict[int, float]
+    target: BatchCache
+    draft_cache: Callable[[int, int | None], BatchCache]
+    max_new_tokens: int
+    checked: list[tuple[int, float, bool]] | None = None
+    stop_check: StopCheck | None = None
+    on_emit: Callable[[int, list[int]], None] | None = None
+
+    def admit(self, rows: list[TreeRequest | None], waiting: list[int], prompts: list[list[int]], seeds: list[int]) -> None:
+        """Give each free row the next waiting request (`waiting` is popped from its end), with a fresh draft cache."""
+        for row, held in enumerate(rows):
+            if held is None and waiting:
+                index = waiting.pop()
+                generator = torch.Generator().manual_seed(seeds[index])
+                self.target.crop_row(row, 0)
+                draft = self.draft_cache(row, self.head.state_layer if self.head else None)
+                rows[row] = TreeRequest(index, list(prompts[index]), generator, draft,
+                                        TreeDrafter(self.engine, self.rule, self.head, generator, self.sibling_head,
+                                                    self.head_costs))
+
+    def round(self, active: dict[int, TreeRequest]) -> list[int]:
+        """One round of every active row (module docstring): draft each row's tree, verify them all in one target
+        forward, then accept and account row by row; the rows whose requests finished."""
+        round_start = time.perf_counter()
+        drafted = {row: self.draft(request) for row, request in active.items()}
+        tested: dict[int, list[tuple[int, bool]]] = {}
+        seconds, passes = self.target.forward_seconds, self.target.passes
+        walks = verify_trees(self.engine, self.target, {row: (request.tokens[self.target.length(row):], drafted[row][0],
+                                                               request.generator) for row, request in active.items()},
+                             tested)
+        done = []
+        for row, request in active.items():
+            (tree, forwards), (path, token, target_slots) = drafted[row], walks[row]
+            request.target.passes += (self.target.passes - passes) / len(active)
+            request.target.forward_seconds += (self.target.forward_seconds - seconds) / len(active)
+            if self.checked is not None:
+                self.checked.extend((tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok)
+                                    for i, ok in tested.get(row, []))
+            standing, emitted, ended = self.accept(row, request, tree, path, token, target_slots)
+            self.account(request, tree, len(path), standing, forwards, emitted)
+            if ended or len(request.generated) >= self.max_new_tokens:
+                done.append(row)
+        spent = (time.perf_counter() - round_start) / len(active)
+        for request in active.values():
+            request.seconds += spent
+        return done
+
+    def draft(self, request: TreeRequest) -> tuple[DraftTree, float]:
+        """The request's tree for this round (step 1) and the draft forwards it took, a DSpark drafter's Markov bias
+        included (also added to the request's count)."""
+        before = request.draft.forwards[0]
+        room = self.max_new_tokens - len(request.generated)  # the last slot: the target's token
+        tail = request.tokens[request.draft.length(0):]
+        rule = self.rule
+        depth_cap = (min(rule.budget, room - 1, request.draft.draft_limit() or rule.budget)
+                     if request.draft.can_draft(0) else 0)
+        # (a feature drafter's first round drafts nothing; a block drafter's paths end at its block)
+        tree = request.drafter.grow(request.draft, tail, depth_cap,
+                                    unread_tokens(request.tokens, request.draft.length(0), request.generated))
+        forwards = request.draft.forwards[0] - before
+        # a DSpark drafter's Markov bias: one for each node read (the root too), giving its children's q
+        markov = draft_candidate_cost(self.engine.draft) * len(tree.opened)
+        request.result.draft_forwards += markov
+        return tree, forwards + markov
+
+    def accept(self, row: int, request: TreeRequest, tree: DraftTree, path: list[int], token: int,
+               target_slots: list[int]) -> tuple[int, list[int], bool]:
+        """What of the verified path stands (ended at a stop token, a stop check or max_new_tokens), both caches held
+        to it: (the nodes that stand, the tokens emitted, whether the request ended)."""
+        check = None if self.stop_check is None else (
+            lambda round_tokens, request=request: self.stop_check(request.index, request.generated + round_tokens))
+        room = self.max_new_tokens - len(request.generated)
+        standing, emitted, ended = self.engine.round_output([tree.nodes[i].token for i in path], len(path), token, room,
+                                                            check)
+        self.target.hold(row, target_slots[: len(target_slots) - len(path) + standing])
+        read = [tree.nodes[i].draft_slot for i in path[:standing]]
+        request.draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
+        request.draft.trim()
+        return standing, emitted, ended
+
+    def account(self, request: TreeRequest, tree: DraftTree, verified: int, standing: int, forwards: float,
+                emitted: list[int]) -> None:
+        """The round into the request's counts and its growth's history (`verified`: the nodes of the accepted path),
+        and its new tokens into the request and the streamer."""
+        count_round(request.result, len(tree.nodes), standing, called=True)
+        request.result.draft_widths_per_round.append(list(tree.widths))
+        if self.head is not None:
+            count_head(request.result, tree.scored, tree.head_forwards, called=True)
+        if request.drafter.costs is not None:
+            request.drafter.costs.observe(verified, forwards, len(tree.nodes), tree.head_forwards)
+        request.tokens += emitted
+        request.generated += emitted
+        if self.on_emit is not None and emitted:
+            self.on_emit(request.index, emitted)
+
+
+def check_tree_decode(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, head: AcceptanceHead | None,
+                      sibling_head: AcceptanceHead | None, batch_size: int) -> None:
+    """Refuse, before any cache or forward, what `decode_tree` cannot decode: a chain rule, a draft of another
+    vocabulary, a batch size that is not a whole number from 1, an empty prompt, heads the tree cannot score with."""
     if not isinstance(rule, TreeRule):
         raise UsageError(f"decode_tree takes a TreeRule (specheads.decoding.tree), got {type(rule).__name__}; chain rules "
                          "decode with engine.decode")
@@ -537,6 +633,24 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
         raise UsageError("a sibling head scores later siblings drawn from q (it was trained on second children drawn "
                          "so); these children are the draft's best tokens (greedy decoding or children: top): drop "
                          "sibling_head")
+
+
+@torch.no_grad()
+def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, max_new_tokens: int, seeds: list[int],
+                head: AcceptanceHead | None = None, checked: list[tuple[int, float, bool]] | None = None,
+                stop_check: StopCheck | None = None, on_emit: Callable[[int, list[int]], None] | None = None,
+                batch_size: int = 1, sibling_head: AcceptanceHead | None = None) -> list[DecodeResult]:
+    """`engine.decode` with tree drafts under `rule`: up to `batch_size` requests at once, their trees verified in
+    one target forward (continuous batching: a finished request's row takes the next prompt); each request grows its
+    tree with a draft cache of its own, so a row decodes what it decodes alone. The counts are those of
+    `RoundEngine.decode` (`drafted`: the tree's nodes; `draft_forwards`: the draft's forwards, a tree forward counting
+    once; `head_scored`: every node a head valued, one head forward each). `checked`, when given, receives (its place
+    among its siblings, 1-based; its score; accepted) for every node the target checked. `stop_check(request,
+    generated)` ends a request after the first token at which it holds, as a stop token does; `on_emit(request,
+    tokens)` receives each round's new tokens (a streamer). `sibling_head`, a head trained on second children (role
+    `sibling`), scores a head-valued tree's second children (module docstring); `head` must be a chain stop or
+    expected-acceptance head (`specheads.heads.roles`)."""
+    check_tree_decode(engine, prompts, rule, head, sibling_head, batch_size)
     head = head if rule.reads_head else None
     target, draft_cache = tree_caches(engine.target, engine.draft, min(batch_size, max(len(prompts), 1)))
     for name, cache in (("draft", draft_cache(0, None)), ("target", target)):
@@ -545,69 +659,12 @@ def decode_tree(engine: RoundEngine, prompts: list[list[int]], rule: TreeRule, m
                              "bypass its sliding-window or recurrent layers; decode this pair with a chain rule")
     results: list[DecodeResult | None] = [DecodeResult(tokens=[]) if max_new_tokens <= 0 else None for _ in prompts]
     waiting = [index for index in range(len(prompts)) if results[index] is None][::-1]
-    head_costs = scoring_costs(engine, head, sibling_head)  # the same for every request: computed once
+    decode = TreeDecode(engine, rule, head, sibling_head, scoring_costs(engine, head, sibling_head), target, draft_cache,
+                        max_new_tokens, checked, stop_check, on_emit)  # the heads' costs, the same for every request
     rows: list[TreeRequest | None] = [None] * len(target.slots)
     while waiting or any(rows):
-        for row, held in enumerate(rows):
-            if held is None and waiting:
-                index = waiting.pop()
-                generator = torch.Generator().manual_seed(seeds[index])
-                target.crop_row(row, 0)
-                rows[row] = TreeRequest(index, list(prompts[index]), generator, draft_cache(row, head.state_layer if head else None),
-                                        TreeDrafter(engine, rule, head, generator, sibling_head, head_costs))
-        active = {row: request for row, request in enumerate(rows) if request is not None}
-        round_start = time.perf_counter()
-        trees, forwards = {}, {}
-        for row, request in active.items():
-            before = request.draft.forwards[0]
-            room = max_new_tokens - len(request.generated)  # the last slot: the target's token
-            tail = request.tokens[request.draft.length(0):]
-            depth_cap = min(rule.budget, room - 1, request.draft.draft_limit() or rule.budget) if request.draft.can_draft(0) else 0
-            # (a feature drafter's first round drafts nothing; a block drafter's paths end at its block)
-            trees[row] = request.drafter.grow(request.draft, tail, depth_cap,
-                                              unread_tokens(request.tokens, request.draft.length(0), request.generated))
-            forwards[row] = request.draft.forwards[0] - before
-            # a DSpark drafter's Markov bias: one for each node read (the root too), giving its children's q
-            markov = draft_candidate_cost(engine.draft) * len(trees[row].opened)
-            forwards[row] += markov
-            request.result.draft_forwards += markov
-        tested: dict[int, list[tuple[int, bool]]] = {}
-        done: list[int] = []
-        seconds, passes = target.forward_seconds, target.passes
-        walks = verify_trees(engine, target, {row: (request.tokens[target.length(row):], trees[row], request.generator)
-                                              for row, request in active.items()}, tested)
-        for row, request in active.items():
-            tree, (path, token, target_slots) = trees[row], walks[row]
-            request.target.passes += (target.passes - passes) / len(active)
-            request.target.forward_seconds += (target.forward_seconds - seconds) / len(active)
-            if checked is not None:
-                checked += [(tree.children(tree.nodes[i].parent).index(i) + 1, tree.nodes[i].score, ok)
-                            for i, ok in tested.get(row, [])]
-            check = None if stop_check is None else (
-                lambda round_tokens, request=request: stop_check(request.index, request.generated + round_tokens))
-            room = max_new_tokens - len(request.generated)
-            standing, emitted, ended = engine.round_output([tree.nodes[i].token for i in path], len(path), token, room,
-                                                           check)
-            target.hold(row, target_slots[: len(target_slots) - len(path) + standing])
-            read = [tree.nodes[i].draft_slot for i in path[:standing]]
-            request.draft.hold(0, read[: next((k for k, slot in enumerate(read) if slot is None), len(read))])
-            request.draft.trim()
-            count_round(request.result, len(tree.nodes), standing, called=True)
-            request.result.draft_widths_per_round.append(list(tree.widths))
-            if head is not None:
-                count_head(request.result, tree.scored, tree.head_forwards, called=True)
-            if request.drafter.costs is not None:
-                request.drafter.costs.observe(len(path), forwards[row], len(tree.nodes), tree.head_forwards)
-            request.tokens += emitted
-            request.generated += emitted
-            if on_emit is not None and emitted:
-                on_emit(request.index, emitted)
-            if ended or len(request.generated) >= max_new_tokens:
-                done.append(row)
-        spent = (time.perf_counter() - round_start) / len(active)
-        for request in active.values():
-            request.seconds += spent
-        for row in done:
+        decode.admit(rows, waiting, prompts, seeds)
+        for row in decode.round({row: request for row, request in enumerate(rows) if request is not None}):
             results[rows[row].index] = finished(rows[row])
             rows[row] = None
             target.crop_row(row, 0)

@@ -514,11 +514,7 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
         raise UsageError("token_streamer streams one sequence; generate one prompt at a time to stream")
     prompts = prompts_of(input_ids, model_kwargs.get("attention_mask"))
     max_new_tokens = length_limit(stopping_criteria, generation_config) - input_ids.shape[1]
-    eos = generation_config.eos_token_id
-    if isinstance(eos, torch.Tensor):
-        stop_ids = [int(i) for i in eos.flatten().tolist()]
-    else:
-        stop_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    stop_ids = stop_ids_of(generation_config)
     seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # torch's global RNG: torch.manual_seed repeats a run
     engine = RoundEngine(model, draft, transform, stop_ids)
 
@@ -540,8 +536,21 @@ def speculative_generate(model: Any, input_ids: torch.LongTensor, logits_process
     if stats is not None:
         stats.extend(results)
     pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else (stop_ids or [0])[0]
+    return with_new_tokens(input_ids, results, int(pad))
+
+
+def stop_ids_of(generation_config: Any) -> list[int]:
+    """The token ids that end a sequence: `generation_config.eos_token_id` as one id, a list or a tensor of them."""
+    eos = generation_config.eos_token_id
+    if isinstance(eos, torch.Tensor):
+        return [int(i) for i in eos.flatten().tolist()]
+    return [] if eos is None else [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def with_new_tokens(input_ids: torch.LongTensor, results: list[DecodeResult], pad: int) -> torch.LongTensor:
+    """The sequences as `generate` returns them: each prompt row, its new tokens, then `pad` where it ended early."""
     width = max(len(r.tokens) for r in results) if results else 0
-    new = torch.full((len(results), width), int(pad), dtype=input_ids.dtype)
+    new = torch.full((len(results), width), pad, dtype=input_ids.dtype)
     for row, result in enumerate(results):
         new[row, : len(result.tokens)] = torch.tensor(result.tokens, dtype=input_ids.dtype)
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
