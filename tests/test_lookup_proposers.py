@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specheads.lookup.proposers import NO_PROPOSAL, SuffixProposer, ngram_propose, suffix_available
+from specheads.lookup.proposers import NO_PROPOSAL, SuffixProposer, copy_length, ngram_propose, suffix_available
 
 
 def transformers_lookup(context: list[int], k: int, max_ngram: int) -> tuple[int, ...]:
@@ -91,3 +91,28 @@ def test_suffix_proposals_follow_the_tree():
     other = proposer.propose("b", [0, 0, 7], 8)  # (7) occurred only in request a's output: the global tree
     assert other.tokens[:1] == (8,) and other.source == "output" and other.distance == 3
     assert proposer.propose("b", [0, 0, 7, 42], 8) == NO_PROPOSAL
+
+
+def slow_copy_length(context: list[int], used: int, n: int, cap: int) -> int:
+    """The tokens ending at the used match's end that equal those ending at the context's end, counted one by one."""
+    length = 0
+    while length < cap and used + n - 1 - length >= 0 and context[used + n - 1 - length] == context[-1 - length]:
+        length += 1
+    return length
+
+
+@pytest.mark.parametrize("match", ["earliest", "latest"])
+def test_copy_length_counts_the_verbatim_copy_back_from_the_match(match):
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        piece = rng.integers(0, 4, size=int(rng.integers(2, 30))).tolist()
+        context = piece + rng.integers(0, 4, size=int(rng.integers(0, 6))).tolist() + piece[: int(rng.integers(1, len(piece)))]
+        proposal = ngram_propose(context, 4, prompt_length=len(piece), max_ngram=3, match=match)
+        if not proposal.tokens:
+            continue
+        n = proposal.match_length
+        used = len(context) - proposal.distance - n  # distance counts from the continuation's start
+        cap = 5 if trial % 2 else 256
+        assert copy_length(np.asarray(context), used, n, cap) == slow_copy_length(context, used, n, cap)
+        if cap == 256:
+            assert proposal.copy_length == slow_copy_length(context, used, n, cap), (context, proposal)

@@ -1,0 +1,82 @@
+"""benchmarks/lookup_replay.py: a greedy response decides every round of an exact prompt-lookup decode, so a rule's
+counted cost can be replayed with no model forward; checked against rounds counted by hand and against the decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_benchmark
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specheads.decoding import RoundEngine
+from specheads.decoding.free_draft import LookupDraft
+from specheads.lookup.proposers import ngram_propose
+from specheads.model_outputs.sampling import SamplingTransform
+from specheads.plumbing.errors import UsageError
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+RESPONSE = [1, 2, 3, 4, 9, 9, 5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return load_benchmark("lookup_replay")
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random target whose greedy output repeats itself (a few distinct tokens): lookup proposes often."""
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3)
+    torch.manual_seed(5)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def rounds_by_hand(k: int) -> list[tuple[int, int]]:
+    """(verified, accepted) of each round of constant K on RESPONSE, stepping as a decoder does."""
+    start, found = 0, []
+    while start < len(RESPONSE):
+        room = len(RESPONSE) - start - 1  # the last token is the round's own (the decoder's bonus slot)
+        tokens = ngram_propose(PROMPT + RESPONSE[:start], min(k, room), len(PROMPT)).tokens if room else ()
+        accepted = 0
+        while accepted < len(tokens) and start + accepted < len(RESPONSE) and tokens[accepted] == RESPONSE[start + accepted]:
+            accepted += 1
+        found.append((len(tokens), accepted))
+        start += accepted + 1
+    return found
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_constant_k_replay_prices_the_rounds_counted_by_hand(replay, k):
+    policy, planner = replay.make_rule(f"constant_k:{k}", 32, None)
+    cost, rounds = replay.replay(PROMPT, RESPONSE, policy, planner, 32, 0.1)
+    by_hand = rounds_by_hand(k)
+    assert rounds == len(by_hand) and cost == pytest.approx(sum(1 + 0.1 * verified for verified, _ in by_hand))
+
+
+def test_the_oracle_verifies_only_what_is_accepted_and_no_rule_beats_it(replay):
+    oracle = replay.replay(PROMPT, RESPONSE, *replay.make_rule("oracle", 32, None), 32, 0.1)
+    # every verified token is accepted, so the tokens are the rounds' own plus the verified ones
+    assert oracle[0] == pytest.approx(oracle[1] + 0.1 * (len(RESPONSE) - oracle[1]))
+    for rule in ("constant_k:1", "constant_k:4", "constant_k:16", "lookup_table:0.1", "lookup_match:1.0"):
+        assert replay.replay(PROMPT, RESPONSE, *replay.make_rule(rule, 32, None), 32, 0.1)[0] >= oracle[0] - 1e-9
+
+
+def test_replay_counts_the_rounds_our_decoder_runs(replay, target):
+    """At T = 0 the decoder's rounds on the target's own greedy output are the replay's: same target calls and
+    drafted tokens (the tiny target's response, its prompt repeated so that lookup proposes)."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9]
+    engine = RoundEngine(target, LookupDraft(), SamplingTransform(0.0), stop_ids=[])
+    for rule in ("constant_k:4", "lookup_table:0.05"):
+        policy, planner = replay.make_rule(rule, 8, None)
+        result = engine.decode([prompt], policy, 24, [0], planner=planner)[0]
+        counted, rounds = replay.replay(prompt, list(result.tokens), *replay.make_rule(rule, 8, None), 8, 0.05)
+        assert rounds == result.target_calls and result.drafted > 0
+        assert counted == pytest.approx(rounds + 0.05 * result.drafted)
+
+
+def test_bad_rules_are_refused_in_one_line(replay):
+    with pytest.raises(UsageError, match="name:value"):
+        replay.make_rule("constant_k", 32, None)
+    with pytest.raises(UsageError, match="--head"):
+        replay.make_rule("lookup_plan:0.043", 32, None)
