@@ -55,35 +55,48 @@ def decoding_verdict(decoding: dict[str, Any]) -> tuple[dict[str, Any], list[str
     result.update(threshold=mine["threshold"], modelled_speedup=mine["modelled_speedup"])
     costs = cost_words(decoding["t_draft_over_t_target"], decoding.get("head_forward_cost"))
     result["head_forward_cost"] = decoding.get("head_forward_cost")
-    if learned == "head":
-        where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
-        lines.append(f"At {costs}, the head policy (threshold {mine['threshold']:g}, {where}) "
-                     f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts.")
-        for baseline, what in {**DECODING_BASELINES, **DRAFTER_BASELINES}.items():
-            if f"gain_vs_{baseline}" in result:
-                gain = result[f"gain_vs_{baseline}"]
-                ci = result[f"gain_vs_{baseline}_ci"]
-                lines.append(f"That is {abs(gain) * 100:.1f} % {'above' if gain >= 0 else 'below'} {what} "
-                             f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g})"
-                             + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
-                                else "."))
-        lines += strongest_baseline_lines(result)
-        lines += cost_rule_lines(decoding, result) + cost_rule_lines(decoding, result, "head_cost_online")
-        if "oracle_speedup" in result:
-            lines += oracle_lines(decoding, result)
-    else:
-        plain = tuned_row(decoding, "constant_k")
-        result["tokens_per_target_call"] = mine["tokens_per_target_call"]
-        lines.append(f"SPRINTER at threshold {mine['threshold']:g} generates {mine['tokens_per_target_call']:.2f} tokens per "
-                     f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at {costs}).")
-        if plain and mine.get("mean_target_logprob") is not None and plain.get("mean_target_logprob") is not None:
-            difference = mine["mean_target_logprob"] - plain["mean_target_logprob"]
-            result["target_logprob_vs_sd"] = difference
-            lines.append(f"Exact speculative decoding with K = {plain['threshold']:g} makes {plain['tokens_per_target_call']:.2f} "
-                         f"tokens per call. Under the target, SPRINTER's text has a mean log-likelihood of "
-                         f"{mine['mean_target_logprob']:.3f} nats/token against {plain['mean_target_logprob']:.3f} for exact "
-                         f"SD: {logprob_difference(difference)} (the quality proxy; SPRINTER is approximate by design).")
-    return result, lines
+    verdict_lines = head_verdict_lines if learned == "head" else sprinter_verdict_lines
+    return result, lines + verdict_lines(decoding, result, mine, costs)
+
+
+def head_verdict_lines(decoding: dict[str, Any], result: dict[str, Any], mine: dict[str, Any], costs: str) -> list[str]:
+    """The head policy's verdict on test prompts (`mine`: its tuned row), at `costs`: its speedup, its gain over each
+    free rule with its interval (`result`, as `decoding_verdict` filled it), over the strongest, the cost rules', the
+    oracle's bound."""
+    where = "given in the config" if given_thresholds(decoding) else "tuned on dev prompts"
+    lines = [f"At {costs}, the head policy (threshold {mine['threshold']:g}, {where}) "
+             f"reaches a modelled speedup of {mine['modelled_speedup']:.3f}× on test prompts."]
+    for baseline, what in {**DECODING_BASELINES, **DRAFTER_BASELINES}.items():
+        if f"gain_vs_{baseline}" in result:
+            gain = result[f"gain_vs_{baseline}"]
+            ci = result[f"gain_vs_{baseline}_ci"]
+            lines.append(f"That is {abs(gain) * 100:.1f} % {'above' if gain >= 0 else 'below'} {what} "
+                         f"({result[f'{baseline}_speedup']:.3f}× at {result[f'{baseline}_threshold']:g})"
+                         + (f"; 95 % interval over test prompts {ci[0] * 100:+.1f} % to {ci[1] * 100:+.1f} %." if ci
+                            else "."))
+    lines += strongest_baseline_lines(result)
+    lines += cost_rule_lines(decoding, result) + cost_rule_lines(decoding, result, "head_cost_online")
+    if "oracle_speedup" in result:
+        lines += oracle_lines(decoding, result)
+    return lines
+
+
+def sprinter_verdict_lines(decoding: dict[str, Any], result: dict[str, Any], mine: dict[str, Any],
+                           costs: str) -> list[str]:
+    """SPRINTER's verdict on test prompts (`mine`: its tuned row), at `costs`: tokens per target call, and its text's
+    log-likelihood under the target against exact SD's (the quality proxy), both added to `result`."""
+    plain = tuned_row(decoding, "constant_k")
+    result["tokens_per_target_call"] = mine["tokens_per_target_call"]
+    lines = [f"SPRINTER at threshold {mine['threshold']:g} generates {mine['tokens_per_target_call']:.2f} tokens per "
+             f"target call (modelled speedup {mine['modelled_speedup']:.3f}× at {costs})."]
+    if plain and mine.get("mean_target_logprob") is not None and plain.get("mean_target_logprob") is not None:
+        difference = mine["mean_target_logprob"] - plain["mean_target_logprob"]
+        result["target_logprob_vs_sd"] = difference
+        lines.append(f"Exact speculative decoding with K = {plain['threshold']:g} makes {plain['tokens_per_target_call']:.2f} "
+                     f"tokens per call. Under the target, SPRINTER's text has a mean log-likelihood of "
+                     f"{mine['mean_target_logprob']:.3f} nats/token against {plain['mean_target_logprob']:.3f} for exact "
+                     f"SD: {logprob_difference(difference)} (the quality proxy; SPRINTER is approximate by design).")
+    return lines
 
 
 def cost_words(cost_ratio: float, head_cost: float | None) -> str:

@@ -506,42 +506,74 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
     """Run the sweep (taking head-free runs from `config.reuse_runs` where it has them, and the runs an interrupted
     eval into `config.out` finished: eval.journal), measure the costs, tune on dev (or take the thresholds
     `config.tuned_from` or `config.fixed_thresholds` give), and report on test."""
-    prompts, context, tuning, trees = plan.prompts, plan.context, plan.tuning, plan.trees
     learned = own_rule(trained)
-    head_cost = plan.head_cost
     place(pair.target, device)
     place(plan.draft, device)
     trained.head.to(device)
-    prob = table.top1 if transform.greedy else np.exp(table.logq)
-    settings = tuning.settings() if tuning else default_settings(
-        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
-        config.head_thresholds, config.sprinter_thresholds, config.constant_ks, companion is not None,
-        drafter_scores=getattr(plan.draft, "scores", False),
-        drafter_temperatures=getattr(plan.draft, "score_temperatures", None) is not None)
-    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
-        settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
-    settings += trees
-    if plan.head_left_out:
-        settings = head_free(settings, config.max_draft)
-    journal = open_journal(Path(config.out), context, asdict(checked.head))
-    finished = resumable(journal, decoded_settings(settings, config.max_draft), prompts)
-    prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
-    engine = RoundEngine(pair.target, plan.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
-                         prompt_cache)
-    engine.store_prompts([list(p.ids) for p in prompts], config.decode_batch_size)  # no setting times the prefill
-    records = run_sweep(engine, prompts, settings, trained.head, config.max_new_tokens, config.max_draft,
-                        config.seed, config.progress, plan.reused, config.decode_batch_size, finished, journal.append)
+    settings = sweep_settings(config, trained, table, transform, plan, companion is not None)
+    journal = open_journal(Path(config.out), plan.context, asdict(checked.head))
+    engine, records = run_decodes(config, pair, transform, plan, settings, trained.head, journal, companion)
     chains = [r for r in records if not is_tree(r.policy)]  # the trees have a section of their own
     costs = measure_costs(chains)
     dev = aggregate(chains, "dev", config.cost_ratio, costs["ratio"])
     test = aggregate(chains, "test", config.cost_ratio, costs["ratio"])
-    tuned, edges = (dict(tuning.thresholds), {}) if tuning else tune_on_dev(dev, table, trained.purpose,
-                                                                             config.sprinter_max_tv)
+    tuned, edges = (dict(plan.tuning.thresholds), {}) if plan.tuning else tune_on_dev(dev, table, trained.purpose,
+                                                                                       config.sprinter_max_tv)
     for rule in COST_RULES:  # its one setting, at the stated c, whatever was tuned or given
         if any(s.policy == rule for s in settings):
             tuned[rule] = config.cost_ratio
     for row in test:
         row["tuned"] = tuned.get(row["policy"]) == row["threshold"]
+    section = decoding_section(config, plan, records, costs, dev, test, tuned, edges, learned)
+    if config.serving_batch_sizes:  # the trees are per-request rules too: served from their runs beside the chains
+        served = {**tuned, **{policy: floor for policy, floor in (section.get("trees") or {}).get("tuned_floors", {}).items()
+                              if not math.isnan(floor)}}
+        section["serving"] = serving_section(config, pair, device, records, served, engine, plan.prompts, trained, checked,
+                                             plan.head_left_out)
+    return Decoding(section, records, tuned.get(learned), plan.context, journal)
+
+
+def sweep_settings(config: EvalConfig, trained: TrainedHead, table: TokenTable, transform: SamplingTransform,
+                   plan: DecodePlan, with_companion: bool) -> list[Setting]:
+    """The settings the sweep decodes: the earlier tuning's, or each rule's grid (the signal rules' thresholds at the
+    `config.stop_shares` of the held-out tokens), the cost rules at the stated c, the trees; only the head-free ones
+    where the head's rules are left out."""
+    prob = table.top1 if transform.greedy else np.exp(table.logq)
+    settings = plan.tuning.settings() if plan.tuning else default_settings(
+        trained.purpose, signal_thresholds(table.entropy, prob, config.stop_shares, table.top1), config.max_draft,
+        config.head_thresholds, config.sprinter_thresholds, config.constant_ks, with_companion,
+        drafter_scores=getattr(plan.draft, "scores", False),
+        drafter_temperatures=getattr(plan.draft, "score_temperatures", None) is not None)
+    if cost_rule_head_refusal(trained.head) is None:  # decoded at the stated c, tuned nowhere; as trained, and calibrated
+        settings += [Setting(rule, config.cost_ratio) for rule in COST_RULES]  # while serving
+    settings += plan.trees
+    if plan.head_left_out:
+        settings = head_free(settings, config.max_draft)
+    return settings
+
+
+def run_decodes(config: EvalConfig, pair: ModelPair, transform: SamplingTransform, plan: DecodePlan,
+                settings: list[Setting], head: Any, journal: RunJournal,
+                companion: Companion | None) -> tuple[RoundEngine, list[RunRecord]]:
+    """Decode every setting on every prompt (the runs `journal` holds finished are taken from it, each new one is
+    appended to it), the prompts prefilled into the prompt cache first; the engine and the runs."""
+    finished = resumable(journal, decoded_settings(settings, config.max_draft), plan.prompts)
+    prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
+    engine = RoundEngine(pair.target, plan.draft, transform, stop_token_ids(pair.target, pair.tokenizer), companion,
+                         prompt_cache)
+    engine.store_prompts([list(p.ids) for p in plan.prompts], config.decode_batch_size)  # no setting times the prefill
+    records = run_sweep(engine, plan.prompts, settings, head, config.max_new_tokens, config.max_draft,
+                        config.seed, config.progress, plan.reused, config.decode_batch_size, finished, journal.append)
+    return engine, records
+
+
+def decoding_section(config: EvalConfig, plan: DecodePlan, records: list[RunRecord], costs: dict[str, Any],
+                     dev: list[dict[str, Any]], test: list[dict[str, Any]], tuned: dict[str, float],
+                     edges: dict[str, str], learned: str) -> dict[str, Any]:
+    """metrics.json's `decoding` (but its serving table): the costs, the prompts, the tuned thresholds and the paired
+    gain intervals of the `learned` rule and of the cost rules over the others, each rule's row on dev and test, the
+    drafter, the trees."""
+    prompts, tuning = plan.prompts, plan.tuning
     intervals = {baseline: paired_gain_interval(records, Setting(learned, tuned[learned]), Setting(baseline, tuned[baseline]),
                                                 config.cost_ratio, config.bootstrap, config.seed)
                  for baseline in BASELINE_POLICIES if learned in tuned and baseline in tuned}
@@ -551,7 +583,7 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                                   for other in (learned, *COST_RULES, *BASELINE_POLICIES)
                                   if rule in tuned and other in tuned and other != rule}
                            for rule in COST_RULES}
-    section = {"t_draft_over_t_target": config.cost_ratio, "head_forward_cost": head_cost, "speedup_from": COUNTED,
+    section = {"t_draft_over_t_target": config.cost_ratio, "head_forward_cost": plan.head_cost, "speedup_from": COUNTED,
                "measured_costs": costs,
                "prompts": {"dev": sum(p.split == "dev" for p in prompts),
                            "test": len({prompt_group(p.prompt_id) for p in prompts if p.split == "test"})},
@@ -564,19 +596,14 @@ def decode(config: EvalConfig, pair: ModelPair, trained: TrainedHead, transform:
                "tuned_from": tuning.as_dict() if tuning else None,
                "tuned_at_grid_edge": edges}
     if config.drafter:
-        section["drafter"] = context["drafter"]
+        section["drafter"] = plan.context["drafter"]
     if config.drafter or plan.head_left_out:
         section["head_left_out"] = plan.head_left_out
-    if trees:
+    if plan.trees:
         section["trees"] = tree_section(records, config.tree_budgets, tuned, config.cost_ratio, costs["ratio"],
                                         tuning.tree_floors if tuning else None, config.bootstrap, config.seed,
                                         plan.trees_left_out, config.tree_floors)
-    if config.serving_batch_sizes:  # the trees are per-request rules too: served from their runs beside the chains
-        served = {**tuned, **{policy: floor for policy, floor in (section.get("trees") or {}).get("tuned_floors", {}).items()
-                              if not math.isnan(floor)}}
-        section["serving"] = serving_section(config, pair, device, records, served, engine, prompts, trained, checked,
-                                             plan.head_left_out)
-    return Decoding(section, records, tuned.get(learned), context, journal)
+    return section
 
 
 def resumable(journal: RunJournal, settings: list[Setting], prompts: list[DecodePrompt]) -> dict[RunKey, RunRecord]:
@@ -603,39 +630,8 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
     left_out = dict(checked.budget_left_out) if not head_left_out else {"budget": head_left_out}
     heads = {"evaluated": trained.head, **({"budget": budget_head} if budget_head is not None else {})}
     digests = {"evaluated": checked.head.weights_digest, "budget": checked.budget_digest}  # each computed once an eval
-    sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
-    for name in config.serving_cost_sources:
-        if name == MEASURED:
-            measured = ServingCosts(measure_cost_curve(engine.draft), measure_cost_curve(pair.target))
-            sources.append((MEASURED, lambda size, measured=measured: measured, True))
-            measured_heads[MEASURED] = {digests[role]: measure_head_curve(head) for role, head in heads.items()}
-            curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
-                                "source": f"measured on {device_name(device)}", "modelled": False}
-        else:
-            table = checked.tables[name]
-            view = table.view if table.view not in curves else f"{table.view} ({name})"
-            sources.append((view, table.at_batch_size, table.source != "roofline"))
-            measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
-            curves[view] = {**curves_used(table.costs, most_served_tokens(config, draft_block(engine.draft))),
-                            "source": table.describe(),
-                            "modelled": table.modelled, "per_batch_size": table.source == "roofline" and name in PRESET_NAMES,
-                            **table_file(table), **({"notes": checked.table_notes[name]}
-                                                   if checked.table_notes.get(name) else {})}
-    for view, timed in measured_heads.items():
-        if timed:
-            curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
-    # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
-    batch_policies: dict[str, float] = {}  # in the order --serving-batch-policies names them
-    named = [*config.serving_batch_policies, *(["dspark_adaptive"] if getattr(engine.draft, "scores", False) else []),
-             *(["dspark_adaptive_ts"] if getattr(engine.draft, "score_temperatures", None) is not None else [])]
-    for policy in dict.fromkeys(named):
-        if policy in FREE_BATCH_POLICIES:
-            batch_policies[policy] = float(config.max_draft)
-        elif budget_head is None:  # the budget and dcut's planner fed the head's products need an expected head
-            if "budget" in left_out:
-                left_out[policy] = left_out["budget"]
-        else:
-            batch_policies[policy] = config.budget_floor if policy == "budget" else float(config.max_draft)
+    sources, curves, measured_heads = serving_costs(config, pair, device, engine, checked, heads, digests)
+    batch_policies = served_batch_policies(config, engine, budget_head is not None, left_out)
     test = [(number, prompt) for number, prompt in enumerate(prompts) if prompt.split == "test"]
 
     def live(policy: str, threshold: float, size: int, view: ServingCosts) -> LiveRun:
@@ -660,6 +656,55 @@ def serving_section(config: EvalConfig, pair: ModelPair, device: torch.device, r
                        "head": None if budget_head is None else (config.budget_head or trained.source),
                        "weights_digest": None if budget_head is None else checked.budget_digest},
             "rows": rows, "best": best_per_batch_size(rows), "left_out": left_out}
+
+
+def serving_costs(config: EvalConfig, pair: ModelPair, device: torch.device, engine: RoundEngine, checked: Checked,
+                  heads: dict[str, Any], digests: dict[str, str | None]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """The serving table's cost views, one per `config.serving_cost_sources` (the curves measured here, or a cost
+    table's): (view, the costs at a batch size, whether measured) each; the curves each view used, for the report; and
+    per view, the `heads`' curves timed there, by weights digest (`digests`, by role)."""
+    sources, curves, measured_heads = [], {}, {}  # measured_heads: view -> the heads' curves measured there, by digest
+    for name in config.serving_cost_sources:
+        if name == MEASURED:
+            measured = ServingCosts(measure_cost_curve(engine.draft), measure_cost_curve(pair.target))
+            sources.append((MEASURED, lambda size, measured=measured: measured, True))
+            measured_heads[MEASURED] = {digests[role]: measure_head_curve(head) for role, head in heads.items()}
+            curves[MEASURED] = {"draft": measured.draft.as_dict(), "target": measured.target.as_dict(),
+                                "source": f"measured on {device_name(device)}", "modelled": False}
+        else:
+            table = checked.tables[name]
+            view = table.view if table.view not in curves else f"{table.view} ({name})"
+            sources.append((view, table.at_batch_size, table.source != "roofline"))
+            measured_heads[view] = {table.head_digest: table.costs.head} if table.head_digest else {}
+            curves[view] = {**curves_used(table.costs, most_served_tokens(config, draft_block(engine.draft))),
+                            "source": table.describe(),
+                            "modelled": table.modelled, "per_batch_size": table.source == "roofline" and name in PRESET_NAMES,
+                            **table_file(table), **({"notes": checked.table_notes[name]}
+                                                   if checked.table_notes.get(name) else {})}
+    for view, timed in measured_heads.items():
+        if timed:
+            curves[view]["heads"] = {digest: curve.as_dict() for digest, curve in timed.items()}
+    return sources, curves, measured_heads
+
+
+def served_batch_policies(config: EvalConfig, engine: RoundEngine, has_budget_head: bool,
+                          left_out: dict[str, str]) -> dict[str, float]:
+    """The batch rules the serving table decodes live, each at its value, in the order --serving-batch-policies names
+    them (a DSpark drafter's adaptive rules added where it scores): the rules fed a head's products only with a
+    budget head (`has_budget_head`), else noted in `left_out` beside the budget rule."""
+    # SmartSpec and the goodput planner's free signals read no head; their value is the largest K
+    batch_policies: dict[str, float] = {}
+    named = [*config.serving_batch_policies, *(["dspark_adaptive"] if getattr(engine.draft, "scores", False) else []),
+             *(["dspark_adaptive_ts"] if getattr(engine.draft, "score_temperatures", None) is not None else [])]
+    for policy in dict.fromkeys(named):
+        if policy in FREE_BATCH_POLICIES:
+            batch_policies[policy] = float(config.max_draft)
+        elif not has_budget_head:  # the budget and dcut's planner fed the head's products need an expected head
+            if "budget" in left_out:
+                left_out[policy] = left_out["budget"]
+        else:
+            batch_policies[policy] = config.budget_floor if policy == "budget" else float(config.max_draft)
+    return batch_policies
 
 
 def most_served_tokens(config: EvalConfig, block: int | None = None) -> int:
@@ -797,18 +842,7 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
         companion = Companion(companion_model, bins, companion_cost) if decodes_companion else None
     scores = table.scores(config.seed)
     offline = offline_metrics(table, config.bootstrap, config.seed, scores=scores)
-    data_section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
-                    "prompts": table.prompts, "mean_label": float(table.label.mean()),
-                    "held_out": "the prompts the head did not train (or calibrate) on",
-                    "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
-                    "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
-    if temperatures is not None:
-        data_section["dspark_temperatures"] = {
-            "temperatures": None if table.drafter_temperatures is None else
-            [1 / scale for scale in table.drafter_temperatures.scale], "how": temperatures}
-    if table.margin_note:  # data labelled before gen stored `top2`
-        data_section["margin_note"] = table.margin_note
-        print(f"Note: {table.margin_note}.", flush=True)
+    data_section = held_out_section(config, manifest, table, data, trained, temperatures)
     decoding = None
     if plan is not None:
         decoding = decode(config, pair, trained, transform, table, plan, device, checked, companion)
@@ -825,6 +859,34 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
                     config=config.as_dict(), decision_rule=rule, decoding=decoding.section if decoding else None,
                     sprinter=sprinter_operating_points(table, rule.threshold) if trained.purpose == "verify" else None)
     report.verdict = verdict(report)
+    write_outputs(report, table, decoding, cumulative, config)
+    return report
+
+
+def held_out_section(config: EvalConfig, manifest: dict[str, Any], table: TokenTable, data: AcceptanceDataModule,
+                     trained: TrainedHead, temperatures: str | None) -> dict[str, Any]:
+    """metrics.json's `data`: the held-out tokens scored, their label, the DSpark drafter's fitted temperatures
+    (`temperatures`: how they were fitted, None where the data stores no drafter score), and the note of data labelled
+    before gen stored `top2` (also printed)."""
+    section = {"path": config.data, "fingerprint": manifest["fingerprint"], "tokens": int(len(table.label)),
+               "prompts": table.prompts, "mean_label": float(table.label.mean()),
+               "held_out": "the prompts the head did not train (or calibrate) on",
+               "prompts_trained_on": len(set(data.splits["train"]["prompt_id"])),
+               "label": LABELS.get(trained.purpose, f"1[q/p <= {trained.tau}]")}
+    if temperatures is not None:
+        section["dspark_temperatures"] = {
+            "temperatures": None if table.drafter_temperatures is None else
+            [1 / scale for scale in table.drafter_temperatures.scale], "how": temperatures}
+    if table.margin_note:  # data labelled before gen stored `top2`
+        section["margin_note"] = table.margin_note
+        print(f"Note: {table.margin_note}.", flush=True)
+    return section
+
+
+def write_outputs(report: Report, table: TokenTable, decoding: Decoding | None, cumulative: list[dict[str, Any]] | None,
+                  config: EvalConfig) -> None:
+    """Write the report folder: the plots, runs.json (removed where nothing was decoded), metrics.json and the
+    report's pages; the decode's journal goes once they are written."""
     out = Path(config.out)
     report.plots = write_plots(report, table, decoding, cumulative, out, config)
     if decoding:
@@ -835,7 +897,6 @@ def evaluate_locked(config: EvalConfig, device: torch.device, manifest: dict[str
     write_report(report, out)
     if decoding:
         decoding.journal.remove()
-    return report
 
 
 def offline_comparison(offline: dict[str, Any]) -> dict[str, Any]:
