@@ -283,16 +283,7 @@ def prepare_output(out: Path, fingerprint: str, identity: dict, overwrite: bool)
 def run(config: GenConfig) -> Summary | None:
     """Run `specheads gen` with a validated config; every check happens before anything is written. Returns the
     summary on rank 0, None on the other ranks."""
-    config.validate()
-    if config.drafter is not None and config.drafter.kind in FREE_DRAFTS:
-        raise UsageError(f"--drafter.kind {config.drafter.kind} is labelled by data_gen.lookup_labels.run_lookup "
-                         "(`specheads gen` runs it); call that")
-    if config.responses_engine == "vllm":
-        require_vllm()
-    out = Path(config.out)
-    check_output_folder(out)
-    if config.drafter is not None:  # its kind (and speculators) before any model loads
-        drafter_config(config.drafter.kind, config.drafter.path)
+    out = check_before_models(config)
     all_prompts = load_prompts(config.prompts, config.prompts_split, config.prompts_column,
                                column_flag="--prompts-column")
     prompts = all_prompts[: config.num_prompts] if config.num_prompts else all_prompts
@@ -314,13 +305,7 @@ def run(config: GenConfig) -> Summary | None:
     shards = build_plan(items, config.batch_size, config.rows_per_shard)
     identity = data_identity(config, pair, prompts, trainer.strategy.root_device)
     fingerprint = fingerprint_of(identity)
-    started = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "complete": False, "fingerprint": fingerprint,
-        "identity": identity, "target_name": pair.target_name, "draft_name": pair.draft_name,
-        "plan": {"num_shards": len(shards), "rows": len(items), "batch_size": config.batch_size,
-                 "rows_per_shard": config.rows_per_shard},
-        "config": config.as_dict(), "tool_version": __version__,
-    }
+    started = started_manifest(config, pair, identity, fingerprint, len(shards), len(items))
     with ExitStack() as held:
         finished: dict[str, dict] = {}
 
@@ -346,6 +331,35 @@ def run(config: GenConfig) -> Summary | None:
             shards = shards_with_vllm_responses(config, pair.target, tokenizer, shards, out, fingerprint)
         return label(config, pair, tokenizer, shards, out, started, selection.counts(len(prompts), imported),
                      selection, trainer)
+
+
+def check_before_models(config: GenConfig) -> Path:
+    """Every check of `specheads gen` that needs no model: the config, the drafter's kind (and speculators), vLLM
+    where it writes the responses, the output folder; the output folder's path."""
+    config.validate()
+    if config.drafter is not None and config.drafter.kind in FREE_DRAFTS:
+        raise UsageError(f"--drafter.kind {config.drafter.kind} is labelled by data_gen.lookup_labels.run_lookup "
+                         "(`specheads gen` runs it); call that")
+    if config.responses_engine == "vllm":
+        require_vllm()
+    out = Path(config.out)
+    check_output_folder(out)
+    if config.drafter is not None:  # its kind (and speculators) before any model loads
+        drafter_config(config.drafter.kind, config.drafter.path)
+    return out
+
+
+def started_manifest(config: GenConfig, pair: ModelPair, identity: dict[str, Any], fingerprint: str, shards: int,
+                     rows: int) -> dict[str, Any]:
+    """The manifest a run writes when it starts (`complete` false): the data's identity and fingerprint, the pair's
+    names, the plan of `shards` shards over `rows` rows, the config and the tool's version."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "complete": False, "fingerprint": fingerprint,
+        "identity": identity, "target_name": pair.target_name, "draft_name": pair.draft_name,
+        "plan": {"num_shards": shards, "rows": rows, "batch_size": config.batch_size,
+                 "rows_per_shard": config.rows_per_shard},
+        "config": config.as_dict(), "tool_version": __version__,
+    }
 
 
 def ignored_settings(config: GenConfig) -> list[str]:
