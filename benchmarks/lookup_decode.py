@@ -21,9 +21,11 @@ one short untimed run of each on the first prompt; both sides read the target's 
   expects it to emit more tokens than its verify costs at t a verified token, else a plain target step.
 - `lookup_plan:t`: the cost-read planner fed the token-only head `--head` (`specheads.lookup.token_head.TokenHead`);
   its forwards run inside the timed decode (charged) and are also timed on their own.
-t is a verified token's cost in one-token forwards, read from this CPU's prepacked costs
-(`PACKED_CPU_TOKEN_COST`), not tuned. Planners that learn online (vLLM's table) keep their state from prompt to prompt
-within a process, as a server's do; a resumed run starts them cold.
+The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from the target's verify curve, measured
+once at the start on this machine as the rules then run (`measure_verify_curve`: one request's forward of n tokens over
+the first prompt, prepacked, the sizes timed in turn; kept in the JSON as `verify_curve`, reused on resume); t is
+the summary's counted price of a verified token (`PACKED_CPU_TOKEN_COST`), not tuned. Planners that learn online
+(vLLM's table) keep their state from prompt to prompt within a process, as a server's do; a resumed run starts them cold.
 
 Every side pays its own work inside its seconds: the proposal's search (Python, per round), the planner, the head's
 forwards, the engine's bookkeeping; the target alone pays a sampler call per token. The JSON (`--out`, rewritten
@@ -47,10 +49,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.costs import ServingCosts
+from specheads.decoding.costs import CostCurve, ServingCosts, monotone_curve
 from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
@@ -214,16 +217,41 @@ def transformers_lookup(target: torch.nn.Module, prompt: list[int], k: int, tran
     return output[0, len(prompt):].tolist(), time.perf_counter() - began
 
 
+VERIFY_TOKENS = (1, 2, 3, 5, 9, 17, 33)
+"""The forward sizes the verify curve is timed at (a round verifying k proposed tokens runs a forward of k + 1)."""
+
+
+@torch.no_grad()
+def measure_verify_curve(target: torch.nn.Module, prompt: list[int], repeats: int = 9) -> CostCurve:
+    """One request's forward time against the tokens in it, on top of `prompt` cached: the shape of a B = 1 verify.
+    The sizes are timed in turn, `repeats` times over (a busy moment touches every size alike), the median kept,
+    made non-decreasing (`monotone_curve`)."""
+    cache = DynamicCache(config=target.config)
+    target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    timings: dict[int, list[float]] = {n: [] for n in VERIFY_TOKENS}
+    for _ in range(repeats):
+        for n in VERIFY_TOKENS:
+            tokens = torch.tensor([[(7 * i + 3) % target.config.vocab_size for i in range(n)]])
+            began = time.perf_counter()
+            target(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n)
+            timings[n].append(time.perf_counter() - began)
+            cache.crop(-n)
+    return monotone_curve(VERIFY_TOKENS, [float(np.median(timings[n])) for n in VERIFY_TOKENS])
+
+
 class Runner:
     """The target, its free drafts' engines and each rule's policy and persistent planner."""
 
-    def __init__(self, args: LookupBenchmark, target: torch.nn.Module, stops: set[int]) -> None:
+    def __init__(self, args: LookupBenchmark, target: torch.nn.Module, stops: set[int],
+                 curve: CostCurve | None = None) -> None:
         self.args, self.target, self.stops = args, target, stops
         self.transform = SamplingTransform(args.temperature)
         self.estimator = TimedEstimator(TokenHead.load(args.head, "lookup", 0)) if args.head else None
         self.engines: dict[str, RoundEngine] = {}
         self.policies = {rule: make_rule(rule, args.max_draft, self.estimator) for rule in args.rules}
-        self.planners = {rule: policy.planner(None) for rule, policy in self.policies.items()
+        # a free draft runs no forward: the planners read the target's verify curve alone (`costs.target`)
+        costs = None if curve is None else ServingCosts(draft=curve, target=curve)
+        self.planners = {rule: policy.planner(costs) for rule, policy in self.policies.items()
                          if policy is not None and isinstance(policy, (AcceptanceTable, EstimatorPlanned))}
 
     def engine(self, rule: str) -> RoundEngine:
@@ -364,11 +392,17 @@ def benchmark(args: LookupBenchmark) -> dict[str, Any]:
     tokenizer, target = load_tokenizer(spec), load_model(spec)
     stops = set(stop_token_ids(target, tokenizer))
     packed = pack_linear_weights(target)
-    runner = Runner(args, target, stops)
     chosen = chosen_prompts(args)
     families = {pid: family for pid, family, _ in chosen}
     encoded = {pid: encode_prompt(tokenizer, prompt) for pid, _, prompt in chosen}
     first = encoded[chosen[0][0]]
+    if "verify_curve" not in results:  # measured once: a resumed run plans with the curve its first part read
+        curve = measure_verify_curve(target, first)
+        results["verify_curve"] = {"tokens": list(curve.tokens), "seconds": list(curve.seconds)}
+    curve = CostCurve(tuple(results["verify_curve"]["tokens"]), tuple(results["verify_curve"]["seconds"]))
+    print("verify curve (a forward of n tokens over one of 1): " + ", ".join(
+        f"{n}: {curve(n) / curve(1):.2f}" for n in curve.tokens), flush=True)
+    runner = Runner(args, target, stops, curve)
     runner.alone(first, 0, WARM_UP_TOKENS)
     for rule in args.rules:
         runner.run(rule, first, 0, WARM_UP_TOKENS)

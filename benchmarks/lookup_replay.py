@@ -33,10 +33,11 @@ import numpy as np
 from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
 from specheads.decoding import make_policy
+from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import FreePlanner
 from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.online import Outcome
-from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
+from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
 from specheads.lookup.proposers import NO_PROPOSAL, Proposal, ngram_propose
 from specheads.lookup.token_head import TokenHead
 from specheads.plumbing.errors import UsageError
@@ -55,8 +56,9 @@ def agreeing(tokens: tuple[int, ...], continuation: list[int]) -> int:
     return count
 
 
-def make_rule(rule: str, max_draft: int, head: str | None) -> tuple[Any, Any]:
-    """(policy, planner or None) of `name:value` (`oracle` has neither); refused in one line when malformed."""
+def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
+    """(policy, planner or None) of `name:value` (`oracle` has neither), planners reading the target's verify `curve`
+    where given; refused in one line when malformed."""
     if rule == ORACLE:
         return None, None
     name, _, value = rule.partition(":")
@@ -70,7 +72,8 @@ def make_rule(rule: str, max_draft: int, head: str | None) -> tuple[Any, Any]:
         policy = EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
     else:
         policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
-    planner = policy.planner(None) if hasattr(policy, "planner") else None
+    costs = None if curve is None else ServingCosts(draft=curve, target=curve)  # a free draft runs no forward
+    planner = policy.planner(costs) if hasattr(policy, "planner") else None
     return policy, planner if isinstance(planner, FreePlanner) else None
 
 
@@ -88,8 +91,9 @@ def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: l
 
 
 def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
-           token_cost: float) -> tuple[float, int]:
-    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule."""
+           price: Callable[[int], float]) -> tuple[float, int]:
+    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
+    verifying k tokens priced `price(k + 1)`."""
     start, cost, rounds = 0, 0.0, 0
     if planner is not None:
         planner.admit(0)
@@ -102,7 +106,7 @@ def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, ma
         if planner is not None and length:
             checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
             planner.observe({0: checked})
-        cost += 1.0 + token_cost * length
+        cost += price(length + 1)
         start += accepted + 1
         rounds += 1
     return cost, rounds
@@ -127,9 +131,10 @@ def summarise(speedups: dict[str, list[float]], families: list[str]) -> dict[str
 
 
 def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft: int,
-        token_cost: float, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+        curve: CostCurve | None, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Every rule on every greedy response of `labels`, in the labels' order (online planners keep their state from
-    prompt to prompt, as a server's do)."""
+    prompt to prompt, as a server's do), forwards priced by the target's verify `curve` (None: 1 + t·k, t the
+    prepacked CPU's `PACKED_CPU_TOKEN_COST`)."""
     rows = load_lookup(labels)
     sampling = (read_manifest(Path(labels)) or {}).get("identity", {}).get("sampling", {})
     if sampling.get("temperature") != 0.0:
@@ -137,17 +142,28 @@ def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft
                          "(specheads gen --temperature 0)")
     category = {record["id"]: record.get("category", "all")
                 for record in map(json.loads, Path(prompts).read_text().splitlines()) if record}
-    made = {rule: make_rule(rule, max_draft, head) for rule in rules}
+    made = {rule: make_rule(rule, max_draft, head, curve) for rule in rules}
+    price = linear_cost(PACKED_CPU_TOKEN_COST) if curve is None else (lambda n: curve(n) / curve(1))
     speedups: dict[str, list[float]] = {rule: [] for rule in rules}
     families = []
     for row in rows.select_columns(["prompt_id", "prompt_ids", "target_ids"]):
         families.append(category.get(row["prompt_id"], "unknown"))
         for rule, (policy, planner) in made.items():
-            cost, _ = replay(list(row["prompt_ids"]), list(row["target_ids"]), policy, planner, max_draft, token_cost)
+            cost, _ = replay(list(row["prompt_ids"]), list(row["target_ids"]), policy, planner, max_draft, price)
             speedups[rule].append(len(row["target_ids"]) / cost)
         progress(f"{row['prompt_id']}: " + ", ".join(f"{rule} {values[-1]:.2f}x" for rule, values in speedups.items()))
-    return {"labels": labels, "max_draft": max_draft, "token_cost": token_cost, "head": head,
+    return {"labels": labels, "max_draft": max_draft, "verify_curve": None if curve is None else curve.as_dict(), "head": head,
             "summary": summarise(speedups, families)}
+
+
+def read_curve(path: str) -> CostCurve:
+    """The verify curve a benchmarks/lookup_decode.py results JSON holds; refused in one line otherwise."""
+    try:
+        stored = json.loads(Path(path).read_text())["verify_curve"]
+        return CostCurve(tuple(stored["tokens"]), tuple(stored["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--verify-curve {path}: no verify_curve read ({error}); give a lookup_decode.py results "
+                         "JSON") from None
 
 
 def main(argv: list[str]) -> int:
@@ -157,14 +173,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rule", action="append", required=True, help="name:value, or oracle (repeatable)")
     parser.add_argument("--head", help="the token head lookup_plan reads")
     parser.add_argument("--max-draft", type=int, default=32, help="the adaptive rules' most proposed tokens a round")
-    parser.add_argument("--token-cost", type=float, default=PACKED_CPU_TOKEN_COST)
+    parser.add_argument("--verify-curve", help="a benchmarks/lookup_decode.py results JSON: its measured verify_curve "
+                        "prices the forwards and feeds the planners (default: 1 + t·k, t = PACKED_CPU_TOKEN_COST)")
     parser.add_argument("--out", help="a JSON of the summary")
     args = parser.parse_args(argv)
-    if args.max_draft < 1 or args.token_cost < 0:
-        raise UsageError("--max-draft must be >= 1 and --token-cost >= 0")
+    if args.max_draft < 1:
+        raise UsageError("--max-draft must be >= 1")
+    curve = read_curve(args.verify_curve) if args.verify_curve else None
     for rule in args.rule:
-        make_rule(rule, args.max_draft, args.head)
-    found = run(args.labels, args.prompts, args.rule, args.head, args.max_draft, args.token_cost)
+        make_rule(rule, args.max_draft, args.head, curve)
+    found = run(args.labels, args.prompts, args.rule, args.head, args.max_draft, curve)
     for rule, row in found["summary"].items():
         print(f"{rule}: " + ", ".join(f"{family} {v['speedup']:.3f}x [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                                       for family, v in row.items()))

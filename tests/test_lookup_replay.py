@@ -9,11 +9,14 @@ from conftest import load_benchmark
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specheads.decoding import RoundEngine
+from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_draft import LookupDraft
+from specheads.lookup.planning import linear_cost
 from specheads.lookup.proposers import ngram_propose
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
 
+PRICE = linear_cost(0.1)
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 RESPONSE = [1, 2, 3, 4, 9, 9, 5, 6, 7, 8]
 
@@ -49,17 +52,17 @@ def rounds_by_hand(k: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_constant_k_replay_prices_the_rounds_counted_by_hand(replay, k):
     policy, planner = replay.make_rule(f"constant_k:{k}", 32, None)
-    cost, rounds = replay.replay(PROMPT, RESPONSE, policy, planner, 32, 0.1)
+    cost, rounds = replay.replay(PROMPT, RESPONSE, policy, planner, 32, PRICE)
     by_hand = rounds_by_hand(k)
     assert rounds == len(by_hand) and cost == pytest.approx(sum(1 + 0.1 * verified for verified, _ in by_hand))
 
 
 def test_the_oracle_verifies_only_what_is_accepted_and_no_rule_beats_it(replay):
-    oracle = replay.replay(PROMPT, RESPONSE, *replay.make_rule("oracle", 32, None), 32, 0.1)
+    oracle = replay.replay(PROMPT, RESPONSE, *replay.make_rule("oracle", 32, None), 32, PRICE)
     # every verified token is accepted, so the tokens are the rounds' own plus the verified ones
     assert oracle[0] == pytest.approx(oracle[1] + 0.1 * (len(RESPONSE) - oracle[1]))
     for rule in ("constant_k:1", "constant_k:4", "constant_k:16", "lookup_table:0.1", "lookup_match:1.0"):
-        assert replay.replay(PROMPT, RESPONSE, *replay.make_rule(rule, 32, None), 32, 0.1)[0] >= oracle[0] - 1e-9
+        assert replay.replay(PROMPT, RESPONSE, *replay.make_rule(rule, 32, None), 32, PRICE)[0] >= oracle[0] - 1e-9
 
 
 def test_replay_counts_the_rounds_our_decoder_runs(replay, target):
@@ -70,7 +73,7 @@ def test_replay_counts_the_rounds_our_decoder_runs(replay, target):
     for rule in ("constant_k:4", "lookup_table:0.05"):
         policy, planner = replay.make_rule(rule, 8, None)
         result = engine.decode([prompt], policy, 24, [0], planner=planner)[0]
-        counted, rounds = replay.replay(prompt, list(result.tokens), *replay.make_rule(rule, 8, None), 8, 0.05)
+        counted, rounds = replay.replay(prompt, list(result.tokens), *replay.make_rule(rule, 8, None), 8, linear_cost(0.05))
         assert rounds == result.target_calls and result.drafted > 0
         assert counted == pytest.approx(rounds + 0.05 * result.drafted)
 
@@ -80,3 +83,14 @@ def test_bad_rules_are_refused_in_one_line(replay):
         replay.make_rule("constant_k", 32, None)
     with pytest.raises(UsageError, match="--head"):
         replay.make_rule("lookup_plan:0.043", 32, None)
+
+
+def test_planners_read_the_verify_curve(replay):
+    """A curve where every verified token costs a whole forward leaves vLLM's table nothing worth verifying (its
+    estimates stay below 1): every round is a plain target step; the linear CPU price lets it verify."""
+    steep = CostCurve((1, 2, 40), (1.0, 2.0, 40.0))
+    policy, planner = replay.make_rule("lookup_table:0.043", 32, None, steep)
+    cost, rounds = replay.replay(PROMPT, RESPONSE * 3, policy, planner, 32, lambda n: steep(n) / steep(1))
+    assert rounds == len(RESPONSE) * 3 and cost == rounds
+    cheap = replay.replay(PROMPT, RESPONSE * 3, *replay.make_rule("lookup_table:0.043", 32, None), 32, PRICE)
+    assert cheap[1] < len(RESPONSE) * 3

@@ -85,8 +85,12 @@ def test_every_rule_is_timed_and_paired_with_the_target_alone_and_resumes(bench,
         "drafted"])) / (run["alone"]["tokens"] / run["alone"]["target_calls"]) for run in runs.values()]
     assert results["summary"]["constant_k:3"]["all"]["counted_speedup"] == pytest.approx(math.exp(np.mean(np.log(counted))))
     assert results["summary"]["transformers:3"]["all"]["counted_speedup"] is None  # its drafted count is unknown
-    before = json.loads(out.read_text())["runs"]
-    assert bench.benchmark(args)["runs"] == before  # resumed: every (rule, prompt) finished, none run again
+    curve = results["verify_curve"]  # measured once, the planners' price of a verify
+    assert curve["tokens"] == list(bench.VERIFY_TOKENS) and all(b >= a > 0 for a, b in zip(curve["seconds"], curve["seconds"][1:]))
+    before = json.loads(out.read_text())
+    again = bench.benchmark(args)
+    assert again["runs"] == before["runs"]  # resumed: every (rule, prompt) finished, none run again
+    assert again["verify_curve"] == before["verify_curve"]  # and planned with the curve it first read
 
 
 def test_refusals_before_any_model_loads(bench, family_prompts, head_folder, tmp_path):
