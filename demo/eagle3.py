@@ -5,20 +5,18 @@ how to make one: the drafter (19 MB in float16) does not ship with specheads."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Any
 
 from specheads.artifacts.checkpoint import load_trained
 from specheads.demo.config import DemoConfig
-from specheads.demo.stages import Layout, relative
+from specheads.demo.stages import Layout, kept_or_measured, relative
 from specheads.eval.sweep import modelled_speedup
 from specheads.eval.wall_clock import DrafterBenchmark, benchmark_drafter, stop_head
 from specheads.pair.drafter_checks import check_drafter_for
 from specheads.pair.drafters import drafter_weights_sha256
 from specheads.pair.model_spec import ModelSpec
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.files import write_json_atomic
 
 RULES = {"constant_k:1": "constant K = 1", "transformers:0.4": "transformers' default (confidence 0.4, ROC-tuned)"}
 """The rules the line decodes, none tuned here: constant K = 1, the fastest constant K at B = 1 on the project's CPU,
@@ -54,15 +52,8 @@ def eagle3_line(config: DemoConfig, layout: Layout) -> dict[str, Any]:
     """Decode the line into `eagle3/wall_clock.json` of the demo folder (kept, and reused, while its settings are the
     same) and return it."""
     settings = benchmark_settings(config)
-    identity = line_identity(settings)
-    path = layout.root / "eagle3" / "wall_clock.json"
-    if path.is_file():
-        kept = json.loads(path.read_text())
-        if {key: kept.get(key) for key in identity} == identity:
-            return kept
-    result = {**identity, **benchmark_drafter(settings, "eagle3")}
-    write_json_atomic(path, result)
-    return result
+    return kept_or_measured(layout.root / "eagle3" / "wall_clock.json", line_identity(settings),
+                            lambda: benchmark_drafter(settings, "eagle3"))
 
 
 def line_identity(settings: DrafterBenchmark) -> dict[str, Any]:

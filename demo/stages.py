@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specheads.demo.config import base_config, stage_config
+from specheads.plumbing.files import write_json_atomic
 
 HEADS = {"ontime": "on-time stop head", "expected": "expected-acceptance head", "sprinter": "SPRINTER verifier"}
 """The heads the demo trains and exports, by their folder names."""
@@ -50,6 +54,18 @@ class Layout:
     def exported(self, head: str) -> Path:
         """The exported head folder."""
         return self.root / "heads" / head
+
+
+def kept_or_measured(path: Path, identity: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The wall-clock line kept in `path` where it was measured with this `identity` (its settings, the files it read),
+    else `measure()`'s, written there with the identity; returned either way."""
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        if {key: kept.get(key) for key in identity} == identity:
+            return kept
+    result = {**identity, **measure()}
+    write_json_atomic(path, result)
+    return result
 
 
 @dataclass(frozen=True)
