@@ -27,6 +27,8 @@ class DemoConfig:
         eagle3_head: a stop head trained on data that drafter labelled (`specheads gen --config smollm2-eagle3`).
         eagle3_cost_ratio: the c = t_draft/t_target that head's rule read from the costs is decoded at (the drafter's,
             profiled: `specheads profile --eagle3 DIR`).
+        lookup_head: the token-only head folder (`specheads.heads.lookup.TokenHeadModel.export`) whose rule the
+            prompt-lookup line decodes; default the one shipped with specheads (smollm2-lookup), where it ships.
     """
 
     out: str | None = None
@@ -36,6 +38,7 @@ class DemoConfig:
     eagle3: str | None = None
     eagle3_head: str | None = None
     eagle3_cost_ratio: float = 0.086
+    lookup_head: str | None = None
 
     @property
     def folder(self) -> Path:

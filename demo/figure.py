@@ -1,9 +1,11 @@
 """The demo report's first element: each pair's speedup by rule, with intervals, as one PNG (`speedup.png`).
 
-A panel per evaluated head on the demo's self-speculative pair (modelled speedup from counted forwards: each free
-rule's speedup, and the head's with its 95 % interval paired against that rule, so that a whisker clear of the rule's
-square is a win), and one for the EAGLE-3 pair where `--eagle3` ran (wall clock against the target alone, each rule
-with its interval over prompts)."""
+First the prompt-lookup pair's panel (wall clock on this machine against the target alone, each rule with its
+interval over prompts: the pair that pays in wall clock here, as docs/results.md orders them), then a panel per
+evaluated head on the demo's self-speculative pair (modelled speedup from counted forwards: each free rule's speedup,
+and the head's with its 95 % interval paired against that rule, so that a whisker clear of the rule's square is a
+win), and one for the EAGLE-3 pair where `--eagle3` ran (wall clock against the target alone, each rule with its
+interval over prompts)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ SHORT = {"constant_k": "constant K", "confidence": "draft confidence", "svip": "
          "transformers_heuristic": "transformers' heuristic", "sglang_adaptive": "SGLang adaptive K",
          "sv_companion": "SV companion", "pmin": "llama.cpp p_min", "dspark_confidence": "DSpark's own head",
          "dspark_confidence_ts": "DSpark's head, T-scaled", "head_cost": "the head's rule read from the costs",
-         "transformers:0.4": "transformers' default (0.4)", "constant_k:1": "constant K = 1"}
+         "transformers:0.4": "transformers' default (0.4)", "constant_k:1": "constant K = 1",
+         "constant_k:8": "fixed K = 8 (dev-tuned)", "lookup_table": "vLLM's online table",
+         "lookup_plan": "the token head's rule"}
 """Each rule's name on the figure (the report's tables and text name them in full)."""
 HEAD, RULE = "#c0392b", "#34495e"
 
@@ -97,9 +101,26 @@ def eagle3_panel(result: dict[str, Any]) -> Panel:
     return panel
 
 
+def lookup_panel(result: dict[str, Any]) -> Panel:
+    """The prompt-lookup pair's panel: each rule's wall-clock speedup over the target alone with its interval over
+    prompts (geometric means), and on how many prompts its tokens are the target alone's."""
+    n = result["prompts"]
+    panel = Panel(f"prompt-lookup pair (no draft model): wall clock, B = 1, T = {result['temperature']:g}, {n} prompts × "
+                  f"{result['max_new_tokens']} tokens, one thread, prepacked weights",
+                  f"speedup over the target alone ({result['target_alone_tokens_per_s']:.1f} tokens/s here), "
+                  "95 % interval over prompts")
+    for rule, row in result["rules"].items():
+        label = SHORT.get(rule, SHORT.get(rule.partition(":")[0], rule))
+        panel.rows.append(Row(f"{label}; target's tokens {row['same_as_target']}/{n}", row["speedup"],
+                              tuple(row["interval"]) if row["interval"] else None, head=rule.startswith("lookup_plan")))
+    return panel
+
+
 def panels(summary: dict[str, Any]) -> list[Panel]:
-    """Every panel the demo's figures allow, the self-speculative pair's heads first."""
-    found = [head_panel(figures["title"], figures["decoding"]) for figures in summary["heads"].values()
+    """Every panel the demo's figures allow: the prompt-lookup pair's first, then the self-speculative pair's heads,
+    then the EAGLE-3 pair's."""
+    found = [lookup_panel(summary["lookup"])] if summary.get("lookup") else []
+    found += [head_panel(figures["title"], figures["decoding"]) for figures in summary["heads"].values()
              if figures.get("decoding")]
     if summary.get("eagle3"):
         found.append(eagle3_panel(summary["eagle3"]))

@@ -3,10 +3,13 @@ commands that ran, and each head's eval report."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from specheads.artifacts.report_file import Report
+from specheads.demo.eagle3 import eagle3_lines
 from specheads.demo.figure import write_figure
+from specheads.demo.lookup import lookup_lines
 from specheads.demo.stages import TITLES, Layout
 from specheads.demo.summary import decoding_line, duration, serving_line
 from specheads.eval.report import fmt, interval_cell, report_markdown, write_markdown
@@ -41,6 +44,20 @@ def figure_lines(summary: dict[str, Any], figure: str | None) -> list[str]:
             f"rule: wholly right of the rule's square, the head wins; wholly left, it loses).{scale}", ""]
 
 
+PAIRS = {"lookup": "prompt-lookup pair", "EAGLE-3": "EAGLE-3 pair"}
+"""The screen's short label of each wall-clock line's pair, and the report's name for it."""
+WALL_CLOCK_KEYS = ("lookup_wall_clock", "eagle3_wall_clock")
+"""The seconds of the pairs decoded in wall clock after the stages (no `specheads` command of their own)."""
+
+
+def wall_clock_section(summary: dict[str, Any]) -> list[str]:
+    """The pairs decoded in wall clock on this machine, as the demo's screen gives them: the prompt-lookup pair, and
+    the EAGLE-3 pair or how to add it."""
+    lines = [*(lookup_lines(summary["lookup"]) if summary.get("lookup") else []), *eagle3_lines(summary.get("eagle3"))]
+    named = [re.sub(r"^(lookup|EAGLE-3) +", lambda pair: f"**{PAIRS[pair.group(1)]}**: ", line.strip()) for line in lines]
+    return ["## Wall clock on this machine", "", *[f"- {line}" for line in named], ""]
+
+
 def demo_markdown(summary: dict[str, Any], reports: dict[str, Report], figure: str | None = None) -> str:
     """The whole demo report as markdown: the figure (`figure`, a file in the demo folder) first, then the summary
     table, the commands and each head's report (plots linked into each head's eval folder)."""
@@ -49,9 +66,9 @@ def demo_markdown(summary: dict[str, Any], reports: dict[str, Report], figure: s
              f"Target `{pair['target']}`, draft `{pair['draft']}`, temperature {pair['sampling']['temperature']:g}. "
              f"{data['labelled_tokens']:,} labelled tokens in {data['rows']} rows from {data['prompts']} built-in prompts "
              f"(mean acceptance {data['mean_accept']:.3f}; fingerprint `{data['fingerprint']}`). Finished in "
-             f"{duration(summary['seconds']['total'])}.", "", *summary_table(summary), "",
+             f"{duration(summary['seconds']['total'])}.", "", *summary_table(summary), "", *wall_clock_section(summary),
              "## What ran", "", "Each stage is a `specheads` command; run one alone to change it.", ""]
-    keys = [key for key in summary["seconds"] if key not in ("total", "eagle3_wall_clock")]
+    keys = [key for key in summary["seconds"] if key not in ("total", *WALL_CLOCK_KEYS)]
     lines += [f"{n}. `{command}` ({duration(summary['seconds'][key])})"
               for n, (key, command) in enumerate(zip(keys, summary["commands"]), 1)]
     lines.append("")

@@ -12,6 +12,7 @@ from specheads.artifacts.report_file import REPORT_FILE, read_report
 from specheads.dataset.store import read_manifest
 from specheads.demo.config import DemoConfig
 from specheads.demo.eagle3 import check_eagle3, eagle3_line, eagle3_lines
+from specheads.demo.lookup import check_lookup, lookup_line, lookup_lines
 from specheads.demo.report import write_demo_report
 from specheads.demo.stages import (
     EVALUATED,
@@ -76,10 +77,28 @@ def run_stage(stage: Stage, number: int, total: int) -> float:
     return time.perf_counter() - start
 
 
+def wall_clock_lines(config: DemoConfig, layout: Layout, seconds: dict[str, float]
+                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The pairs decoded in wall clock on this machine after the stages, each timed into `seconds`: the prompt-lookup
+    pair (nothing to train) and, with `--eagle3`, the EAGLE-3 pair (None without)."""
+    print("\n── prompt-lookup pair in wall clock: prompt lookup as the draft, B = 1, T = 0", flush=True)
+    began = time.perf_counter()
+    lookup = lookup_line(config, layout)
+    seconds["lookup_wall_clock"] = time.perf_counter() - began
+    eagle3 = None
+    if config.eagle3:
+        print(f"\n── EAGLE-3 pair in wall clock: {config.eagle3} as the draft, B = 1", flush=True)
+        began = time.perf_counter()
+        eagle3 = eagle3_line(config, layout)
+        seconds["eagle3_wall_clock"] = time.perf_counter() - began
+    return lookup, eagle3
+
+
 def demo(config: DemoConfig) -> dict[str, Any]:
     """Run (or resume) the demo into `config.folder`; returns summary.json's content."""
     check_output_folder(config.folder)
     check_eagle3(config)
+    check_lookup(config)
     layout = Layout(config.folder.resolve())
     prepare_folder(layout.root, config.overwrite)
     started = time.perf_counter()
@@ -96,18 +115,13 @@ def demo(config: DemoConfig) -> dict[str, Any]:
             seconds[stage.key] = 0.0
             continue
         seconds[stage.key] = run_stage(stage, number, len(stages))
-    eagle3 = None
-    if config.eagle3:
-        print(f"\n── EAGLE-3 pair in wall clock: {config.eagle3} as the draft, B = 1", flush=True)
-        began = time.perf_counter()
-        eagle3 = eagle3_line(config, layout)
-        seconds["eagle3_wall_clock"] = time.perf_counter() - began
+    lookup, eagle3 = wall_clock_lines(config, layout, seconds)
     seconds["total"] = time.perf_counter() - started
     reports = {head: read_report(layout.report(head)) for head in (*EVALUATED, SHIPPED)}
     summary = summarise(layout, read_manifest(layout.data), reports, seconds, [s.command() for s in stages],
                         config.size)
-    summary["eagle3"] = eagle3
+    summary["lookup"], summary["eagle3"] = lookup, eagle3
     write_json_atomic(layout.root / "summary.json", summary)
     write_demo_report(summary, reports, layout)
-    print("\n" + "\n".join([summary_text(summary), *eagle3_lines(eagle3)]))
+    print("\n" + "\n".join([summary_text(summary), *lookup_lines(lookup), *eagle3_lines(eagle3)]))
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -184,6 +185,31 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     return site, {**__import__("os").environ, "PYTHONPATH": str(site)}
 
 
+def check_the_lookup_line(summary: dict, printed: str, report: str) -> None:
+    """The prompt-lookup pair decoded in wall clock (nothing trained): fixed K = 8, vLLM's table and, where a token
+    head ships, its rule, each with its speedup and interval on the screen, in the report and first in the figure, and
+    every rule's tokens the target alone's at T = 0."""
+    from specheads.demo.figure import panels
+
+    line = summary["lookup"]
+    ships = (Path(__file__).parents[1] / "heads" / "shipped" / "smollm2-lookup" / "config.json").is_file()
+    rules = {"constant_k:8", "lookup_table:0.043", *(["lookup_plan:0.043"] if ships else [])}
+    assert set(line["rules"]) == rules and (line["prompts"], line["max_new_tokens"], line["threads"]) == (3, 96, 1)
+    assert line["packed_layers"] > 0 and summary["seconds"]["lookup_wall_clock"] > 0
+    screen = printed[printed.index("  lookup   prompt lookup as the draft"):]
+    assert ("3 copy-heavy prompts (code-edit, chat-repeat, passage) × 96 tokens, T = 0, B = 1, 1 thread, both sides "
+            "reading prepacked weights") in screen
+    for rule, row in line["rules"].items():
+        assert row["same_as_target"] == 3, rule  # exact: at T = 0 the target alone's tokens on every prompt
+        assert row["interval"][0] <= row["speedup"] <= row["interval"][1]
+        shown = f"{row['speedup']:.2f}× [{row['interval'][0]:.2f}, {row['interval'][1]:.2f}]"
+        assert shown in screen and html.escape(shown) in report, rule
+    if not ships:
+        assert "the token head's rule: no token head ships at heads/shipped/smollm2-lookup" in screen
+    first = panels(summary)[0]
+    assert first.title.startswith("prompt-lookup pair") and len(first.rows) == len(rules)
+
+
 @pytest.mark.integration
 def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_and_eval(installed, tmp_path):
     """An installed copy (only `specheads` in site-packages, no configs/ beside it) runs the quick demo from a folder
@@ -259,6 +285,8 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     line = next(text for text in printed.splitlines() if "modelled speedup" in text and "at h =" in text)
     assert "vs best constant K" in line and "vs confidence" in line and "strongest field rule" in line
     assert "verify budget (goodput planner, the head) vs constant K — draft at 0.2 × target: B = 2" in printed
+    check_the_lookup_line(summary, printed, report)
+    lookup_kept = (out / "lookup" / "wall_clock.json").stat().st_mtime_ns
     sprinter_runs = json.loads((out / "eval" / "sprinter" / "runs.json").read_text())["runs"]
     assert all(r["reused"] for r in sprinter_runs if r["policy"] == "constant_k")  # taken from the on-time head's eval
     stamps = {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
@@ -266,6 +294,7 @@ def test_an_installed_copy_runs_the_quick_demo_end_to_end_beside_a_users_train_a
     again = demo("--quick")
     assert again.returncode == 0 and again.stdout.count("already evaluated") == 3, again.stderr[-3000:]
     assert stamps == {head: (out / "train" / head / "checkpoints" / "last.ckpt").stat().st_mtime_ns for head in HEADS}
+    assert (out / "lookup" / "wall_clock.json").stat().st_mtime_ns == lookup_kept  # the wall-clock line kept too
     # the full-size demo into the quick demo's folder is refused, naming what differs
     full = demo()
     assert full.returncode == 2

@@ -1,7 +1,8 @@
 """The demo's report in a real browser: headless Chromium renders report.html, whose first element after the title
 is the speedup figure, and the figure decodes to a picture that is not blank. Built from a fixture, not by running
-the demo: a quick demo's summary.json (the figures the report draws; 2026-11-29) with an EAGLE-3 block in the shape
-`specheads.demo.eagle3.eagle3_line` writes, holding docs/results.md's wall-clock figures (no drafter here). Skips,
+the demo: a quick demo's summary.json (the figures the report draws; 2026-11-29) with its prompt-lookup block
+(`specheads.demo.lookup.lookup_line`) and an EAGLE-3 block in the shape `specheads.demo.eagle3.eagle3_line` writes,
+holding docs/results.md's wall-clock figures (no drafter here). Skips,
 saying so, where no Chromium is installed (`.ci/run` installs Debian's `chromium`)."""
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def report_folder(tmp_path: Path, content: dict) -> Path:
 
 
 def test_the_figure_draws_each_rule_and_the_heads_interval_paired_against_it():
-    """Per evaluated head a panel of every rule it was decoded beside, the head's whisker on each rule's row being its
-    own speedup's paired interval against that rule; the EAGLE-3 pair's panel in wall clock, each rule's interval its
-    own."""
+    """The prompt-lookup pair's panel first; then per evaluated head a panel of every rule it was decoded beside, the
+    head's whisker on each rule's row being its own speedup's paired interval against that rule; the EAGLE-3 pair's
+    panel in wall clock last, each rule's interval its own."""
     content = summary()
     found = panels(content)
-    assert len(found) == len([f for f in content["heads"].values() if "modelled_speedup" in f["decoding"]]) + 1
+    assert len(found) == len([f for f in content["heads"].values() if "modelled_speedup" in f["decoding"]]) + 2
+    assert found[0].title.startswith("prompt-lookup pair")
     ontime = content["heads"]["ontime"]["decoding"]
-    first = found[0]
+    first = found[1]
     assert first.rows[0].head and first.rows[0].value == ontime["modelled_speedup"]
     confidence = next(row for row in first.rows if row.label.startswith("draft confidence"))
     ci = ontime["gain_vs_confidence_ci"]
@@ -102,7 +104,7 @@ def test_without_decoding_the_report_says_why_there_is_no_figure(tmp_path):
     content = summary()
     for figures in content["heads"].values():
         figures["decoding"] = {"note": "no decoding runs"}
-    content["eagle3"] = None
+    content["eagle3"] = content["lookup"] = None
     folder = report_folder(tmp_path, content)
     assert not (folder / FIGURE).exists()
     assert "there is no speedup figure" in (folder / "report.md").read_text()
