@@ -28,130 +28,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
-from specheads.decoding import make_policy
-from specheads.decoding.costs import CostCurve, ServingCosts
-from specheads.decoding.free_draft import FreePlanner
-from specheads.decoding.free_rules import EstimatorPlanned
-from specheads.decoding.online import Outcome
-from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
-from specheads.lookup.proposers import NO_PROPOSAL, Proposal, ngram_propose
-from specheads.lookup.token_head import TokenHead
+from specheads.decoding.costs import CostCurve
+from specheads.decoding.free_replay import (  # noqa: F401  (the replay's names, as tests/test_lookup_replay.py reads them)
+    ORACLE,
+    agreeing,
+    geometric_interval,
+    greedy_refusal,
+    make_rule,
+    replay,
+    replay_speedups,
+    summarise,
+    verify_length,
+)
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import write_json_atomic
-
-ORACLE = "oracle"
-
-
-def agreeing(tokens: tuple[int, ...], continuation: list[int]) -> int:
-    """How many of `tokens` the output continues with (the longest common prefix)."""
-    count = 0
-    for proposed, output in zip(tokens, continuation):
-        if proposed != output:
-            break
-        count += 1
-    return count
-
-
-def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
-    """(policy, planner or None) of `name:value` (`oracle` has neither), planners reading the target's verify `curve`
-    where given; refused in one line when malformed."""
-    if rule == ORACLE:
-        return None, None
-    name, _, value = rule.partition(":")
-    try:
-        threshold = float(value)
-    except ValueError:
-        raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
-    if name == "lookup_plan":
-        if not head:
-            raise UsageError("lookup_plan reads a token head: give --head DIR")
-        policy = EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
-    else:
-        policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
-    costs = None if curve is None else ServingCosts(draft=curve, target=curve)  # a free draft runs no forward
-    planner = policy.planner(costs) if hasattr(policy, "planner") else None
-    return policy, planner if isinstance(planner, FreePlanner) else None
-
-
-def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: list[int]) -> int:
-    """How many proposed tokens the rule verifies this round (the oracle: those that will be accepted)."""
-    if not proposal.tokens:
-        return 0
-    if policy is None:
-        return agreeing(proposal.tokens, continuation)
-    if planner is not None:
-        length = planner.proposal_length(0, proposal, policy)
-        planner.plan(0, proposal, length)
-        return length
-    return int(policy.proposal_length(proposal, None))
-
-
-def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
-           price: Callable[[int], float]) -> tuple[float, int]:
-    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
-    verifying k tokens priced `price(k + 1)`."""
-    start, cost, rounds = 0, 0.0, 0
-    if planner is not None:
-        planner.admit(0)
-    while start < len(response):
-        room = len(response) - start  # the decoder's cap (`StopPolicy.cap`): the last slot is the bonus token's
-        cap = min(max_draft, room - 1) if policy is None else policy.cap(room)
-        proposal = ngram_propose([*prompt, *response[:start]], cap, len(prompt)) if cap > 0 else NO_PROPOSAL
-        length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens))
-        accepted = agreeing(proposal.tokens[:length], response[start:])
-        if planner is not None and length:
-            checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
-            planner.observe({0: checked})
-        cost += price(length + 1)
-        start += accepted + 1
-        rounds += 1
-    return cost, rounds
-
-
-def geometric_interval(ratios: np.ndarray, resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """The geometric mean of per-prompt ratios, its bootstrap 95 % interval over prompts and the count."""
-    logs = np.log(ratios)
-    draws = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
-    means = np.exp(logs[draws].mean(1))
-    return {"speedup": float(np.exp(logs.mean())), "interval": [float(np.percentile(means, 2.5)),
-                                                               float(np.percentile(means, 97.5))],
-            "prompts": len(logs)}
-
-
-def summarise(speedups: dict[str, list[float]], families: list[str]) -> dict[str, dict[str, Any]]:
-    """Per rule, overall and per family."""
-    names = np.array(families)
-    return {rule: {family: geometric_interval(np.array(values)[names == family] if family != "all" else np.array(values))
-                   for family in ["all", *sorted(set(families))]}
-            for rule, values in speedups.items()}
 
 
 def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft: int,
         curve: CostCurve | None, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Every rule on every greedy response of `labels`, in the labels' order (online planners keep their state from
-    prompt to prompt, as a server's do), forwards priced by the target's verify `curve` (None: 1 + t·k, t the
-    prepacked CPU's `PACKED_CPU_TOKEN_COST`)."""
+    """Every rule on every greedy response of `labels`, in the labels' order (`replay_speedups`), forwards priced by
+    the target's verify `curve` (None: 1 + t·k, t the prepacked CPU's `PACKED_CPU_TOKEN_COST`)."""
     rows = load_lookup(labels)
-    sampling = (read_manifest(Path(labels)) or {}).get("identity", {}).get("sampling", {})
-    if sampling.get("temperature") != 0.0:
-        raise UsageError(f"{labels} was labelled at T = {sampling.get('temperature')}: a replay needs greedy responses "
-                         "(specheads gen --temperature 0)")
+    refusal = greedy_refusal(read_manifest(Path(labels)), labels)
+    if refusal:
+        raise UsageError(refusal)
     category = {record["id"]: record.get("category", "all")
                 for record in map(json.loads, Path(prompts).read_text().splitlines()) if record}
-    made = {rule: make_rule(rule, max_draft, head, curve) for rule in rules}
-    price = linear_cost(PACKED_CPU_TOKEN_COST) if curve is None else (lambda n: curve(n) / curve(1))
-    speedups: dict[str, list[float]] = {rule: [] for rule in rules}
-    families = []
-    for row in rows.select_columns(["prompt_id", "prompt_ids", "target_ids"]):
-        families.append(category.get(row["prompt_id"], "unknown"))
-        for rule, (policy, planner) in made.items():
-            cost, _ = replay(list(row["prompt_ids"]), list(row["target_ids"]), policy, planner, max_draft, price)
-            speedups[rule].append(len(row["target_ids"]) / cost)
-        progress(f"{row['prompt_id']}: " + ", ".join(f"{rule} {values[-1]:.2f}x" for rule, values in speedups.items()))
+    rows = rows.select_columns(["prompt_id", "prompt_ids", "target_ids"])
+    ids = list(rows["prompt_id"])
+
+    def report(found: dict[str, list[float]]) -> None:
+        index = len(next(iter(found.values()))) - 1
+        progress(f"{ids[index]}: " + ", ".join(f"{rule} {values[-1]:.2f}x" for rule, values in found.items()))
+
+    speedups = replay_speedups(((row["prompt_ids"], row["target_ids"]) for row in rows), rules, head, max_draft, curve,
+                               report)
+    families = [category.get(prompt_id, "unknown") for prompt_id in ids]
     return {"labels": labels, "max_draft": max_draft, "verify_curve": None if curve is None else curve.as_dict(), "head": head,
             "summary": summarise(speedups, families)}
 

@@ -1,0 +1,150 @@
+"""Replay greedy decodes of a free draft (prompt lookup) under any rule, with no model forward: the counted cost a
+rule would pay.
+
+At T = 0 a point-mass draft is accepted exactly while it equals the target's greedy output, so the greedy response y
+of a prompt (the `target_ids` of lookup labels, `specheads gen --drafter.kind lookup --temperature 0`) decides every
+round of every exact decode of it: a round at output position s proposes from the prompt and y_<s (`ngram_propose`,
+the decoder's `LookupDraft`), the rule chooses how many of the proposed tokens to verify (the rule objects and
+planners our decoder runs: `constant_k`, vLLM's online table, a token head's cost-read planner), the round accepts
+the longest prefix that y continues with and ends one token later. A round verifying k proposed tokens costs one
+target forward of k + 1 tokens, `price(k + 1)` one-token forwards; the target alone costs 1 a token, so a rule's
+counted speedup on a prompt is |y| / its cost. `benchmarks/lookup_replay.py` and `specheads eval --draft-kind lookup`
+both replay through this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from specheads.decoding import make_policy
+from specheads.decoding.costs import CostCurve, ServingCosts
+from specheads.decoding.free_draft import FreePlanner
+from specheads.decoding.free_rules import EstimatorPlanned
+from specheads.decoding.online import Outcome
+from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
+from specheads.lookup.proposers import NO_PROPOSAL, Proposal, ngram_propose
+from specheads.lookup.token_head import TokenHead
+from specheads.plumbing.errors import UsageError
+
+ORACLE = "oracle"
+
+
+def agreeing(tokens: tuple[int, ...], continuation: list[int]) -> int:
+    """How many of `tokens` the output continues with (the longest common prefix)."""
+    count = 0
+    for proposed, output in zip(tokens, continuation):
+        if proposed != output:
+            break
+        count += 1
+    return count
+
+
+def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
+    """(policy, planner or None) of `name:value` (`oracle` has neither), planners reading the target's verify `curve`
+    where given; refused in one line when malformed."""
+    if rule == ORACLE:
+        return None, None
+    name, _, value = rule.partition(":")
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
+    if name == "lookup_plan":
+        if not head:
+            raise UsageError("lookup_plan reads a token head: give --head DIR")
+        policy = EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
+    else:
+        policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
+    costs = None if curve is None else ServingCosts(draft=curve, target=curve)  # a free draft runs no forward
+    planner = policy.planner(costs) if hasattr(policy, "planner") else None
+    return policy, planner if isinstance(planner, FreePlanner) else None
+
+
+def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: list[int]) -> int:
+    """How many proposed tokens the rule verifies this round (the oracle: those that will be accepted)."""
+    if not proposal.tokens:
+        return 0
+    if policy is None:
+        return agreeing(proposal.tokens, continuation)
+    if planner is not None:
+        length = planner.proposal_length(0, proposal, policy)
+        planner.plan(0, proposal, length)
+        return length
+    return int(policy.proposal_length(proposal, None))
+
+
+def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
+           price: Callable[[int], float]) -> tuple[float, int]:
+    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
+    verifying k tokens priced `price(k + 1)`."""
+    start, cost, rounds = 0, 0.0, 0
+    if planner is not None:
+        planner.admit(0)
+    while start < len(response):
+        room = len(response) - start  # the decoder's cap (`StopPolicy.cap`): the last slot is the bonus token's
+        cap = min(max_draft, room - 1) if policy is None else policy.cap(room)
+        proposal = ngram_propose([*prompt, *response[:start]], cap, len(prompt)) if cap > 0 else NO_PROPOSAL
+        length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens))
+        accepted = agreeing(proposal.tokens[:length], response[start:])
+        if planner is not None and length:
+            checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
+            planner.observe({0: checked})
+        cost += price(length + 1)
+        start += accepted + 1
+        rounds += 1
+    return cost, rounds
+
+
+def geometric_interval(ratios: np.ndarray, resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """The geometric mean of per-prompt ratios, its bootstrap 95 % interval over prompts and the count."""
+    logs = np.log(ratios)
+    interval = None
+    if resamples and len(logs):
+        means = np.exp(logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(1))
+        interval = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+    return {"speedup": float(np.exp(logs.mean())) if len(logs) else float("nan"), "interval": interval,
+            "prompts": len(logs)}
+
+
+def summarise(speedups: dict[str, list[float]], families: list[str], resamples: int = 1000,
+              seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per rule, overall and per family."""
+    names = np.array(families)
+    return {rule: {family: geometric_interval(np.array(values)[names == family] if family != "all" else np.array(values),
+                                              resamples, seed)
+                   for family in ["all", *sorted(set(families))]}
+            for rule, values in speedups.items()}
+
+
+def greedy_refusal(manifest: dict[str, Any] | None, labels: str) -> str | None:
+    """Why the lookup labels of `manifest` cannot be replayed (not labelled at T = 0), or None when they can."""
+    temperature = ((manifest or {}).get("identity", {}).get("sampling") or {}).get("temperature")
+    if temperature == 0.0:
+        return None
+    return (f"{labels} was labelled at T = {temperature}: a replay needs greedy responses (specheads gen "
+            "--temperature 0)")
+
+
+def forward_price(curve: CostCurve | None) -> Callable[[int], float]:
+    """A verify of n tokens in one-token forwards: the target's `curve` where given, else 1 + t·(n − 1) with t the
+    prepacked CPU's `PACKED_CPU_TOKEN_COST`."""
+    return linear_cost(PACKED_CPU_TOKEN_COST) if curve is None else (lambda n: curve(n) / curve(1))
+
+
+def replay_speedups(responses: Iterable[tuple[list[int], list[int]]], rules: list[str], head: str | None,
+                    max_draft: int, curve: CostCurve | None = None,
+                    progress: Callable[[dict[str, list[float]]], None] = lambda found: None) -> dict[str, list[float]]:
+    """Every rule's counted speedup on every (prompt, greedy response), in the given order (online planners keep
+    their state from prompt to prompt, as a server's do), forwards priced by `forward_price(curve)`."""
+    made = {rule: make_rule(rule, max_draft, head, curve) for rule in rules}
+    price = forward_price(curve)
+    speedups: dict[str, list[float]] = {rule: [] for rule in rules}
+    for prompt, response in responses:
+        for rule, (policy, planner) in made.items():
+            cost, _ = replay(list(prompt), list(response), policy, planner, max_draft, price)
+            speedups[rule].append(len(response) / cost)
+        progress(speedups)
+    return speedups
