@@ -5,7 +5,9 @@ Copy-heavy prompts (`lookup_prompts.jsonl`: code edits, chats that repeat, passa
 benchmarks/prompts/lookup-confirm.jsonl, the first of each family in turn) are each decoded by the target alone
 (`specheads.eval.wall_clock.target_alone`) and then under every rule, back to back, the rules' order rotated from
 prompt to prompt, after one short untimed run of each; both sides read the target's linear weights prepacked once
-(`specheads.pair.packed`), on one thread, as benchmarks/lookup_decode.py measures the pair. A rule's speedup is the
+(`specheads.pair.packed`), on one thread, as benchmarks/lookup_decode.py measures the pair. The adaptive rules'
+planners price a verify from the target's verify curve, timed first on this machine
+(`specheads.decoding.verify_curve`), tuned nowhere. A rule's speedup is the
 geometric mean over prompts of its tokens/s over the target alone's on the same prompt, with a bootstrap 95 % interval
 over prompts; at T = 0 its tokens must be the target alone's (the decoder is exact), and the line says on how many
 prompts they are.
@@ -24,7 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.result import DecodeResult
+from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.demo.config import DemoConfig
 from specheads.demo.stages import Layout, kept_or_measured, relative
 from specheads.heads.loading import shipped_heads
@@ -33,8 +37,9 @@ from specheads.plumbing.errors import UsageError
 
 PROMPTS = str(Path(__file__).resolve().parent / "lookup_prompts.jsonl")
 """The line's prompts: code edits, chats that repeat and passages in turn, so that any first few hold each family."""
-SIZES = {"quick": (3, 96), "full": (9, 128)}
-"""(prompts, new tokens each) of the quick and full demos' lines: the quick one adds about 20 s to the demo."""
+SIZES = {"quick": (3, 80), "full": (9, 128)}
+"""(prompts, new tokens each) of the quick and full demos' lines: the quick one adds about 20 s to the demo on the
+project's 2-core CPU when it is idle (its target alone decodes about 33 tokens/s there)."""
 SHIPPED_LOOKUP_HEAD = "smollm2-lookup"
 """The token-only head for prompt lookup that ships with specheads (`shipped_heads`), where it does."""
 TABLE_RULE = f"lookup_table:{PACKED_CPU_TOKEN_COST:g}"
@@ -43,10 +48,12 @@ RULES = {"constant_k:8": "fixed K = 8 (the best K on dev prompts)",
          TABLE_RULE: "vLLM's online acceptance table, verify length read from the costs",
          HEAD_RULE: "the token head's rule (verify length read from the costs)"}
 """The rules the line decodes: fixed K = 8, the best K on the dev prompts (docs/results.md), vLLM's online table and
-the token head, each feeding the cost-read planner at a verified token's cost t = 0.043 one-token forwards (this CPU,
-prepacked weights), tuned nowhere."""
+the token head, each feeding the cost-read planner (its value t = 0.043, a verified token's price in one-token
+forwards on the project's CPU, is what it reads where no curve is given: here the measured curve prices a verify)."""
 MAX_DRAFT = 32
 """The most tokens the adaptive rules may verify a round."""
+VERIFY_REPEATS = 5
+"""Timings of each size of the verify curve (`measure_verify_curve`), the median kept."""
 DEMO_TARGET = "embedded:smollm2"
 
 
@@ -105,8 +112,9 @@ def check_lookup(config: DemoConfig) -> None:
         load_token_head(config.lookup_head)
 
 
-def make_rules(settings: LookupSettings) -> dict[str, tuple[Any, Any]]:
-    """Each rule's (policy, planner), the planners kept across prompts as a server keeps them."""
+def make_rules(settings: LookupSettings, costs: ServingCosts) -> dict[str, tuple[Any, Any]]:
+    """Each rule's (policy, planner), the planners pricing a verify from `costs` and kept across prompts as a server
+    keeps them."""
     from specheads.decoding import make_policy
     from specheads.decoding.free_rules import CostPlanned, EstimatorPlanned
 
@@ -118,7 +126,7 @@ def make_rules(settings: LookupSettings) -> dict[str, tuple[Any, Any]]:
                                       estimator=load_token_head(str(settings.head)))
         else:
             policy = make_policy(name, float(value), int(float(value)) if name == "constant_k" else MAX_DRAFT)
-        rules[rule] = (policy, policy.planner(None) if isinstance(policy, CostPlanned) else None)
+        rules[rule] = (policy, policy.planner(costs) if isinstance(policy, CostPlanned) else None)
     return rules
 
 
@@ -133,33 +141,39 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def decode_line(settings: LookupSettings) -> dict[str, Any]:
-    """Decode the line (module docstring): per prompt the target alone's (tokens, seconds) and each rule's (tokens,
-    seconds, whether they are the target alone's tokens, target calls)."""
+def load_target(settings: LookupSettings) -> tuple[torch.nn.Module, set[int], int, list[list[int]]]:
+    """The target with its linear weights prepacked, its stop ids, how many layers were packed, the encoded prompts."""
     from specheads.dataset.prompts import encode_prompt, load_prompts
-    from specheads.decoding import RoundEngine
-    from specheads.decoding.free_draft import LookupDraft
-    from specheads.eval.wall_clock import WARM_UP_TOKENS, target_alone
-    from specheads.model_outputs.sampling import SamplingTransform
     from specheads.pair.models import ModelSpec, load_model, load_tokenizer, stop_token_ids
     from specheads.pair.packed import pack_linear_weights
 
     spec = ModelSpec(path=settings.target)
     tokenizer, target = load_tokenizer(spec), load_model(spec)
-    stops = set(stop_token_ids(target, tokenizer))
-    packed = pack_linear_weights(target)
+    prompts = [encode_prompt(tokenizer, p) for p in load_prompts(settings.prompt_file, limit=settings.prompts)]
+    return target, set(stop_token_ids(target, tokenizer)), pack_linear_weights(target), prompts
+
+
+def decode_line(settings: LookupSettings) -> dict[str, Any]:
+    """Decode the line (module docstring): this machine's verify curve, then per prompt the target alone's (tokens,
+    seconds) and each rule's (tokens, seconds, whether they are the target alone's tokens, target calls)."""
+    from specheads.decoding import RoundEngine
+    from specheads.decoding.free_draft import LookupDraft
+    from specheads.eval.wall_clock import WARM_UP_TOKENS, target_alone
+    from specheads.model_outputs.sampling import SamplingTransform
+
+    target, stops, packed, prompts = load_target(settings)
     transform = SamplingTransform(0.0)
     engine = RoundEngine(target, LookupDraft("ngram"), transform, sorted(stops))
-    rules = make_rules(settings)
-    prompts = [encode_prompt(tokenizer, p) for p in load_prompts(settings.prompt_file, limit=settings.prompts)]
-
-    def run(rule: str, prompt: list[int], tokens: int, seed: int) -> DecodeResult:
-        policy, planner = rules[rule]
-        return engine.decode([prompt], policy, tokens, [seed], planner=planner)[0]
-
     runs: list[dict[str, Any]] = []
     with one_thread():
         target_alone(target, prompts[0], transform, WARM_UP_TOKENS, 0, stops)
+        curve = measure_verify_curve(target, prompts[0], VERIFY_REPEATS)
+        rules = make_rules(settings, free_draft_costs(curve))
+
+        def run(rule: str, prompt: list[int], tokens: int, seed: int) -> DecodeResult:
+            policy, planner = rules[rule]
+            return engine.decode([prompt], policy, tokens, [seed], planner=planner)[0]
+
         for rule in settings.rules:
             run(rule, prompts[0], WARM_UP_TOKENS, 0)
         for index, prompt in enumerate(prompts):
@@ -170,7 +184,8 @@ def decode_line(settings: LookupSettings) -> dict[str, Any]:
                 result = run(rule, prompt, settings.max_new_tokens, index)
                 record[rule] = [len(result.tokens), result.seconds, result.tokens == alone, result.target_calls]
             runs.append(record)
-    return {"packed_layers": packed, "families": prompt_families(settings), "runs": runs}
+    return {"packed_layers": packed, "families": prompt_families(settings), "runs": runs,
+            "verify_curve": {"tokens": list(curve.tokens), "seconds": list(curve.seconds)}}
 
 
 def prompt_families(settings: LookupSettings) -> list[str]:
@@ -216,6 +231,7 @@ def measure(settings: LookupSettings) -> dict[str, Any]:
     runs = decoded["runs"]
     return {"prompts": len(runs), "max_new_tokens": settings.max_new_tokens, "temperature": 0.0, "threads": 1,
             "packed_layers": decoded["packed_layers"], "families": decoded["families"],
+            "verify_curve": decoded["verify_curve"],
             "target_alone_tokens_per_s": sum(r["alone"][0] for r in runs) / sum(r["alone"][1] for r in runs),
             "rules": rule_rows(settings, runs), "runs": runs}
 
@@ -233,6 +249,12 @@ def interval_words(row: dict[str, Any]) -> str:
     return f" [{row['interval'][0]:.2f}, {row['interval'][1]:.2f}]" if row["interval"] else ""
 
 
+def verify_price(result: dict[str, Any]) -> float:
+    """A 9-token verify forward against a one-token one, on the verify curve the line measured."""
+    curve = CostCurve(tuple(result["verify_curve"]["tokens"]), tuple(result["verify_curve"]["seconds"]))
+    return curve(9) / curve(1)
+
+
 def lookup_lines(result: dict[str, Any]) -> list[str]:
     """The demo screen's lines for the prompt-lookup pair: what was decoded and how, then per rule its wall-clock
     speedup over the target alone with its 95 % interval and its tokens' identity with the target alone's."""
@@ -241,7 +263,8 @@ def lookup_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"  lookup   prompt lookup as the draft (no draft model, nothing trained): {n} copy-heavy prompts "
              f"({families}) × {result['max_new_tokens']} tokens, T = {result['temperature']:g}, B = 1, {result['threads']} thread, "
              "both sides reading prepacked weights; wall clock here: target alone "
-             f"{result['target_alone_tokens_per_s']:.1f} tokens/s"]
+             f"{result['target_alone_tokens_per_s']:.1f} tokens/s; a verify of 9 tokens costs {verify_price(result):.2f} "
+             "one-token forwards here (the planners' price)"]
     for rule, row in result["rules"].items():
         name = RULES.get(rule, rule) + (f" ({relative(settings['head'])})" if rule == HEAD_RULE else "")
         lines.append(f"           {name}: {row['speedup']:.2f}×{interval_words(row)}, {row['tokens_per_target_call']:.2f} "

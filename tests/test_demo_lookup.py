@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from specheads.cli import main
+from specheads.decoding.costs import CostCurve
+from specheads.decoding.verify_curve import VERIFY_TOKENS, free_draft_costs
 from specheads.demo import lookup
 from specheads.demo.config import DemoConfig
 from specheads.demo.figure import panels
@@ -58,7 +60,22 @@ def test_the_lookup_line_decodes_every_rule_exactly_against_the_target_alone(dec
         line = next(line for line in lines if words in line)
         assert f"{row['speedup']:.2f}× [{row['interval'][0]:.2f}, {row['interval'][1]:.2f}]" in line
         assert "tokens the target alone's on 3 of 3 prompts" in line
+    curve = result["verify_curve"]
+    assert curve["tokens"] == list(VERIFY_TOKENS) and curve["seconds"] == sorted(curve["seconds"])  # timed here
+    assert f"a verify of 9 tokens costs {lookup.verify_price(result):.2f} one-token forwards here" in lines[0]
     assert json.loads((layout.root / "lookup" / "wall_clock.json").read_text()) == result
+
+
+def test_the_planners_price_a_verify_from_the_measured_curve(decoded):
+    """The adaptive rules' planners read the curve the line timed, not the fixed t their names carry; fixed K reads
+    none."""
+    _, settings, _ = decoded
+    curve = CostCurve((1, 9, 33), (0.01, 0.03, 0.09))
+    rules = lookup.make_rules(settings, free_draft_costs(curve))
+    assert rules["constant_k:8"][1] is None
+    for rule in ("lookup_table:0.043", "lookup_plan:0.043"):
+        planner = rules[rule][1]
+        assert planner.cost(9) == pytest.approx(3.0) and planner.cost(33) == pytest.approx(9.0), rule
 
 
 def test_a_kept_line_is_reused_until_its_head_changes(decoded, monkeypatch):
@@ -77,9 +94,10 @@ def test_without_a_shipped_token_head_its_rule_is_left_out_and_said(tmp_path, mo
     monkeypatch.setattr(lookup, "shipped_heads", lambda: {})
     settings = lookup.lookup_settings(DemoConfig(quick=True))
     assert settings.rules == ("constant_k:8", "lookup_table:0.043") and settings.head is None
-    assert (settings.prompts, settings.max_new_tokens) == (3, 96)
-    lines = lookup.lookup_lines({"settings": vars(settings), "prompts": 3, "max_new_tokens": 96, "temperature": 0.0,
-                                 "threads": 1, "target_alone_tokens_per_s": 30.0, "rules": {}})
+    assert (settings.prompts, settings.max_new_tokens) == (3, 80)
+    lines = lookup.lookup_lines({"settings": vars(settings), "prompts": 3, "max_new_tokens": 80, "temperature": 0.0,
+                                 "threads": 1, "target_alone_tokens_per_s": 30.0, "rules": {},
+                                 "verify_curve": {"tokens": [1, 9], "seconds": [0.03, 0.045]}})
     assert lines[-1].strip().startswith("the token head's rule: no token head ships at heads/shipped/smollm2-lookup")
     # a shipped folder that is no token head: the rule left out, the demo not failed
     (tmp_path / "config.json").write_text("{}")
