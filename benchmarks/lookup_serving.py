@@ -18,6 +18,10 @@ to take it, so that every counted round has B live rows. Each round:
       every 1024 rounds of the batch),
   `head`: the token-only head (`TokenHead.load(--head, "lookup").estimates(proposal)`),
   `oracle`: 1 for each proposed token the response continues with (the positions beyond are not offered);
+  `table_warm` (with `--warm-labels`): the same table, first fed the rounds of one request of each of other
+      labels' prompts (dev's) served at the same B and curve verifying every proposed token: vLLM's table starts at
+      1/2 everywhere, and where a curve makes 1/2 not worth a verified token the planner verifies nothing and the
+      table never learns (a cold start that a server's table, running for hours, may have left behind);
   `constant_k` verifies min(K, proposal) tokens, no planner (vLLM ngram's and transformers' rule);
 - the round costs the target's forward of Σ_r (k_r + 1) tokens over B rows (`CostCurve.price`), and each row
   emits the longest prefix of its verified tokens that y continues with, plus one token.
@@ -70,7 +74,7 @@ from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
 from specheads.plumbing.errors import UsageError  # noqa: E402
 from specheads.plumbing.files import write_json_atomic  # noqa: E402
 
-TABLE, HEAD, ORACLE, CONSTANT_K = "table", "head", "oracle", "constant_k"
+TABLE, TABLE_WARM, HEAD, ORACLE, CONSTANT_K = "table", "table_warm", "head", "oracle", "constant_k"
 CPU_VIEW = "cpu"
 
 
@@ -92,6 +96,8 @@ class Config:
         context: cached tokens a row reads in the presets' forwards (0: the labels' mean prompt plus half their mean
             response).
         resamples: bootstrap draws over prompts for the intervals (0: none).
+        warm_labels: other lookup labels at T = 0 (dev's) that warm a second copy of vLLM's table, `table_warm`, before
+            it serves: one request of each, served at the same B and curve, verifying every proposed token.
         out: a JSON of every figure (written atomically).
     """
 
@@ -105,6 +111,7 @@ class Config:
     turnover: PositiveInt = 4
     context: NonNegativeInt = 0
     resamples: NonNegativeInt = 1000
+    warm_labels: str | None = None
     out: str | None = None
 
     def check(self) -> None:
@@ -116,10 +123,11 @@ class Config:
             raise UsageError("--batch-sizes is empty; give one B or more, e.g. [8,32]")
         if not self.presets and not self.verify_curve:
             raise UsageError("no cost view: give --presets or --verify-curve")
-        sampling = (read_manifest(Path(self.labels)) or {}).get("identity", {}).get("sampling", {})
-        if sampling.get("temperature") != 0.0:
-            raise UsageError(f"--labels {self.labels}: labelled at T = {sampling.get('temperature')}, not greedy; give "
-                             "lookup labels made with `specheads gen --drafter.kind lookup --temperature 0`")
+        for flag, labels in (("--labels", self.labels), ("--warm-labels", self.warm_labels)):
+            sampling = (read_manifest(Path(labels)) or {}).get("identity", {}).get("sampling", {}) if labels else {}
+            if labels and sampling.get("temperature") != 0.0:
+                raise UsageError(f"{flag} {labels}: labelled at T = {sampling.get('temperature')}, not greedy; give "
+                                 "lookup labels made with `specheads gen --drafter.kind lookup --temperature 0`")
 
 
 @dataclass
@@ -243,10 +251,27 @@ class TableFed(Planned):
                             for row, length in lengths.items()})
 
 
-def make_rules(responses: Responses, constant_k: int) -> dict[str, Rule]:
-    """A fresh instance of every rule (vLLM's table starts empty)."""
-    return {TABLE: TableFed(responses), HEAD: HeadFed(responses), f"{CONSTANT_K}:{constant_k}": ConstantK(responses, constant_k),
-            ORACLE: OracleFed(responses)}
+class TableWarming(TableFed):
+    """Verifies every proposed token, so that its table counts each position up to the first rejection."""
+
+    def lengths(self, rows: dict[int, Request], proposals: dict[int, Proposal], curve: CostCurve) -> dict[int, int]:
+        return {row: len(proposal.tokens) for row, proposal in proposals.items()}
+
+
+def warm_table(responses: Responses, warm: Responses, size: int, curve: CostCurve) -> TableFed:
+    """vLLM's table fed by the rounds of one request of each of `warm`'s prompts served at B = `size`, then serving
+    `responses` (its counts and step count kept, as a server's table runs on)."""
+    warming = TableWarming(warm)
+    serve(warm, warming, size, curve, queue_of(len(warm.pairs), size, 1))
+    rule = TableFed(responses)
+    rule.table = warming.table
+    return rule
+
+
+def make_rules(responses: Responses, constant_k: int, warm: TableFed | None = None) -> dict[str, Rule]:
+    """A fresh instance of every rule (vLLM's table starts empty), and `warm`, a warmed table, where given."""
+    return {TABLE: TableFed(responses), **({TABLE_WARM: warm} if warm is not None else {}), HEAD: HeadFed(responses),
+            f"{CONSTANT_K}:{constant_k}": ConstantK(responses, constant_k), ORACLE: OracleFed(responses)}
 
 
 @dataclass
@@ -364,9 +389,11 @@ def mean_context(pairs: Sequence[tuple[list[int], list[int]]]) -> int:
 
 
 def run(config: Config, pairs: Sequence[tuple[list[int], list[int]]], head: Any,
-        progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Every rule at every B in every cost view (module docstring)."""
+        progress: Callable[[str], None] = lambda line: None,
+        warm_pairs: Sequence[tuple[list[int], list[int]]] | None = None) -> dict[str, Any]:
+    """Every rule at every B in every cost view (module docstring); with `warm_pairs`, a warmed table too."""
     responses = Responses(pairs, config.max_draft, head)
+    warm = Responses(warm_pairs, config.max_draft) if warm_pairs else None
     context = config.context or mean_context(responses.pairs)
     views = cost_views(config, context)
     prompts = len(responses.pairs)
@@ -375,12 +402,14 @@ def run(config: Config, pairs: Sequence[tuple[list[int], list[int]]], head: Any,
     for view, curve_at in views.items():
         for size in config.batch_sizes:
             curve, queue = curve_at(size), queue_of(prompts, size, config.turnover)
+            warmed = warm_table(responses, warm, size, curve) if warm else None
             served = {name: serve(responses, rule, size, curve, queue)
-                      for name, rule in make_rules(responses, config.constant_k).items()}
+                      for name, rule in make_rules(responses, config.constant_k, warmed).items()}
             found = batch_figures(served, target_alone(curve, size), weights)
             results.setdefault(view, {})[str(size)] = found
             progress(summary_line(view, size, found))
-    return {"labels": config.labels, "head": config.head, "prompts": prompts, "context": context,
+    return {"labels": config.labels, "head": config.head, "warm_labels": config.warm_labels, "prompts": prompts,
+            "context": context,
             "max_draft": config.max_draft, "turnover": config.turnover, "resamples": config.resamples,
             "verify_curve": None if not config.verify_curve else read_curve(config.verify_curve).as_dict(),
             "views": results}
@@ -404,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         head = TokenHead.load(config.head, "lookup")
         cost_views(config, 1)  # a bad --verify-curve is refused before anything is served
         pairs = load_pairs(config.labels)
+        warm_pairs = load_pairs(config.warm_labels) if config.warm_labels else None
     except UsageError as error:
         raise SystemExit(f"lookup_serving.py: error: {error}") from None
-    found = run(config, pairs, head, progress=lambda line: print(line, flush=True))
+    found = run(config, pairs, head, lambda line: print(line, flush=True), warm_pairs)
     if config.out:
         write_json_atomic(Path(config.out), found)
     return 0

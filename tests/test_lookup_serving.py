@@ -72,6 +72,21 @@ def test_the_table_feeds_the_planner_its_counts(serving):
     assert rule.estimates(0, rows[0], proposals[0]) == pytest.approx([0.75, 0.5, 0.5])
 
 
+def test_a_warmed_table_verifies_where_the_cold_one_is_locked_out(serving):
+    """At t(n) = 1 + 0.55 (n - 1) a position worth 1/2 (the empty table's prior) does not pay at B = 2 (2.5/2.1 <
+    2/1.55): the cold table verifies nothing, so it never learns. Warmed by PAIRS' rounds verified whole (the first
+    two positions of prompt-matched proposals accepted twice: 3/4), it verifies the first of each row (2.75/2.1 and
+    3.5/2.65 > 2/1.55; a second, worth 3/4 · 3/4, would give 4.06/3.2, less)."""
+    curve = CostCurve((1, 10), (1.0, 5.95))
+    responses = serving.Responses(PAIRS, 32)
+    rows = {0: serving.Request(0), 1: serving.Request(1)}
+    proposals = {row: responses.proposal(request) for row, request in rows.items()}
+    assert serving.TableFed(responses).lengths(rows, proposals, curve) == {0: 0, 1: 0}
+    warm = serving.warm_table(responses, serving.Responses(PAIRS, 32), 2, curve)
+    assert warm.estimates(0, rows[0], proposals[0]) == pytest.approx([0.75, 0.75, 1 / 3])
+    assert warm.lengths(rows, proposals, curve) == {0: 1, 1: 1}
+
+
 @pytest.mark.parametrize("curve", [LINEAR, roofline_costs(PRESETS["4xh100-llama3.1-70b-llama3.1-8b"], 64, 4).target])
 def test_no_rule_beats_the_oracle(serving, head, curve):
     """The oracle verifies exactly the tokens that will be accepted (where they pay: here always); no rule does better."""
