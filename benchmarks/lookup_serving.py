@@ -352,7 +352,7 @@ def figure(point: float, values: np.ndarray | None) -> dict[str, Any]:
 
 
 def batch_figures(served: dict[str, Served], alone: float, weights: np.ndarray | None) -> dict[str, Any]:
-    """Each rule's throughput over the target alone's and the head's over the table's, with paired intervals."""
+    """Each rule's throughput over the target alone's and the head's over each table's, with paired intervals."""
     def resampled(run: Served) -> np.ndarray | None:
         return None if weights is None else (weights @ run.tokens) / (weights @ run.seconds) / alone
 
@@ -360,9 +360,11 @@ def batch_figures(served: dict[str, Served], alone: float, weights: np.ndarray |
                     "verified_per_row": run.verified / run.row_rounds, "accepted_per_row": run.accepted / run.row_rounds,
                     "tokens": int(run.tokens.sum()), "rounds": run.rounds}
              for name, run in served.items()}
-    head, table = resampled(served[HEAD]), resampled(served[TABLE])
-    ratio = None if head is None or table is None else head / table
-    return {"rules": rules, "head_over_table": figure(served[HEAD].speedup(alone) / served[TABLE].speedup(alone), ratio)}
+    head = resampled(served[HEAD])
+    ratios = {f"head_over_{name}": figure(served[HEAD].speedup(alone) / served[name].speedup(alone),
+                                          None if head is None else head / resampled(served[name]))
+              for name in (TABLE, TABLE_WARM) if name in served}
+    return {"rules": rules, **ratios}
 
 
 def cost_views(config: Config, context: int) -> dict[str, Callable[[int], CostCurve]]:
@@ -416,13 +418,15 @@ def run(config: Config, pairs: Sequence[tuple[list[int], list[int]]], head: Any,
 
 
 def summary_line(view: str, size: int, found: dict[str, Any]) -> str:
-    """One view and B: each rule's speedup over the target alone, and the head's over the table's."""
+    """One view and B: each rule's speedup over the target alone, and the head's over each table's."""
     def said(value: dict[str, Any]) -> str:
         low_high = value["interval"]
         return f"{value['value']:.3f}" + ("" if low_high is None else f" [{low_high[0]:.3f}, {low_high[1]:.3f}]")
 
     rules = ", ".join(f"{name} {said(value['speedup'])}x" for name, value in found["rules"].items())
-    return f"{view} B={size}: {rules}; head/table {said(found['head_over_table'])}"
+    ratios = ", ".join(f"head/{key.removeprefix('head_over_')} {said(value)}" for key, value in found.items()
+                       if key.startswith("head_over_"))
+    return f"{view} B={size}: {rules}; {ratios}"
 
 
 def main(argv: list[str] | None = None) -> int:

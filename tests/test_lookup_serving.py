@@ -157,3 +157,17 @@ def test_sampled_labels_a_missing_head_and_a_bad_curve_are_refused(serving, tmp_
     (tmp_path / "curve.json").write_text("{}")
     with pytest.raises(SystemExit, match="--verify-curve .* no verify_curve read"):
         serving.main(["--labels", labels, "--head", str(head.folder), "--verify-curve", str(tmp_path / "curve.json")])
+
+
+def test_the_table_reports_each_rule_over_the_target_alone_and_the_head_over_each_table(serving, head, tmp_path):
+    (tmp_path / "curve.json").write_text(json.dumps({"verify_curve": LINEAR.as_dict()}))
+    config = serving.Config(labels="unused", head="unused", batch_sizes=[3], presets=[],
+                            verify_curve=str(tmp_path / "curve.json"), resamples=200)
+    found = serving.run(config, repetitive_pairs(), head, warm_pairs=repetitive_pairs(count=3))["views"]["cpu"]["3"]
+    speedups = {rule: value["speedup"]["value"] for rule, value in found["rules"].items()}
+    assert set(speedups) == {"table", "table_warm", "head", "constant_k:8", "oracle"}
+    assert len(set(speedups.values())) == len(speedups)  # every rule served differently: the ratios are not 1
+    for table in ("table", "table_warm"):
+        ratio = found[f"head_over_{table}"]
+        assert ratio["value"] == pytest.approx(speedups["head"] / speedups[table])
+        assert ratio["interval"][0] <= ratio["value"] <= ratio["interval"][1]
