@@ -41,8 +41,8 @@ It prices forwards only: a server also pays the proposal's search, the head's fo
 round (benchmarks/lookup_decode.py measures them at B = 1).
 
     OMP_NUM_THREADS=1 python benchmarks/lookup_serving.py --labels runs/lookup2/gen-confirm-t0 \
-        --head runs/lookup2/train-stop/head --verify-curve runs/lookup-wallclock/confirm-t0.json \
-        --out runs/lookup2/serving-confirm.json
+        --warm-labels runs/lookup2/gen-dev-t0 --head runs/lookup2/train-stop/head \
+        --verify-curve runs/lookup2/wallclock-t0.json --out runs/lookup2/serving-confirm-t0.json
 """
 
 from __future__ import annotations
