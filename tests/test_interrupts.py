@@ -18,18 +18,68 @@ from test_eagle3 import recipe_args
 
 from specheads.cli import main
 
+SERVER = """
+import atexit, importlib, json, os, runpy, sys
+for name in ("torch", "transformers", "lightning.pytorch", "transformers.models.llama.modeling_llama",
+             "specheads.cli", "specheads.data_gen.cli", "specheads.data_gen.run", "specheads.train.cli",
+             "specheads.train.module", "specheads.train.drafter", "speculators.models.eagle3"):
+    try:  # what the commands load, loaded once: each fork starts where `python -m specheads` has imported it
+        importlib.import_module(name)
+    except ImportError:
+        pass
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # the child: `python -m specheads ARGS`, its stdout to /dev/null, its stderr to a file
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv = ["specheads", *request["args"]]
+        try:
+            runpy.run_module("specheads", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        atexit._run_exitfuncs()  # what the interpreter's exit runs, less its teardown of every module (seconds)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(pid, flush=True)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with open(request["code"] + ".part", "w") as out:
+        out.write(str(code))
+    os.replace(request["code"] + ".part", request["code"])
+"""
 
-def stopped(args: list[str], ready: Callable[[], bool], signum: int, timeout: float = 300) -> tuple[int, str]:
-    """Start `specheads ARGS`, send it `signum` once `ready()` holds, and return (its exit code, its stderr)."""
-    process = subprocess.Popen([sys.executable, "-m", "specheads", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+@pytest.fixture(scope="module")
+def commands():
+    """One interpreter that imports what the commands import, once, then forks a fresh `python -m specheads` process
+    per command: each is its own process, stopped by a real signal, at the cost of its work and not of its imports."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert server.stdout.readline().strip() == "ready"
+    yield server
+    server.kill()  # its own exit would tear down every module it imported: seconds for nothing
+    server.wait(timeout=60)
+
+
+def stopped(commands, args: list[str], ready: Callable[[], bool], signum: int, folder: Path,
+            timeout: float = 300) -> tuple[int, str]:
+    """Start `specheads ARGS` (a fork of `commands`), send it `signum` once `ready()` holds, and return (its exit code,
+    its stderr)."""
+    err, code = folder / "stderr.txt", folder / "exit-code"
+    commands.stdin.write(json.dumps({"args": args, "stderr": str(err), "code": str(code)}) + "\n")
+    commands.stdin.flush()
+    pid = int(commands.stdout.readline())
     deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None and not ready():
+    while time.time() < deadline and not code.exists() and not ready():
         time.sleep(0.05)
-    assert process.poll() is None, f"the command must still be working when the signal comes: {process.stderr.read()}"
-    os.kill(process.pid, signum)
-    _, err = process.communicate(timeout=timeout)
-    return process.returncode, err
+    assert not code.exists(), f"the command must still be working when the signal comes: {err.read_text()}"
+    os.kill(pid, signum)
+    while time.time() < deadline + timeout and not code.exists():
+        time.sleep(0.05)
+    return int(code.read_text()), err.read_text()
 
 
 def assert_interrupted(code: int, err: str, signum: int, resume: list[str]) -> None:
@@ -42,22 +92,24 @@ def assert_interrupted(code: int, err: str, signum: int, resume: list[str]) -> N
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_an_interrupted_drafter_training_exits_with_the_signal_and_the_resume_command(tiny_model, prompts_file,
+def test_an_interrupted_drafter_training_exits_with_the_signal_and_the_resume_command(commands, tiny_model, prompts_file,
                                                                                       tmp_path, signum):
     pytest.importorskip("speculators.models.eagle3")
     out = tmp_path / "run"
     args = recipe_args(tiny_model, prompts_file, out, "--max-steps", "100000", "--checkpoint-every", "1")
-    code, err = stopped(args, lambda: (out / "train" / "checkpoints" / "last.ckpt").is_file(), signum)
+    code, err = stopped(commands, args, lambda: (out / "train" / "checkpoints" / "last.ckpt").is_file(), signum,
+                        tmp_path)
     assert_interrupted(code, err, signum, args)
     assert not (out / "drafter").exists() and not (out / "fingerprint.json").exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_an_interrupted_gen_exits_with_the_signal_and_the_resume_command(tiny_model, prompts_file, tmp_path, signum):
+def test_an_interrupted_gen_exits_with_the_signal_and_the_resume_command(commands, tiny_model, prompts_file, tmp_path,
+                                                                          signum):
     # Lightning's predict loop never looks at the SIGTERM it records: gen labelled on to exit 0
     out = tmp_path / "gen"
     args = tiny_args(tiny_model, prompts_file, out, "--samples-per-prompt", "4", "--max-new-tokens", "24")
-    code, err = stopped(args, lambda: (out / "manifest.json").is_file(), signum)
+    code, err = stopped(commands, args, lambda: (out / "manifest.json").is_file(), signum, tmp_path)
     assert_interrupted(code, err, signum, args)
     assert json.loads((out / "manifest.json").read_text())["complete"] is False
 
@@ -69,13 +121,15 @@ def labelled(tiny_model, prompts_file, tmp_path_factory) -> Path:
     return out
 
 
-def test_ctrl_c_in_train_fit_exits_130_with_the_command_that_resumes_from_the_last_checkpoint(labelled, tmp_path):
+def test_ctrl_c_in_train_fit_exits_130_with_the_command_that_resumes_from_the_last_checkpoint(commands, labelled,
+                                                                                             tmp_path):
     configs = Path(__file__).parents[1] / "configs" / "train"
     root = tmp_path / "fit"
     args = ["train", "fit", "--config", str(configs / "specdecpp.yaml"), "--data.path", str(labelled),
             "--data.val_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(root),
             "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "100000"]
-    code, err = stopped(args, lambda: (root / "checkpoints" / "last.ckpt").is_file(), signal.SIGINT)
+    code, err = stopped(commands, args, lambda: (root / "checkpoints" / "last.ckpt").is_file(), signal.SIGINT,
+                        tmp_path)
     assert_interrupted(code, err, signal.SIGINT, [*args, "--ckpt_path", "last"])
 
 
