@@ -1,4 +1,4 @@
-"""`specheads eval --head CKPT_OR_DIR --data DIR --out DIR`: offline metrics, decoding runs, report."""
+"""`specheads eval --head CKPT_OR_DIR --data DIR --out DIR [--draft-kind lookup]`: offline metrics, decoding runs, report."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ def parse_config(argv: list[str]) -> EvalConfig:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point for `specheads eval`."""
-    from specheads.eval.run import evaluate
-
+    """Entry point for `specheads eval` (a free draft's token head: `eval.lookup`)."""
     config = parse_config(argv)
-    report = evaluate(config)
-    for line in report.verdict["text"]:
+    if config.draft_kind != "model":
+        from specheads.eval.lookup import evaluate_free
+
+        lines = evaluate_free(config)
+    else:
+        from specheads.eval.run import evaluate
+
+        lines = evaluate(config).verdict["text"]
+    for line in lines:
         print(line)
     print(f"report: {config.out}/report.html")
     return 0

@@ -35,6 +35,11 @@ SERVING_BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adapti
                           "dspark_adaptive_ts")
 """The batch rules --serving-batch-policies may name (`specheads.decoding.rules.BATCH_POLICIES`, named here so that
 parsing the flags imports no torch)."""
+FREE_DRAFT_UNUSED = ("decode_prompts", "decode_prompts_column", "unseen_prompts_only", "test_samples", "cost_ratio",
+                     "allow_other_data", "head_thresholds", "sprinter_thresholds", "stop_shares", "decode_batch_size",
+                     "serving_batch_sizes", "serving_costs", "budget_head", "sv_companion_skip_layers", "reuse_runs",
+                     "tuned_from", "fixed_thresholds", "prompt_cache_mb", "eagle3", "dspark", "tree_budgets", "tree_floors")
+"""The options of draft models' decoding runs, which a free draft's eval (`eval.lookup`) does not run."""
 MEASURED = "measured"
 """--serving-costs' name for the cost curves measured on the decoding device."""
 BOUNDS = {"test_samples": (1_000, "each sample decodes every test prompt once more; 2 fill B = 256 from 160 prompts"),
@@ -153,6 +158,14 @@ class EvalConfig:
             prompts. Off unless given (trees decode one prompt at a time: slower than the chains).
         tree_floors: the floors the tuned trees sweep on dev prompts (default 0.05, 0.1, 0.2, 0.3, 0.45): a child slot
             is filled while its estimated chance of being reached is at least the floor.
+        draft_kind: `model` (a draft model's head, the default) or a free draft's, `lookup` or `suffix`: then --head is
+            a token head (`specheads train lookup fit`) and --data its held-out lookup labels (`specheads gen
+            --drafter.kind lookup`; the head's validation split where they are its training data), judged beside
+            vLLM's table and the proposal's scores offline and, for prompt lookup at T = 0, by the counted replay of
+            constant K (--constant-ks), vLLM's table and the head's planner (`eval.lookup`; --max-draft caps the
+            adaptive rules, --num-decode-prompts 0 skips the replay).
+        fit_data: with a free draft, the lookup labels vLLM's table is counted on; default: the head's training data
+            (its training split).
     """
 
     head: str
@@ -192,6 +205,8 @@ class EvalConfig:
     dspark: str | None = None
     tree_budgets: list[PositiveInt] | None = None
     tree_floors: list[ClosedUnitInterval] | None = None
+    draft_kind: Literal["model", "lookup", "suffix"] = "model"
+    fit_data: str | None = None
 
     @property
     def drafter(self) -> tuple[str, str] | None:
@@ -213,6 +228,12 @@ class EvalConfig:
     def validate(self) -> None:
         """Refuse combinations that cannot work, before anything is loaded (each field's own range is in its type,
         checked when the config is parsed)."""
+        if self.draft_kind != "model":
+            self.validate_free_draft()
+            return
+        if self.fit_data:
+            raise UsageError("--fit-data is the labels vLLM's table is counted on for a free draft's head; give "
+                             "--draft-kind lookup (or suffix), or drop it")
         if self.decode_prompts_column and not self.decode_prompts:
             raise UsageError("--decode-prompts-column names the prompt field of --decode-prompts; give --decode-prompts "
                              "too, or drop it (the data's own prompts are read as gen read them)")
@@ -236,6 +257,16 @@ class EvalConfig:
             raise UsageError("--tuned-from and --fixed-thresholds both say which thresholds to decode; give one")
         if self.tuned_from or self.fixed_thresholds is not None:
             self.validate_given_thresholds()
+
+    def validate_free_draft(self) -> None:
+        """A free draft's eval (`eval.lookup`) reads its labels' own greedy responses: refuse the options of draft
+        models' decoding runs, which it does not run."""
+        defaults = EvalConfig(head=self.head, data=self.data)
+        unused = [flag(name) for name in FREE_DRAFT_UNUSED if getattr(self, name) != getattr(defaults, name)]
+        if unused:
+            raise UsageError(f"--draft-kind {self.draft_kind} replays its labels' greedy responses and does not use "
+                             f"{', '.join(unused)}; drop {'it' if len(unused) == 1 else 'them'}")
+        self.check_bounds()
 
     def validate_drafter(self) -> None:
         """--eagle3 / --dspark: one drafter, a folder of one, and nothing it cannot decode with yet; the DSpark

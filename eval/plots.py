@@ -64,6 +64,24 @@ def roc_plot(table: TokenTable, offline: dict[str, Any], path: Path, seed: int =
     save(figure, path)
 
 
+def predictor_roc_plot(curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], aucs: dict[str, float], path: Path,
+                       title: str) -> None:
+    """ROC curves of named predictors, each given (labels, scores, weights): a soft label a counts as a positive of
+    weight w·a and a negative of weight w·(1 − a), so the curve's area is the soft AUC the legend quotes."""
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    for name, (label, score, weight) in curves.items():
+        truth = np.concatenate([np.ones(len(label)), np.zeros(len(label))])
+        weights = np.concatenate([weight * label, weight * (1 - label)])
+        if weights[truth == 1].sum() <= 0 or weights[truth == 0].sum() <= 0:
+            continue
+        fpr, tpr, _ = roc_curve(truth, np.concatenate([score, score]), sample_weight=weights)
+        axis.plot(fpr, tpr, label=f"{name} (AUC {aucs[name]:.3f})", linewidth=2.5 if name == "head" else 1.2)
+    axis.plot([0, 1], [0, 1], color="grey", linewidth=0.8)
+    axis.set(xlabel="false positive rate", ylabel="true positive rate", title=title)
+    axis.legend(fontsize=8, loc="lower right")
+    save(figure, path)
+
+
 def reliability_plot(calibration: dict[str, list[float]], path: Path) -> None:
     """Mean label against mean prediction per bin, with the token counts."""
     figure, axis = plt.subplots(figsize=(5, 5))

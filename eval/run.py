@@ -29,6 +29,7 @@ from specheads.decoding.rules import BASELINES, DRAFTER_BASELINES, RULES
 from specheads.eval.companion import sv_companion_scores
 from specheads.eval.config import COST_RULES, MEASURED, EvalConfig
 from specheads.eval.journal import JOURNAL_FILE, RunJournal, discard_empty_journal, open_journal
+from specheads.eval.lookup import free_draft_refusal
 from specheads.eval.offline import (
     TokenTable,
     calibration_table,
@@ -784,6 +785,9 @@ def evaluate(config: EvalConfig) -> Report:
     """Evaluate and write the report folder (the tuned rule lives in its metrics.json; nothing is written into the
     checkpoint); returns the report. One eval at a time writes a folder (`specheads.plumbing.lock`)."""
     config.validate()
+    refusal = free_draft_refusal(config.head, config.data)
+    if refusal:
+        raise UsageError(refusal)
     tables = serving_tables(config)
     check_output_folder(Path(config.out))
     check_output_files(Path(config.out), [REPORT_FILE, "report.md", "report.html", "runs.json", JOURNAL_FILE,
