@@ -16,7 +16,7 @@ class DemoConfig:
     """What `specheads demo` runs.
 
     Args:
-        out: the demo folder (data/, train/, eval/, heads/, report.html, summary.json);
+        out: the demo folder (data/, train/, eval/, heads/, lookup/, report.html, speedup.png, summary.json);
             default runs/demo, or runs/demo-quick with --quick.
         quick: the small version (about 1 k labelled tokens, a few decoding runs): every stage in a few minutes.
         overwrite: delete `out` first; without it a finished stage is reused and an unfinished one resumes.
