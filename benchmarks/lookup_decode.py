@@ -49,13 +49,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
-from specheads.decoding.costs import CostCurve, ServingCosts, monotone_curve
+from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
+from specheads.decoding.verify_curve import measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
 from specheads.lookup.proposers import Proposal
@@ -215,28 +215,6 @@ def transformers_lookup(target: torch.nn.Module, prompt: list[int], k: int, tran
                              max_new_tokens=max_new_tokens, eos_token_id=sorted(stops), pad_token_id=min(stops),
                              **sampling)
     return output[0, len(prompt):].tolist(), time.perf_counter() - began
-
-
-VERIFY_TOKENS = (1, 2, 3, 5, 9, 17, 33)
-"""The forward sizes the verify curve is timed at (a round verifying k proposed tokens runs a forward of k + 1)."""
-
-
-@torch.no_grad()
-def measure_verify_curve(target: torch.nn.Module, prompt: list[int], repeats: int = 9) -> CostCurve:
-    """One request's forward time against the tokens in it, on top of `prompt` cached: the shape of a B = 1 verify.
-    The sizes are timed in turn, `repeats` times over (a busy moment touches every size alike), the median kept,
-    made non-decreasing (`monotone_curve`)."""
-    cache = DynamicCache(config=target.config)
-    target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    timings: dict[int, list[float]] = {n: [] for n in VERIFY_TOKENS}
-    for _ in range(repeats):
-        for n in VERIFY_TOKENS:
-            tokens = torch.tensor([[(7 * i + 3) % target.config.vocab_size for i in range(n)]])
-            began = time.perf_counter()
-            target(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n)
-            timings[n].append(time.perf_counter() - began)
-            cache.crop(-n)
-    return monotone_curve(VERIFY_TOKENS, [float(np.median(timings[n])) for n in VERIFY_TOKENS])
 
 
 class Runner:

@@ -12,6 +12,7 @@ import torch
 from conftest import load_benchmark
 from safetensors.torch import save_file
 
+from specheads.decoding.verify_curve import VERIFY_TOKENS
 from specheads.lookup.features import FEATURE_NAMES
 from specheads.lookup.token_head import CONFIG, FORMAT, STOP, WEIGHTS, expected_shapes
 from specheads.plumbing.errors import UsageError
@@ -86,7 +87,7 @@ def test_every_rule_is_timed_and_paired_with_the_target_alone_and_resumes(bench,
     assert results["summary"]["constant_k:3"]["all"]["counted_speedup"] == pytest.approx(math.exp(np.mean(np.log(counted))))
     assert results["summary"]["transformers:3"]["all"]["counted_speedup"] is None  # its drafted count is unknown
     curve = results["verify_curve"]  # measured once, the planners' price of a verify
-    assert curve["tokens"] == list(bench.VERIFY_TOKENS) and all(b >= a > 0 for a, b in zip(curve["seconds"], curve["seconds"][1:]))
+    assert curve["tokens"] == list(VERIFY_TOKENS) and all(b >= a > 0 for a, b in zip(curve["seconds"], curve["seconds"][1:]))
     before = json.loads(out.read_text())
     again = bench.benchmark(args)
     assert again["runs"] == before["runs"]  # resumed: every (rule, prompt) finished, none run again
