@@ -72,7 +72,8 @@ def wide_dspark(tiny_model):
 def test_dspark_blocks_sample_the_target_distribution(tiny_dspark):
     target, drafter = tiny_dspark
     transform = SamplingTransform(1.0)
-    results = [dspark_decode(target, drafter, PROMPT, transform, 3, LENGTH, seed) for seed in range(800)]
+    # 400 sequences, one request at a time: residual p fails at p = 1e-7 (2e-14 on 800)
+    results = [dspark_decode(target, drafter, PROMPT, transform, 3, LENGTH, seed) for seed in range(400)]
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
     assert all(r.draft_forwards == r.reached[0] for r in results)  # one block per round that drafts
     reached, accepted = (sum(sum(getattr(r, name)) for r in results) for name in ("reached", "accepted"))
@@ -307,7 +308,7 @@ def test_dspark_tree_drafts_sample_the_target_distribution(tiny_dspark, batch_si
     target, drafter = tiny_dspark
     transform = SamplingTransform(1.0)
     engine = RoundEngine(target, DSparkModel(drafter, target), transform, stop_ids=[])
-    runs = 800
+    runs = 300 if batch_size == 1 else 400  # residual p fails at p = 9e-11 and 1e-11 (each row draws alike at any B)
     results = decode_tree(engine, [PROMPT] * runs, TreeRule(values="confidence", floor=0.05, budget=4, width=2), LENGTH,
                           list(range(runs)), batch_size=batch_size)
     assert chi_square_p([tuple(r.tokens) for r in results], sequence_probabilities(target, transform, LENGTH)) > 1e-3
