@@ -301,7 +301,7 @@ def data_section(config: EvalConfig, inputs: FreeInputs, data: HeldOut) -> dict[
     families, counts = np.unique(np.array(data.row_families), return_counts=True)
     return {"path": config.data, "fingerprint": inputs.manifest["fingerprint"],
             "held_out": "the head's validation split of its training data" if inputs.own_data else "every row",
-            "rows": len(data.rows), "tokens": int(len(data.tokens["label"])), "fit": inputs.fit,
+            "rows": len(data.rows), "prompt_ids": list(data.rows["prompt_id"]), "tokens": int(len(data.tokens["label"])), "fit": inputs.fit,
             "sampling": inputs.manifest["identity"]["sampling"],
             "families": {str(family): int(count) for family, count in zip(families, counts)}}
 

@@ -14,10 +14,12 @@ from conftest import tiny_args
 
 from specheads.artifacts.metrics import binary_kl, expected_calibration_error, soft_auc
 from specheads.cli import main
+from specheads.dataset.datamodule import prompt_split
 from specheads.dataset.lookup import flat_tokens, load_lookup
 from specheads.dataset.store import read_manifest
 from specheads.decoding.free_replay import make_rule, replay
 from specheads.decoding.free_rules import length_bucket
+from specheads.eval.lookup import vllm_table
 from specheads.heads.lookup import TokenHeadModel
 from specheads.lookup.features import FEATURE_NAMES
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
@@ -130,18 +132,23 @@ def test_the_replay_section_is_replay_called_directly(labels, head, evaluated):
 
 
 def test_the_head_is_judged_on_its_own_validation_split(labels, tmp_path):
-    """A head trained on these labels is judged on the prompts it held out, the table counted on the others."""
+    """A head trained on these labels is judged on the prompts it held out (the table counted on the others)."""
     manifest = read_manifest(labels)
     training = {"path": str(labels), "fingerprint": manifest["fingerprint"], "val_fraction": 0.5, "split_seed": 0}
     folder = TokenHeadModel("lookup_token_stop", width=8, depth=1, draft_kind="lookup").export(tmp_path / "h",
                                                                                                  training_data=training)
     assert main(eval_args(folder, labels, tmp_path / "out", "--num-decode-prompts", "0")) == 0
     found = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    from specheads.dataset.datamodule import prompt_split
-
     held = [prompt for prompt in load_lookup(labels)["prompt_id"] if prompt_split(prompt, 0, 0.5) == "val"]
-    assert 0 < found["data"]["rows"] == len(held) < 8 and found["data"]["fit"] == str(labels)
+    assert 0 < len(held) < 8 and found["data"]["prompt_ids"] == held and found["data"]["fit"] == str(labels)
     assert found["decoding"] is None and "--num-decode-prompts 0" in found["decoding_skipped"]
+    rows = load_lookup(labels)  # vLLM's table counted on the training split only
+    split = [prompt_split(prompt, 0, 0.5) for prompt in rows["prompt_id"]]
+    val, train = ([flat_tokens(rows.select([i for i, s in enumerate(split) if s == side]), False)
+                   for side in ("val", "train")])
+    estimate, reached = vllm_table(train, val), val["reach"] > 0
+    direct = binary_kl(val["label"][reached], np.clip(estimate[reached], 1e-6, 1 - 1e-6), val["reach"][reached])
+    assert found["offline"]["all"]["vllm_table"]["conditional"]["binary_kl"] == pytest.approx(direct)
 
 
 def test_a_replay_needs_greedy_labels_and_the_offline_part_is_still_written(tiny_model, labels, head, tmp_path, capsys):
