@@ -33,7 +33,7 @@ from specheads.dataset.store import read_manifest
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_replay import (  # noqa: F401  (the replay's names, as tests/test_lookup_replay.py reads them)
     ORACLE,
-    agreeing,
+    accepted_prefix,
     geometric_interval,
     greedy_refusal,
     make_rule,

@@ -61,7 +61,7 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script lookup_replay.py
 
-from lookup_replay import agreeing, read_curve  # noqa: E402
+from lookup_replay import accepted_prefix, read_curve  # noqa: E402
 
 from specheads.dataset.store import read_manifest  # noqa: E402
 from specheads.decoding import make_policy  # noqa: E402
@@ -228,7 +228,7 @@ class OracleFed(Planned):
     """1 for each proposed token the response continues with; the tokens after them are not offered."""
 
     def estimates(self, row: int, request: Request, proposal: Proposal) -> list[float]:
-        return [1.0] * agreeing(proposal.tokens, self.responses.continuation(request))
+        return [1.0] * accepted_prefix(proposal.tokens, self.responses.continuation(request))
 
 
 class TableFed(Planned):
@@ -309,7 +309,7 @@ def serve(responses: Responses, rule: Rule, size: int, curve: CostCurve, queue: 
     while True:
         proposals = {row: responses.proposal(request) for row, request in rows.items()}
         lengths = rule.lengths(rows, proposals, curve)
-        accepted = {row: agreeing(proposals[row].tokens[:lengths[row]], responses.continuation(request))
+        accepted = {row: accepted_prefix(proposals[row].tokens[:lengths[row]], responses.continuation(request))
                     for row, request in rows.items()}
         rule.observe(proposals, lengths, accepted)
         tokens = sum(lengths.values()) + size

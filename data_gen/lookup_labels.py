@@ -53,6 +53,7 @@ from specheads.dataset.prompts import load_prompts, prompts_hash
 from specheads.dataset.shards import read_record, shard_path, shard_problem
 from specheads.dataset.store import FORMAT_VERSION, MANIFEST, write_shard
 from specheads.lookup.features import FEATURE_NAMES, token_features
+from specheads.lookup.proposers import accepted_prefix
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.model_outputs.signals import output_logits
 from specheads.model_outputs.states import cache_argument, decoder_forward
@@ -88,17 +89,6 @@ def ngram_proposer(prompt_length: int, depth: int, max_ngram: int, min_ngram: in
     from specheads.lookup.proposers import ngram_propose
 
     return lambda context: ngram_propose(context, depth, prompt_length, max_ngram, min_ngram)
-
-
-def accepted_prefix(tokens: tuple[int, ...], continuation: list[int]) -> int:
-    """How many of `tokens` a point-mass draft verify accepts when the output goes on with `continuation`: the
-    longest common prefix."""
-    count = 0
-    for proposed, output in zip(tokens, continuation):
-        if proposed != output:
-            break
-        count += 1
-    return count
 
 
 def proposal_inputs(prompt_ids: list[int], response: list[int], propose: Any) -> list[ProposalInput]:

@@ -25,21 +25,11 @@ from specheads.decoding.free_draft import FreePlanner
 from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.online import Outcome
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
-from specheads.lookup.proposers import NO_PROPOSAL, Proposal, ngram_propose
+from specheads.lookup.proposers import NO_PROPOSAL, Proposal, accepted_prefix, ngram_propose
 from specheads.lookup.token_head import TokenHead
 from specheads.plumbing.errors import UsageError
 
 ORACLE = "oracle"
-
-
-def agreeing(tokens: tuple[int, ...], continuation: list[int]) -> int:
-    """How many of `tokens` the output continues with (the longest common prefix)."""
-    count = 0
-    for proposed, output in zip(tokens, continuation):
-        if proposed != output:
-            break
-        count += 1
-    return count
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
@@ -68,7 +58,7 @@ def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: l
     if not proposal.tokens:
         return 0
     if policy is None:
-        return agreeing(proposal.tokens, continuation)
+        return accepted_prefix(proposal.tokens, continuation)
     if planner is not None:
         length = planner.proposal_length(0, proposal, policy)
         planner.plan(0, proposal, length)
@@ -88,7 +78,7 @@ def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, ma
         cap = min(max_draft, room - 1) if policy is None else policy.cap(room)
         proposal = ngram_propose([*prompt, *response[:start]], cap, len(prompt)) if cap > 0 else NO_PROPOSAL
         length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens))
-        accepted = agreeing(proposal.tokens[:length], response[start:])
+        accepted = accepted_prefix(proposal.tokens[:length], response[start:])
         if planner is not None and length:
             checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
             planner.observe({0: checked})

@@ -82,6 +82,17 @@ def copy_length(context: np.ndarray, match_start: int, match_length: int, cap: i
     return min(cap, match_length + (int(differs[0]) if len(differs) else span))
 
 
+def accepted_prefix(tokens: tuple[int, ...], continuation: list[int]) -> int:
+    """How many of `tokens` a point-mass draft verify accepts when the output goes on with `continuation`: the
+    longest common prefix."""
+    count = 0
+    for proposed, output in zip(tokens, continuation):
+        if proposed != output:
+            break
+        count += 1
+    return count
+
+
 def occurrences(context: np.ndarray, pattern: np.ndarray, end: int) -> np.ndarray:
     """The starts of the occurrences of `pattern` in `context` that end before index `end` (sorted)."""
     n = len(pattern)
