@@ -54,8 +54,9 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
+from specheads.decoding.free_replay import geometric_speedup
 from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
-from specheads.decoding.verify_curve import measure_verify_curve
+from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
 from specheads.lookup.proposers import Proposal
@@ -227,8 +228,7 @@ class Runner:
         self.estimator = TimedEstimator(TokenHead.load(args.head, "lookup", 0)) if args.head else None
         self.engines: dict[str, RoundEngine] = {}
         self.policies = {rule: make_rule(rule, args.max_draft, self.estimator) for rule in args.rules}
-        # a free draft runs no forward: the planners read the target's verify curve alone (`costs.target`)
-        costs = None if curve is None else ServingCosts(draft=curve, target=curve)
+        costs = None if curve is None else free_draft_costs(curve)
         self.planners = {rule: policy.planner(costs) for rule, policy in self.policies.items()
                          if policy is not None and isinstance(policy, (AcceptanceTable, EstimatorPlanned))}
 
@@ -269,17 +269,6 @@ class Runner:
         return record
 
 
-def geometric_interval(ratios: np.ndarray, resamples: int, seed: int = 0) -> tuple[float, list[float] | None]:
-    """The geometric mean of per-prompt ratios and its bootstrap 95 % interval over prompts (None under 2)."""
-    logs = np.log(ratios)
-    mean = float(np.exp(logs.mean()))
-    if len(logs) < 2:
-        return mean, None
-    draws = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
-    means = np.exp(logs[draws].mean(1))
-    return mean, [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
-
-
 def rate(record: dict[str, Any]) -> float:
     """Tokens per second of one run."""
     return record["tokens"] / record["seconds"]
@@ -311,7 +300,7 @@ def summarise(runs: dict[str, dict[str, Any]], families: dict[str, str], rules: 
         for family in sorted({families[p] for p in done}) + ["all"]:
             prompts = [p for p in done if family in ("all", families[p])]
             ratios = np.array([rate(runs[p][rule]) / rate(runs[p]["alone"]) for p in prompts])
-            mean, interval = geometric_interval(ratios, resamples)
+            mean, interval = geometric_speedup(ratios, resamples)
             counted = [counted_speedup(runs[p][rule], runs[p]["alone"]) for p in prompts]
             counted_mean = None if None in counted else float(np.exp(np.log(counted).mean()))
             row[family] = {"prompts": len(prompts), "speedup": mean, "interval": interval, "counted_speedup": counted_mean,
@@ -335,7 +324,7 @@ def paired(runs: dict[str, dict[str, Any]], families: dict[str, str], mine: str,
     result = {}
     for family in sorted({families[p] for p in done}) + ["all"]:
         ratios = np.array([rate(runs[p][mine]) / rate(runs[p][theirs]) for p in done if family in ("all", families[p])])
-        mean, interval = geometric_interval(ratios, resamples)
+        mean, interval = geometric_speedup(ratios, resamples)
         result[family] = {"ratio": mean, "interval": interval, "prompts": len(ratios)}
     return result
 

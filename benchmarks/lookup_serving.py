@@ -61,15 +61,16 @@ from jsonargparse.typing import NonNegativeInt, PositiveInt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script lookup_replay.py
 
-from lookup_replay import accepted_prefix, read_curve  # noqa: E402
+from lookup_replay import read_curve  # noqa: E402
 
 from specheads.dataset.store import read_manifest  # noqa: E402
 from specheads.decoding import make_policy  # noqa: E402
 from specheads.decoding.cost_table import PRESETS, roofline_costs  # noqa: E402
 from specheads.decoding.costs import CostCurve  # noqa: E402
+from specheads.decoding.free_replay import greedy_refusal  # noqa: E402
 from specheads.decoding.online import Outcome  # noqa: E402
 from specheads.decoding.planners import goodput_verify_lengths  # noqa: E402
-from specheads.lookup.proposers import NO_PROPOSAL, Proposal, ngram_propose  # noqa: E402
+from specheads.lookup.proposers import NO_PROPOSAL, Proposal, accepted_prefix, ngram_propose  # noqa: E402
 from specheads.plumbing.dataclass_cli import parse_script  # noqa: E402
 from specheads.plumbing.errors import UsageError  # noqa: E402
 from specheads.plumbing.files import write_json_atomic  # noqa: E402
@@ -124,10 +125,9 @@ class Config:
         if not self.presets and not self.verify_curve:
             raise UsageError("no cost view: give --presets or --verify-curve")
         for flag, labels in (("--labels", self.labels), ("--warm-labels", self.warm_labels)):
-            sampling = (read_manifest(Path(labels)) or {}).get("identity", {}).get("sampling", {}) if labels else {}
-            if labels and sampling.get("temperature") != 0.0:
-                raise UsageError(f"{flag} {labels}: labelled at T = {sampling.get('temperature')}, not greedy; give "
-                                 "lookup labels made with `specheads gen --drafter.kind lookup --temperature 0`")
+            refusal = greedy_refusal(read_manifest(Path(labels)), f"{flag} {labels}") if labels else None
+            if refusal:
+                raise UsageError(refusal)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from specheads.decoding.costs import CostCurve, ServingCosts
+from specheads.decoding.free_replay import geometric_speedup
 from specheads.decoding.result import DecodeResult
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.demo.config import DemoConfig
@@ -192,15 +193,6 @@ def prompt_families(settings: LookupSettings) -> list[str]:
     """The family (`category`) of each decoded prompt."""
     with open(settings.prompt_file) as lines:
         return [json.loads(line).get("category", "all") for line in lines if line.strip()][:settings.prompts]
-
-
-def geometric_speedup(ratios: np.ndarray, resamples: int) -> tuple[float, list[float] | None]:
-    """The geometric mean of per-prompt speedups and its bootstrap 95 % interval over prompts (None under 2)."""
-    logs = np.log(ratios)
-    if len(logs) < 2:
-        return float(np.exp(logs.mean())), None
-    means = np.exp(logs[np.random.default_rng(0).integers(0, len(logs), (resamples, len(logs)))].mean(1))
-    return float(np.exp(logs.mean())), [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
 def rule_rows(settings: LookupSettings, runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from specheads.decoding import make_policy
-from specheads.decoding.costs import CostCurve, ServingCosts
+from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_draft import FreePlanner
 from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.online import Outcome
+from specheads.decoding.verify_curve import free_draft_costs
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
 from specheads.lookup.proposers import NO_PROPOSAL, Proposal, accepted_prefix, ngram_propose
 from specheads.lookup.token_head import TokenHead
@@ -48,7 +49,7 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
         policy = EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
     else:
         policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
-    costs = None if curve is None else ServingCosts(draft=curve, target=curve)  # a free draft runs no forward
+    costs = None if curve is None else free_draft_costs(curve)
     planner = policy.planner(costs) if hasattr(policy, "planner") else None
     return policy, planner if isinstance(planner, FreePlanner) else None
 
@@ -88,15 +89,22 @@ def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, ma
     return cost, rounds
 
 
-def geometric_interval(ratios: np.ndarray, resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """The geometric mean of per-prompt ratios, its bootstrap 95 % interval over prompts and the count."""
+def geometric_speedup(ratios: np.ndarray, resamples: int, seed: int = 0,
+                      least: int = 2) -> tuple[float, list[float] | None]:
+    """The geometric mean of per-prompt speedups (nan for none) and its bootstrap 95 % interval over prompts (None
+    under `least` prompts or without resamples). The replay, the wall-clock benchmark and the demo's line share it."""
     logs = np.log(ratios)
-    interval = None
-    if resamples and len(logs):
-        means = np.exp(logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(1))
-        interval = [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
-    return {"speedup": float(np.exp(logs.mean())) if len(logs) else float("nan"), "interval": interval,
-            "prompts": len(logs)}
+    if not resamples or len(logs) < max(least, 1):
+        return (float(np.exp(logs.mean())) if len(logs) else float("nan")), None
+    means = np.exp(logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(1))
+    return float(np.exp(logs.mean())), [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def geometric_interval(ratios: np.ndarray, resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """The geometric mean of per-prompt ratios, its bootstrap 95 % interval over prompts (from one prompt on) and the
+    count."""
+    speedup, interval = geometric_speedup(ratios, resamples, seed, least=1)
+    return {"speedup": speedup, "interval": interval, "prompts": len(ratios)}
 
 
 def summarise(speedups: dict[str, list[float]], families: list[str], resamples: int = 1000,
@@ -114,8 +122,8 @@ def greedy_refusal(manifest: dict[str, Any] | None, labels: str) -> str | None:
     temperature = ((manifest or {}).get("identity", {}).get("sampling") or {}).get("temperature")
     if temperature == 0.0:
         return None
-    return (f"{labels} was labelled at T = {temperature}: a replay needs greedy responses (specheads gen "
-            "--temperature 0)")
+    return (f"{labels}: labelled at T = {temperature}, not greedy; a replay needs greedy responses: give lookup labels "
+            "made with `specheads gen --drafter.kind lookup --temperature 0`")
 
 
 def forward_price(curve: CostCurve | None) -> Callable[[int], float]:
