@@ -134,11 +134,11 @@ def engine_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def done_keys(out: Path) -> set[tuple]:
-    """(method, batch, first prompt, identity) of the rows `out` holds."""
+    """(method, batch, first prompt, identity, prompts served) of the rows `out` holds."""
     if not out.is_file():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {(r["method"], r["batch"], r["first"], r["identity"]) for r in rows}
+    return {(r["method"], r["batch"], r["first"], r["identity"], r.get("size")) for r in rows}
 
 
 def serve_batch(llm: Any, prompts: list[list[int]], args: argparse.Namespace, stops: list[int]) -> tuple[list, float]:
@@ -216,11 +216,11 @@ def run(args: argparse.Namespace) -> None:
         chunk = prompts[first: first + args.batch]
         order = args.methods[number % len(args.methods):] + args.methods[: number % len(args.methods)]
         for method in order:
-            if (method, args.batch, first, identity) in done:
+            if (method, args.batch, first, identity, len(chunk)) in done:
                 continue
             outputs, seconds = serve_batch(engines[method], chunk, args, stops)
             ids = [list(o.outputs[0].token_ids) for o in outputs]
-            row = {"method": method, "batch": args.batch, "first": first, "identity": identity,
+            row = {"method": method, "batch": args.batch, "first": first, "identity": identity, "size": len(chunk),
                    "tokens": sum(map(len, ids)), "seconds": round(seconds, 4),
                    "outputs_sha256": [hashlib.sha256(json.dumps(i).encode()).hexdigest()[:16] for i in ids],
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -235,31 +235,50 @@ def run(args: argparse.Namespace) -> None:
                   f"{row['tokens'] / seconds:.1f} tokens/s", flush=True)
 
 
+def batch_key(row: dict[str, Any]) -> tuple:
+    """What pairs two methods' rows: the same batch of prompts served under the same identity."""
+    return row["batch"], row["first"], row["identity"], row.get("size")
+
+
+def paired_ratio(mine: list[dict[str, Any]], reference: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    """The geometric mean over `mine` of its tokens/s over its pair's in `reference` (keyed by `batch_key`), with a
+    95 % normal interval over those batches."""
+    logs = [math.log((r["tokens"] / r["seconds"]) / (p["tokens"] / p["seconds"]))
+            for r in mine for p in [reference[batch_key(r)]]]
+    mean = sum(logs) / len(logs)
+    spread = (sum((x - mean) ** 2 for x in logs) / max(len(logs) - 1, 1)) ** 0.5 / len(logs) ** 0.5
+    return {"ratio": round(math.exp(mean), 4),
+            "interval": [round(math.exp(mean - 1.96 * spread), 4), round(math.exp(mean + 1.96 * spread), 4)]}
+
+
 def summary(out: Path) -> dict[str, Any]:
     """Per method and batch size: paired tokens/s ratio to plain (geometric mean over prompt batches, 95 % interval),
-    tokens/s, accepted tokens per draft, and outputs identical to plain's."""
+    tokens/s, accepted tokens per draft, and outputs identical to plain's; for ours, the paired ratio to vLLM's n-gram
+    at its best K at that batch size (the highest ratio to plain of the K run)."""
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    plain = {(r["batch"], r["first"], r["identity"]): r for r in rows if r["method"] == "plain"}
+    plain = {batch_key(r): r for r in rows if r["method"] == "plain"}
     result: dict[str, Any] = {}
     for method in sorted({r["method"] for r in rows}):
         for batch in sorted({r["batch"] for r in rows if r["method"] == method}):
-            mine = [r for r in rows if r["method"] == method and r["batch"] == batch
-                    and (batch, r["first"], r["identity"]) in plain]
+            mine = [r for r in rows if r["method"] == method and r["batch"] == batch and batch_key(r) in plain]
             if not mine:
                 continue
-            logs = [math.log((r["tokens"] / r["seconds"]) / (p["tokens"] / p["seconds"]))
-                    for r in mine for p in [plain[(batch, r["first"], r["identity"])]]]
-            mean = sum(logs) / len(logs)
-            spread = (sum((x - mean) ** 2 for x in logs) / max(len(logs) - 1, 1)) ** 0.5 / len(logs) ** 0.5
-            same = sum(a == b for r in mine for a, b in zip(r["outputs_sha256"],
-                                                             plain[(batch, r["first"], r["identity"])]["outputs_sha256"]))
+            versus = paired_ratio(mine, plain)
+            same = sum(a == b for r in mine for a, b in zip(r["outputs_sha256"], plain[batch_key(r)]["outputs_sha256"]))
             drafts = sum(r.get("drafts", 0) for r in mine)
             result[f"{method} B={batch}"] = {
                 "batches": len(mine), "tokens_per_s": round(sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2),
-                "speedup_vs_plain": round(math.exp(mean), 4),
-                "interval": [round(math.exp(mean - 1.96 * spread), 4), round(math.exp(mean + 1.96 * spread), 4)],
+                "speedup_vs_plain": versus["ratio"], "interval": versus["interval"],
                 "accepted_per_draft": round(sum(r.get("accepted", 0) for r in mine) / drafts, 3) if drafts else None,
                 "identical_to_plain": f"{same}/{sum(len(r['outputs_sha256']) for r in mine)}"}
+    for name, entry in result.items():
+        method, _, batch = name.partition(" ")
+        ngrams = {n: e for n, e in result.items() if n.startswith("ngram:") and n.endswith(f" {batch}")}
+        if method.startswith("ours:") and ngrams:
+            best = max(ngrams, key=lambda n: ngrams[n]["speedup_vs_plain"])
+            theirs = {batch_key(r): r for r in rows if f"{r['method']} B={r['batch']}" == best}
+            mine = [r for r in rows if f"{r['method']} B={r['batch']}" == name and batch_key(r) in theirs]
+            entry["vs_best_ngram"] = {"ngram": best.partition(" ")[0], **paired_ratio(mine, theirs)}
     return result
 
 
