@@ -6,8 +6,10 @@ One engine serves the DEV prompts (never the confirm ones) with our proposer and
 whole prompt-lookup proposal up to K, so the steps' sizes spread from B to B · (K + 1)), at T = 0, B at once. Each call
 of the scheduler's `schedule` is timed to the next one: one whole engine step (schedule, forward, rejection, the
 proposer, output processing), with the tokens it scheduled. Only decode steps count (no prompt chunk: every row runs
-1 + its draft's tokens), and only steps whose size was seen before (the first step of a size builds oneDNN's matmul
-primitives for it, a one-off per size; their extra seconds are reported apart). A least-squares line
+1 + its draft's tokens). The first step of a size builds oneDNN's matmul primitives for it (vLLM's CPU linear keeps 32
+sizes a weight shape, process-wide): at B = 1 sizes recur and `--drop-first-of-size` fits the steady steps only; at
+B > 1 a step's size rarely recurs, so serving pays that build and every decode step is fitted. The first steps' mean
+extra seconds over the line are reported either way. A least-squares line
 seconds = a + b · tokens over those steps gives, for B rows, a row's one-token step a / B + b and one more verified
 token b, so token_cost = b · B / (a + b · B), with a 95 % interval from 400 bootstrap resamples of the steps.
 
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", default="runs/vllm-lookup2/verify-cost-b1.json")
     parser.add_argument("--work", default="runs/vllm", help="where the target's copy for vLLM goes")
+    parser.add_argument("--drop-first-of-size", action="store_true", help="fit only steps of a size seen before")
     args = parser.parse_args(argv)
     if not (Path(args.target) / "config.json").is_file():
         raise SystemExit(f"vllm_verify_cost.py: error: --target {args.target} holds no config.json; give the target's "
@@ -115,17 +118,18 @@ def token_cost(intercept: float, slope: float, batch: int) -> float:
     return slope * batch / (intercept + slope * batch)
 
 
-def fit_cost(steps: list[dict[str, Any]], batch: int, resamples: int = 400) -> dict[str, Any]:
-    """The verify line over the decode steps of a size seen before, its token cost at `batch` and at `READ_AT`, a
-    bootstrap 95 % interval, and the mean extra seconds of a size's first step."""
-    decode = [s for s in steps if s["decode"]]
+def fit_cost(steps: list[dict[str, Any]], batch: int, drop_first: bool, resamples: int = 400) -> dict[str, Any]:
+    """The verify line over the decode steps (`drop_first`: of a size seen before only), its token cost at `batch`
+    and at `READ_AT`, a bootstrap 95 % interval, and the mean extra seconds of a size's first step over the line."""
     seen: set[int] = set()
     warm, first = [], []
-    for step in decode:
+    for step in (s for s in steps if s["decode"]):
         (warm if step["tokens"] in seen else first).append(step)
         seen.add(step["tokens"])
+    if not drop_first:
+        warm = warm + first
     if len({s["tokens"] for s in warm}) < 2:
-        raise SystemExit("vllm_verify_cost.py: error: fewer than two step sizes were seen twice; serve more prompts "
+        raise SystemExit("vllm_verify_cost.py: error: fewer than two step sizes to fit; serve more prompts "
                          "(--prompts) or longer (--max-new-tokens)")
     tokens = np.array([s["tokens"] for s in warm], dtype=float)
     seconds = np.array([s["seconds"] for s in warm])
@@ -141,7 +145,7 @@ def fit_cost(steps: list[dict[str, Any]], batch: int, resamples: int = 400) -> d
             "token_cost": round(token_cost(intercept, slope, batch), 4),
             "token_cost_interval": [round(float(q), 4) for q in np.quantile(costs, [0.025, 0.975])],
             "token_cost_at": {str(b): round(token_cost(intercept, slope, b), 4) for b in READ_AT},
-            "steps_fitted": len(warm), "sizes_fitted": [int(tokens.min()), int(tokens.max())],
+            "steps_fitted": len(warm), "sizes_fitted": [int(tokens.min()), int(tokens.max())], "drop_first": drop_first,
             "first_of_size_steps": len(first),
             "first_of_size_extra_s": round(float(np.mean(residual)), 4) if residual else None}
 
@@ -175,7 +179,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     steps = measure(args)
-    result = {**fit_cost(steps, args.batch), "k": args.k, "prompt_file": args.prompt_file, "prompts": args.prompts,
+    result = {**fit_cost(steps, args.batch, args.drop_first_of_size), "k": args.k, "prompt_file": args.prompt_file, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "proposer": "ours, no head (whole proposal up to K)",
               "threads": os.environ.get("OMP_NUM_THREADS"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "steps": steps}

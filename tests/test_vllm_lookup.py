@@ -54,7 +54,8 @@ def test_each_engines_counts_are_those_of_the_requests_it_served(lookup):
 
 def test_the_verify_cost_is_the_line_of_the_decode_steps_of_a_size_seen_before(cost):
     """Steps timed on the law 0.2 s + 0.005 s a token (a little noise): the first step of each size pays 0.3 s more
-    (oneDNN builds its primitives) and prompt steps cost far more; the fit leaves both out and reads the law back:
+    (oneDNN builds its primitives) and prompt steps cost far more; the fit dropping first steps leaves both out and
+    reads the law back (keeping them, it fits every decode step):
     token cost 0.005 / 0.205 at B = 1 and 0.005 · 32 / (0.2 + 0.005 · 32) at B = 32."""
     rng = np.random.default_rng(1)
     steps, seen = [], set()
@@ -63,11 +64,12 @@ def test_the_verify_cost_is_the_line_of_the_decode_steps_of_a_size_seen_before(c
         seen.add(tokens)
         steps.append({"tokens": int(tokens), "rows": 1, "decode": True, "seconds": seconds})
     steps += [{"tokens": 400, "rows": 1, "decode": False, "seconds": 0.5}] * 5
-    fit = cost.fit_cost(steps, 1)
+    fit = cost.fit_cost(steps, 1, drop_first=True)
     assert fit["token_cost"] == pytest.approx(0.005 / 0.205, abs=0.002)
     assert fit["token_cost_interval"][0] < 0.005 / 0.205 < fit["token_cost_interval"][1]
     assert fit["token_cost_at"]["32"] == pytest.approx(0.16 / 0.36, abs=0.01)
     assert fit["first_of_size_extra_s"] == pytest.approx(0.3, abs=0.01) and fit["first_of_size_steps"] == 33
+    assert cost.fit_cost(steps, 1, drop_first=False)["steps_fitted"] == 300
 
 
 def test_each_step_is_timed_to_the_next_ones_start_and_prompt_chunks_are_not_decode(cost):
