@@ -151,12 +151,12 @@ def serve_batch(llm: Any, prompts: list[list[int]], args: argparse.Namespace, st
     return outputs, time.perf_counter() - began
 
 
-def record_outputs(logs: Path, method: str, prompts: list[list[int]], outputs: list[Any]) -> None:
-    """vLLM's per-request metrics with each request's prompt and output ids (what from-logs reads)."""
+def record_outputs(logs: Path, method: str, batch: int, prompts: list[list[int]], outputs: list[Any]) -> None:
+    """vLLM's per-request metrics with each request's prompt and output ids (what from-logs reads), and the B served."""
     with (logs / f"outputs-{method.replace(':', '')}.jsonl").open("a") as handle:
         for ids, output in zip(prompts, outputs):
             metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
-            handle.write(json.dumps({"event": "output", "prompt_token_ids": ids,
+            handle.write(json.dumps({"event": "output", "batch": batch, "prompt_token_ids": ids,
                                      "output_token_ids": list(output.outputs[0].token_ids),
                                      "per_step_drafted": list(getattr(metrics, "per_step_drafted", []) or []),
                                      "per_step_accepted": list(getattr(metrics, "per_step_accepted", []) or [])}) + "\n")
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> None:
                 row |= {"token_cost": args.token_cost, "cost_from": args.cost_from}
             if method != "plain":
                 row |= output_counts(outputs, int(method.partition(":")[2]))
-                record_outputs(logs, method, chunk, outputs)
+                record_outputs(logs, method, args.batch, chunk, outputs)
             with out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
             print(f"{method} B = {args.batch} prompts {first}-{first + len(chunk) - 1}: "
