@@ -1,6 +1,6 @@
 """`specheads train lookup from-logs`: labels and token inputs rebuilt from what a server recorded equal what ran, and a
 head trained on the reached positions (the survival likelihood) is unbiased where one that reads unverified positions
-as rejections is biased low and ranks worse."""
+as rejections is biased low and ranks worse: on planted positions, and end to end on a fixed-K rule's replayed log."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from specheads.lookup.token_head import TokenHead
 from specheads.plumbing.errors import UsageError
 from specheads.train import lookup_logs
 from specheads.train.lookup import LookupHeadModule
+from specheads.train.lookup_bias import replayed_log
 from specheads.train.lookup_logs import LogDataModule, decoder_log_lines, decoder_traces, log_tokens, observed_tokens
 
 
@@ -162,12 +163,16 @@ class Planted(LogDataModule):
 
 
 def fit(tokens, unobserved: str, tmp_path) -> TokenHead:
+    return fit_on(Planted(tokens, unobserved), tmp_path / unobserved)
+
+
+def fit_on(data: LogDataModule, folder) -> TokenHead:
     torch.manual_seed(0)
-    module = LookupHeadModule(width=16, depth=1, lr=2e-2, export=str(tmp_path / unobserved))
+    module = LookupHeadModule(width=16, depth=1, lr=2e-2, export=str(folder))
     trainer = L.Trainer(max_epochs=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(module, datamodule=Planted(tokens, unobserved))
-    return TokenHead.load(tmp_path / unobserved)
+                        enable_model_summary=False, default_root_dir=str(folder.parent))
+    trainer.fit(module, datamodule=data)
+    return TokenHead.load(folder)
 
 
 def test_unverified_positions_read_as_rejections_bias_the_head_low_and_the_survival_head_is_not(tmp_path):
@@ -188,6 +193,38 @@ def test_unverified_positions_read_as_rejections_bias_the_head_low_and_the_survi
     assert scores["skip"]["auc"] > truth_auc - 0.02 and scores["reject"]["auc"] < scores["skip"]["auc"] - 0.02, scores
     assert scores["reject"]["ece"] > scores["skip"]["ece"] + 0.05, scores
     assert math.isfinite(truth_auc)
+
+
+def written_replay(path, seed: int, count: int, rule: str):
+    """The round log of `rule` decoding copy-heavy greedy responses, its proposer reading 8 tokens a round."""
+    prompts, responses = copy_heavy(seed, count)
+    rows = [{"prompt_id": f"p{seed}-{i}", "prompt_ids": p, "target_ids": r}
+            for i, (p, r) in enumerate(zip(prompts, responses))]
+    path.write_text("".join(json.dumps(line) + "\n" for line in replayed_log(rows, rule, 8)))
+    return str(path)
+
+
+def test_a_fixed_k_log_read_with_rejections_misjudges_every_depth_past_k(tmp_path):
+    # a running rule that verifies K = 2 of the 8 tokens its proposer reads: every position past 2 is unverified
+    log = written_replay(tmp_path / "k2.jsonl", 5, 120, "constant_k:2")
+    # held out: other prompts' full labels, every token a decode reaches (the log of a rule verifying all 8)
+    records = lookup_logs.read_lines([written_replay(tmp_path / "k8.jsonl", 6, 60, "constant_k:8")])
+    every = [lookup_logs.rebuild(trace, records[0]) for trace in decoder_traces(records)]
+    full = {name: np.concatenate([tokens[name] for tokens in every]) for name in ("features", "label", "position")}
+    full = {name: value[~np.isnan(full["label"])] for name, value in full.items()}
+    deep = full["position"] > 2
+    assert deep.sum() > 300 and 0.3 < full["label"][deep].mean() < 0.95
+    scores = {}
+    for unobserved in ("skip", "reject"):
+        predicted = fit_on(LogDataModule([log], unobserved, val_fraction=0.2), tmp_path / unobserved).probabilities(
+            full["features"])
+        scores[unobserved] = {"bias": float(np.mean(predicted[deep] - full["label"][deep])),
+                              "ece": expected_calibration_error(full["label"][deep], predicted[deep]),
+                              "auc": soft_auc(full["label"], predicted)}
+    assert scores["reject"]["bias"] < scores["skip"]["bias"] - 0.2 and scores["reject"]["bias"] < -0.3, scores
+    assert scores["reject"]["ece"] > scores["skip"]["ece"] + 0.1, scores
+    assert scores["reject"]["auc"] < scores["skip"]["auc"], scores
+    assert log_tokens([log], "skip")[0]["position"].max() == 2  # no verified position past K
 
 
 def test_from_logs_trains_and_exports_a_head_the_proposer_loads(tmp_path):

@@ -49,6 +49,7 @@ class Trace:
     prompt: list[int]
     output: list[int]
     rounds: list[tuple[int, int | None, int, int]] = field(default_factory=list)  # proposed None: all it read
+    prompt_id: str | None = None  # the id a log gave the request's prompt (None: a digest of its tokens)
 
 
 def read_lines(paths: list[str]) -> list[dict[str, Any]]:
@@ -145,7 +146,7 @@ def decoder_traces(records: list[dict[str, Any]]) -> list[Trace]:
     for record in records:
         if record.get("event") == "decoder_request":
             traces[record["request"]] = Trace(f"request {record['request']}", record["prompt_token_ids"],
-                                              record["output_token_ids"])
+                                              record["output_token_ids"], prompt_id=record.get("prompt_id"))
     made: dict[int, int] = defaultdict(int)
     for record in records:
         if record.get("event") != "decoder_round":
@@ -163,13 +164,15 @@ def decoder_traces(records: list[dict[str, Any]]) -> list[Trace]:
 
 
 def decoder_log_lines(settings: dict[str, Any], prompts: dict[int, list[int]], outputs: dict[int, list[int]],
-                      records: list[Any], proposed: list[list[int] | None]) -> list[dict[str, Any]]:
-    """Our decoder's round log as JSON records: its draft settings, each request's prompt and output, and each
+                      records: list[Any], proposed: list[list[int] | None],
+                      prompt_ids: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    """Our decoder's round log as JSON records: its draft settings, each request's prompt and output (and its
+    prompt's id where `prompt_ids` names one: the split by prompt then reads it, as gen's labels are split), and each
     `RoundRecord` with the tokens each row's proposal held (`proposed`, row for row; None: as many as the proposal
     read again holds, the draft's K)."""
     lines = [{"event": "decoder_settings", **settings}]
-    lines += [{"event": "decoder_request", "request": r, "prompt_token_ids": prompts[r], "output_token_ids": outputs[r]}
-              for r in prompts]
+    lines += [{"event": "decoder_request", "request": r, "prompt_token_ids": prompts[r], "output_token_ids": outputs[r],
+               **({"prompt_id": prompt_ids[r]} if prompt_ids and r in prompt_ids else {})} for r in prompts]
     lines += [{"event": "decoder_round", "requests": list(record.requests), "verified": list(record.verified),
                "emitted": list(record.emitted), "proposed": rows} for record, rows in zip(records, proposed)]
     return lines
@@ -218,8 +221,8 @@ def log_tokens(paths: list[str], unobserved: str = "skip") -> tuple[dict[str, np
     for index, trace in enumerate(traces):
         tokens = rebuild(trace, settings)
         parts["row"].append(np.full(len(tokens["label"]), index))
-        parts["prompt_id"].append(np.full(len(tokens["label"]), hashlib.sha256(json.dumps(trace.prompt).encode())
-                                          .hexdigest()[:16]))
+        prompt_id = trace.prompt_id or hashlib.sha256(json.dumps(trace.prompt).encode()).hexdigest()[:16]
+        parts["prompt_id"].append(np.full(len(tokens["label"]), prompt_id))
         for name, value in tokens.items():
             parts[name].append(value)
     return observed_tokens({name: np.concatenate(values) for name, values in parts.items()}, unobserved), settings

@@ -14,13 +14,13 @@ both replay through this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from specheads.decoding import make_policy
-from specheads.decoding.costs import CostCurve
+from specheads.decoding.costs import CostCurve, RoundRecord
 from specheads.decoding.free_draft import FreePlanner
 from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.online import Outcome
@@ -67,26 +67,49 @@ def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: l
     return int(policy.proposal_length(proposal, None))
 
 
-def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
-           price: Callable[[int], float]) -> tuple[float, int]:
-    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
-    verifying k tokens priced `price(k + 1)`."""
-    start, cost, rounds = 0, 0.0, 0
+def replayed_rounds(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
+                    propose: int | None = None) -> Iterator[tuple[int, int, int]]:
+    """(tokens proposed, tokens verified, tokens accepted) of every round of decoding `response` after `prompt` under
+    the rule, in order. `propose`: the proposer's K where it drafts more than the rule's cap verifies (a server's
+    proposer reading 32 tokens under a fixed K = 8), None: the rule's cap."""
+    start = 0
     if planner is not None:
         planner.admit(0)
     while start < len(response):
         room = len(response) - start  # the decoder's cap (`StopPolicy.cap`): the last slot is the bonus token's
         cap = min(max_draft, room - 1) if policy is None else policy.cap(room)
-        proposal = ngram_propose([*prompt, *response[:start]], cap, len(prompt)) if cap > 0 else NO_PROPOSAL
-        length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens))
+        reach = cap if propose is None else min(propose, room - 1)
+        proposal = ngram_propose([*prompt, *response[:start]], reach, len(prompt)) if reach > 0 else NO_PROPOSAL
+        length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens), cap)
         accepted = accepted_prefix(proposal.tokens[:length], response[start:])
         if planner is not None and length:
             checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
             planner.observe({0: checked})
-        cost += price(length + 1)
+        yield len(proposal.tokens), length, accepted
         start += accepted + 1
-        rounds += 1
-    return cost, rounds
+
+
+def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
+           price: Callable[[int], float]) -> tuple[float, int]:
+    """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
+    verifying k tokens priced `price(k + 1)`."""
+    verified = [length for _, length, _ in replayed_rounds(prompt, response, policy, planner, max_draft)]
+    return sum(price(length + 1) for length in verified), len(verified)
+
+
+def round_log(responses: Iterable[tuple[list[int], list[int]]], policy: Any, planner: Any, max_draft: int,
+              propose: int | None = None) -> tuple[list[RoundRecord], list[list[int]]]:
+    """What our decoder's round log records of the rule's decodes of every (prompt, greedy response), request i the
+    i-th: one `RoundRecord` a round (its verified and emitted tokens) and the tokens its proposal held, row for row
+    (`specheads.train.lookup_logs.decoder_log_lines` writes them); `propose` as `replayed_rounds`'s."""
+    records, proposed = [], []
+    for request, (prompt, response) in enumerate(responses):
+        for count, length, accepted in replayed_rounds(list(prompt), list(response), policy, planner, max_draft,
+                                                       propose):
+            records.append(RoundRecord(requests=[request], drafted=[length], verified=[length],
+                                       emitted=[accepted + 1]))
+            proposed.append([count])
+    return records, proposed
 
 
 def geometric_speedup(ratios: np.ndarray, resamples: int, seed: int = 0,
