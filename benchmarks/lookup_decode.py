@@ -92,6 +92,10 @@ class LookupBenchmark:
         resamples: bootstrap resamples of the prompts for the intervals.
         out: the JSON of results (resumed when it exists with the same settings).
         report_only: summarise the runs finished in `out` without decoding more.
+        decode_only: time each run's decode phase only, its seconds less its decoder's first forward's (the
+            prompt's prefill, on every side; the engine's also reads its first round's proposal): at T > 0, where
+            the sides emit different numbers of tokens, a run that stops early otherwise pays the same prefill over
+            fewer tokens.
     """
 
     target: str = "embedded:smollm2"
@@ -109,6 +113,7 @@ class LookupBenchmark:
     resamples: int = 1000
     out: str = "runs/lookup-wallclock/results.json"
     report_only: bool = False
+    decode_only: bool = False
 
     def check(self) -> None:
         """Refuse bad counts, a missing prompt file or head, unknown rules and comparisons of rules not run."""
@@ -240,11 +245,11 @@ class Runner:
 
     def alone(self, prompt: list[int], seed: int, tokens: int | None = None) -> dict[str, Any]:
         """The target alone on `prompt`: its record."""
-        with timed_forwards(self.target) as forwards:
+        with timed_forwards(self.target) as forwards, timed_forwards(self.target.base_model) as decoder:
             output, seconds = target_alone(self.target, prompt, self.transform, tokens or self.args.max_new_tokens,
                                            seed, self.stops)
         return {"tokens": len(output), "seconds": seconds, "target_calls": len(forwards),
-                "target_seconds": sum(forwards), "drafted": 0, "output": output}
+                "target_seconds": sum(forwards), "prefill_seconds": decoder[0], "drafted": 0, "output": output}
 
     def run(self, rule: str, prompt: list[int], seed: int, tokens: int | None = None) -> dict[str, Any]:
         """`rule` on `prompt`, timed: its record (tokens, seconds, target calls, drafted, accepted, head seconds)."""
@@ -252,26 +257,27 @@ class Runner:
         policy = self.policies[rule]
         heads = len(self.estimator.seconds) if self.estimator else 0
         if policy is None:
-            with timed_forwards(self.target) as forwards:
+            with timed_forwards(self.target) as forwards, timed_forwards(self.target.base_model) as decoder:
                 output, seconds = transformers_lookup(self.target, prompt, int(float(rule.split(":")[1])),
                                                       self.transform, tokens, seed, self.stops)
             record = {"drafted": None, "accepted": None, "target_calls": len(forwards),
                       "target_seconds": sum(forwards)}
         else:
-            result = self.engine(rule).decode([prompt], policy, tokens, [seed], planner=self.planners.get(rule))[0]
+            with timed_forwards(self.target.base_model) as decoder:  # the engine calls the decoder, then lm_head
+                result = self.engine(rule).decode([prompt], policy, tokens, [seed], planner=self.planners.get(rule))[0]
             output, seconds = result.tokens, result.seconds
             record = {"drafted": result.drafted, "accepted": result.accepted, "target_calls": result.target_calls,
                       "target_seconds": result.target_seconds}
-        record.update(tokens=len(output), seconds=seconds, output=output)
+        record.update(tokens=len(output), seconds=seconds, prefill_seconds=decoder[0], output=output)
         if self.estimator is not None and rule.startswith("lookup_plan:"):
             record["head_seconds"], record["head_calls"] = sum(self.estimator.seconds[heads:]), len(
                 self.estimator.seconds) - heads
         return record
 
 
-def rate(record: dict[str, Any]) -> float:
-    """Tokens per second of one run."""
-    return record["tokens"] / record["seconds"]
+def rate(record: dict[str, Any], decode_only: bool = False) -> float:
+    """Tokens per second of one run (`decode_only`: over its seconds less its prefill's, `LookupBenchmark`)."""
+    return record["tokens"] / (record["seconds"] - (record["prefill_seconds"] if decode_only else 0.0))
 
 
 def counted_cost(record: dict[str, Any]) -> float | None:
@@ -290,7 +296,7 @@ def counted_speedup(mine: dict[str, Any], alone: dict[str, Any]) -> float | None
 
 
 def summarise(runs: dict[str, dict[str, Any]], families: dict[str, str], rules: Sequence[str], greedy: bool,
-              resamples: int) -> dict[str, Any]:
+              resamples: int, decode_only: bool = False) -> dict[str, Any]:
     """Per rule, per family and overall: geometric-mean speedup over the target alone with its paired interval, the
     counted speedup and, at T = 0, the share of prompts whose tokens are the target alone's."""
     summary: dict[str, Any] = {}
@@ -299,7 +305,7 @@ def summarise(runs: dict[str, dict[str, Any]], families: dict[str, str], rules: 
         row: dict[str, Any] = {}
         for family in sorted({families[p] for p in done}) + ["all"]:
             prompts = [p for p in done if family in ("all", families[p])]
-            ratios = np.array([rate(runs[p][rule]) / rate(runs[p]["alone"]) for p in prompts])
+            ratios = np.array([rate(runs[p][rule], decode_only) / rate(runs[p]["alone"], decode_only) for p in prompts])
             mean, interval = geometric_speedup(ratios, resamples)
             counted = [counted_speedup(runs[p][rule], runs[p]["alone"]) for p in prompts]
             counted_mean = None if None in counted else float(np.exp(np.log(counted).mean()))
@@ -317,13 +323,14 @@ def summarise(runs: dict[str, dict[str, Any]], families: dict[str, str], rules: 
 
 
 def paired(runs: dict[str, dict[str, Any]], families: dict[str, str], mine: str, theirs: str,
-           resamples: int) -> dict[str, Any]:
+           resamples: int, decode_only: bool = False) -> dict[str, Any]:
     """Per family and overall: the geometric mean of `mine`'s tokens/s over `theirs`', prompt by prompt, with its
     bootstrap 95 % interval."""
     done = [p for p, run in runs.items() if mine in run and theirs in run]
     result = {}
     for family in sorted({families[p] for p in done}) + ["all"]:
-        ratios = np.array([rate(runs[p][mine]) / rate(runs[p][theirs]) for p in done if family in ("all", families[p])])
+        ratios = np.array([rate(runs[p][mine], decode_only) / rate(runs[p][theirs], decode_only) for p in done
+                           if family in ("all", families[p])])
         mean, interval = geometric_speedup(ratios, resamples)
         result[family] = {"ratio": mean, "interval": interval, "prompts": len(ratios)}
     return result
@@ -332,7 +339,7 @@ def paired(runs: dict[str, dict[str, Any]], families: dict[str, str], mine: str,
 def settings(args: LookupBenchmark) -> dict[str, Any]:
     """What a resumed run must share with the results it extends."""
     kept = asdict(args)
-    for name in ("per_family", "compare", "resamples", "out", "rules", "report_only"):
+    for name in ("per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only"):
         kept.pop(name)
     return kept
 
@@ -384,7 +391,8 @@ def benchmark(args: LookupBenchmark) -> dict[str, Any]:
             if rule not in run:
                 run[rule] = runner.run(rule, encoded[pid], index)
                 write_json_atomic(Path(args.out), results)
-        print(f"{pid}: " + ", ".join(f"{rule} {rate(run[rule]) / rate(run['alone']):.2f}x" for rule in args.rules),
+        print(f"{pid}: " + ", ".join(f"{rule} {rate(run[rule], args.decode_only) / rate(run['alone'], args.decode_only):.2f}x"
+                                     for rule in args.rules),
               flush=True)
     return report(args, results, families)
 
@@ -392,9 +400,13 @@ def benchmark(args: LookupBenchmark) -> dict[str, Any]:
 def report(args: LookupBenchmark, results: dict[str, Any], families: dict[str, str]) -> dict[str, Any]:
     """Summarise, print and write the results with their summary."""
     runs = {pid: results["runs"][pid] for pid in families if pid in results["runs"]}
+    if args.decode_only and any("prefill_seconds" not in record for run in runs.values() for record in run.values()):
+        raise UsageError(f"--decode-only: {args.out} holds runs timed before prefills were recorded; decode them "
+                         "again into another --out")
     greedy = args.temperature == 0
-    results["summary"] = summarise(runs, families, args.rules, greedy, args.resamples)
-    results["paired"] = {pair: paired(runs, families, *split_pair(pair), args.resamples) for pair in args.compare}
+    results["summary"] = summarise(runs, families, args.rules, greedy, args.resamples, args.decode_only)
+    results["paired"] = {pair: paired(runs, families, *split_pair(pair), args.resamples, args.decode_only)
+                         for pair in args.compare}
     for rule, row in results["summary"].items():
         overall = row["all"]
         interval = overall["interval"] or [math.nan, math.nan]

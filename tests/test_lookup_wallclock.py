@@ -3,6 +3,7 @@ target alone, resumable, refusals before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -92,6 +93,27 @@ def test_every_rule_is_timed_and_paired_with_the_target_alone_and_resumes(bench,
     again = bench.benchmark(args)
     assert again["runs"] == before["runs"]  # resumed: every (rule, prompt) finished, none run again
     assert again["verify_curve"] == before["verify_curve"]  # and planned with the curve it first read
+    check_decode_only(bench, args, before)
+
+
+def check_decode_only(bench, args, results):
+    """--decode-only: each side's rate over its seconds less its first forward's (the prefill, recorded on every run);
+    refused on runs that lack it."""
+    families = {pid: family for pid, family, _ in bench.chosen_prompts(args)}
+    for run in results["runs"].values():
+        for record in run.values():
+            assert 0 < record["prefill_seconds"] < record["seconds"]
+    only = bench.report(dataclasses.replace(args, decode_only=True), json.loads(json.dumps(results)), families)
+    ratios = [(run["constant_k:3"]["tokens"] / (run["constant_k:3"]["seconds"] - run["constant_k:3"]["prefill_seconds"]))
+              / (run["alone"]["tokens"] / (run["alone"]["seconds"] - run["alone"]["prefill_seconds"]))
+              for run in results["runs"].values()]
+    assert only["summary"]["constant_k:3"]["all"]["speedup"] == pytest.approx(math.exp(np.mean(np.log(ratios))))
+    assert only["summary"]["constant_k:3"]["all"]["speedup"] != pytest.approx(
+        results["summary"]["constant_k:3"]["all"]["speedup"], rel=1e-9)
+    for run in results["runs"].values():
+        del run["alone"]["prefill_seconds"]
+    with pytest.raises(UsageError, match="prefill"):
+        bench.report(dataclasses.replace(args, decode_only=True), results, families)
 
 
 def test_refusals_before_any_model_loads(bench, family_prompts, head_folder, tmp_path):
