@@ -58,7 +58,8 @@ def printed(rows: list[dict[str, Any]], loops: list[str]) -> None:
         return f"{value['speedup']:.3f} [{low:.3f}, {high:.3f}]"
 
     for row in rows:
-        print(f"block {row['block']} {row['family']} ({len(row['prompt_ids'])}): table {show(row['table'])}, "
+        where = f"block {row['block']}" if "block" in row else f"after a switch, blocks {row['blocks']}"
+        print(f"{where} {row['family']} ({row['table']['prompts']} prompts): table {show(row['table'])}, "
               f"never retrained {show(row['fixed'])}, /table {show(row['fixed/table'])}; " + "; ".join(
                   f"{name} {show(row[name])}, /table {show(row[name + '/table'])}, /never {show(row[name + '/fixed'])}"
                   for name in loops))
@@ -96,9 +97,9 @@ def main(argv: list[str]) -> int:
     out, starts = Path(args.out), args.start or ["scratch"]
     loops = {start: run_loop(blocks, args.head, serving, recipe, out / start, start == "warm", print)
              for start in starts}
-    rows = block_report(blocks, loops, fixed_rules(blocks, args.head, serving), args.resamples)
-    printed(rows, starts)
-    bars = {start: bar_met(rows, start) for start in starts}
+    report = block_report(blocks, loops, fixed_rules(blocks, args.head, serving), args.resamples)
+    printed(report["blocks"] + report["families"], starts)
+    bars = {start: bar_met(report["blocks"], start) for start in [*starts, "fixed"]}
     print("bar (loop/table >= 1 after every switch): " + ", ".join(f"{s} {b}" for s, b in bars.items()))
     write_json_atomic(out / "report.json", {"labels": args.labels, "head": args.head, "config": args.config,
                                             "serving": {"rule": serving.rule, "table": serving.table,
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
                                                         "verify_curve": serving.curve.as_dict()},
                                             "recipe": recipe.__dict__, "order": args.order, "cycles": args.cycles,
                                             "counted": "target forwards priced by the verify curve, not wall clock",
-                                            "blocks": rows, "bar": bars})
+                                            **report, "bar": bars})
     return 0
 
 

@@ -136,27 +136,38 @@ def fixed_rules(blocks: list[list[Request]], head: str, serving: Serving) -> dic
     return {"table": found[serving.table], "fixed": found[serving.rule]}
 
 
+def compared(picked: np.ndarray, loops: dict[str, np.ndarray], fixed: dict[str, np.ndarray],
+             resamples: int) -> dict[str, Any]:
+    """On the requests `picked` (queue positions): each rule's counted speedup (geometric mean, bootstrap 95 %
+    interval over those prompts), and paired per prompt each loop's ratio to the table and to the head never
+    retrained, and that head's ratio to the table."""
+    table, still = fixed["table"][picked], fixed["fixed"][picked]
+    row = {"table": geometric_interval(table, resamples), "fixed": geometric_interval(still, resamples),
+           "fixed/table": geometric_interval(still / table, resamples)}
+    for name, values in loops.items():
+        row[name] = geometric_interval(values[picked], resamples)
+        row[f"{name}/table"] = geometric_interval(values[picked] / table, resamples)
+        row[f"{name}/fixed"] = geometric_interval(values[picked] / still, resamples)
+    return row
+
+
 def block_report(blocks: list[list[Request]], loops: dict[str, list[dict[str, Any]]], fixed: dict[str, list[float]],
-                 resamples: int = 1000) -> list[dict[str, Any]]:
-    """Per block: its family and prompts, each rule's counted speedup (geometric mean, bootstrap 95 % interval over
-    the block's prompts), and paired per prompt each loop's ratio to the table and to the head never retrained, and
-    that head's ratio to the table."""
-    rows, start = [], 0
-    for index, block in enumerate(blocks):
-        part = slice(start, start + len(block))
-        table, still = np.array(fixed["table"][part]), np.array(fixed["fixed"][part])
-        row: dict[str, Any] = {"block": index, "family": block[0].family, "prompt_ids": [r.prompt_id for r in block],
-                               "table": geometric_interval(table, resamples),
-                               "fixed": geometric_interval(still, resamples),
-                               "fixed/table": geometric_interval(still / table, resamples)}
-        for name, served in loops.items():
-            head = np.array(served[index]["speedups"])
-            row[name] = geometric_interval(head, resamples)
-            row[f"{name}/table"] = geometric_interval(head / table, resamples)
-            row[f"{name}/fixed"] = geometric_interval(head / still, resamples)
-        rows.append(row)
-        start += len(block)
-    return rows
+                 resamples: int = 1000) -> dict[str, list[dict[str, Any]]]:
+    """`compared` per block (`blocks`), and pooled per family over the blocks after a switch (every block but the
+    first) and over all of them (`families`)."""
+    along = {name: np.concatenate([served["speedups"] for served in loop]) for name, loop in loops.items()}
+    fixed_along = {name: np.array(values) for name, values in fixed.items()}
+    ends = np.cumsum([0, *map(len, blocks)])
+    rows = [{"block": index, "family": block[0].family, "prompt_ids": [r.prompt_id for r in block],
+             **compared(np.arange(ends[index], ends[index + 1]), along, fixed_along, resamples)}
+            for index, block in enumerate(blocks)]
+    groups: dict[str, list[int]] = {"all": list(range(1, len(blocks)))}
+    for index, block in enumerate(blocks[1:], start=1):
+        groups.setdefault(block[0].family, []).append(index)
+    families = [{"family": family, "blocks": picked,
+                 **compared(np.concatenate([np.arange(ends[i], ends[i + 1]) for i in picked]), along, fixed_along,
+                            resamples)} for family, picked in groups.items() if picked]
+    return {"blocks": rows, "families": families}
 
 
 def bar_met(rows: list[dict[str, Any]], loop: str) -> dict[str, bool]:
