@@ -12,7 +12,7 @@ from specheads.decoding import RoundEngine
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_draft import LookupDraft
 from specheads.lookup.planning import linear_cost
-from specheads.lookup.proposers import ngram_propose
+from specheads.lookup.proposers import ngram_propose, suffix_available
 from specheads.model_outputs.sampling import SamplingTransform
 from specheads.plumbing.errors import UsageError
 
@@ -76,6 +76,27 @@ def test_replay_counts_the_rounds_our_decoder_runs(replay, target):
         counted, rounds = replay.replay(prompt, list(result.tokens), *replay.make_rule(rule, 8, None), 8, linear_cost(0.05))
         assert rounds == result.target_calls and result.drafted > 0
         assert counted == pytest.approx(rounds + 0.05 * result.drafted)
+
+
+@pytest.mark.skipif(not suffix_available(), reason="suffix drafts need arctic-inference (sh scripts/install.sh test)")
+def test_suffix_rules_replay_the_rounds_of_our_decoders_suffix_drafts(replay, target):
+    """SuffixDecoding's own rule replays on its proposals, its global tree kept from one request to the next as the
+    decoder keeps it: the same target calls and drafted tokens as the decoder's on each of two requests in turn; the
+    oracle on those proposals costs no more, and prompt lookup's proposals would count other rounds."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9], [9, 10, 11, 5, 6, 7, 3, 9, 10, 11]]
+    engine = RoundEngine(target, LookupDraft("suffix"), SamplingTransform(0.0), stop_ids=[])
+    policy, _ = replay.make_rule("suffix_own:0.1", 8, None)
+    results = [engine.decode([prompt], policy, 24, [0])[0] for prompt in prompts]
+    responses = [(prompt, list(result.tokens)) for prompt, result in zip(prompts, results)]
+    price = linear_cost(0.05)
+    speedups = replay.replay_speedups(responses, ["suffix_own:0.1", "suffix_oracle", "constant_k:8"], None, 8)
+    for index, ((_, response), result) in enumerate(zip(responses, results)):
+        assert result.drafted > 0
+        assert speedups["suffix_own:0.1"][index] == pytest.approx(
+            len(response) / (result.target_calls + 0.043 * result.drafted))
+        assert speedups["suffix_oracle"][index] >= speedups["suffix_own:0.1"][index] - 1e-9
+    ngram = replay.replay(*responses[0], policy, None, 8, price)
+    assert ngram[1] != results[0].target_calls  # the suffix tree's proposals, not prompt lookup's
 
 
 def test_bad_rules_are_refused_in_one_line(replay):

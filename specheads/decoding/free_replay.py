@@ -1,10 +1,11 @@
-"""Replay greedy decodes of a free draft (prompt lookup) under any rule, with no model forward: the counted cost a
-rule would pay.
+"""Replay greedy decodes of a free draft (prompt lookup, SuffixDecoding's suffix drafts) under any rule, with no model
+forward: the counted cost a rule would pay.
 
 At T = 0 a point-mass draft is accepted exactly while it equals the target's greedy output, so the greedy response y
 of a prompt (the `target_ids` of lookup labels, `specheads gen --drafter.kind lookup --temperature 0`) decides every
 round of every exact decode of it: a round at output position s proposes from the prompt and y_<s (`ngram_propose`,
-the decoder's `LookupDraft`), the rule chooses how many of the proposed tokens to verify (the rule objects and
+the decoder's `LookupDraft`; SuffixDecoding's trees for `suffix_own:p` and `suffix_oracle`, one `SuffixProposer` kept
+across a rule's requests as the decoder keeps it), the rule chooses how many of the proposed tokens to verify (the rule objects and
 planners our decoder runs: `constant_k`, vLLM's online table, a token head's cost-read planner), the round accepts
 the longest prefix that y continues with and ends one token later. A round verifying k proposed tokens costs one
 target forward of k + 1 tokens, `price(k + 1)` one-token forwards; the target alone costs 1 a token, so a rule's
@@ -26,17 +27,24 @@ from specheads.decoding.free_rules import EstimatorPlanned
 from specheads.decoding.online import Outcome
 from specheads.decoding.verify_curve import free_draft_costs
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
-from specheads.lookup.proposers import NO_PROPOSAL, Proposal, accepted_prefix, ngram_propose
+from specheads.lookup.proposers import NO_PROPOSAL, Proposal, SuffixProposer, accepted_prefix, ngram_propose
 from specheads.lookup.token_head import TokenHead
 from specheads.plumbing.errors import UsageError
 
 ORACLE = "oracle"
+SUFFIX_ORACLE = "suffix_oracle"
+"""The oracle on SuffixDecoding's proposals (as its own rule cuts them: the headroom any stop rule has over it)."""
+
+
+def reads_suffix(rule: str) -> bool:
+    """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_oracle`) rather than prompt lookup's."""
+    return rule == SUFFIX_ORACLE or rule.startswith("suffix_own:")
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
     """(policy, planner or None) of `name:value` (`oracle` has neither), planners reading the target's verify `curve`
     where given; refused in one line when malformed."""
-    if rule == ORACLE:
+    if rule in (ORACLE, SUFFIX_ORACLE):
         return None, None
     name, _, value = rule.partition(":")
     try:
@@ -68,32 +76,44 @@ def verify_length(policy: Any, planner: Any, proposal: Proposal, continuation: l
 
 
 def replayed_rounds(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
-                    propose: int | None = None) -> Iterator[tuple[int, int, int]]:
+                    propose: int | None = None, suffix: SuffixProposer | None = None,
+                    request: int = 0) -> Iterator[tuple[int, int, int]]:
     """(tokens proposed, tokens verified, tokens accepted) of every round of decoding `response` after `prompt` under
     the rule, in order. `propose`: the proposer's K where it drafts more than the rule's cap verifies (a server's
-    proposer reading 32 tokens under a fixed K = 8), None: the rule's cap."""
+    proposer reading 32 tokens under a fixed K = 8), None: the rule's cap. `suffix`: SuffixDecoding's proposer (the
+    request `request` of it), None: prompt lookup's."""
     start = 0
     if planner is not None:
         planner.admit(0)
+    if suffix is not None:
+        suffix.start(request, prompt)
     while start < len(response):
         room = len(response) - start  # the decoder's cap (`StopPolicy.cap`): the last slot is the bonus token's
         cap = min(max_draft, room - 1) if policy is None else policy.cap(room)
         reach = cap if propose is None else min(propose, room - 1)
-        proposal = ngram_propose([*prompt, *response[:start]], reach, len(prompt)) if reach > 0 else NO_PROPOSAL
+        context = [*prompt, *response[:start]]
+        proposal = NO_PROPOSAL if reach <= 0 else (
+            suffix.propose(request, context, reach) if suffix is not None else ngram_propose(context, reach, len(prompt)))
         length = min(verify_length(policy, planner, proposal, response[start:]), len(proposal.tokens), cap)
         accepted = accepted_prefix(proposal.tokens[:length], response[start:])
         if planner is not None and length:
             checked = [Outcome(k + 1, 1.0, k < accepted) for k in range(min(accepted + 1, length))]
             planner.observe({0: checked})
         yield len(proposal.tokens), length, accepted
+        if suffix is not None:
+            suffix.extend(request, response[start : start + accepted + 1])
         start += accepted + 1
+    if suffix is not None:
+        suffix.stop(request)
 
 
 def replay(prompt: list[int], response: list[int], policy: Any, planner: Any, max_draft: int,
-           price: Callable[[int], float]) -> tuple[float, int]:
+           price: Callable[[int], float], suffix: SuffixProposer | None = None,
+           request: int = 0) -> tuple[float, int]:
     """(counted cost in one-token forwards, rounds) of decoding `response` after `prompt` under the rule, a round
-    verifying k tokens priced `price(k + 1)`."""
-    verified = [length for _, length, _ in replayed_rounds(prompt, response, policy, planner, max_draft)]
+    verifying k tokens priced `price(k + 1)`; `suffix` and `request` as `replayed_rounds`'s."""
+    verified = [length for _, length, _ in replayed_rounds(prompt, response, policy, planner, max_draft,
+                                                           suffix=suffix, request=request)]
     return sum(price(length + 1) for length in verified), len(verified)
 
 
@@ -158,14 +178,16 @@ def forward_price(curve: CostCurve | None) -> Callable[[int], float]:
 def replay_speedups(responses: Iterable[tuple[list[int], list[int]]], rules: list[str], head: str | None,
                     max_draft: int, curve: CostCurve | None = None,
                     progress: Callable[[dict[str, list[float]]], None] = lambda found: None) -> dict[str, list[float]]:
-    """Every rule's counted speedup on every (prompt, greedy response), in the given order (online planners keep
-    their state from prompt to prompt, as a server's do), forwards priced by `forward_price(curve)`."""
+    """Every rule's counted speedup on every (prompt, greedy response), in the given order (online planners and
+    SuffixDecoding's global tree keep their state from prompt to prompt, as a server's do), forwards priced by
+    `forward_price(curve)`."""
     made = {rule: make_rule(rule, max_draft, head, curve) for rule in rules}
+    trees = {rule: SuffixProposer() for rule in rules if reads_suffix(rule)}
     price = forward_price(curve)
     speedups: dict[str, list[float]] = {rule: [] for rule in rules}
-    for prompt, response in responses:
+    for request, (prompt, response) in enumerate(responses):
         for rule, (policy, planner) in made.items():
-            cost, _ = replay(list(prompt), list(response), policy, planner, max_draft, price)
+            cost, _ = replay(list(prompt), list(response), policy, planner, max_draft, price, trees.get(rule), request)
             speedups[rule].append(len(response) / cost)
         progress(speedups)
     return speedups
