@@ -7,7 +7,10 @@ held-out tokens (`specheads.train.lookup_bias`).
    carrying its prompt's id, so the logs split by prompt exactly as the labels do.
 2. Heads (the recipe `--config`, e.g. configs/train/lookup-stop.yaml: its model, trainer and split): `full` on the
    labels' training split, and per running rule `<rule>/skip` (the survival likelihood) and `<rule>/reject`
-   (unverified positions read as rejections) on its log's training split (`specheads train lookup from-logs fit`).
+   (unverified positions read as rejections) on its log's training split (`specheads train lookup from-logs fit`);
+   with `--log-steps N` those train N optimiser steps (the full head's count) instead of the recipe's epochs. A rule
+   that verifies every proposed token (constant_k at `--max-draft`) is the control: nothing censored, so what its
+   head loses to `full` is what a log's round starts lack against gen's labels of every output position.
 3. AUC of every head on the labels' validation split (all depths, depth <= 8, depth > 8), its difference from
    `full`'s with a bootstrap interval over prompts (`<out>/auc.json`).
 4. Counted speed: each head's `--rule` replayed on `--confirm` greedy responses, forwards priced by the verify curve of
@@ -17,7 +20,7 @@ Every step resumes: a log, head or JSON already written is read, not made again.
 
     python benchmarks/lookup_from_logs.py --labels runs/lookup2/gen-dev-t0 --confirm runs/lookup/gen-confirm24-t0 \
         --config configs/train/lookup-stop.yaml --verify-curve runs/lookup2/wallclock-t0.json \
-        --running lookup_table:0.043 --running constant_k:8 --out runs/from-logs
+        --running lookup_table:0.043 --running constant_k:8 --running constant_k:32 --out runs/from-logs [--log-steps 2520]
 """
 
 from __future__ import annotations
@@ -79,28 +82,31 @@ def train_head(argv: list[str], folder: Path) -> str:
     return str(head)
 
 
-def train_heads(labels: str, config: str, logs: dict[str, Path], out: Path) -> dict[str, str]:
-    """The heads of step 2, by name; the logs' recipe is `config`'s model and trainer with its data split."""
+def train_heads(labels: str, config: str, logs: dict[str, Path], out: Path, log_steps: int | None) -> dict[str, str]:
+    """The heads of step 2, by name; the logs' recipe is `config`'s model and trainer with its data split (and
+    `log_steps` optimiser steps where given, as many as the full head's: the logs hold fewer positions, so an epoch
+    has fewer steps)."""
     recipe = yaml.safe_load(Path(config).read_text())
     data = {key: recipe["data"][key] for key in ("val_fraction", "split_seed", "batch_size")}
     logs_config = out / "configs" / "from-logs.yaml"
     write_text_atomic(logs_config, yaml.safe_dump({"model": recipe["model"], "trainer": recipe["trainer"],
                                                    "data": data}))
     heads = {"full": train_head(["lookup", "fit", "--config", config, "--data.path", labels], out / "heads" / "full")}
+    steps = [] if log_steps is None else ["--trainer.max_steps", str(log_steps), "--trainer.max_epochs", "100000"]
     for rule, log in logs.items():
         for unobserved in UNOBSERVED:
-            name = f"{rule}/{unobserved}"
+            name = f"{rule}/{unobserved}" + ("" if log_steps is None else f"/{log_steps}-steps")
             heads[name] = train_head(["lookup", "from-logs", "fit", "--config", str(logs_config), "--data.logs",
-                                      json.dumps([str(log)]), "--data.unobserved", unobserved],
+                                      json.dumps([str(log)]), "--data.unobserved", unobserved, *steps],
                                      out / "heads" / name.replace(":", "-"))
     return heads
 
 
-def cached(path: Path, make: Any) -> dict[str, Any]:
-    """The JSON at `path`, made (and written atomically) where missing."""
-    if path.is_file():
+def cached(path: Path, heads: dict[str, str], make: Any) -> dict[str, Any]:
+    """The JSON at `path` where it judged `heads`, else made (and written atomically)."""
+    if path.is_file() and json.loads(path.read_text()).get("heads") == heads:
         return json.loads(path.read_text())
-    found = make()
+    found = {**make(), "heads": heads}
     write_json_atomic(path, found)
     return found
 
@@ -114,6 +120,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--running", action="append", required=True, help="a running rule, name:value (repeatable)")
     parser.add_argument("--rule", default="lookup_plan:0.043", help="the rule each head drives in the counted replay")
     parser.add_argument("--max-draft", type=int, default=32, help="tokens the proposer reads a round")
+    parser.add_argument("--log-steps", type=int, help="optimiser steps of the heads from logs (default: the recipe's "
+                        "epochs)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples over prompts")
     parser.add_argument("--out", default="runs/from-logs")
     args = parser.parse_args(argv)
@@ -124,21 +132,26 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     rows, confirm = greedy_rows(args.labels), greedy_rows(args.confirm)
     logs = write_logs(rows, args.running, recipe, args.max_draft, curve, out)
-    heads = train_heads(args.labels, args.config, logs, out)
+    heads = train_heads(args.labels, args.config, logs, out, args.log_steps)
+    suffix = "" if args.log_steps is None else f"-{args.log_steps}-steps"
     tokens = held_out_tokens(args.labels, recipe["val_fraction"], recipe["split_seed"])
-    auc = cached(out / "auc.json", lambda: sliced_aucs(head_predictions(heads, tokens["features"]), tokens, "full",
-                                                       args.resamples))
-    speed = cached(out / "speed.json", lambda: paired_speed(((r["prompt_ids"], r["target_ids"]) for r in confirm),
-                                                           heads, "full", args.rule, args.max_draft, curve,
-                                                           args.resamples))
-    for depth, row in auc["slices"].items():
-        print(f"AUC {depth} ({row.pop('tokens')} tokens): " + ", ".join(
-            f"{name} {v['auc']:.4f} ({v['minus_baseline']:+.4f} [{v['interval'][0]:+.4f}, {v['interval'][1]:+.4f}])"
-            for name, v in row.items()))
-    print("counted speed / full: " + ", ".join(f"{name} {v['speedup']:.4f} [{v['interval'][0]:.4f}, "
-                                               f"{v['interval'][1]:.4f}]" for name, v in speed["ratio"].items()))
+    auc = cached(out / f"auc{suffix}.json", heads,
+                 lambda: sliced_aucs(head_predictions(heads, tokens["features"]), tokens, "full", args.resamples))
+    responses = [(row["prompt_ids"], row["target_ids"]) for row in confirm]
+    speed = cached(out / f"speed{suffix}.json", heads,
+                   lambda: paired_speed(responses, heads, "full", args.rule, args.max_draft, curve, args.resamples))
+    show(auc, speed)
     return 0
 
+
+def show(auc: dict[str, Any], speed: dict[str, Any]) -> None:
+    """The AUC slices and the counted speed ratios, a line each."""
+    for part, row in auc["slices"].items():
+        print(f"AUC {part} ({row['tokens']} tokens): " + ", ".join(
+            f"{name} {v['auc']:.4f} ({v['minus_baseline']:+.4f} [{v['interval'][0]:+.4f}, {v['interval'][1]:+.4f}])"
+            for name, v in row.items() if name != "tokens"))
+    print("counted speed / full: " + ", ".join(f"{name} {v['speedup']:.4f} [{v['interval'][0]:.4f}, "
+                                               f"{v['interval'][1]:.4f}]" for name, v in speed["ratio"].items()))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

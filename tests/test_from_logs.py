@@ -15,6 +15,7 @@ import torch
 from test_vllm_proposer import Runner, copy_heavy, planted_head, vllm_config
 
 from specheads.artifacts.metrics import expected_calibration_error, soft_auc
+from specheads.dataset.datamodule import prompt_split
 from specheads.integrations.vllm import LookupHeadProposer
 from specheads.lookup.features import FEATURE_NAMES, token_features
 from specheads.lookup.proposers import ngram_propose
@@ -225,6 +226,14 @@ def test_a_fixed_k_log_read_with_rejections_misjudges_every_depth_past_k(tmp_pat
     assert scores["reject"]["ece"] > scores["skip"]["ece"] + 0.1, scores
     assert scores["reject"]["auc"] < scores["skip"]["auc"], scores
     assert log_tokens([log], "skip")[0]["position"].max() == 2  # no verified position past K
+
+
+def test_a_replayed_log_splits_by_the_prompt_ids_it_carries(tmp_path):
+    # the ids gen's labels are split by: a head from the log trains on the same prompts as one from the labels
+    data = LogDataModule([written_replay(tmp_path / "k8.jsonl", 5, 30, "constant_k:8")], val_fraction=0.5)
+    data.setup()
+    for side in ("train", "val"):
+        assert set(data.splits[side]["row"]) == {i for i in range(30) if prompt_split(f"p5-{i}", 0, 0.5) == side}
 
 
 def test_from_logs_trains_and_exports_a_head_the_proposer_loads(tmp_path):

@@ -5,9 +5,9 @@ At T = 0 a greedy response decides every round of every rule (`specheads.decodin
 round log is replayed from gen's greedy responses with no forward (`replayed_log`), in the format our decoder writes
 (`decoder_log_lines`, each request carrying its prompt's id so that the logs split by prompt exactly as gen's labels
 do). The heads are then judged on one held-out set: the validation prompts' full labels (every proposed token a decode
-can reach, to gen's depth), by AUC over all depths and per depth slice, each head's difference from the baseline's
-with a bootstrap interval over prompts (`sliced_aucs`); and by the counted speedup of the rule each head drives,
-paired per prompt (`paired_speed`).
+can reach, to gen's depth), by AUC over all depths, per depth slice and at the round starts a decode verifying every
+token reaches, each head's difference from the baseline's with a bootstrap interval over prompts (`sliced_aucs`); and
+by the counted speedup of the rule each head drives, paired per prompt (`paired_speed`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from specheads.train.lookup import LookupDataModule
 from specheads.train.lookup_logs import decoder_log_lines
 from specheads.train.lookup_loop import NGRAM  # the replay's proposer settings
 
-DEPTHS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "all": lambda position: np.ones(len(position), bool),
-    "depth<=8": lambda position: position <= 8,
-    "depth>8": lambda position: position > 8,
+SLICES: dict[str, Callable[[dict[str, np.ndarray]], np.ndarray]] = {
+    "all": lambda tokens: np.ones(len(tokens["position"]), bool),
+    "depth<=8": lambda tokens: tokens["position"] <= 8,
+    "depth>8": lambda tokens: tokens["position"] > 8,
+    "round starts": lambda tokens: tokens["round_start"],  # the starts a decode verifying every token reaches
 }
 
 
@@ -69,14 +70,14 @@ def slice_auc(tokens: dict[str, np.ndarray], scores: np.ndarray, kept: np.ndarra
 
 def sliced_aucs(predictions: dict[str, np.ndarray], tokens: dict[str, np.ndarray], baseline: str,
                 resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Per depth slice (`DEPTHS`): each head's AUC and ECE, and its AUC minus the baseline's with a bootstrap 95 %
+    """Per slice of the tokens (`SLICES`): each head's AUC and ECE, and its AUC minus the baseline's with a bootstrap 95 %
     interval over prompts (the same prompts resampled for every head)."""
     prompts = np.unique(tokens["prompt_id"])
     rows = {p: np.flatnonzero(tokens["prompt_id"] == p) for p in prompts}
     draws = np.random.default_rng(seed).integers(0, len(prompts), (resamples, len(prompts)))
     found: dict[str, Any] = {}
-    for depth, pick in DEPTHS.items():
-        kept = pick(tokens["position"])
+    for depth, pick in SLICES.items():
+        kept = pick(tokens)
         point = {name: slice_auc(tokens, scores, kept) for name, scores in predictions.items()}
         spread: dict[str, list[float]] = {name: [] for name in predictions}
         for draw in draws:
