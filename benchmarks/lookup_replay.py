@@ -16,7 +16,10 @@ bookkeeping per round (`benchmarks/lookup_decode.py` measures them). It is the q
 what the wall clock then confirms on prompts never used for a choice.
 
     python benchmarks/lookup_replay.py --labels runs/lookup2/gen-dev-t0 --prompts benchmarks/prompts/lookup-dev.jsonl \
-        --rule constant_k:8 --rule lookup_table:0.043 --rule lookup_plan:0.043 --head runs/lookup2/train-stop/head
+        --rule constant_k:8 --rule lookup_table:0.043 --rule lookup_plan:0.043 --head runs/lookup2/train-stop/head \
+        --compare lookup_plan:0.043/lookup_table:0.043
+
+SuffixDecoding's drafts replay under `suffix_own:p` and `suffix_oracle` (`specheads.decoding.free_replay`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specheads.dataset.lookup import load_lookup
 from specheads.dataset.store import read_manifest
@@ -67,7 +72,15 @@ def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft
                                report)
     families = [category.get(prompt_id, "unknown") for prompt_id in ids]
     return {"labels": labels, "max_draft": max_draft, "verify_curve": None if curve is None else curve.as_dict(), "head": head,
-            "summary": summarise(speedups, families)}
+            "summary": summarise(speedups, families), "prompt_ids": ids, "per_prompt": speedups}
+
+
+def paired(found: dict[str, Any], pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """Per `A/B` pair of rules: the geometric mean over prompts of A's speedup over B's on the same prompt, with its
+    bootstrap 95 % interval (`geometric_interval`)."""
+    per_prompt = found["per_prompt"]
+    return {pair: geometric_interval(np.array(per_prompt[mine]) / np.array(per_prompt[theirs]))
+            for pair in pairs for mine, theirs in [pair.split("/")]}
 
 
 def read_curve(path: str) -> CostCurve:
@@ -89,10 +102,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-draft", type=int, default=32, help="the adaptive rules' most proposed tokens a round")
     parser.add_argument("--verify-curve", help="a benchmarks/lookup_decode.py results JSON: its measured verify_curve "
                         "prices the forwards and feeds the planners (default: 1 + t·k, t = PACKED_CPU_TOKEN_COST)")
+    parser.add_argument("--compare", action="append", default=[],
+                        help="A/B: two of the rules, A's speedup over B's paired per prompt (repeatable)")
     parser.add_argument("--out", help="a JSON of the summary")
     args = parser.parse_args(argv)
     if args.max_draft < 1:
         raise UsageError("--max-draft must be >= 1")
+    for pair in args.compare:
+        if len(pair.split("/")) != 2 or not set(pair.split("/")) <= set(args.rule):
+            raise UsageError(f"--compare {pair!r} is not A/B with A and B two of the --rule values "
+                             "(e.g. lookup_plan:0.043/lookup_table:0.043)")
     curve = read_curve(args.verify_curve) if args.verify_curve else None
     for rule in args.rule:
         make_rule(rule, args.max_draft, args.head, curve)
@@ -100,6 +119,10 @@ def main(argv: list[str]) -> int:
     for rule, row in found["summary"].items():
         print(f"{rule}: " + ", ".join(f"{family} {v['speedup']:.3f}x [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                                       for family, v in row.items()))
+    found["paired"] = paired(found, args.compare)
+    for pair, row in found["paired"].items():
+        print(f"{pair}: {row['speedup']:.3f} [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}] over {row['prompts']} "
+              "prompts")
     if args.out:
         write_json_atomic(Path(args.out), found)
     return 0

@@ -115,3 +115,13 @@ def test_planners_read_the_verify_curve(replay):
     assert rounds == len(RESPONSE) * 3 and cost == rounds
     cheap = replay.replay(PROMPT, RESPONSE * 3, *replay.make_rule("lookup_table:0.043", 32, None), 32, PRICE)
     assert cheap[1] < len(RESPONSE) * 3
+
+
+def test_compare_pairs_two_rules_prompt_by_prompt_and_refuses_others(replay):
+    found = {"per_prompt": {"a": [2.0, 4.0, 1.0], "b": [1.0, 1.0, 2.0]}}
+    row = replay.paired(found, ["a/b"])["a/b"]
+    assert row["speedup"] == pytest.approx((2.0 * 4.0 * 0.5) ** (1 / 3)) and row["prompts"] == 3
+    assert row["interval"][0] <= row["speedup"] <= row["interval"][1]
+    with pytest.raises(UsageError, match="--compare"):
+        replay.main(["--labels", "nowhere", "--prompts", "nowhere", "--rule", "constant_k:8", "--rule", "oracle",
+                     "--compare", "constant_k:8/lookup_table:0.043"])
