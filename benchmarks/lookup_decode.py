@@ -20,6 +20,7 @@ one short untimed run of each on the first prompt; both sides read the target's 
 - `lookup_gate:t`: speculate or not per round: the whole proposal (up to `--max-draft`) when vLLM's online table
   expects it to emit more tokens than its verify costs at t a verified token, else a plain target step.
 - `lookup_plan:t`: the cost-read planner fed the token-only head `--head` (`specheads.lookup.token_head.TokenHead`);
+  `lookup_plan_online:t` the same estimates shifted online by what the decode verifies (`specheads.decoding.free_rules`);
   its forwards run inside the timed decode (charged) and are also timed on their own.
 The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from the target's verify curve, measured
 once at the start on this machine as the rules then run (`measure_verify_curve`: one request's forward of n tokens over
@@ -55,7 +56,8 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.free_replay import geometric_speedup
-from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
+from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
+from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
@@ -129,7 +131,7 @@ class LookupBenchmark:
             raise UsageError("--rules names a rule twice; give each once")
         for rule in self.rules:
             make_rule(rule, self.max_draft, None, check_only=True)
-        if any(rule.startswith("lookup_plan:") for rule in self.rules) != bool(self.head):
+        if any(rule.split(":")[0] in HEAD_RULES for rule in self.rules) != bool(self.head):
             raise UsageError("lookup_plan reads the token-only head --head: give both or neither")
         for pair in self.compare:
             if len(pair.split(":")) != 4 or not all(side in self.rules for side in split_pair(pair)):
@@ -185,8 +187,8 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
         return None
     if name == "lookup_gate":
         return SpeculateOrNot(threshold=threshold, max_draft=max_draft)
-    if name == "lookup_plan":
-        return None if check_only else EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=estimator)
+    if name in HEAD_RULES:
+        return None if check_only else RULES[name](threshold=threshold, max_draft=max_draft, estimator=estimator)
     if name == "constant_k":
         return make_policy(name, threshold, max(int(threshold), 1))
     return make_policy(name, threshold, max_draft)
@@ -269,7 +271,7 @@ class Runner:
             record = {"drafted": result.drafted, "accepted": result.accepted, "target_calls": result.target_calls,
                       "target_seconds": result.target_seconds}
         record.update(tokens=len(output), seconds=seconds, prefill_seconds=decoder[0], output=output)
-        if self.estimator is not None and rule.startswith("lookup_plan:"):
+        if self.estimator is not None and rule.split(":")[0] in HEAD_RULES:
             record["head_seconds"], record["head_calls"] = sum(self.estimator.seconds[heads:]), len(
                 self.estimator.seconds) - heads
         return record

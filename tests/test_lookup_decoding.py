@@ -18,6 +18,7 @@ from specheads.decoding.free_draft import LookupCache, LookupDraft
 from specheads.decoding.free_rules import (
     TABLE_HALF_LIFE,
     EstimatorPlanned,
+    OnlineEstimatorPlanned,
     conditional_scores,
     goodput_length,
     length_bucket,
@@ -67,11 +68,20 @@ def sample(target, kind: str, rule, batch: int, runs: int = 800, first_seed: int
     return [tuple(r.tokens) for r in results]
 
 
+class Halves:
+    """An estimator that rates every proposed token 0.5 (the online shift moves it)."""
+
+    def estimates(self, proposal):
+        return [0.5] * len(proposal.tokens)
+
+
 RULES = {"constant_k": lambda: make_policy("constant_k", 3), "reads_later": lambda: ReadsLaterTokens(threshold=1.0),
-         "lookup_table": lambda: make_policy("lookup_table", 0.3)}  # a verify cost that makes its lengths vary
+         "lookup_table": lambda: make_policy("lookup_table", 0.3),  # a verify cost that makes its lengths vary
+         "lookup_plan_online": lambda: OnlineEstimatorPlanned(threshold=0.3, estimator=Halves(), rate=0.3)}
 
 
 CASES = [("ngram", 1, "constant_k"), ("ngram", 100, "reads_later"), ("ngram", 100, "lookup_table"),
+         ("ngram", 100, "lookup_plan_online"),
          pytest.param("suffix", 100, "constant_k", marks=SUFFIX), pytest.param("suffix", 1, "reads_later", marks=SUFFIX)]
 
 
@@ -188,3 +198,34 @@ def test_an_estimator_plans_the_verify_and_a_free_draft_refuses_what_it_cannot_d
         engine.decode_one(PROMPT, make_policy("lookup_plan", 0.05), 4, 0)
     with pytest.raises(UsageError, match="free draft"):
         engine.decode_one(PROMPT, make_policy("oracle", 3), 4, 0)
+
+
+def test_the_online_shift_moves_a_heads_estimates_toward_what_the_decode_verified():
+    """lookup_plan_online: rejections at the first position pull every estimate down, acceptances push them up, and
+    a position never verified moves nothing; rate 0 leaves the head's estimates as they are."""
+    rule = OnlineEstimatorPlanned(threshold=0.05, estimator=Halves(), rate=0.5)
+    planner = rule.planner(None)
+    seen = proposal(match_length=3)
+
+    def round_with(*accepted):
+        planner.proposal_length(0, seen, rule)
+        planner.plan(0, seen, len(accepted))
+        planner.observe({0: [Outcome(k + 1, 1.0, ok) for k, ok in enumerate(accepted)]})
+        return planner.estimates(0, seen)[0]
+
+    assert planner.estimates(0, seen) == [0.5, 0.5, 0.5]
+    lowered = round_with(False)
+    shift = planner.shift
+    planner.proposal_length(0, seen, rule)  # a round planned: the shift decays by its half-life
+    assert planner.shift == pytest.approx(shift * 0.5 ** (1 / rule.half_life))
+    assert lowered < 0.5 and round_with(False) < lowered
+    assert round_with(True, True, True) > round_with(False)
+    planner.plan(0, seen, 2)
+    before = planner.shift
+    planner.observe({1: [Outcome(1, 1.0, True)]})  # a row it planned nothing for
+    assert planner.shift == before
+    still = OnlineEstimatorPlanned(threshold=0.05, estimator=Halves(), rate=0.0).planner(None)
+    still.proposal_length(0, seen, rule)
+    still.plan(0, seen, 1)
+    still.observe({0: [Outcome(1, 1.0, False)]})
+    assert still.estimates(0, seen) == [0.5, 0.5, 0.5]

@@ -99,7 +99,7 @@ class LookupDraft:
         if companion is not None or getattr(rule, "reads_head", False) or getattr(rule, "hindsight", False):
             raise UsageError(f"the {rule.name} rule reads a draft model's state, SV's companion or the oracle's hindsight, "
                              "which a free draft (prompt lookup, suffix) has none of; use constant_k or a free rule "
-                             "(lookup_match, suffix_own, lookup_table, lookup_scores, lookup_plan)")
+                             "(lookup_match, suffix_own, lookup_table, lookup_scores, lookup_plan, lookup_plan_online)")
         if not rule.bonus:
             raise UsageError(f"the {rule.name} rule verifies only some candidates; a free draft verifies every one")
 

@@ -23,8 +23,9 @@ import numpy as np
 from specheads.decoding import make_policy
 from specheads.decoding.costs import CostCurve, RoundRecord
 from specheads.decoding.free_draft import FreePlanner
-from specheads.decoding.free_rules import EstimatorPlanned
+from specheads.decoding.free_rules import HEAD_RULES
 from specheads.decoding.online import Outcome
+from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST, linear_cost
 from specheads.lookup.proposers import NO_PROPOSAL, Proposal, SuffixProposer, accepted_prefix, ngram_propose
@@ -51,10 +52,10 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
         threshold = float(value)
     except ValueError:
         raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
-    if name == "lookup_plan":
+    if name in HEAD_RULES:
         if not head:
-            raise UsageError("lookup_plan reads a token head: give --head DIR")
-        policy = EstimatorPlanned(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
+            raise UsageError(f"{name} reads a token head: give --head DIR")
+        policy = RULES[name](threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
     else:
         policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
     costs = None if curve is None else free_draft_costs(curve)

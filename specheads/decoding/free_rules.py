@@ -26,6 +26,13 @@ proposal up to K).
   - `lookup_scores`: the proposal's own frequency scores, â_k = s_k / s_{k−1} (the share of earlier occurrences that
     agree up to k, given they agreed up to k − 1).
   - `lookup_plan`: an `Estimator` (`specheads.decoding.free_draft`), e.g. a token-only head, given as `estimator=`.
+  - `lookup_plan_online`: the same estimates moved online by what the decode verifies, as vLLM's table moves its
+    counts: one logit shift b, â'_k = σ(logit(â_k) + b), after every verified position (the accepted ones and the first
+    rejected, the positions a decode reaches, so the conditional estimates stay unbiased) a step of the log loss,
+    b ← b − rate · (â'_k − accepted), and b halves every `ONLINE_SHIFT_HALF_LIFE` rounds it plans (a shift that stops
+    every verify would otherwise never see a position again). A head trained on other prompts is corrected within a
+    few rounds of a prompt family it over- or underrates, where retraining it would wait for the next fit
+    (docs/results.md, row V4).
 """
 
 from __future__ import annotations
@@ -163,6 +170,61 @@ class EstimatorPlanner(CostPlanner):
 
     def estimates(self, row: int, proposal: Proposal) -> list[float] | None:
         return list(self.rule.estimator.estimates(proposal))
+
+
+HEAD_RULES = ("lookup_plan", "lookup_plan_online")
+"""The rules that read a token head (`estimator=`)."""
+ONLINE_SHIFT_RATE = 0.3
+"""`lookup_plan_online`'s step on the logit shift per verified position (chosen on the dev prompts' switching queue)."""
+ONLINE_SHIFT_HALF_LIFE = 256
+"""Rounds planned over which `lookup_plan_online`'s shift halves."""
+
+
+@register
+@dataclass(frozen=True)
+class OnlineEstimatorPlanned(EstimatorPlanned):
+    """The cost-read planner on an `Estimator`'s â_k shifted online in logit by the positions it verified (module
+    docstring)."""
+
+    rate: float = ONLINE_SHIFT_RATE
+    half_life: float = ONLINE_SHIFT_HALF_LIFE
+    name: ClassVar[str] = "lookup_plan_online"
+
+    def planner(self, costs: ServingCosts | None) -> Any:
+        EstimatorPlanned.planner(self, costs)  # refuses a rule without an estimator
+        return OnlineShiftPlanner(self, costs.target if costs is not None else None)
+
+
+def shifted(estimate: float, shift: float) -> float:
+    """σ(logit(estimate) + shift), the estimate kept inside (0, 1)."""
+    clipped = min(max(estimate, 1e-6), 1 - 1e-6)
+    return 1 / (1 + math.exp(-(math.log(clipped / (1 - clipped)) + shift)))
+
+
+class OnlineShiftPlanner(EstimatorPlanner):
+    """An `Estimator`'s â_k with one logit shift learned online from every verified position (module docstring)."""
+
+    def __init__(self, rule: OnlineEstimatorPlanned, curve: CostCurve | None) -> None:
+        super().__init__(rule, curve)
+        self.shift = 0.0
+        self.read: dict[int, list[float]] = {}  # per row, the estimator's â_k of the proposal it planned
+
+    def estimates(self, row: int, proposal: Proposal) -> list[float] | None:
+        self.read[row] = list(self.rule.estimator.estimates(proposal))
+        return [shifted(estimate, self.shift) for estimate in self.read[row]]
+
+    def proposal_length(self, row: int, proposal: Proposal, rule: Any) -> int:
+        self.shift *= 0.5 ** (1 / self.rule.half_life)
+        return super().proposal_length(row, proposal, rule)
+
+    def observe(self, outcomes: Mapping[int, list[Any]]) -> None:
+        for row, checked in outcomes.items():
+            read = self.read.get(row)
+            if read is None or row not in self.lengths:
+                continue
+            for outcome in checked:
+                self.shift -= self.rule.rate * (shifted(read[outcome.position - 1], self.shift) - float(outcome.accepted))
+        super().observe(outcomes)
 
 
 @register

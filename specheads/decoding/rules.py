@@ -279,7 +279,7 @@ DRAFTER_BASELINES = {"dspark_confidence": "the DSpark drafter's own confidence h
 """The rules reading a drafter's own prediction that a head is judged against where the drafter drafts (--dspark)."""
 BATCH_POLICIES = ("budget", "smartspec", "goodput", "dcut", "vllm_adaptive", "vllm_current_adaptive", "vllm_margin_adaptive",
                   "vllm_history_adaptive", "goodput_online", "dspark_adaptive", "dspark_adaptive_ts")
-FREE_DRAFT_RULES = ("lookup_match", "suffix_own", "lookup_table", "lookup_scores", "lookup_plan")
+FREE_DRAFT_RULES = ("lookup_match", "suffix_own", "lookup_table", "lookup_scores", "lookup_plan", "lookup_plan_online")
 """The rules of free drafts (prompt lookup, suffix: `specheads.decoding.free_rules`), which read the whole proposal."""
 
 
