@@ -218,10 +218,12 @@ def run(args: argparse.Namespace) -> None:
         for method in order:
             if (method, args.batch, first, identity, len(chunk)) in done:
                 continue
+            cpu = time.process_time()
             outputs, seconds = serve_batch(engines[method], chunk, args, stops)
+            cpu = time.process_time() - cpu
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             row = {"method": method, "batch": args.batch, "first": first, "identity": identity, "size": len(chunk),
-                   "tokens": sum(map(len, ids)), "seconds": round(seconds, 4),
+                   "tokens": sum(map(len, ids)), "seconds": round(seconds, 4), "cpu_seconds": round(cpu, 4),
                    "outputs_sha256": [hashlib.sha256(json.dumps(i).encode()).hexdigest()[:16] for i in ids],
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             if method.startswith("ours"):
@@ -240,15 +242,23 @@ def batch_key(row: dict[str, Any]) -> tuple:
     return row["batch"], row["first"], row["identity"], row.get("size")
 
 
-def paired_ratio(mine: list[dict[str, Any]], reference: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+def paired_ratio(mine: list[dict[str, Any]], reference: dict[tuple, dict[str, Any]], clock: str = "seconds"
+                 ) -> dict[str, Any]:
     """The geometric mean over `mine` of its tokens/s over its pair's in `reference` (keyed by `batch_key`), with a
-    95 % normal interval over those batches."""
-    logs = [math.log((r["tokens"] / r["seconds"]) / (p["tokens"] / p["seconds"]))
+    95 % normal interval over those batches; `clock` "cpu_seconds" reads the engine process's CPU time (steadier
+    than the wall clock where other work shares the machine)."""
+    logs = [math.log((r["tokens"] / r[clock]) / (p["tokens"] / p[clock]))
             for r in mine for p in [reference[batch_key(r)]]]
     mean = sum(logs) / len(logs)
     spread = (sum((x - mean) ** 2 for x in logs) / max(len(logs) - 1, 1)) ** 0.5 / len(logs) ** 0.5
     return {"ratio": round(math.exp(mean), 4),
             "interval": [round(math.exp(mean - 1.96 * spread), 4), round(math.exp(mean + 1.96 * spread), 4)]}
+
+
+def timed_by_cpu(mine: list[dict[str, Any]], reference: dict[tuple, dict[str, Any]]) -> dict[str, Any] | None:
+    """`paired_ratio` on CPU seconds, where every row of both sides has them."""
+    rows = mine + [reference[batch_key(r)] for r in mine]
+    return paired_ratio(mine, reference, "cpu_seconds") if all("cpu_seconds" in r for r in rows) else None
 
 
 def summary(out: Path) -> dict[str, Any]:
@@ -269,6 +279,7 @@ def summary(out: Path) -> dict[str, Any]:
             result[f"{method} B={batch}"] = {
                 "batches": len(mine), "tokens_per_s": round(sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2),
                 "speedup_vs_plain": versus["ratio"], "interval": versus["interval"],
+                "cpu_speedup_vs_plain": timed_by_cpu(mine, plain),
                 "accepted_per_draft": round(sum(r.get("accepted", 0) for r in mine) / drafts, 3) if drafts else None,
                 "identical_to_plain": f"{same}/{sum(len(r['outputs_sha256']) for r in mine)}"}
     for name, entry in result.items():
@@ -278,7 +289,8 @@ def summary(out: Path) -> dict[str, Any]:
             best = max(ngrams, key=lambda n: ngrams[n]["speedup_vs_plain"])
             theirs = {batch_key(r): r for r in rows if f"{r['method']} B={r['batch']}" == best}
             mine = [r for r in rows if f"{r['method']} B={r['batch']}" == name and batch_key(r) in theirs]
-            entry["vs_best_ngram"] = {"ngram": best.partition(" ")[0], **paired_ratio(mine, theirs)}
+            entry["vs_best_ngram"] = {"ngram": best.partition(" ")[0], **paired_ratio(mine, theirs),
+                                      "cpu": timed_by_cpu(mine, theirs)}
     return result
 
 

@@ -87,16 +87,22 @@ def test_each_step_is_timed_to_the_next_ones_start_and_prompt_chunks_are_not_dec
 
 def test_ours_is_paired_with_vllms_ngram_at_its_best_k_batch_by_batch(lookup, tmp_path):
     """Three batches of prompts: n-gram K = 8 is 2x plain, K = 4 1.5x; ours is 2.2x, 2.0x, 2.42x plain, so 1.1, 1.0 and
-    1.21 times K = 8 (geometric mean 1.1): ours is read against K = 8, batch with batch, never against K = 4."""
+    1.21 times K = 8 (geometric mean 1.1): ours is read against K = 8, batch with batch, never against K = 4; on CPU
+    seconds (ours' halved) the ratio doubles, and is none where a row lacks them."""
     rows, seconds = [], {"plain": [10, 20, 40], "ngram:4": [10 / 1.5, 20 / 1.5, 40 / 1.5], "ngram:8": [5, 10, 20],
                          "ours:32": [10 / 2.2, 10, 40 / 2.42]}
     for method, times in seconds.items():
         for first, time in zip((0, 8, 16), times):
             rows.append({"method": method, "batch": 8, "first": first, "identity": "x", "size": 8, "tokens": 1024,
-                         "seconds": time, "outputs_sha256": ["a"] * 8, "drafts": 1, "accepted": 1})
+                         "seconds": time, "cpu_seconds": time / (2 if method == "ours:32" else 1),
+                         "outputs_sha256": ["a"] * 8, "drafts": 1, "accepted": 1})
     out = tmp_path / "bench.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = lookup.summary(out)
     assert result["ours:32 B=8"]["vs_best_ngram"]["ngram"] == "ngram:8"
     assert result["ours:32 B=8"]["vs_best_ngram"]["ratio"] == pytest.approx(1.1, abs=1e-3)
     assert result["ngram:4 B=8"]["speedup_vs_plain"] == pytest.approx(1.5, abs=1e-3)
+    assert result["ours:32 B=8"]["vs_best_ngram"]["cpu"]["ratio"] == pytest.approx(2.2, abs=1e-3)  # CPU seconds halved
+    del rows[0]["cpu_seconds"]  # a plain row without CPU time: no CPU ratio against plain
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert lookup.summary(out)["ngram:8 B=8"]["cpu_speedup_vs_plain"] is None
