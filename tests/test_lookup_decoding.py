@@ -77,7 +77,7 @@ class Halves:
 
 RULES = {"constant_k": lambda: make_policy("constant_k", 3), "reads_later": lambda: ReadsLaterTokens(threshold=1.0),
          "lookup_table": lambda: make_policy("lookup_table", 0.3),  # a verify cost that makes its lengths vary
-         "lookup_plan_online": lambda: OnlineEstimatorPlanned(threshold=0.3, estimator=Halves(), rate=0.3)}
+         "lookup_plan_online": lambda: OnlineEstimatorPlanned(threshold=0.3, estimator=Halves(), rate=0.3, half_life=4)}
 
 
 CASES = [("ngram", 1, "constant_k"), ("ngram", 100, "reads_later"), ("ngram", 100, "lookup_table"),
