@@ -55,7 +55,7 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
-from specheads.decoding.free_replay import geometric_speedup
+from specheads.decoding.free_replay import geometric_speedup, reads_suffix
 from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
@@ -240,7 +240,7 @@ class Runner:
                          if policy is not None and isinstance(policy, (AcceptanceTable, EstimatorPlanned))}
 
     def engine(self, rule: str) -> RoundEngine:
-        kind = "suffix" if rule.startswith("suffix_own:") else "ngram"
+        kind = "suffix" if reads_suffix(rule) else "ngram"
         if kind not in self.engines:
             self.engines[kind] = RoundEngine(self.target, LookupDraft(kind), self.transform, sorted(self.stops))
         return self.engines[kind]
