@@ -4,11 +4,12 @@ rule by rule, per prompt family and overall, with paired 95 % intervals.
     OMP_NUM_THREADS=1 python benchmarks/lookup_decode.py --per-family 3 --temperature 0 \
         --head runs/lookup/train-stop/head --out runs/lookup-wallclock/confirm-t0.json
 
-Each prompt (the first `--per-family` of each `category` of `--prompt-file`, families taken in turn) is decoded by the
-target alone (`specheads.eval.wall_clock.target_alone`: one cached forward a token, its prefill computing the last
-position's logits only) and then under every rule, back to back, the rules' order rotated from prompt to prompt, after
-one short untimed run of each on the first prompt; both sides read the target's linear weights prepacked once
-(`specheads.pair.packed`), on one thread (`torch.set_num_threads(1)`; run it with OMP_NUM_THREADS=1). A rule is:
+Each prompt (the first `--per-family` of each `category` of `--prompt-file` after its first `--skip-per-family`,
+families taken in turn) is decoded by the target alone (`specheads.eval.wall_clock.target_alone`: one cached forward a
+token, its prefill computing the last position's logits only) and then under every rule, back to back, the rules'
+order rotated from prompt to prompt, after one short untimed run of each on the first prompt; both sides read the
+target's linear weights prepacked once (`specheads.pair.packed`), on one thread (`torch.set_num_threads(1)`; run it
+with OMP_NUM_THREADS=1). A rule is:
 
 - `constant_k:K`: prompt lookup (`LookupDraft`, n-gram sizes 3 down to 1, the earliest match), the whole proposal up
   to K verified (vLLM ngram's K in its docs' example is 5, transformers' `prompt_lookup_num_tokens` docs suggest 10).
@@ -84,7 +85,8 @@ class LookupBenchmark:
     Args:
         target: the target model.
         prompt_file: JSONL of prompts with a `category` (the family).
-        per_family: prompts of each family (the first of each, families in turn).
+        per_family: prompts of each family (the first of each after `skip_per_family`, families in turn).
+        skip_per_family: prompts of each family passed over first (a run on prompts no earlier run decoded).
         max_new_tokens: tokens per request.
         temperature: the sampling temperature (0: greedy).
         rules: `name:value` rules (module docstring).
@@ -103,6 +105,7 @@ class LookupBenchmark:
     target: str = "embedded:smollm2"
     prompt_file: str = PROMPTS
     per_family: int = 3
+    skip_per_family: int = 0
     max_new_tokens: int = 256
     temperature: float = 0.0
     rules: list[str] = field(default_factory=lambda: [
@@ -123,6 +126,8 @@ class LookupBenchmark:
                             ("max_draft", self.max_draft), ("resamples", self.resamples)):
             if value < 1:
                 raise UsageError(f"--{flag.replace('_', '-')} {value} must be at least 1")
+        if self.skip_per_family < 0:
+            raise UsageError(f"--skip-per-family {self.skip_per_family} must be at least 0")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise UsageError(f"--temperature {self.temperature} must be a finite number >= 0 (0: greedy)")
         if not Path(self.prompt_file).is_file():
@@ -195,7 +200,8 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
 
 
 def chosen_prompts(args: LookupBenchmark) -> list[tuple[str, str, Any]]:
-    """(id, family, prompt) of the first `per_family` prompts of each family, families taken in turn."""
+    """(id, family, prompt) of `per_family` prompts of each family after its first `skip_per_family`, families taken
+    in turn."""
     family = {}
     with open(args.prompt_file) as lines:
         for line in lines:
@@ -206,7 +212,7 @@ def chosen_prompts(args: LookupBenchmark) -> list[tuple[str, str, Any]]:
     for prompt in load_prompts(args.prompt_file):
         by_family.setdefault(family.get(prompt.id, "all"), []).append(prompt)
     chosen = []
-    for index in range(args.per_family):
+    for index in range(args.skip_per_family, args.skip_per_family + args.per_family):
         chosen += [(group[index].id, name, group[index]) for name, group in by_family.items() if index < len(group)]
     return chosen
 
@@ -341,7 +347,7 @@ def paired(runs: dict[str, dict[str, Any]], families: dict[str, str], mine: str,
 def settings(args: LookupBenchmark) -> dict[str, Any]:
     """What a resumed run must share with the results it extends."""
     kept = asdict(args)
-    for name in ("per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only"):
+    for name in ("per_family", "skip_per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only"):
         kept.pop(name)
     return kept
 

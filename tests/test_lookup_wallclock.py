@@ -129,3 +129,11 @@ def test_refusals_before_any_model_loads(bench, family_prompts, head_folder, tmp
     (tmp_path / "r.json").write_text(json.dumps({"settings": {"temperature": 1.0}, "runs": {}}))
     with pytest.raises(UsageError, match="another"):
         bench.load_results(bench.LookupBenchmark(**base))
+
+
+def test_skip_per_family_takes_each_familys_next_prompts_and_refuses_a_negative_count(bench, family_prompts):
+    args = bench.LookupBenchmark(prompt_file=str(family_prompts), per_family=1, skip_per_family=1)
+    assert [(pid, family) for pid, family, _ in bench.chosen_prompts(args)] == [("q2", "copy"), ("q3", "chat")]
+    assert [pid for pid, _, _ in bench.chosen_prompts(dataclasses.replace(args, skip_per_family=0))] == ["q0", "q1"]
+    with pytest.raises(UsageError, match="skip-per-family"):
+        dataclasses.replace(args, skip_per_family=-1).check()
