@@ -45,7 +45,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -96,6 +96,8 @@ class LookupBenchmark:
         resamples: bootstrap resamples of the prompts for the intervals.
         out: the JSON of results (resumed when it exists with the same settings).
         report_only: summarise the runs finished in `out` without decoding more.
+        pool: results JSONs of earlier runs under the same settings on other prompts (e.g. `--skip-per-family`), summarised
+            together into `out` (a new file), prompt by prompt; with `report_only`.
         decode_only: time each run's decode phase only, its seconds less its decoder's first forward's (the
             prompt's prefill, on every side; the engine's also reads its first round's proposal): at T > 0, where
             the sides emit different numbers of tokens, a run that stops early otherwise pays the same prefill over
@@ -119,6 +121,7 @@ class LookupBenchmark:
     out: str = "runs/lookup-wallclock/results.json"
     report_only: bool = False
     decode_only: bool = False
+    pool: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """Refuse bad counts, a missing prompt file or head, unknown rules and comparisons of rules not run."""
@@ -138,6 +141,11 @@ class LookupBenchmark:
             make_rule(rule, self.max_draft, None, check_only=True)
         if any(rule.split(":")[0] in HEAD_RULES for rule in self.rules) != bool(self.head):
             raise UsageError("lookup_plan reads the token-only head --head: give both or neither")
+        if self.pool and (not self.report_only or Path(self.out).exists()):
+            raise UsageError("--pool summarises earlier runs into a new --out with --report-only true; give both")
+        for path in self.pool:
+            if not Path(path).is_file():
+                raise UsageError(f"--pool {path} does not exist; give the results JSON of an earlier run")
         for pair in self.compare:
             if len(pair.split(":")) != 4 or not all(side in self.rules for side in split_pair(pair)):
                 raise UsageError(f"--compare {pair!r} is not A:B with A and B two of --rules (e.g. "
@@ -199,15 +207,16 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
     return make_policy(name, threshold, max_draft)
 
 
+def prompt_families(prompt_file: str) -> dict[str, str]:
+    """Each prompt id's family (its `category`, else `all`)."""
+    with open(prompt_file) as lines:
+        return {record["id"]: record.get("category", "all") for record in map(json.loads, filter(str.strip, lines))}
+
+
 def chosen_prompts(args: LookupBenchmark) -> list[tuple[str, str, Any]]:
     """(id, family, prompt) of `per_family` prompts of each family after its first `skip_per_family`, families taken
     in turn."""
-    family = {}
-    with open(args.prompt_file) as lines:
-        for line in lines:
-            if line.strip():
-                record = json.loads(line)
-                family[record["id"]] = record.get("category", "all")
+    family = prompt_families(args.prompt_file)
     by_family: dict[str, list[Any]] = {}
     for prompt in load_prompts(args.prompt_file):
         by_family.setdefault(family.get(prompt.id, "all"), []).append(prompt)
@@ -347,7 +356,8 @@ def paired(runs: dict[str, dict[str, Any]], families: dict[str, str], mine: str,
 def settings(args: LookupBenchmark) -> dict[str, Any]:
     """What a resumed run must share with the results it extends."""
     kept = asdict(args)
-    for name in ("per_family", "skip_per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only"):
+    for name in ("per_family", "skip_per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only",
+                 "pool"):
         kept.pop(name)
     return kept
 
@@ -364,9 +374,26 @@ def load_results(args: LookupBenchmark) -> dict[str, Any]:
     return results
 
 
+def pooled_results(args: LookupBenchmark) -> dict[str, Any]:
+    """The runs of every `--pool` JSON as one set, refused when one was made under other settings, lacks a rule or
+    repeats a prompt."""
+    pooled: dict[str, Any] = {"settings": settings(args), "runs": {}, "pooled_from": list(args.pool)}
+    for path in args.pool:
+        results = load_results(replace(args, out=path, pool=[]))
+        for pid, run in results["runs"].items():
+            missing = [rule for rule in ["alone", *args.rules] if rule not in run]
+            if missing or pid in pooled["runs"]:
+                why = f"lacks {missing[0]} on {pid}" if missing else f"repeats {pid}"
+                raise UsageError(f"--pool {path} {why}; pool runs of other prompts that ran every --rules")
+            pooled["runs"][pid] = run
+    return pooled
+
+
 def benchmark(args: LookupBenchmark) -> dict[str, Any]:
     """Decode the chosen prompts by the target alone and under every rule, interleaved, resuming `args.out`."""
     torch.set_num_threads(1)
+    if args.pool:
+        return report(args, pooled_results(args), prompt_families(args.prompt_file))
     results = load_results(args)
     if args.report_only:
         return report(args, results, {pid: family for pid, family, _ in chosen_prompts(args)})

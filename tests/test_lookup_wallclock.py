@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,36 @@ def test_every_rule_is_timed_and_paired_with_the_target_alone_and_resumes(bench,
     assert again["runs"] == before["runs"]  # resumed: every (rule, prompt) finished, none run again
     assert again["verify_curve"] == before["verify_curve"]  # and planned with the curve it first read
     check_decode_only(bench, args, before)
+    check_pool(bench, args, before, tmp_path)
+
+
+def check_pool(bench, args, results, tmp_path):
+    """--pool: two runs on other prompts summarised as one, prompt by prompt; a repeated prompt, other settings or a
+    missing rule refused."""
+    parts = []
+    for pid in results["runs"]:
+        part = tmp_path / f"part-{pid}.json"
+        part.write_text(json.dumps({"settings": results["settings"], "runs": {pid: results["runs"][pid]}}))
+        parts.append(str(part))
+    pool = dataclasses.replace(args, report_only=True, pool=parts, out=str(tmp_path / "pooled.json"))
+    pool.check()
+    pooled = bench.benchmark(pool)
+    for rule in RULES:
+        assert pooled["summary"][rule]["all"]["speedup"] == pytest.approx(results["summary"][rule]["all"]["speedup"])
+    for pair, row in results["paired"].items():
+        assert pooled["paired"][pair]["all"]["ratio"] == pytest.approx(row["all"]["ratio"])
+    assert json.loads((tmp_path / "pooled.json").read_text())["pooled_from"] == parts
+    with pytest.raises(UsageError, match="new --out"):
+        pool.check()  # pooled.json now exists
+    for bad, match in (([parts[0], parts[0]], "repeats"), ([args.out], "lacks")):
+        with pytest.raises(UsageError, match=match):
+            bench.benchmark(dataclasses.replace(pool, pool=bad, rules=[*RULES, "constant_k:5"] if match == "lacks"
+                                                else RULES, out=str(tmp_path / f"{match}.json")))
+    other = json.loads(Path(parts[1]).read_text())
+    other["settings"]["max_new_tokens"] += 1
+    Path(parts[1]).write_text(json.dumps(other))
+    with pytest.raises(UsageError, match="max-new-tokens"):
+        bench.benchmark(dataclasses.replace(pool, out=str(tmp_path / "other.json")))
 
 
 def check_decode_only(bench, args, results):
