@@ -21,6 +21,7 @@ with OMP_NUM_THREADS=1). A rule is:
 - `lookup_gate:t`: speculate or not per round: the whole proposal (up to `--max-draft`) when vLLM's online table
   expects it to emit more tokens than its verify costs at t a verified token, else a plain target step.
 - `lookup_plan:t`: the cost-read planner fed the token-only head `--head` (`specheads.lookup.token_head.TokenHead`);
+  `suffix_plan:t` the same planner on SuffixDecoding's drafts, fed `--suffix-head`, a token head trained on them;
   `lookup_plan_online:t` the same estimates shifted online by what the decode verifies (`specheads.decoding.free_rules`);
   its forwards run inside the timed decode (charged) and are also timed on their own.
 The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from the target's verify curve, measured
@@ -56,7 +57,7 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
-from specheads.decoding.free_replay import geometric_speedup, reads_suffix
+from specheads.decoding.free_replay import SUFFIX_PLAN, geometric_speedup, reads_suffix
 from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
@@ -92,6 +93,7 @@ class LookupBenchmark:
         rules: `name:value` rules (module docstring).
         max_draft: the adaptive rules' most proposed tokens a round.
         head: the token-only head folder that `lookup_plan` reads.
+        suffix_head: the token-only head folder, trained on suffix drafts, that `suffix_plan` reads.
         compare: `A:B` pairs of rules whose paired ratio the summary gives (A over B).
         resamples: bootstrap resamples of the prompts for the intervals.
         out: the JSON of results (resumed when it exists with the same settings).
@@ -116,6 +118,7 @@ class LookupBenchmark:
         f"lookup_gate:{PACKED_CPU_TOKEN_COST}"])
     max_draft: int = 16
     head: str | None = None
+    suffix_head: str | None = None
     compare: list[str] = field(default_factory=list)
     resamples: int = 1000
     out: str = "runs/lookup-wallclock/results.json"
@@ -141,6 +144,8 @@ class LookupBenchmark:
             make_rule(rule, self.max_draft, None, check_only=True)
         if any(rule.split(":")[0] in HEAD_RULES for rule in self.rules) != bool(self.head):
             raise UsageError("lookup_plan reads the token-only head --head: give both or neither")
+        if any(rule.split(":")[0] == SUFFIX_PLAN for rule in self.rules) != bool(self.suffix_head):
+            raise UsageError("suffix_plan reads the token-only head --suffix-head: give both or neither")
         if self.pool and (not self.report_only or Path(self.out).exists()):
             raise UsageError("--pool summarises earlier runs into a new --out with --report-only true; give both")
         for path in self.pool:
@@ -200,8 +205,9 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
         return None
     if name == "lookup_gate":
         return SpeculateOrNot(threshold=threshold, max_draft=max_draft)
-    if name in HEAD_RULES:
-        return None if check_only else RULES[name](threshold=threshold, max_draft=max_draft, estimator=estimator)
+    if name in HEAD_RULES or name == SUFFIX_PLAN:
+        return None if check_only else RULES["lookup_plan" if name == SUFFIX_PLAN else name](
+            threshold=threshold, max_draft=max_draft, estimator=estimator)
     if name == "constant_k":
         return make_policy(name, threshold, max(int(threshold), 1))
     return make_policy(name, threshold, max_draft)
@@ -248,17 +254,25 @@ class Runner:
         self.args, self.target, self.stops = args, target, stops
         self.transform = SamplingTransform(args.temperature)
         self.estimator = TimedEstimator(TokenHead.load(args.head, "lookup", 0)) if args.head else None
+        self.suffix_estimator = TimedEstimator(TokenHead.load(args.suffix_head, "suffix", 0)) if args.suffix_head else None
         self.engines: dict[str, RoundEngine] = {}
-        self.policies = {rule: make_rule(rule, args.max_draft, self.estimator) for rule in args.rules}
+        self.policies = {rule: make_rule(rule, args.max_draft, self.estimator_of(rule)) for rule in args.rules}
         costs = None if curve is None else free_draft_costs(curve)
         self.planners = {rule: policy.planner(costs) for rule, policy in self.policies.items()
                          if policy is not None and isinstance(policy, (AcceptanceTable, EstimatorPlanned))}
 
+    def estimator_of(self, rule: str) -> TimedEstimator | None:
+        """The head `rule` reads: trained on the draft kind it reads."""
+        return self.suffix_estimator if reads_suffix(rule) else self.estimator
+
     def engine(self, rule: str) -> RoundEngine:
-        kind = "suffix" if reads_suffix(rule) else "ngram"
-        if kind not in self.engines:
-            self.engines[kind] = RoundEngine(self.target, LookupDraft(kind), self.transform, sorted(self.stops))
-        return self.engines[kind]
+        """Prompt lookup's engine, shared; each suffix rule its own, so that no rule's global tree holds another
+        rule's output of the prompt it decodes."""
+        key = rule if reads_suffix(rule) else "ngram"
+        if key not in self.engines:
+            kind = "suffix" if reads_suffix(rule) else "ngram"
+            self.engines[key] = RoundEngine(self.target, LookupDraft(kind), self.transform, sorted(self.stops))
+        return self.engines[key]
 
     def alone(self, prompt: list[int], seed: int, tokens: int | None = None) -> dict[str, Any]:
         """The target alone on `prompt`: its record."""
@@ -272,7 +286,8 @@ class Runner:
         """`rule` on `prompt`, timed: its record (tokens, seconds, target calls, drafted, accepted, head seconds)."""
         tokens = tokens or self.args.max_new_tokens
         policy = self.policies[rule]
-        heads = len(self.estimator.seconds) if self.estimator else 0
+        estimator = self.estimator_of(rule)
+        heads = len(estimator.seconds) if estimator else 0
         if policy is None:
             with timed_forwards(self.target) as forwards, timed_forwards(self.target.base_model) as decoder:
                 output, seconds = transformers_lookup(self.target, prompt, int(float(rule.split(":")[1])),
@@ -286,9 +301,8 @@ class Runner:
             record = {"drafted": result.drafted, "accepted": result.accepted, "target_calls": result.target_calls,
                       "target_seconds": result.target_seconds}
         record.update(tokens=len(output), seconds=seconds, prefill_seconds=decoder[0], output=output)
-        if self.estimator is not None and rule.split(":")[0] in HEAD_RULES:
-            record["head_seconds"], record["head_calls"] = sum(self.estimator.seconds[heads:]), len(
-                self.estimator.seconds) - heads
+        if estimator is not None and rule.split(":")[0] in (*HEAD_RULES, SUFFIX_PLAN):
+            record["head_seconds"], record["head_calls"] = sum(estimator.seconds[heads:]), len(estimator.seconds) - heads
         return record
 
 
@@ -359,6 +373,8 @@ def settings(args: LookupBenchmark) -> dict[str, Any]:
     for name in ("per_family", "skip_per_family", "compare", "resamples", "out", "rules", "report_only", "decode_only",
                  "pool"):
         kept.pop(name)
+    if kept["suffix_head"] is None:  # runs made before suffix_plan existed resume and pool with runs that have none
+        kept.pop("suffix_head")
     return kept
 
 

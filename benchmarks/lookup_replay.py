@@ -19,7 +19,8 @@ what the wall clock then confirms on prompts never used for a choice.
         --rule constant_k:8 --rule lookup_table:0.043 --rule lookup_plan:0.043 --head runs/lookup2/train-stop/head \
         --compare lookup_plan:0.043/lookup_table:0.043
 
-SuffixDecoding's drafts replay under `suffix_own:p` and `suffix_oracle` (`specheads.decoding.free_replay`).
+SuffixDecoding's drafts replay under `suffix_own:p`, `suffix_oracle` and `suffix_plan:t`, the cost-read planner fed
+a token head trained on suffix drafts (`--suffix-head`) (`specheads.decoding.free_replay`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from specheads.decoding.free_replay import (  # noqa: F401  (the replay's names,
     geometric_interval,
     greedy_refusal,
     make_rule,
+    reads_suffix,
     replay,
     replay_speedups,
     summarise,
@@ -52,7 +54,8 @@ from specheads.plumbing.files import write_json_atomic
 
 
 def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft: int,
-        curve: CostCurve | None, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+        curve: CostCurve | None, progress: Callable[[str], None] = lambda line: None,
+        suffix_head: str | None = None) -> dict[str, Any]:
     """Every rule on every greedy response of `labels`, in the labels' order (`replay_speedups`), forwards priced by
     the target's verify `curve` (None: 1 + t·k, t the prepacked CPU's `PACKED_CPU_TOKEN_COST`)."""
     rows = load_lookup(labels)
@@ -69,10 +72,10 @@ def run(labels: str, prompts: str, rules: list[str], head: str | None, max_draft
         progress(f"{ids[index]}: " + ", ".join(f"{rule} {values[-1]:.2f}x" for rule, values in found.items()))
 
     speedups = replay_speedups(((row["prompt_ids"], row["target_ids"]) for row in rows), rules, head, max_draft, curve,
-                               report)
+                               report, suffix_head)
     families = [category.get(prompt_id, "unknown") for prompt_id in ids]
     return {"labels": labels, "max_draft": max_draft, "verify_curve": None if curve is None else curve.as_dict(), "head": head,
-            "summary": summarise(speedups, families), "prompt_ids": ids, "per_prompt": speedups}
+            "suffix_head": suffix_head, "summary": summarise(speedups, families), "prompt_ids": ids, "per_prompt": speedups}
 
 
 def paired(found: dict[str, Any], pairs: list[str]) -> dict[str, dict[str, Any]]:
@@ -99,6 +102,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompts", required=True, help="the prompts' JSONL (its `category` is the family)")
     parser.add_argument("--rule", action="append", required=True, help="name:value, or oracle (repeatable)")
     parser.add_argument("--head", help="the token head lookup_plan reads")
+    parser.add_argument("--suffix-head", help="the token head suffix_plan reads (trained on suffix drafts)")
     parser.add_argument("--max-draft", type=int, default=32, help="the adaptive rules' most proposed tokens a round")
     parser.add_argument("--verify-curve", help="a benchmarks/lookup_decode.py results JSON: its measured verify_curve "
                         "prices the forwards and feeds the planners (default: 1 + t·k, t = PACKED_CPU_TOKEN_COST)")
@@ -114,8 +118,8 @@ def main(argv: list[str]) -> int:
                              "(e.g. lookup_plan:0.043/lookup_table:0.043)")
     curve = read_curve(args.verify_curve) if args.verify_curve else None
     for rule in args.rule:
-        make_rule(rule, args.max_draft, args.head, curve)
-    found = run(args.labels, args.prompts, args.rule, args.head, args.max_draft, curve)
+        make_rule(rule, args.max_draft, args.suffix_head if reads_suffix(rule) else args.head, curve)
+    found = run(args.labels, args.prompts, args.rule, args.head, args.max_draft, curve, suffix_head=args.suffix_head)
     for rule, row in found["summary"].items():
         print(f"{rule}: " + ", ".join(f"{family} {v['speedup']:.3f}x [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                                       for family, v in row.items()))

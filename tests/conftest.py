@@ -150,6 +150,17 @@ def target_greedy(target, prompt: list[int], count: int) -> list[int]:
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
+def random_token_head(folder: Path, draft_kind: str = "lookup", seed: int = 0) -> str:
+    """A token-only stop head with random weights for `draft_kind`, exported as `specheads train lookup fit` exports
+    one: its folder."""
+    import torch
+
+    from specheads.heads.lookup import TokenHeadModel
+
+    torch.manual_seed(seed)
+    return str(TokenHeadModel("lookup_token_stop", width=16, depth=1, draft_kind=draft_kind).export(folder))
+
+
 def load_benchmark(name: str):
     """The module benchmarks/NAME.py (the benchmarks are scripts, not a package), registered under its file's name so
     that its dataclasses resolve."""

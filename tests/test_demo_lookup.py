@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import random_token_head
 
 from specheads.cli import main
 from specheads.decoding.costs import CostCurve
@@ -24,19 +25,12 @@ from specheads.heads.lookup import TokenHeadModel
 SUMMARY = Path(__file__).parent / "fixtures" / "demo_summary.json"
 
 
-def token_head(folder: Path, seed: int = 0) -> str:
-    import torch
-
-    torch.manual_seed(seed)
-    return str(TokenHeadModel("lookup_token_stop", width=16, depth=1, draft_kind="lookup").export(folder))
-
-
 @pytest.fixture(scope="module")
 def decoded(tiny_model, prompts_file, tmp_path_factory) -> tuple[dict, lookup.LookupSettings, Layout]:
     """The line for the tiny target: 3 prompts × 12 tokens, every rule, a random token head's rule among them."""
     root = tmp_path_factory.mktemp("demo")
     settings = lookup.LookupSettings(prompts=3, max_new_tokens=12, rules=tuple(lookup.RULES),
-                                     head=token_head(root / "head"), target=str(tiny_model),
+                                     head=random_token_head(root / "head"), target=str(tiny_model),
                                      prompt_file=str(prompts_file), resamples=100)
     layout = Layout(root / "demo")
     return lookup.lookup_line(DemoConfig(), layout, settings), settings, layout
@@ -82,10 +76,10 @@ def test_a_kept_line_is_reused_until_its_head_changes(decoded, monkeypatch):
     result, settings, layout = decoded
     monkeypatch.setattr(lookup, "measure", lambda settings: pytest.fail("a kept line was decoded again"))
     assert lookup.lookup_line(DemoConfig(), layout, settings) == result
-    token_head(Path(settings.head), seed=1)  # the head exported again into the same folder: decoded again
+    random_token_head(Path(settings.head), seed=1)  # the head exported again into the same folder: decoded again
     monkeypatch.setattr(lookup, "measure", lambda settings: {"prompts": 1})
     assert lookup.lookup_line(DemoConfig(), layout, settings)["prompts"] == 1
-    token_head(Path(settings.head), seed=0)
+    random_token_head(Path(settings.head), seed=0)
     monkeypatch.setattr(lookup, "measure", lambda settings: {"prompts": 2})
     assert lookup.lookup_line(DemoConfig(), layout, replace(settings, max_new_tokens=8))["prompts"] == 2
 
@@ -105,7 +99,7 @@ def test_without_a_shipped_token_head_its_rule_is_left_out_and_said(tmp_path, mo
     broken = lookup.lookup_settings(DemoConfig())
     assert broken.head is None and "cannot be read" in broken.missing and "lookup_plan:0.043" not in broken.rules
     # one that is: its rule decoded, the full demo's line larger
-    monkeypatch.setattr(lookup, "shipped_heads", lambda: {lookup.SHIPPED_LOOKUP_HEAD: Path(token_head(tmp_path / "h"))})
+    monkeypatch.setattr(lookup, "shipped_heads", lambda: {lookup.SHIPPED_LOOKUP_HEAD: Path(random_token_head(tmp_path / "h"))})
     full = lookup.lookup_settings(DemoConfig())
     assert full.rules == tuple(lookup.RULES) and full.missing is None and (full.prompts, full.max_new_tokens) == (9, 128)
 

@@ -82,7 +82,8 @@ RULES = {"constant_k": lambda: make_policy("constant_k", 3), "reads_later": lamb
 
 CASES = [("ngram", 1, "constant_k"), ("ngram", 100, "reads_later"), ("ngram", 100, "lookup_table"),
          ("ngram", 100, "lookup_plan_online"),
-         pytest.param("suffix", 100, "constant_k", marks=SUFFIX), pytest.param("suffix", 1, "reads_later", marks=SUFFIX)]
+         pytest.param("suffix", 100, "constant_k", marks=SUFFIX), pytest.param("suffix", 1, "reads_later", marks=SUFFIX),
+         pytest.param("suffix", 100, "lookup_plan_online", marks=SUFFIX)]  # suffix_plan: the planner on suffix drafts
 
 
 @pytest.mark.parametrize(("kind", "batch", "rule"), CASES)

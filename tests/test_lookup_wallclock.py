@@ -10,13 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import load_benchmark
-from safetensors.torch import save_file
+from conftest import load_benchmark, random_token_head
 
 from specheads.decoding.verify_curve import VERIFY_TOKENS
-from specheads.lookup.features import FEATURE_NAMES
-from specheads.lookup.token_head import CONFIG, FORMAT, STOP, WEIGHTS, expected_shapes
+from specheads.lookup.proposers import suffix_available
 from specheads.plumbing.errors import UsageError
 
 TEXT = "def add(a, b): return a + b. def add(a, b): return a + b. def add(a, b):"
@@ -30,17 +27,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def head_folder(tmp_path_factory):
-    """A token-only stop head with random weights, exported as `specheads train lookup fit` exports one."""
-    config = {"format": FORMAT, "head_type": STOP, "purpose": "stop", "inputs": list(FEATURE_NAMES), "width": 8,
-              "depth": 1, "target_state_size": 0, "draft_kind": "lookup"}
-    generator = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(shape, generator=generator) for name, shape in expected_shapes(config).items()}
-    tensors["feature_mean"].zero_()
-    tensors["feature_std"].fill_(1.0)
-    folder = tmp_path_factory.mktemp("token-head")
-    (folder / CONFIG).write_text(json.dumps(config))
-    save_file(tensors, str(folder / WEIGHTS))
-    return folder
+    return random_token_head(tmp_path_factory.mktemp("token-head"), "lookup")
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +155,27 @@ def test_skip_per_family_takes_each_familys_next_prompts_and_refuses_a_negative_
     assert [pid for pid, _, _ in bench.chosen_prompts(dataclasses.replace(args, skip_per_family=0))] == ["q0", "q1"]
     with pytest.raises(UsageError, match="skip-per-family"):
         dataclasses.replace(args, skip_per_family=-1).check()
+
+
+@pytest.mark.skipif(not suffix_available(), reason="suffix drafts need arctic-inference (sh scripts/install.sh test)")
+def test_suffix_rules_decode_in_engines_of_their_own_and_suffix_plan_reads_a_suffix_head(bench, tiny_model,
+                                                                                          family_prompts, tmp_path):
+    """suffix_plan: the planner fed a head trained on suffix drafts, its forwards timed; each suffix rule keeps its own
+    global tree (one shared would hold the other rule's output of the prompt being decoded); refusals in one line."""
+    suffix_head = random_token_head(tmp_path / "suffix-head", "suffix")
+    rules = ["suffix_own:0.1", "suffix_plan:0.043"]
+    args = bench.LookupBenchmark(target=str(tiny_model), prompt_file=str(family_prompts), per_family=1,
+                                 max_new_tokens=8, temperature=0.0, rules=rules, suffix_head=str(suffix_head),
+                                 resamples=50, out=str(tmp_path / "results.json"))
+    args.check()
+    results = bench.benchmark(args)
+    for run in results["runs"].values():
+        assert all(run[rule]["output"] == run["alone"]["output"] for rule in rules)
+        assert run["suffix_plan:0.043"]["head_calls"] > 0 and "head_calls" not in run["suffix_own:0.1"]
+    runner = bench.Runner(args, bench.load_model(bench.ModelSpec(path=str(tiny_model))), set())
+    assert runner.engine("suffix_own:0.1") is not runner.engine("suffix_plan:0.043")
+    assert runner.engine("suffix_own:0.1") is runner.engine("suffix_own:0.1")
+    with pytest.raises(UsageError, match="--suffix-head"):
+        dataclasses.replace(args, suffix_head=None).check()
+    with pytest.raises(UsageError, match="draft"):  # a head trained on prompt lookup's drafts is refused
+        bench.Runner(dataclasses.replace(args, suffix_head=str(random_token_head(tmp_path / "l", "lookup"))), None, set())

@@ -1,16 +1,16 @@
 """Replay greedy decodes of a free draft (prompt lookup, SuffixDecoding's suffix drafts) under any rule, with no model
 forward: the counted cost a rule would pay.
 
-At T = 0 a point-mass draft is accepted exactly while it equals the target's greedy output, so the greedy response y
-of a prompt (the `target_ids` of lookup labels, `specheads gen --drafter.kind lookup --temperature 0`) decides every
-round of every exact decode of it: a round at output position s proposes from the prompt and y_<s (`ngram_propose`,
-the decoder's `LookupDraft`; SuffixDecoding's trees for `suffix_own:p` and `suffix_oracle`, one `SuffixProposer` kept
-across a rule's requests as the decoder keeps it), the rule chooses how many of the proposed tokens to verify (the rule objects and
-planners our decoder runs: `constant_k`, vLLM's online table, a token head's cost-read planner), the round accepts
-the longest prefix that y continues with and ends one token later. A round verifying k proposed tokens costs one
-target forward of k + 1 tokens, `price(k + 1)` one-token forwards; the target alone costs 1 a token, so a rule's
-counted speedup on a prompt is |y| / its cost. `benchmarks/lookup_replay.py` and `specheads eval --draft-kind lookup`
-both replay through this module.
+At T = 0 a point-mass draft is accepted exactly while it equals the target's greedy output, so the greedy response y of
+a prompt (the `target_ids` of lookup labels, `specheads gen --drafter.kind lookup --temperature 0`) decides every round
+of every exact decode of it: a round at output position s proposes from the prompt and y_<s (`ngram_propose`, the
+decoder's `LookupDraft`; SuffixDecoding's trees for `suffix_own:p`, `suffix_plan:t` and `suffix_oracle`, one
+`SuffixProposer` kept across a rule's requests as the decoder keeps it), the rule chooses how many of the proposed
+tokens to verify (the rule objects and planners our decoder runs: `constant_k`, vLLM's online table, a token head's
+cost-read planner), the round accepts the longest prefix that y continues with and ends one token later. A round
+verifying k proposed tokens costs one target forward of k + 1 tokens, `price(k + 1)` one-token forwards; the target
+alone costs 1 a token, so a rule's counted speedup on a prompt is |y| / its cost. `benchmarks/lookup_replay.py` and
+`specheads eval --draft-kind lookup` both replay through this module.
 """
 
 from __future__ import annotations
@@ -35,16 +35,21 @@ from specheads.plumbing.errors import UsageError
 ORACLE = "oracle"
 SUFFIX_ORACLE = "suffix_oracle"
 """The oracle on SuffixDecoding's proposals (as its own rule cuts them: the headroom any stop rule has over it)."""
+SUFFIX_PLAN = "suffix_plan"
+"""`lookup_plan` on SuffixDecoding's proposals, fed a token head trained on suffix drafts (`specheads gen
+--drafter.kind suffix`): the decoder takes the draft kind apart from the rule, the replay and the wall clock by name."""
 
 
 def reads_suffix(rule: str) -> bool:
-    """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_oracle`) rather than prompt lookup's."""
-    return rule == SUFFIX_ORACLE or rule.startswith("suffix_own:")
+    """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_plan:t`, `suffix_oracle`) rather than
+    prompt lookup's."""
+    return rule == SUFFIX_ORACLE or rule.startswith(("suffix_own:", f"{SUFFIX_PLAN}:"))
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
     """(policy, planner or None) of `name:value` (`oracle` has neither), planners reading the target's verify `curve`
-    where given; refused in one line when malformed."""
+    where given; refused in one line when malformed. `head`: the token head a head rule reads, trained on the draft
+    kind the rule reads (`reads_suffix`)."""
     if rule in (ORACLE, SUFFIX_ORACLE):
         return None, None
     name, _, value = rule.partition(":")
@@ -52,10 +57,12 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
         threshold = float(value)
     except ValueError:
         raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
-    if name in HEAD_RULES:
+    if name in HEAD_RULES or name == SUFFIX_PLAN:
         if not head:
-            raise UsageError(f"{name} reads a token head: give --head DIR")
-        policy = RULES[name](threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, "lookup"))
+            raise UsageError(f"{name} reads a token head: give --{'suffix-' if name == SUFFIX_PLAN else ''}head DIR")
+        kind = "suffix" if name == SUFFIX_PLAN else "lookup"
+        policy = RULES["lookup_plan" if name == SUFFIX_PLAN else name](
+            threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, kind))
     else:
         policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
     costs = None if curve is None else free_draft_costs(curve)
@@ -178,11 +185,12 @@ def forward_price(curve: CostCurve | None) -> Callable[[int], float]:
 
 def replay_speedups(responses: Iterable[tuple[list[int], list[int]]], rules: list[str], head: str | None,
                     max_draft: int, curve: CostCurve | None = None,
-                    progress: Callable[[dict[str, list[float]]], None] = lambda found: None) -> dict[str, list[float]]:
+                    progress: Callable[[dict[str, list[float]]], None] = lambda found: None,
+                    suffix_head: str | None = None) -> dict[str, list[float]]:
     """Every rule's counted speedup on every (prompt, greedy response), in the given order (online planners and
     SuffixDecoding's global tree keep their state from prompt to prompt, as a server's do), forwards priced by
-    `forward_price(curve)`."""
-    made = {rule: make_rule(rule, max_draft, head, curve) for rule in rules}
+    `forward_price(curve)`; `suffix_head` is the head `suffix_plan` reads."""
+    made = {rule: make_rule(rule, max_draft, suffix_head if reads_suffix(rule) else head, curve) for rule in rules}
     trees = {rule: SuffixProposer() for rule in rules if reads_suffix(rule)}
     price = forward_price(curve)
     speedups: dict[str, list[float]] = {rule: [] for rule in rules}
