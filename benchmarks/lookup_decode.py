@@ -28,7 +28,9 @@ The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from 
 once at the start on this machine as the rules then run (`measure_verify_curve`: one request's forward of n tokens over
 the first prompt, prepacked, the sizes timed in turn; kept in the JSON as `verify_curve`, reused on resume); t is
 the summary's counted price of a verified token (`PACKED_CPU_TOKEN_COST`), not tuned. Planners that learn online
-(vLLM's table) keep their state from prompt to prompt within a process, as a server's do; a resumed run starts them cold.
+(vLLM's table) and SuffixDecoding's global trees keep their state from prompt to prompt within a process, as a
+server's do, starting cold after the untimed warm-up (L1–L4b's runs kept the warm-up's first 4 tokens of the first
+prompt); a resumed run starts them cold.
 
 Every side pays its own work inside its seconds: the proposal's search (Python, per round), the planner, the head's
 forwards, the engine's bookkeeping; the target alone pays a sampler call per token. The JSON (`--out`, rewritten
@@ -257,8 +259,14 @@ class Runner:
         self.suffix_estimator = TimedEstimator(TokenHead.load(args.suffix_head, "suffix", 0)) if args.suffix_head else None
         self.engines: dict[str, RoundEngine] = {}
         self.policies = {rule: make_rule(rule, args.max_draft, self.estimator_of(rule)) for rule in args.rules}
-        costs = None if curve is None else free_draft_costs(curve)
-        self.planners = {rule: policy.planner(costs) for rule, policy in self.policies.items()
+        self.costs = None if curve is None else free_draft_costs(curve)
+        self.forget()
+
+    def forget(self) -> None:
+        """Start every suffix tree and online planner cold: what the untimed warm-up decoded (the first prompt's
+        opening tokens) would otherwise be in them when that prompt is timed."""
+        self.engines = {key: engine for key, engine in self.engines.items() if not reads_suffix(key)}
+        self.planners = {rule: policy.planner(self.costs) for rule, policy in self.policies.items()
                          if policy is not None and isinstance(policy, (AcceptanceTable, EstimatorPlanned))}
 
     def estimator_of(self, rule: str) -> TimedEstimator | None:
@@ -431,6 +439,7 @@ def benchmark(args: LookupBenchmark) -> dict[str, Any]:
     runner.alone(first, 0, WARM_UP_TOKENS)
     for rule in args.rules:
         runner.run(rule, first, 0, WARM_UP_TOKENS)
+    runner.forget()
     print(f"{len(chosen)} prompts, {args.max_new_tokens} new tokens, T = {args.temperature}, one thread, "
           f"{packed} linear layers prepacked; resuming {sum(map(len, results['runs'].values()))} runs", flush=True)
     for index, (pid, _, _) in enumerate(chosen):

@@ -174,7 +174,11 @@ def test_suffix_rules_decode_in_engines_of_their_own_and_suffix_plan_reads_a_suf
         assert run["suffix_plan:0.043"]["head_calls"] > 0 and "head_calls" not in run["suffix_own:0.1"]
     runner = bench.Runner(args, bench.load_model(bench.ModelSpec(path=str(tiny_model))), set())
     assert runner.engine("suffix_own:0.1") is not runner.engine("suffix_plan:0.043")
-    assert runner.engine("suffix_own:0.1") is runner.engine("suffix_own:0.1")
+    suffix, ngram, planners = runner.engine("suffix_own:0.1"), runner.engine("constant_k:3"), dict(runner.planners)
+    assert suffix is runner.engine("suffix_own:0.1")
+    runner.forget()  # after the warm-up: suffix trees and online planners start cold, prompt lookup's engine is kept
+    assert runner.engine("suffix_own:0.1") is not suffix and runner.engine("constant_k:3") is ngram
+    assert planners and all(runner.planners[rule] is not planner for rule, planner in planners.items())
     with pytest.raises(UsageError, match="--suffix-head"):
         dataclasses.replace(args, suffix_head=None).check()
     with pytest.raises(UsageError, match="draft"):  # a head trained on prompt lookup's drafts is refused
