@@ -29,8 +29,7 @@ once at the start on this machine as the rules then run (`measure_verify_curve`:
 the first prompt, prepacked, the sizes timed in turn; kept in the JSON as `verify_curve`, reused on resume); t is
 the summary's counted price of a verified token (`PACKED_CPU_TOKEN_COST`), not tuned. Planners that learn online
 (vLLM's table) and SuffixDecoding's global trees keep their state from prompt to prompt within a process, as a
-server's do, starting cold after the untimed warm-up (L1–L4b's runs kept the warm-up's first 4 tokens of the first
-prompt); a resumed run starts them cold.
+server's do, starting cold after the untimed warm-up; a resumed run starts them cold.
 
 Every side pays its own work inside its seconds: the proposal's search (Python, per round), the planner, the head's
 forwards, the engine's bookkeeping; the target alone pays a sampler call per token. The JSON (`--out`, rewritten
