@@ -21,7 +21,8 @@ with OMP_NUM_THREADS=1). A rule is:
 - `lookup_gate:t`: speculate or not per round: the whole proposal (up to `--max-draft`) when vLLM's online table
   expects it to emit more tokens than its verify costs at t a verified token, else a plain target step.
 - `lookup_plan:t`: the cost-read planner fed the token-only head `--head` (`specheads.lookup.token_head.TokenHead`);
-  `suffix_plan:t` the same planner on SuffixDecoding's drafts, fed `--suffix-head`, a token head trained on them;
+  `suffix_plan:t` the same planner on SuffixDecoding's drafts read further (`free_replay.SUFFIX_PLAN_DRAFT`), fed
+  `--suffix-head`, a token head trained on suffix drafts;
   `lookup_plan_online:t` the same estimates shifted online by what the decode verifies (`specheads.decoding.free_rules`);
   its forwards run inside the timed decode (charged) and are also timed on their own.
 The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from the target's verify curve, measured
@@ -58,7 +59,7 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
-from specheads.decoding.free_replay import SUFFIX_PLAN, geometric_speedup, reads_suffix
+from specheads.decoding.free_replay import SUFFIX_PLAN, SUFFIX_PLAN_DRAFT, geometric_speedup, reads_suffix
 from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
@@ -277,8 +278,9 @@ class Runner:
         rule's output of the prompt it decodes."""
         key = rule if reads_suffix(rule) else "ngram"
         if key not in self.engines:
-            kind = "suffix" if reads_suffix(rule) else "ngram"
-            self.engines[key] = RoundEngine(self.target, LookupDraft(kind), self.transform, sorted(self.stops))
+            draft = LookupDraft("suffix", **(SUFFIX_PLAN_DRAFT if rule.startswith(f"{SUFFIX_PLAN}:") else {})) \
+                if reads_suffix(rule) else LookupDraft("ngram")
+            self.engines[key] = RoundEngine(self.target, draft, self.transform, sorted(self.stops))
         return self.engines[key]
 
     def alone(self, prompt: list[int], seed: int, tokens: int | None = None) -> dict[str, Any]:

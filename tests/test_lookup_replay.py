@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specheads.decoding import RoundEngine
 from specheads.decoding.costs import CostCurve
 from specheads.decoding.free_draft import LookupDraft
+from specheads.decoding.free_replay import SUFFIX_PLAN_DRAFT
 from specheads.lookup.planning import linear_cost
 from specheads.lookup.proposers import ngram_propose, suffix_available
 from specheads.model_outputs.sampling import SamplingTransform
@@ -105,7 +106,7 @@ def test_suffix_plan_replays_the_rounds_of_the_planner_on_suffix_drafts_with_a_s
     target calls and drafted tokens as the decoder's, a head of prompt lookup's drafts refused."""
     prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9], [9, 10, 11, 5, 6, 7, 3, 9, 10, 11]]
     head = random_token_head(tmp_path / "suffix-head", "suffix", seed=3)
-    engine = RoundEngine(target, LookupDraft("suffix"), SamplingTransform(0.0), stop_ids=[])
+    engine = RoundEngine(target, LookupDraft("suffix", **SUFFIX_PLAN_DRAFT), SamplingTransform(0.0), stop_ids=[])
     policy, planner = replay.make_rule("suffix_plan:0.043", 8, head)
     assert replay.reads_suffix("suffix_plan:0.043") and not replay.reads_suffix("lookup_plan:0.043")
     results = [engine.decode([prompt], policy, 24, [0], planner=planner)[0] for prompt in prompts]

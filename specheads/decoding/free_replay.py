@@ -38,12 +38,21 @@ SUFFIX_ORACLE = "suffix_oracle"
 SUFFIX_PLAN = "suffix_plan"
 """`lookup_plan` on SuffixDecoding's proposals, fed a token head trained on suffix drafts (`specheads gen
 --drafter.kind suffix`): the decoder takes the draft kind apart from the rule, the replay and the wall clock by name."""
+SUFFIX_PLAN_DRAFT = {"max_spec_factor": 4.0, "min_token_prob": 0.0}
+"""The suffix drafts `suffix_plan` cuts: SuffixDecoding's tree read further than its own rule reads it (factor 1,
+tokens of probability 0.1 and up), up to 4 × the match length and with no floor on probability, so that the head has
+more to choose from (chosen on the dev prompts' replay, against factor 2 with floor 0.01)."""
 
 
 def reads_suffix(rule: str) -> bool:
     """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_plan:t`, `suffix_oracle`) rather than
     prompt lookup's."""
     return rule == SUFFIX_ORACLE or rule.startswith(("suffix_own:", f"{SUFFIX_PLAN}:"))
+
+
+def suffix_drafts(rule: str) -> SuffixProposer:
+    """The suffix proposer `rule` reads (`SUFFIX_PLAN_DRAFT` for `suffix_plan`, SuffixDecoding's defaults otherwise)."""
+    return SuffixProposer(**SUFFIX_PLAN_DRAFT) if rule.startswith(f"{SUFFIX_PLAN}:") else SuffixProposer()
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
@@ -191,7 +200,7 @@ def replay_speedups(responses: Iterable[tuple[list[int], list[int]]], rules: lis
     SuffixDecoding's global tree keep their state from prompt to prompt, as a server's do), forwards priced by
     `forward_price(curve)`; `suffix_head` is the head `suffix_plan` reads."""
     made = {rule: make_rule(rule, max_draft, suffix_head if reads_suffix(rule) else head, curve) for rule in rules}
-    trees = {rule: SuffixProposer() for rule in rules if reads_suffix(rule)}
+    trees = {rule: suffix_drafts(rule) for rule in rules if reads_suffix(rule)}
     price = forward_price(curve)
     speedups: dict[str, list[float]] = {rule: [] for rule in rules}
     for request, (prompt, response) in enumerate(responses):
