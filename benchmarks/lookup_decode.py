@@ -59,9 +59,8 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
-from specheads.decoding.free_replay import SUFFIX_PLAN, SUFFIX_PLAN_DRAFT, geometric_speedup, reads_suffix
+from specheads.decoding.free_replay import SUFFIX_PLAN, geometric_speedup, head_rule, reads_suffix, suffix_settings
 from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
-from specheads.decoding.rules import RULES
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
@@ -207,9 +206,8 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
         return None
     if name == "lookup_gate":
         return SpeculateOrNot(threshold=threshold, max_draft=max_draft)
-    if name in HEAD_RULES or name == SUFFIX_PLAN:
-        return None if check_only else RULES["lookup_plan" if name == SUFFIX_PLAN else name](
-            threshold=threshold, max_draft=max_draft, estimator=estimator)
+    if head_rule(name) is not None:
+        return None if check_only else head_rule(name)(threshold=threshold, max_draft=max_draft, estimator=estimator)
     if name == "constant_k":
         return make_policy(name, threshold, max(int(threshold), 1))
     return make_policy(name, threshold, max_draft)
@@ -278,8 +276,7 @@ class Runner:
         rule's output of the prompt it decodes."""
         key = rule if reads_suffix(rule) else "ngram"
         if key not in self.engines:
-            draft = LookupDraft("suffix", **(SUFFIX_PLAN_DRAFT if rule.startswith(f"{SUFFIX_PLAN}:") else {})) \
-                if reads_suffix(rule) else LookupDraft("ngram")
+            draft = LookupDraft("suffix", **suffix_settings(rule)) if reads_suffix(rule) else LookupDraft("ngram")
             self.engines[key] = RoundEngine(self.target, draft, self.transform, sorted(self.stops))
         return self.engines[key]
 
@@ -310,7 +307,7 @@ class Runner:
             record = {"drafted": result.drafted, "accepted": result.accepted, "target_calls": result.target_calls,
                       "target_seconds": result.target_seconds}
         record.update(tokens=len(output), seconds=seconds, prefill_seconds=decoder[0], output=output)
-        if estimator is not None and rule.split(":")[0] in (*HEAD_RULES, SUFFIX_PLAN):
+        if estimator is not None and head_rule(rule.split(":")[0]) is not None:
             record["head_seconds"], record["head_calls"] = sum(estimator.seconds[heads:]), len(estimator.seconds) - heads
         return record
 

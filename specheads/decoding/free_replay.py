@@ -50,9 +50,16 @@ def reads_suffix(rule: str) -> bool:
     return rule == SUFFIX_ORACLE or rule.startswith(("suffix_own:", f"{SUFFIX_PLAN}:"))
 
 
-def suffix_drafts(rule: str) -> SuffixProposer:
-    """The suffix proposer `rule` reads (`SUFFIX_PLAN_DRAFT` for `suffix_plan`, SuffixDecoding's defaults otherwise)."""
-    return SuffixProposer(**SUFFIX_PLAN_DRAFT) if rule.startswith(f"{SUFFIX_PLAN}:") else SuffixProposer()
+def suffix_settings(rule: str) -> dict[str, float]:
+    """The suffix proposer's settings `rule` reads (`SUFFIX_PLAN_DRAFT` for `suffix_plan`; none, SuffixDecoding's
+    defaults, otherwise): `SuffixProposer` and `LookupDraft` take them alike."""
+    return dict(SUFFIX_PLAN_DRAFT) if rule.startswith(f"{SUFFIX_PLAN}:") else {}
+
+
+def head_rule(name: str) -> Any | None:
+    """The rule class of a rule named `name` that reads a token head (`suffix_plan` is `lookup_plan` on suffix
+    drafts), else None."""
+    return RULES["lookup_plan"] if name == SUFFIX_PLAN else RULES[name] if name in HEAD_RULES else None
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
@@ -66,12 +73,11 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
         threshold = float(value)
     except ValueError:
         raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
-    if name in HEAD_RULES or name == SUFFIX_PLAN:
+    if head_rule(name) is not None:
         if not head:
             raise UsageError(f"{name} reads a token head: give --{'suffix-' if name == SUFFIX_PLAN else ''}head DIR")
         kind = "suffix" if name == SUFFIX_PLAN else "lookup"
-        policy = RULES["lookup_plan" if name == SUFFIX_PLAN else name](
-            threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, kind))
+        policy = head_rule(name)(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, kind))
     else:
         policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
     costs = None if curve is None else free_draft_costs(curve)
@@ -200,7 +206,7 @@ def replay_speedups(responses: Iterable[tuple[list[int], list[int]]], rules: lis
     SuffixDecoding's global tree keep their state from prompt to prompt, as a server's do), forwards priced by
     `forward_price(curve)`; `suffix_head` is the head `suffix_plan` reads."""
     made = {rule: make_rule(rule, max_draft, suffix_head if reads_suffix(rule) else head, curve) for rule in rules}
-    trees = {rule: suffix_drafts(rule) for rule in rules if reads_suffix(rule)}
+    trees = {rule: SuffixProposer(**suffix_settings(rule)) for rule in rules if reads_suffix(rule)}
     price = forward_price(curve)
     speedups: dict[str, list[float]] = {rule: [] for rule in rules}
     for request, (prompt, response) in enumerate(responses):
