@@ -1,7 +1,7 @@
 """Build the long-form prompts of the prompt-lookup pair (issue 71): copy-heavy and not, from text on every machine that
 no one here wrote (Python's standard library source and docstrings), split into dev and confirm by source file.
 
-    python benchmarks/lookup_prompts.py --out benchmarks/prompts     # writes lookup-dev.jsonl and lookup-confirm.jsonl
+    python benchmarks/lookup_prompts.py --out benchmarks/prompts     # writes lookup-{dev,confirm,fresh}.jsonl
 
 Four families, one prompt of each per source file:
 - `code-edit`: a function from the file, to be given back rewritten (type hints, a renamed variable, a docstring):
@@ -12,8 +12,10 @@ Four families, one prompt of each per source file:
 - `open`: an open question about the module, with nothing to copy.
 
 The file a prompt came from decides its split (a stable hash of its path), so no function, docstring or module is in
-both; prompts sharing a long run of words (Jaccard over 8-word shingles above `--near`) are dropped before writing,
-and the check runs across the splits too. The committed JSONL files are the benchmark's prompts; this script records
+both; a third split, `fresh`, reads other files (`FRESH_SOURCES`), added once every confirm prompt had been decoded, so
+that a result can be checked again on prompts no earlier run or choice saw. Prompts sharing a long run of words
+(Jaccard over 8-word shingles above `--near`) are dropped before writing, and the check runs across the splits too.
+The committed JSONL files are the benchmark's prompts; this script records
 how they were made (the Python version whose standard library they read is in each record's `source`).
 """
 
@@ -34,6 +36,13 @@ SOURCES = (
     "tokenize.py", "configparser.py", "netrc.py", "sched.py", "graphlib.py", "contextlib.py", "dataclasses.py",
 )
 """Standard-library files present in every CPython from 3.10 on."""
+
+FRESH_SOURCES = (
+    "shutil.py", "tempfile.py", "locale.py", "operator.py", "functools.py", "enum.py", "copy.py", "weakref.py",
+    "queue.py", "threading.py", "http/cookies.py", "email/utils.py", "urllib/parse.py", "html/parser.py",
+    "optparse.py", "getopt.py", "codecs.py", "plistlib.py",
+)
+"""Other standard-library files (in every CPython from 3.10 on), all of them the `fresh` split's."""
 
 CONFIRM_SHARE = 0.5
 FUNCTION_LINES = (8, 40)
@@ -146,17 +155,18 @@ def drop_near_duplicates(records: list[dict], near: float) -> tuple[list[dict], 
 
 
 def build(stdlib: Path, near: float) -> dict[str, list[dict]]:
-    """Every source's prompts, near-duplicates dropped across both splits, with ids, by split."""
+    """Every source's prompts, near-duplicates dropped across the splits, with ids, by split."""
+    sources = [(relative, split_of(relative)) for relative in SOURCES] + [(r, "fresh") for r in FRESH_SOURCES]
     records = []
-    for relative in SOURCES:
+    for relative, split in sources:
         path = stdlib / relative
         if not path.is_file():
             raise SystemExit(f"error: {path} is not in this Python's standard library; run with CPython 3.10 or newer")
         for record in prompts_of(relative, path.read_text(encoding="utf-8")):
-            records.append({"split": split_of(relative), **record})
+            records.append({"split": split, **record})
     kept, dropped = drop_near_duplicates(records, near)
     print(f"{len(kept)} prompts, {dropped} near-duplicates dropped", file=sys.stderr)
-    splits: dict[str, list[dict]] = {"dev": [], "confirm": []}
+    splits: dict[str, list[dict]] = {"dev": [], "confirm": [], "fresh": []}
     for record in kept:
         split = record.pop("split")
         record = {"id": f"lookup-{split}-{len(splits[split]) + 1:02d}", **record}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from jsonargparse.typing import ClosedUnitInterval, OpenUnitInterval, PositiveInt
+from jsonargparse.typing import ClosedUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveInt
 
 from specheads.dataset.storage import FeaturesAt, FeaturesDtype
 from specheads.model_outputs.sampling import SamplingTransform
@@ -103,6 +103,9 @@ class DrafterOption:
             rounds); default: the drafter's own (EAGLE-3: the speculative tokens its config proposes; DSpark: its
             block's candidates, the most it may be). A free draft's most tokens per proposal (default 8).
         max_ngram, min_ngram: the n-grams prompt lookup matches, longest first (`lookup` only).
+        max_spec_factor, min_token_prob: how far SuffixDecoding reads its tree (at most `max_spec_factor` · the match
+            length tokens, none whose estimated probability is below `min_token_prob`; `suffix` only; default its
+            own, 1 and 0.1): label the drafts a rule will cut (`suffix_plan` reads factor 4, no floor).
         labels: a free draft's labels: `all` proposed tokens (one packed target forward reads the proposals), or only
             those a decode can reach, up to the first that departs from the response (no forward beyond the
             response's own; at T = 0 exactly the tokens a decode reaches).
@@ -113,7 +116,14 @@ class DrafterOption:
     depth: PositiveInt | None = None
     max_ngram: PositiveInt = 3
     min_ngram: PositiveInt = 1
+    max_spec_factor: NonNegativeFloat | None = None
+    min_token_prob: ClosedUnitInterval | None = None
     labels: Literal["all", "reached"] = "all"
+
+    def suffix_settings(self) -> dict[str, float]:
+        """The suffix tree's reading settings given on the command line (none: SuffixDecoding's defaults)."""
+        given = {"max_spec_factor": self.max_spec_factor, "min_token_prob": self.min_token_prob}
+        return {name: value for name, value in given.items() if value is not None}
 
 
 @dataclass
@@ -271,6 +281,9 @@ class GenConfig:
         if given:
             raise UsageError(f"{', '.join(given)} cannot go with --drafter.kind {option.kind} (a free draft reads its "
                              "proposals from the context and gen labels it in one process); drop them")
+        if option.kind != "suffix" and option.suffix_settings():
+            flags = ", ".join(f"--drafter.{name}" for name in option.suffix_settings())
+            raise UsageError(f"{flags} read a suffix tree; drop them or use --drafter.kind suffix")
         if option.min_ngram > option.max_ngram:
             raise UsageError(f"--drafter.min_ngram {option.min_ngram} is above --drafter.max_ngram {option.max_ngram}; "
                              "give min_ngram <= max_ngram")

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,8 @@ def request_proposer(config: GenConfig, prompt_length: int) -> Any:
         return ngram_proposer(prompt_length, option.depth or DEFAULT_DEPTH, option.max_ngram, option.min_ngram)
     from specheads.lookup.proposers import SuffixProposer
 
-    return suffix_proposer(SuffixProposer, prompt_length, option.depth or DEFAULT_DEPTH)
+    return suffix_proposer(partial(SuffixProposer, **option.suffix_settings()), prompt_length,
+                           option.depth or DEFAULT_DEPTH)
 
 
 DEFAULT_DEPTH = 8
@@ -269,6 +271,7 @@ def lookup_identity(config: GenConfig, target: Any, tokenizer: Any, prompts: lis
     draft = {"kind": option.kind, "depth": option.depth or DEFAULT_DEPTH}
     if option.kind == "lookup":
         draft |= {"max_ngram": option.max_ngram, "min_ngram": option.min_ngram}
+    draft |= option.suffix_settings()
     if option.labels != "all":
         draft["labels"] = option.labels
     return {

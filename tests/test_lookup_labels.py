@@ -173,11 +173,18 @@ def test_suffix_drafts_are_labelled(tiny_model, prompts_file, tmp_path):
     assert_greedy_consistent(rows)
     tokens = flat_tokens(rows, with_states=False)
     assert (tokens["features"][:, FEATURE_NAMES.index("score")] > 0).all()
+    further = tmp_path / "suffix-further"
+    assert main(lookup_args(tiny_model, prompts_file, further, "--temperature", "0", "--drafter.kind", "suffix",
+                            "--drafter.max_spec_factor", "4", "--drafter.min_token_prob", "0")) == 0
+    assert read_manifest(further)["identity"]["draft"] == {"kind": "suffix", "depth": 8, "max_spec_factor": 4.0,
+                                                           "min_token_prob": 0.0}
+    assert len(flat_tokens(load_lookup(further), with_states=False)["label"]) > len(tokens["label"])
 
 
 def test_refusals_of_a_free_draft(tiny_model, prompts_file, tmp_path, capsys):
     for extra, expected in ((("--drafter.path", "somewhere"), "--drafter.path cannot go with --drafter.kind lookup"),
-                            (("--drafter.min_ngram", "4"), "min_ngram 4 is above --drafter.max_ngram 3")):
+                            (("--drafter.min_ngram", "4"), "min_ngram 4 is above --drafter.max_ngram 3"),
+                            (("--drafter.max_spec_factor", "4"), "--drafter.max_spec_factor read a suffix tree")):
         assert main(lookup_args(tiny_model, prompts_file, tmp_path / "x", *extra)) == 2
         assert expected in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
