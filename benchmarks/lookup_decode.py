@@ -22,7 +22,7 @@ with OMP_NUM_THREADS=1). A rule is:
   expects it to emit more tokens than its verify costs at t a verified token, else a plain target step.
 - `lookup_plan:t`: the cost-read planner fed the token-only head `--head` (`specheads.lookup.token_head.TokenHead`);
   `suffix_plan:t` the same planner on SuffixDecoding's drafts read further (`free_replay.SUFFIX_PLAN_DRAFT`), fed
-  `--suffix-head`, a token head trained on suffix drafts;
+  `--suffix-head`, a token head trained on suffix drafts; `suffix_table:t` vLLM's table on those same drafts (free);
   `lookup_plan_online:t` the same estimates shifted online by what the decode verifies (`specheads.decoding.free_rules`);
   its forwards run inside the timed decode (charged) and are also timed on their own.
 The planners (`lookup_table`, `lookup_gate`, `lookup_plan`) price a verify from the target's verify curve, measured
@@ -59,7 +59,14 @@ from specheads.dataset.prompts import encode_prompt, load_prompts
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
-from specheads.decoding.free_replay import SUFFIX_PLAN, geometric_speedup, head_rule, reads_suffix, suffix_settings
+from specheads.decoding.free_replay import (
+    SUFFIX_PLAN,
+    decoder_rule,
+    geometric_speedup,
+    head_rule,
+    reads_suffix,
+    suffix_settings,
+)
 from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
@@ -76,7 +83,7 @@ from specheads.plumbing.files import write_json_atomic
 PROMPTS = str(Path(__file__).resolve().parent / "prompts" / "lookup-confirm.jsonl")
 VLLM_NGRAM_K = 5  # docs.vllm.ai, features/speculative_decoding/n_gram: "num_speculative_tokens": 5
 TRANSFORMERS_K = 10  # transformers' generation docs: prompt_lookup_num_tokens, "10 ... a good default"
-ADAPTIVE = ("suffix_own", "lookup_table", "lookup_gate", "lookup_match", "lookup_scores")
+ADAPTIVE = ("suffix_own", "suffix_table", "lookup_table", "lookup_gate", "lookup_match", "lookup_scores")
 """The adaptive free rules the head's rule is compared with (`strongest adaptive`)."""
 
 
@@ -210,7 +217,7 @@ def make_rule(rule: str, max_draft: int, estimator: Any, check_only: bool = Fals
         return None if check_only else head_rule(name)(threshold=threshold, max_draft=max_draft, estimator=estimator)
     if name == "constant_k":
         return make_policy(name, threshold, max(int(threshold), 1))
-    return make_policy(name, threshold, max_draft)
+    return make_policy(decoder_rule(name), threshold, max_draft)
 
 
 def prompt_families(prompt_file: str) -> dict[str, str]:

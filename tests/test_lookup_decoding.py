@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import specheads.decoding.sampler as sampler
 from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.free_draft import LookupCache, LookupDraft
+from specheads.decoding.free_replay import SUFFIX_PLAN_DRAFT
 from specheads.decoding.free_rules import (
     TABLE_HALF_LIFE,
     EstimatorPlanned,
@@ -60,7 +61,8 @@ class ReadsLaterTokens(StopPolicy):
 
 def sample(target, kind: str, rule, batch: int, runs: int = 800, first_seed: int = 0):
     """`runs` samples of LENGTH tokens under `rule`, decoded `batch` rows at a time (continuous batching)."""
-    engine = RoundEngine(target, LookupDraft(kind=kind), SamplingTransform(1.0), stop_ids=[])
+    draft = LookupDraft("suffix", **SUFFIX_PLAN_DRAFT) if kind == "suffix_further" else LookupDraft(kind=kind)
+    engine = RoundEngine(target, draft, SamplingTransform(1.0), stop_ids=[])
     results = engine.decode([PROMPT] * runs, rule, LENGTH, list(range(first_seed, first_seed + runs)), batch_size=batch)
     drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
     assert drafted > runs and 0 < accepted < drafted  # proposals were made, some accepted, some rejected
@@ -83,7 +85,8 @@ RULES = {"constant_k": lambda: make_policy("constant_k", 3), "reads_later": lamb
 CASES = [("ngram", 1, "constant_k"), ("ngram", 100, "reads_later"), ("ngram", 100, "lookup_table"),
          ("ngram", 100, "lookup_plan_online"),
          pytest.param("suffix", 100, "constant_k", marks=SUFFIX), pytest.param("suffix", 1, "reads_later", marks=SUFFIX),
-         pytest.param("suffix", 100, "lookup_plan_online", marks=SUFFIX)]  # suffix_plan: the planner on suffix drafts
+         pytest.param("suffix", 100, "lookup_plan_online", marks=SUFFIX),  # suffix_plan: the planner on suffix drafts
+         pytest.param("suffix_further", 100, "lookup_table", marks=SUFFIX)]  # suffix_table: read further, the table
 
 
 @pytest.mark.parametrize(("kind", "batch", "rule"), CASES)

@@ -101,22 +101,25 @@ def test_suffix_rules_replay_the_rounds_of_our_decoders_suffix_drafts(replay, ta
 
 
 @pytest.mark.skipif(not suffix_available(), reason="suffix drafts need arctic-inference (sh scripts/install.sh test)")
-def test_suffix_plan_replays_the_rounds_of_the_planner_on_suffix_drafts_with_a_suffix_head(replay, target, tmp_path):
-    """suffix_plan is the decoder's cost-read planner on SuffixDecoding's drafts fed a head trained on them: the same
-    target calls and drafted tokens as the decoder's, a head of prompt lookup's drafts refused."""
+@pytest.mark.parametrize("rule", ["suffix_plan:0.043", "suffix_table:0.043"])
+def test_the_rules_on_suffix_drafts_read_further_replay_the_decoders_rounds(replay, target, tmp_path, rule):
+    """suffix_plan is the decoder's cost-read planner on SuffixDecoding's drafts read further, fed a head trained on
+    suffix drafts, and suffix_table vLLM's table on the same drafts: the same target calls and drafted tokens as the
+    decoder's; a head of prompt lookup's drafts refused."""
     prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9], [9, 10, 11, 5, 6, 7, 3, 9, 10, 11]]
-    head = random_token_head(tmp_path / "suffix-head", "suffix", seed=3)
+    head = random_token_head(tmp_path / "suffix-head", "suffix", seed=3) if rule.startswith("suffix_plan") else None
     engine = RoundEngine(target, LookupDraft("suffix", **SUFFIX_PLAN_DRAFT), SamplingTransform(0.0), stop_ids=[])
-    policy, planner = replay.make_rule("suffix_plan:0.043", 8, head)
-    assert replay.reads_suffix("suffix_plan:0.043") and not replay.reads_suffix("lookup_plan:0.043")
+    policy, planner = replay.make_rule(rule, 8, head)
+    assert replay.reads_suffix(rule) and not replay.reads_suffix("lookup_plan:0.043")
     results = [engine.decode([prompt], policy, 24, [0], planner=planner)[0] for prompt in prompts]
     responses = [(prompt, list(result.tokens)) for prompt, result in zip(prompts, results)]
-    speedups = replay.replay_speedups(responses, ["suffix_plan:0.043"], None, 8, suffix_head=head)["suffix_plan:0.043"]
+    speedups = replay.replay_speedups(responses, [rule], None, 8, suffix_head=head)[rule]
     for speedup, (_, response), result in zip(speedups, responses, results):
         assert speedup == pytest.approx(len(response) / (result.target_calls + 0.043 * result.drafted))
     assert sum(result.drafted for result in results) > 0
-    with pytest.raises(UsageError, match="draft"):
-        replay.make_rule("suffix_plan:0.043", 8, random_token_head(tmp_path / "lookup-head", "lookup"))
+    if head is not None:
+        with pytest.raises(UsageError, match="draft"):
+            replay.make_rule(rule, 8, random_token_head(tmp_path / "lookup-head", "lookup"))
 
 
 def test_bad_rules_are_refused_in_one_line(replay):

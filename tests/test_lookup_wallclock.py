@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import load_benchmark, random_token_head
 
+from specheads.decoding.free_replay import SUFFIX_PLAN_DRAFT
 from specheads.decoding.verify_curve import VERIFY_TOKENS
 from specheads.lookup.proposers import suffix_available
 from specheads.plumbing.errors import UsageError
@@ -163,7 +164,7 @@ def test_suffix_rules_decode_in_engines_of_their_own_and_suffix_plan_reads_a_suf
     """suffix_plan: the planner fed a head trained on suffix drafts, its forwards timed; each suffix rule keeps its own
     global tree (one shared would hold the other rule's output of the prompt being decoded); refusals in one line."""
     suffix_head = random_token_head(tmp_path / "suffix-head", "suffix")
-    rules = ["suffix_own:0.1", "suffix_plan:0.043"]
+    rules = ["suffix_own:0.1", "suffix_plan:0.043", "suffix_table:0.043"]
     args = bench.LookupBenchmark(target=str(tiny_model), prompt_file=str(family_prompts), per_family=1,
                                  max_new_tokens=8, temperature=0.0, rules=rules, suffix_head=str(suffix_head),
                                  resamples=50, out=str(tmp_path / "results.json"))
@@ -174,6 +175,8 @@ def test_suffix_rules_decode_in_engines_of_their_own_and_suffix_plan_reads_a_suf
         assert run["suffix_plan:0.043"]["head_calls"] > 0 and "head_calls" not in run["suffix_own:0.1"]
     runner = bench.Runner(args, bench.load_model(bench.ModelSpec(path=str(tiny_model))), set())
     assert runner.engine("suffix_own:0.1") is not runner.engine("suffix_plan:0.043")
+    assert runner.engine("suffix_table:0.043").draft.max_spec_factor == SUFFIX_PLAN_DRAFT["max_spec_factor"]
+    assert isinstance(runner.policies["suffix_table:0.043"], bench.AcceptanceTable)
     suffix, ngram, planners = runner.engine("suffix_own:0.1"), runner.engine("constant_k:3"), dict(runner.planners)
     assert suffix is runner.engine("suffix_own:0.1")
     runner.forget()  # after the warm-up: suffix trees and online planners start cold, prompt lookup's engine is kept

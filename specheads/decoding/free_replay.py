@@ -4,7 +4,7 @@ forward: the counted cost a rule would pay.
 At T = 0 a point-mass draft is accepted exactly while it equals the target's greedy output, so the greedy response y of
 a prompt (the `target_ids` of lookup labels, `specheads gen --drafter.kind lookup --temperature 0`) decides every round
 of every exact decode of it: a round at output position s proposes from the prompt and y_<s (`ngram_propose`, the
-decoder's `LookupDraft`; SuffixDecoding's trees for `suffix_own:p`, `suffix_plan:t` and `suffix_oracle`, one
+decoder's `LookupDraft`; SuffixDecoding's trees for `suffix_own:p`, `suffix_plan:t`, `suffix_table:t` and `suffix_oracle`, one
 `SuffixProposer` kept across a rule's requests as the decoder keeps it), the rule chooses how many of the proposed
 tokens to verify (the rule objects and planners our decoder runs: `constant_k`, vLLM's online table, a token head's
 cost-read planner), the round accepts the longest prefix that y continues with and ends one token later. A round
@@ -36,8 +36,12 @@ ORACLE = "oracle"
 SUFFIX_ORACLE = "suffix_oracle"
 """The oracle on SuffixDecoding's proposals (as its own rule cuts them: the headroom any stop rule has over it)."""
 SUFFIX_PLAN = "suffix_plan"
-"""`lookup_plan` on SuffixDecoding's proposals, fed a token head trained on suffix drafts (`specheads gen
---drafter.kind suffix`): the decoder takes the draft kind apart from the rule, the replay and the wall clock by name."""
+"""`lookup_plan` on SuffixDecoding's proposals read further (`SUFFIX_PLAN_DRAFT`), fed a token head trained on suffix
+drafts (`specheads gen --drafter.kind suffix`): the decoder takes the draft kind apart from the rule, the replay and the
+wall clock by name."""
+SUFFIX_FURTHER = {SUFFIX_PLAN: "lookup_plan", "suffix_table": "lookup_table"}
+"""The rules on suffix drafts read further (`SUFFIX_PLAN_DRAFT`), each the decoder's rule it runs there: the head's
+planner and, free, vLLM's online table on the same drafts (what the head has to beat on them)."""
 SUFFIX_PLAN_DRAFT = {"max_spec_factor": 4.0, "min_token_prob": 0.0}
 """The suffix drafts `suffix_plan` cuts: SuffixDecoding's tree read further than its own rule reads it (factor 1,
 tokens of probability 0.1 and up), up to 4 × the match length and with no floor on probability, so that the head has
@@ -45,21 +49,25 @@ more to choose from (chosen on the dev prompts' replay, against factor 2 with fl
 
 
 def reads_suffix(rule: str) -> bool:
-    """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_plan:t`, `suffix_oracle`) rather than
-    prompt lookup's."""
-    return rule == SUFFIX_ORACLE or rule.startswith(("suffix_own:", f"{SUFFIX_PLAN}:"))
+    """Whether `rule` reads SuffixDecoding's proposals (`suffix_own:p`, `suffix_plan:t`, `suffix_table:t`,
+    `suffix_oracle`) rather than prompt lookup's."""
+    return rule == SUFFIX_ORACLE or rule.startswith(("suffix_own:", *(f"{name}:" for name in SUFFIX_FURTHER)))
 
 
 def suffix_settings(rule: str) -> dict[str, float]:
-    """The suffix proposer's settings `rule` reads (`SUFFIX_PLAN_DRAFT` for `suffix_plan`; none, SuffixDecoding's
-    defaults, otherwise): `SuffixProposer` and `LookupDraft` take them alike."""
-    return dict(SUFFIX_PLAN_DRAFT) if rule.startswith(f"{SUFFIX_PLAN}:") else {}
+    """The suffix proposer's settings `rule` reads (`SUFFIX_PLAN_DRAFT` for the `SUFFIX_FURTHER` rules; none,
+    SuffixDecoding's defaults, otherwise): `SuffixProposer` and `LookupDraft` take them alike."""
+    return dict(SUFFIX_PLAN_DRAFT) if rule.partition(":")[0] in SUFFIX_FURTHER else {}
+
+
+def decoder_rule(name: str) -> str:
+    """The decoder's rule a rule named `name` runs (`suffix_plan` is `lookup_plan` on suffix drafts read further)."""
+    return SUFFIX_FURTHER.get(name, name)
 
 
 def head_rule(name: str) -> Any | None:
-    """The rule class of a rule named `name` that reads a token head (`suffix_plan` is `lookup_plan` on suffix
-    drafts), else None."""
-    return RULES["lookup_plan"] if name == SUFFIX_PLAN else RULES[name] if name in HEAD_RULES else None
+    """The rule class of a rule named `name` that reads a token head, else None."""
+    return RULES[decoder_rule(name)] if decoder_rule(name) in HEAD_RULES else None
 
 
 def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | None = None) -> tuple[Any, Any]:
@@ -79,7 +87,7 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
         kind = "suffix" if name == SUFFIX_PLAN else "lookup"
         policy = head_rule(name)(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, kind))
     else:
-        policy = make_policy(name, threshold, int(threshold) if name == "constant_k" else max_draft)
+        policy = make_policy(decoder_rule(name), threshold, int(threshold) if name == "constant_k" else max_draft)
     costs = None if curve is None else free_draft_costs(curve)
     planner = policy.planner(costs) if hasattr(policy, "planner") else None
     return policy, planner if isinstance(planner, FreePlanner) else None
