@@ -4,6 +4,7 @@ module is built; a shipped head's name that a folder of the working directory ca
 path and names the Hub would not accept, answered for what they are (not as unreachable Hub ids)."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from specheads.export.card import render_card
 from specheads.heads import OnTimeAcceptanceHead, load_head
 from specheads.heads.base import AcceptanceHead
 from specheads.heads.loading import HEAD_FORMAT, HEAD_FORMAT_VERSION, STOP_RULE, DecisionRule, shipped_heads
+from specheads.lookup.proposers import Proposal
+from specheads.lookup.token_head import TokenHead
 from specheads.plumbing.errors import UsageError
 
 
@@ -116,3 +119,21 @@ def test_the_card_names_a_base_model_only_for_a_hub_id(tmp_path, monkeypatch):
     assert hub_id({"path": "embedded:smollm2"}) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     for path in ("~/llama", "org/na me", "models/llama", "/abs/llama", "./x/y", None):
         assert hub_id({"path": path}) is None, path
+
+
+@pytest.mark.parametrize(("name", "kind", "other"), [("smollm2-lookup", "lookup", "suffix"),
+                                                      ("smollm2-suffix", "suffix", "lookup")])
+def test_the_shipped_token_heads_load_for_their_draft_kind_only_and_rate_a_long_copy_above_a_weak_guess(name, kind,
+                                                                                                     other):
+    head = TokenHead.load(shipped_heads()[name], kind)
+    tokens = tuple(range(5, 13))
+    long_copy = Proposal(tokens=tokens, match_length=24, match_count=3, distance=40, scores=(1.0,) * 8,
+                         source="output", copy_length=24)
+    weak_guess = Proposal(tokens=tokens, match_length=1, match_count=1, distance=900, scores=(0.05,) * 8,
+                          source="prompt", copy_length=1)
+    sure, unsure = head.estimates(long_copy), head.estimates(weak_guess)
+    assert all(0.0 <= a <= 1.0 for a in sure + unsure)
+    # what each head learned: a long verbatim copy is accepted whole, a weak guess of 8 tokens much less often
+    assert math.prod(sure) > math.prod(unsure) + 0.4
+    with pytest.raises(UsageError, match=f"trained on '{kind}' drafts"):
+        TokenHead.load(shipped_heads()[name], other)
