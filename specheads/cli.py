@@ -8,6 +8,7 @@ import importlib
 import os
 import pickle
 import shlex
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from specheads import __version__
 from specheads.plumbing.config_files import with_configs_resolved
 from specheads.plumbing.errors import UsageError
-from specheads.plumbing.interrupts import Interrupted, raising, signals_raise
+from specheads.plumbing.interrupts import Interrupted, raising, received, signals_raise
 from specheads.plumbing.noise import third_party_quiet
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -130,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(interrupted_line(argv, signal_name), file=sys.stderr)
         return stop.exit_code if isinstance(stop, Interrupted) else 130
     except Exception as error:  # the last resort: one line instead of a traceback
+        if received() is not None and not debug:  # a stop that a library's C code turned into an error of its own
+            if nested:
+                raise Interrupted(received()) from error
+            print(interrupted_line(argv, signal.Signals(received()).name), file=sys.stderr)
+            return 128 + received()
         if debug:
             raise
         print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)

@@ -133,6 +133,27 @@ def test_ctrl_c_in_train_fit_exits_130_with_the_command_that_resumes_from_the_la
     assert_interrupted(code, err, signal.SIGINT, [*args, "--ckpt_path", "last"])
 
 
+def test_a_stop_that_a_library_turned_into_its_own_error_still_exits_by_the_signal(monkeypatch, capsys):
+    # pyarrow, reading a dataset's schema when Ctrl-C came, caught the handler's exception and raised ArrowInvalid
+    import specheads.eval.profile as profile
+
+    def stopped_inside_c_code(argv: list[str]) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except BaseException as caught:
+            raise RuntimeError("Schema at index 0 was different") from caught
+        return 0
+
+    monkeypatch.setattr(profile, "main", stopped_inside_c_code)
+    assert main(["profile", "--out", "costs.json"]) == 130
+    err = capsys.readouterr().err
+    assert "SIGINT" in err and "unexpected" not in err
+    monkeypatch.setattr(profile, "main", lambda argv: 1 / 0)  # a later failure in the same process is a failure
+    assert main(["profile", "--out", "costs.json"]) == 1
+    assert "unexpected ZeroDivisionError" in capsys.readouterr().err
+
+
 def test_a_command_another_runs_in_process_leaves_the_stop_to_it(monkeypatch, capsys):
     # the demo runs its stages through `main`: a stop must end the demo (its own line, its exit), not one stage
     import specheads.eval.profile as profile

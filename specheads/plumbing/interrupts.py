@@ -20,6 +20,13 @@ from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _depth = [0]  # how many `signals_raise` blocks this process is inside
+_received: list[int] = []  # the stop signals the outermost block's handler raised on
+
+
+def received() -> int | None:
+    """The stop signal this process's outermost `signals_raise` block raised `Interrupted` on, if any, even where a
+    library's C code caught that exception and raised an error of its own instead (pyarrow does, mid-read)."""
+    return _received[0] if _received else None
 
 
 def raising() -> bool:
@@ -52,6 +59,8 @@ def signals_raise() -> Iterator[None]:
     """For the block, SIGINT and SIGTERM raise `Interrupted` in this process's main thread; a second one ends the
     process at once, by the signal (the shell then reads the same code). Forked children (DataLoader workers) keep
     Python's own behaviour. The handlers found are put back after the block; off the main thread nothing changes."""
+    if _depth[0] == 0:
+        _received.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -65,6 +74,7 @@ def signals_raise() -> Iterator[None]:
             os.kill(os.getpid(), signum)
             return
         raised.append(signum)
+        _received.append(signum)
         raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
