@@ -60,14 +60,13 @@ from specheads.decoding import RoundEngine, make_policy
 from specheads.decoding.costs import CostCurve, ServingCosts
 from specheads.decoding.free_draft import LookupDraft
 from specheads.decoding.free_replay import (
-    SUFFIX_PLAN,
     decoder_rule,
     geometric_speedup,
     head_rule,
     reads_suffix,
     suffix_settings,
 )
-from specheads.decoding.free_rules import HEAD_RULES, AcceptanceTable, EstimatorPlanned, TablePlanner
+from specheads.decoding.free_rules import AcceptanceTable, EstimatorPlanned, TablePlanner
 from specheads.decoding.verify_curve import free_draft_costs, measure_verify_curve
 from specheads.eval.wall_clock import WARM_UP_TOKENS, split_rule, target_alone, timed_forwards
 from specheads.lookup.planning import PACKED_CPU_TOKEN_COST
@@ -83,8 +82,6 @@ from specheads.plumbing.files import write_json_atomic
 PROMPTS = str(Path(__file__).resolve().parent / "prompts" / "lookup-confirm.jsonl")
 VLLM_NGRAM_K = 5  # docs.vllm.ai, features/speculative_decoding/n_gram: "num_speculative_tokens": 5
 TRANSFORMERS_K = 10  # transformers' generation docs: prompt_lookup_num_tokens, "10 ... a good default"
-ADAPTIVE = ("suffix_own", "suffix_table", "lookup_table", "lookup_gate", "lookup_match", "lookup_scores")
-"""The adaptive free rules the head's rule is compared with (`strongest adaptive`)."""
 
 
 @dataclass
@@ -150,9 +147,10 @@ class LookupBenchmark:
             raise UsageError("--rules names a rule twice; give each once")
         for rule in self.rules:
             make_rule(rule, self.max_draft, None, check_only=True)
-        if any(rule.split(":")[0] in HEAD_RULES for rule in self.rules) != bool(self.head):
+        reading = [rule for rule in self.rules if head_rule(rule.split(":")[0]) is not None]
+        if any(not reads_suffix(rule) for rule in reading) != bool(self.head):
             raise UsageError("lookup_plan reads the token-only head --head: give both or neither")
-        if any(rule.split(":")[0] == SUFFIX_PLAN for rule in self.rules) != bool(self.suffix_head):
+        if any(reads_suffix(rule) for rule in reading) != bool(self.suffix_head):
             raise UsageError("suffix_plan reads the token-only head --suffix-head: give both or neither")
         if self.pool and (not self.report_only or Path(self.out).exists()):
             raise UsageError("--pool summarises earlier runs into a new --out with --report-only true; give both")

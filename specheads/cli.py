@@ -131,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         print(interrupted_line(argv, signal_name), file=sys.stderr)
         return stop.exit_code if isinstance(stop, Interrupted) else 130
     except Exception as error:  # the last resort: one line instead of a traceback
-        if received() is not None and not debug:  # a stop that a library's C code turned into an error of its own
+        stopped_by = received()
+        if stopped_by is not None and not debug:  # a stop that a library's C code turned into an error of its own
             if nested:
-                raise Interrupted(received()) from error
-            print(interrupted_line(argv, signal.Signals(received()).name), file=sys.stderr)
-            return 128 + received()
+                raise Interrupted(stopped_by) from error
+            print(interrupted_line(argv, signal.Signals(stopped_by).name), file=sys.stderr)
+            return 128 + stopped_by
         if debug:
             raise
         print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)

@@ -82,9 +82,9 @@ def make_rule(rule: str, max_draft: int, head: str | None, curve: CostCurve | No
     except ValueError:
         raise UsageError(f"--rule {rule!r} is not name:value (e.g. constant_k:8, lookup_table:0.043) or oracle") from None
     if head_rule(name) is not None:
+        kind = "suffix" if reads_suffix(rule) else "lookup"
         if not head:
-            raise UsageError(f"{name} reads a token head: give --{'suffix-' if name == SUFFIX_PLAN else ''}head DIR")
-        kind = "suffix" if name == SUFFIX_PLAN else "lookup"
+            raise UsageError(f"{name} reads a token head: give --{'suffix-' if kind == 'suffix' else ''}head DIR")
         policy = head_rule(name)(threshold=threshold, max_draft=max_draft, estimator=TokenHead.load(head, kind))
     else:
         policy = make_policy(decoder_rule(name), threshold, int(threshold) if name == "constant_k" else max_draft)
