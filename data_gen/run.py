@@ -56,6 +56,7 @@ from specheads.pair.models import (
     weights_identity,
 )
 from specheads.pair.placement import rank_devices
+from specheads.plumbing.batch_end_stops import StopAtBatchEnds
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder, write_json_atomic, write_text_atomic
 from specheads.plumbing.lock import folder_lock, lock_files
@@ -469,7 +470,7 @@ def label(config: GenConfig, pair: ModelPair, tokenizer: Any, shards: list[Shard
                          fingerprint, config.features_dtype,
                          int(pair.target.config.hidden_size) if config.target_states else None, config.sibling_labels,
                          drafter_columns(drafter) if drafter else None)
-    trainer.callbacks.append(writer)
+    trainer.callbacks += [writer, StopAtBatchEnds()]  # a stop once the batch is written
     with threads_kept():  # the module sets this rank's labelling threads (config.threads) once Lightning has launched
         trainer.predict(module, return_predictions=False)
     return summary.get("done")  # None on ranks other than 0

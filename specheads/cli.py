@@ -93,6 +93,15 @@ def interrupted_line(argv: list[str], signal_name: str) -> str:
             f"with: {resume_command(argv)}")
 
 
+def stopped(argv: list[str], signum: int, nested: bool = False, cause: BaseException | None = None) -> int:
+    """Report a run stopped by `signum`: its line and exit code (128 + signum), or `Interrupted` for the command
+    that runs this one (`nested`) to report."""
+    if nested:
+        raise Interrupted(signum) from cause
+    print(interrupted_line(argv, signal.Signals(signum).name), file=sys.stderr)
+    return 128 + signum
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `specheads SUBCOMMAND ...`; returns the process exit code.
 
@@ -127,16 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     except (Interrupted, KeyboardInterrupt) as stop:
         if debug or nested:
             raise
-        signal_name = stop.name if isinstance(stop, Interrupted) else "SIGINT"
-        print(interrupted_line(argv, signal_name), file=sys.stderr)
-        return stop.exit_code if isinstance(stop, Interrupted) else 130
+        return stopped(argv, stop.signum if isinstance(stop, Interrupted) else signal.SIGINT)
+    except SystemExit:  # Lightning's own exit on a SIGTERM it saw too (`SIGTERMException`: code None, success)
+        if received() is None or debug:
+            raise
+        return stopped(argv, received(), nested)
     except Exception as error:  # the last resort: one line instead of a traceback
         stopped_by = received()
         if stopped_by is not None and not debug:  # a stop that a library's C code turned into an error of its own
-            if nested:
-                raise Interrupted(stopped_by) from error
-            print(interrupted_line(argv, signal.Signals(stopped_by).name), file=sys.stderr)
-            return 128 + stopped_by
+            return stopped(argv, stopped_by, nested, error)
         if debug:
             raise
         print(f"specheads {name}: error: {failure_line(error)}", file=sys.stderr)

@@ -170,3 +170,31 @@ def test_a_command_another_runs_in_process_leaves_the_stop_to_it(monkeypatch, ca
     assert capsys.readouterr().err == ""
     assert main(["profile", "--out", "costs.json"]) == 130
     assert capsys.readouterr().err.strip().endswith("resume with: specheads profile --out costs.json")
+
+
+def test_a_stop_during_a_trainer_run_waits_for_the_batch_end_and_the_loggers_close(labelled, tmp_path, monkeypatch,
+                                                                                     capsys):
+    # raised inside the TensorBoard writer's queue, the stop once left its thread waiting forever: the exit hung
+    import threading
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logged_through, log_metrics = [], TensorBoardLogger.log_metrics
+
+    def stopped_while_logging(self, *args, **kwargs):
+        if not logged_through:
+            os.kill(os.getpid(), signal.SIGTERM)
+        log_metrics(self, *args, **kwargs)
+        logged_through.append(True)
+
+    monkeypatch.setattr(TensorBoardLogger, "log_metrics", stopped_while_logging)
+    configs = Path(__file__).parents[1] / "configs" / "train"
+    args = ["train", "fit", "--config", str(configs / "specdecpp.yaml"), "--data.path", str(labelled),
+            "--data.val_fraction", "0.3", "--data.batch_size", "4", "--trainer.default_root_dir", str(tmp_path / "fit"),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "100000",
+            "--trainer.log_every_n_steps", "1"]
+    assert main(args) == 128 + signal.SIGTERM
+    assert_interrupted(128 + signal.SIGTERM, capsys.readouterr().err, signal.SIGTERM, [*args, "--ckpt_path", "last"])
+    assert logged_through, "the stop must wait for the end of the batch, not break into the logger's write"
+    writers = [thread for thread in threading.enumerate() if type(thread).__name__ == "_AsyncWriterThread"]
+    assert not writers, "the TensorBoard writer's thread must have been joined"

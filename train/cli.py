@@ -13,7 +13,6 @@ from __future__ import annotations
 import pickle
 import shutil
 import signal
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +27,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from specheads.artifacts.checkpoint import read_checkpoint
 from specheads.dataset.datamodule import AcceptanceDataModule
+from specheads.plumbing.batch_end_stops import StopAtBatchEnds
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder
+from specheads.plumbing.interrupts import Interrupted
 from specheads.plumbing.private_apis import HistoryWriter
 from specheads.train.module import AcceptanceModule
 
@@ -126,6 +127,7 @@ class TrainCLI(LightningCLI):
         # Lightning 2.6 writes `save_last` only when the monitored metric improved: keep the newest state ourselves
         trainer.callbacks.append(ModelCheckpoint(dirpath=config.checkpoint.dirpath, filename="last", monitor=None,
                                                  save_top_k=1, enable_version_counter=False))
+        trainer.callbacks.append(StopAtBatchEnds())
         if config.trainer.logger in (None, True):
             root = config.trainer.default_root_dir
             resumed = config.get("ckpt_path") is not None
@@ -150,9 +152,6 @@ def build_cli(argv: list[str], callbacks: Sequence[Callback] = (), run_folder: R
         return TrainCLI(*classes, args=argv, trainer_defaults=defaults, parser_kwargs=PARSER_KWARGS,
                         save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False,
                         run_folder=run_folder)
-
-
-SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 def resume_argv(argv: list[str]) -> list[str]:
@@ -197,9 +196,7 @@ def main(argv: list[str]) -> int:
         run_folder.undo()
         raise
     except SIGTERMException:  # Lightning stops the loop this way; as a bare SystemExit it would read as success
-        print("specheads train: error: stopped by SIGTERM before the run finished; resume it with the same command "
-              "and --ckpt_path last", file=sys.stderr)
-        return SIGTERM_EXIT
+        raise Interrupted(signal.SIGTERM) from None
     except SystemExit as done:  # --help, --print_config and argument errors end the parser this way
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     return 0

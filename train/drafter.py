@@ -45,6 +45,7 @@ from specheads.pair.drafters import (
     vocab_maps,
 )
 from specheads.pair.models import ModelSpec, load_model, load_tokenizer, resolve_source, weights_identity
+from specheads.plumbing.batch_end_stops import StopAtBatchEnds
 from specheads.plumbing.dataclass_cli import parse_dataclass
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder, write_json_atomic
@@ -619,7 +620,7 @@ def fit(config: DrafterConfig, module: SpeculatorsModule, train: list[Any], val:
         check_val_every_n_epoch=None, default_root_dir=str(out / "train"), enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0,
         logger=L.pytorch.loggers.CSVLogger(str(out / "train"), name="", version=""),
-        callbacks=[ProgressLine(say),
+        callbacks=[ProgressLine(say), StopAtBatchEnds(),
                    L.pytorch.callbacks.ModelCheckpoint(dirpath=str(last.parent), filename="last", monitor=None, save_top_k=1,
                                                        every_n_train_steps=config.checkpoint_every,
                                                        enable_version_counter=False)])

@@ -16,6 +16,7 @@ import torch
 
 from specheads.heads.lookup import TokenHeadModel
 from specheads.lookup.token_head import CONFIG, TokenHead
+from specheads.plumbing.batch_end_stops import StopAtBatchEnds
 from specheads.plumbing.noise import third_party_quiet
 from specheads.train.lookup import LookupHeadModule
 from specheads.train.lookup_logs import LogDataModule
@@ -71,6 +72,7 @@ def refit(logs: list[str], folder: Path, recipe: Recipe, start: str | None = Non
     with third_party_quiet():
         trainer = L.Trainer(max_epochs=recipe.max_epochs, accelerator="cpu", devices=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(folder.parent))
+                            limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(folder.parent),
+                            callbacks=[StopAtBatchEnds()])
         trainer.fit(module, datamodule=ServedLogs(list(logs), "skip", batch_size=recipe.batch_size))
     return folder

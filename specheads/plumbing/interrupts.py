@@ -2,11 +2,13 @@
 that every command stops the same way: its `finally` blocks and Lightning's teardown run, and `specheads.cli.main`
 exits 130 or 143 with one line saying how to resume.
 
-Lightning 2.6 keeps a SIGTERM handler of its own while a Trainer runs: it records the signal (and forwards it to the
-ranks it launched) and, after a training batch, raises `SIGTERMException`, a `SystemExit` that would read as success
-(exit 0). It calls the handler it found installed after its own, so ours still raises at once, in the fit, in
-`predict` (which never looks at the record) and outside any Trainer alike. On Ctrl-C Lightning catches
-`KeyboardInterrupt` and exits 1; `Interrupted` is not one, so it passes through Lightning's teardown unchanged.
+Outside a Lightning Trainer the handler raises at once. While a Trainer runs (the callback
+`specheads.plumbing.batch_end_stops.StopAtBatchEnds`) a stop is recorded and raised at the end of the batch
+(`defer_stops`, `raise_pending`): an exception raised between any two bytecodes can leave a thread's lock or
+condition half-updated (the TensorBoard writer's queue, whose thread's join then never returns), and a batch's end is
+where no library holds one. Lightning 2.6 also records a SIGTERM itself and may raise `SIGTERMException` first, a
+`SystemExit` that would read as success: `specheads.cli.main` reports it as the stop it is. On Ctrl-C Lightning
+catches `KeyboardInterrupt` and exits 1; `Interrupted` is not one, so it passes through Lightning's teardown unchanged.
 """
 
 from __future__ import annotations
@@ -20,13 +22,27 @@ from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _depth = [0]  # how many `signals_raise` blocks this process is inside
-_received: list[int] = []  # the stop signals the outermost block's handler raised on
+_received: list[int] = []  # the stop signals the outermost block's handler took
+_deferring = [0]  # how many Trainer runs in progress take a stop at a batch's end (`defer_stops`)
+_pending: list[int] = []  # a stop taken while deferring and not raised yet
 
 
 def received() -> int | None:
     """The stop signal this process's outermost `signals_raise` block raised `Interrupted` on, if any, even where a
     library's C code caught that exception and raised an error of its own instead (pyarrow does, mid-read)."""
     return _received[0] if _received else None
+
+
+def defer_stops(on: bool) -> None:
+    """From now (`on`) until the matching call with `on=False`, a stop signal is recorded, not raised: the next
+    `raise_pending` raises it, or the outermost `signals_raise` block when it ends."""
+    _deferring[0] = max(0, _deferring[0] + (1 if on else -1))
+
+
+def raise_pending() -> None:
+    """Raise `Interrupted` for the stop recorded while deferring, if one was; call it where no lock is held."""
+    if _pending:
+        raise Interrupted(_pending.pop())
 
 
 def raising() -> bool:
@@ -61,6 +77,8 @@ def signals_raise() -> Iterator[None]:
     Python's own behaviour. The handlers found are put back after the block; off the main thread nothing changes."""
     if _depth[0] == 0:
         _received.clear()
+        _pending.clear()
+        _deferring[0] = 0
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -75,12 +93,16 @@ def signals_raise() -> Iterator[None]:
             return
         raised.append(signum)
         _received.append(signum)
+        if _deferring[0]:
+            _pending.append(signum)
+            return
         raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
     _depth[0] += 1
     try:
         yield
+        raise_pending()  # a stop that came during a Trainer's last batch
     finally:
         _depth[0] -= 1
         for signum, before in previous.items():
