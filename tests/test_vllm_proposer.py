@@ -258,6 +258,7 @@ def test_vllm_serves_the_proposer_token_identical_to_no_speculation(tiny_model, 
     assert result["identical"] == [True] * result["prompts"]
     assert result["ngram_equal"]  # our proposer without a head drafts what vLLM's NgramProposer drafts
     assert result["drafted"] > 0 and 0 < result["accepted"] <= result["drafted"]
+    assert result["suffix_identical"] == [True] * result["prompts"] and result["suffix_drafted"] > 0
 
 
 def test_a_new_request_is_not_taken_for_a_finished_one_whose_tokens_it_repeats(tmp_path):

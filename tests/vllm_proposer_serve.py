@@ -81,8 +81,17 @@ def serve(model: Path, head: Path, log: Path) -> dict:
     metrics = [o.outputs[0].spec_decode_metrics for o in served]
     drafted = sum(sum(m.per_step_drafted) for m in metrics if m is not None)
     accepted = sum(sum(m.per_step_accepted) for m in metrics if m is not None)
+    del llm
+    # SuffixDecoding's trees (arctic-inference) read further, as our decoder's suffix_plan reads them, uncut
+    suffix = {**spec, "suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0}
+    llm = LLM(**common, speculative_config=suffix, disable_log_stats=False, per_request_spec_decode_metrics="detailed",
+              additional_config={"specheads": {"draft": "suffix", "log": str(log.with_name("suffix.jsonl"))}})
+    served = llm.generate(prompts, greedy, use_tqdm=False)
+    outputs["ours_suffix"] = [list(o.outputs[0].token_ids) for o in served]
+    suffix_drafted = sum(sum(o.outputs[0].spec_decode_metrics.per_step_drafted) for o in served)
     return {"prompts": len(prompts), "identical": [a == b for a, b in zip(outputs["plain"], outputs["ours"])],
-            "drafted": drafted, "accepted": accepted}
+            "drafted": drafted, "accepted": accepted, "suffix_drafted": suffix_drafted,
+            "suffix_identical": [a == b for a, b in zip(outputs["plain"], outputs["ours_suffix"])]}
 
 
 if __name__ == "__main__":
