@@ -198,3 +198,20 @@ def test_a_stop_during_a_trainer_run_waits_for_the_batch_end_and_the_loggers_clo
     assert logged_through, "the stop must wait for the end of the batch, not break into the logger's write"
     writers = [thread for thread in threading.enumerate() if type(thread).__name__ == "_AsyncWriterThread"]
     assert not writers, "the TensorBoard writer's thread must have been joined"
+
+
+def test_lightnings_own_sigterm_exit_is_reported_as_the_stop(monkeypatch, capsys):
+    # Lightning raises SIGTERMException, a SystemExit with no code (success), after a SIGTERM it recorded too
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    import specheads.eval.profile as profile
+    from specheads.plumbing.interrupts import defer_stops
+
+    def stopped_by_lightning(argv: list[str]) -> int:
+        defer_stops(True)  # inside a Trainer: the handler records the stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise SIGTERMException
+
+    monkeypatch.setattr(profile, "main", stopped_by_lightning)
+    assert main(["profile", "--out", "costs.json"]) == 128 + signal.SIGTERM
+    assert_interrupted(128 + signal.SIGTERM, capsys.readouterr().err, signal.SIGTERM, ["profile", "--out", "costs.json"])

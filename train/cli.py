@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import signal
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +29,6 @@ from specheads.dataset.datamodule import AcceptanceDataModule
 from specheads.plumbing.batch_end_stops import StopAtBatchEnds
 from specheads.plumbing.errors import UsageError
 from specheads.plumbing.files import check_output_folder
-from specheads.plumbing.interrupts import Interrupted
 from specheads.plumbing.private_apis import HistoryWriter
 from specheads.train.module import AcceptanceModule
 
@@ -195,8 +193,8 @@ def main(argv: list[str]) -> int:
     except (UsageError, pickle.UnpicklingError):  # refused: the input, or a checkpoint that pickles code
         run_folder.undo()
         raise
-    except SIGTERMException:  # Lightning stops the loop this way; as a bare SystemExit it would read as success
-        raise Interrupted(signal.SIGTERM) from None
+    except SIGTERMException:  # Lightning's stop, a SystemExit: not the parser's exit below; specheads.cli reports it
+        raise
     except SystemExit as done:  # --help, --print_config and argument errors end the parser this way
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     return 0

@@ -59,16 +59,6 @@ class Interrupted(BaseException):
         self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
-    @property
-    def name(self) -> str:
-        """The signal's name, `SIGINT` or `SIGTERM`."""
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        """The shell's code for a process ended by the signal: 128 + its number (130, 143)."""
-        return 128 + self.signum
-
 
 @contextmanager
 def signals_raise() -> Iterator[None]:
